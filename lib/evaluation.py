@@ -1,0 +1,76 @@
+"""Scoring a model on held-out problems: the loop the trainer's periodic evaluation and eval_agrpo.py share.
+
+Generation goes through a rollout backend (greedy or sampled), answers are checked with the same function the
+training reward uses (`lib.rewards.answers_match` through `extract_answer`), so a number in the training log and a
+number from the evaluator mean the same thing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lib.data import tokenize_prompts
+from lib.rewards import answers_match, extract_answer, format_reward
+
+
+@torch.no_grad()
+def generate_and_score(
+    backend,
+    tokenizer,
+    records: list[dict],
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    max_prompt_length: int,
+    batch_size: int = 64,
+    num_samples: int = 1,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    device: torch.device | str = "cpu",
+) -> list[dict]:
+    """Complete every prompt `num_samples` times (greedy when temperature is 0) and score each completion.
+
+    Returns one dict per record, in the order given: {"completions": [str], "answers": [str | None],
+    "correct": [bool], "lengths": [int], "truncated": [bool], "formatted": [bool]}.
+    Prompts are batched in order of length, so a batch wastes little on padding.
+    """
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[dict | None] = [None] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        index = order[start : start + batch_size]
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [prompts[i] for i in index], max_prompt_length, device)
+        rollout = backend.generate(prompt_ids, prompt_mask, num_generations=num_samples, max_new_tokens=max_new_tokens,
+                                   temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
+                                   greedy=temperature <= 0)
+        texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        lengths = rollout.completion_mask.sum(-1).tolist()
+        truncated = rollout.is_truncated.tolist()
+        formatted = format_reward([], texts)
+        for k, i in enumerate(index):
+            rows = range(k * num_samples, (k + 1) * num_samples)
+            answers = [extract_answer(texts[r]) for r in rows]
+            gold = records[i]["answer"]
+            results[i] = {
+                "completions": [texts[r] for r in rows],
+                "answers": answers,
+                "correct": [answers_match(a, gold) for a in answers],
+                "lengths": [int(lengths[r]) for r in rows],
+                "truncated": [bool(truncated[r]) for r in rows],
+                "formatted": [formatted[r] > 0 for r in rows],
+            }
+    return results
+
+
+def summarize(results: list[dict]) -> dict[str, float]:
+    """Accuracy (mean over samples and problems), mean completion length, truncated and formatted shares."""
+    flat = [(c, n, t, f) for r in results for c, n, t, f in zip(r["correct"], r["lengths"], r["truncated"],
+                                                                   r["formatted"])]
+    count = max(len(flat), 1)
+    return {
+        "accuracy": sum(c for c, _, _, _ in flat) / count,
+        "mean_length": sum(n for _, n, _, _ in flat) / count,
+        "truncated_ratio": sum(t for _, _, t, _ in flat) / count,
+        "format": sum(f for _, _, _, f in flat) / count,
+        "num_problems": float(len(results)),
+    }

