@@ -51,6 +51,7 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 from transformers import get_scheduler
+from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
 from lib.config import ConfigError, parse_config, save_yaml, to_dict, validate
@@ -65,6 +66,13 @@ from lib.rollout import HFRollout
 
 def load_data(cfg):
     """(train records, eval records). Errors in the data surface here, before any model is loaded."""
+    try:
+        return _load_data(cfg)
+    except (ValueError, FileNotFoundError) as error:  # the loaders name the file, row and field
+        raise ConfigError(str(error)) from error
+
+
+def _load_data(cfg):
     if cfg.dataset_id_or_path is None:
         return builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train, num_eval=cfg.num_eval_samples)
     columns = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column)
@@ -144,6 +152,7 @@ def prompts_for_step(position: int, count: int, num_records: int, seed: int) -> 
 def main(argv: list[str] | None = None) -> dict:
     # ---------------------------------------------------------------------------------------- set-up (fails fast)
     cfg = parse_config(argv)
+    hf_logging.disable_progress_bar()  # per-file loading bars would drown the one training bar
     bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16("cuda" if torch.cuda.is_available() else "cpu")
     accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no",
                               log_with=None if cfg.report_to == "none" else cfg.report_to,
@@ -151,7 +160,10 @@ def main(argv: list[str] | None = None) -> dict:
     validate(cfg, accelerator.num_processes)
     main_process, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     device = accelerator.device
-    reward_funcs = resolve_reward_funcs(cfg.reward_funcs)
+    try:
+        reward_funcs = resolve_reward_funcs(cfg.reward_funcs)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
     reward_names = [name for name, _ in reward_funcs]
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
     train_records, eval_records = load_data(cfg)
@@ -174,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
     # reference model: none when beta is 0; with LoRA the base with the adapter disabled, not a second copy
     reference = None
     if cfg.beta > 0 and not lora:
-        reference = CompletionScorer(load_reference(model_path, torch.bfloat16 if bf16 else torch.float32, device))
+        # same dtype as the policy, so that under the same autocast the KL is exactly 0 before the first update
+        reference = CompletionScorer(load_reference(model_path, next(policy.parameters()).dtype, device))
     eos_ids = [tokenizer.eos_token_id] + ([policy.generation_config.eos_token_id]
                                           if isinstance(getattr(policy.generation_config, "eos_token_id", None), int)
                                           else list(getattr(policy.generation_config, "eos_token_id", None) or []))
@@ -184,8 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
     # the scheduler is stepped by us once per optimizer step (Accelerate's wrapper would step it once per process)
-    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(cfg.warmup_ratio * cfg.max_steps),
-                              num_training_steps=cfg.max_steps)
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_training_steps=cfg.max_steps,
+                              num_warmup_steps=math.ceil(cfg.warmup_ratio * cfg.max_steps))
     scorer = accelerator.prepare(CompletionScorer(policy))
 
     state = {"global_step": 0, "data_position": 0, "num_tokens": 0, "controller_state": {}}
@@ -198,7 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
             ckpt.set_rng_state(rng)
             rollout.load_state_dict(rng["rollout"])
     if cfg.report_to != "none":
-        accelerator.init_trackers("agrpo", config=to_dict(cfg), init_kwargs={
+        # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists and None)
+        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in to_dict(cfg).items()}
+        accelerator.init_trackers("agrpo", config=hparams, init_kwargs={
             "wandb": {"name": cfg.run_name or out.name}} if cfg.report_to == "wandb" else {})
 
     def prompt_text(record: dict) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from lib.data import looks_local
 from lib.losses import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES, SCALE_REWARDS
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
@@ -75,22 +77,23 @@ class Config:
     num_generations: int = field(default=8, metadata={"help": "Completions per prompt (the group size G)."})
     max_prompt_length: int = field(default=256, metadata={"help": "Prompts longer than this (tokens) are "
                                    "truncated from the left."})
-    max_completion_length: int = field(default=256, metadata={"help": "Maximum new tokens per completion."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; training log-probs use the "
-                               "same temperature."})
+    max_completion_length: int = field(default=64, metadata={"help": "Maximum new tokens per completion."})
+    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature; training log-probs use the "
+                               "same temperature. (TRL's default is 1.0; at 1.0 the 135M demo model is right on 5% "
+                               "of samples against 29% greedy, too few groups carry a signal.)"})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling (0 = off)."})
     # ---- optimisation --------------------------------------------------------------------------------------------
-    learning_rate: float = field(default=1e-6, metadata={"help": "Peak learning rate (AdamW)."})
-    lr_scheduler_type: str = field(default="linear", metadata={"help": "constant | constant_with_warmup | linear | "
+    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate (AdamW)."})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "constant | constant_with_warmup | linear | "
                                    "cosine (transformers schedulers)."})
     warmup_ratio: float = field(default=0.0, metadata={"help": "Share of max_steps spent warming up."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 = off)."})
-    max_steps: int = field(default=500, metadata={"help": "Optimizer steps."})
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "Completions per process per "
+    max_steps: int = field(default=50, metadata={"help": "Optimizer steps."})
+    per_device_train_batch_size: int = field(default=16, metadata={"help": "Completions per process per "
                                              "micro-batch (TRL semantics)."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step. The "
                                              "global batch, per_device_train_batch_size x processes x this, must "
@@ -112,8 +115,11 @@ class Config:
     importance_sampling_level: str = field(default="token", metadata={"help": "token (GRPO) | sequence (GSPO)."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Exclude completions that hit "
                                              "max_completion_length from the loss (DAPO overlong filtering)."})
-    reward_funcs: list[str] = field(default_factory=lambda: ["accuracy", "format"], metadata={
-                                    "help": "Built-in names (accuracy, format, think_format) or module:function."})
+    reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"], metadata={
+                                    "help": "Built-in names (accuracy, format, think_format) or module:function. "
+                                    "The demo rewards accuracy only: with group-normalised advantages a format "
+                                    "reward is the whole signal of every all-wrong group, and the 135M model "
+                                    "learned to answer 'Answer: N' without working within 6 steps."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function "
                                                "(default: all 1)."})
     reward_error_value: float | None = field(default=0.0, metadata={"help": "Score for a completion on which a "
@@ -259,8 +265,9 @@ def make_config(values: dict) -> Config:
     return cfg
 
 
-def validate(cfg: Config, num_processes: int = 1) -> None:
-    """Every invariant a run relies on, checked before any model is loaded. Raises ConfigError."""
+def validate(cfg: Config, num_processes: int | None = None) -> None:
+    """Every invariant a run relies on, checked before any model is loaded. Raises ConfigError.
+    The global batch is checked once the number of processes is known (the trainer passes it)."""
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name}: '{getattr(cfg, name)}' is not one of {', '.join(allowed)}")
@@ -276,8 +283,8 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
             raise ConfigError(f"{name} must be at least 1 or null, got {value}")
     if cfg.num_generations < 2:
         raise ConfigError("num_generations must be at least 2: group-relative advantages need two completions")
-    global_batch = cfg.per_device_train_batch_size * num_processes * cfg.gradient_accumulation_steps
-    if global_batch % cfg.num_generations:
+    global_batch = cfg.per_device_train_batch_size * (num_processes or 1) * cfg.gradient_accumulation_steps
+    if num_processes is not None and global_batch % cfg.num_generations:
         raise ConfigError(
             f"the global batch (per_device_train_batch_size {cfg.per_device_train_batch_size} x {num_processes} "
             f"process(es) x gradient_accumulation_steps {cfg.gradient_accumulation_steps} = {global_batch} "
@@ -299,6 +306,9 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
         raise ConfigError("epsilon and epsilon_high must be >= 0")
     if cfg.load_in_4bit and not cfg.use_peft:
         raise ConfigError("load_in_4bit trains a LoRA adapter on a 4-bit base: set use_peft true as well")
+    if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
+        raise ConfigError(f"report_to: '{cfg.report_to}' needs its package: pip install {cfg.report_to} "
+                          f"(or --report_to none)")
     if not cfg.reward_funcs:
         raise ConfigError("reward_funcs is empty: give at least one (e.g. accuracy)")
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
@@ -309,21 +319,15 @@ def validate(cfg: Config, num_processes: int = 1) -> None:
     local_like = [("dataset_id_or_path", cfg.dataset_id_or_path),
                   ("eval_dataset_id_or_path", cfg.eval_dataset_id_or_path)]
     for name, value in local_like:
-        if value and _looks_local(value) and not Path(value).expanduser().exists():
+        if value and looks_local(value) and not Path(value).expanduser().exists():
             raise ConfigError(f"{name}: the path '{value}' does not exist")
-    if (cfg.model_name_or_path != EMBEDDED_MODEL and _looks_local(cfg.model_name_or_path)
+    if (cfg.model_name_or_path != EMBEDDED_MODEL and looks_local(cfg.model_name_or_path)
             and not Path(cfg.model_name_or_path).expanduser().exists()):
         raise ConfigError(f"model_name_or_path: the folder '{cfg.model_name_or_path}' does not exist")
     if cfg.resume_from_checkpoint not in (None, "latest"):
         if not Path(cfg.resume_from_checkpoint, "trainer_state.json").exists():
             raise ConfigError(f"resume_from_checkpoint: '{cfg.resume_from_checkpoint}' is not a checkpoint folder "
                               f"(no trainer_state.json); pass a checkpoint-<step> folder or 'latest'")
-
-
-def _looks_local(value: str) -> bool:
-    """A path rather than a hub id: starts like a path, has a data-file suffix, or more than one '/'."""
-    return (value.startswith((".", "/", "~")) or value.endswith((".jsonl", ".json", ".parquet"))
-            or value.count("/") > 1)
 
 
 def to_dict(cfg: Config) -> dict:

@@ -63,7 +63,7 @@ def token_logps_and_entropy(
     lm_head: Callable[[torch.Tensor], torch.Tensor],
     token_ids: torch.Tensor,
     temperature: float | torch.Tensor = 1.0,
-    chunk_size: int = 1024,
+    chunk_elements: int = 2**26,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of `token_ids` under softmax(lm_head(hidden) / temperature), one chunk of rows at a time.
@@ -73,11 +73,16 @@ def token_logps_and_entropy(
     temperature: a float, or (N,) per-token temperatures (the temperature each token was sampled at).
     Returns logp (N,) with grad, and the entropy (N,) of the full next-token distribution (detached) or None.
 
-    Why chunks: the [N x V] logits of a whole batch (e.g. 16 x 128 x 49152 floats = 400 MB) would otherwise be
-    materialised, plus their softmax for backward. Each chunk's logits are recomputed in backward
-    (activation checkpointing), so at most one [chunk x V] block lives at a time.
+    Why chunks: the [N x V] logits of a whole batch (e.g. 8 x 1024 x 151936 floats = 5 GB for Qwen2.5) would
+    otherwise be materialised, plus their softmax for backward. Rows are taken `chunk_elements // V` at a time
+    (2^26 floats = 256 MB) and each chunk's logits are recomputed in backward (activation checkpointing), so at
+    most one chunk lives at a time. When all rows fit in one chunk, nothing is recomputed: the saving is not
+    needed and the recompute would cost a second head projection and softmax.
     """
     n = hidden.shape[0]
+    vocab = getattr(lm_head, "out_features", None) or lm_head(hidden[:1]).shape[-1]
+    chunk_size = max(1, chunk_elements // vocab)
+    recompute = n > chunk_size
     temps = torch.as_tensor(temperature, dtype=torch.float32, device=hidden.device)
     temps = temps.expand(n) if temps.dim() == 0 else temps
 
@@ -92,7 +97,7 @@ def token_logps_and_entropy(
     for start in range(0, n, chunk_size):
         sl = slice(start, start + chunk_size)
         args = (hidden[sl], token_ids[sl], temps[sl])
-        if torch.is_grad_enabled() and hidden.requires_grad:
+        if recompute and torch.is_grad_enabled() and hidden.requires_grad:
             logp, entropy = checkpoint(chunk, *args, use_reentrant=False)
         else:
             logp, entropy = chunk(*args)

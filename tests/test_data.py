@@ -284,7 +284,10 @@ def test_builtin_task_disjoint_and_distinct():
 
 
 def test_builtin_task_answers_and_ranges():
-    train, evaluation = builtin_task(seed=0)
+    assert {r["operation"] for r in builtin_task(seed=0, num_train=300)[0]} == set(data.DEFAULT_OPERATIONS)
+    with pytest.raises(ValueError, match="operations must be"):
+        builtin_task(seed=0, operations=("division",))
+    train, evaluation = builtin_task(seed=0, operations=tuple(data.TEMPLATES))
     compute = {"addition": lambda a, b: a + b, "subtraction": lambda a, b: a - b, "multiplication": lambda a, b: a * b}
     for record in train + evaluation:
         assert set(record) == {"problem", "answer", "operation"}

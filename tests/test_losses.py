@@ -183,7 +183,7 @@ def test_chunked_logps_match_full_log_softmax_with_per_token_temperature():
     head = torch.nn.Linear(5, 13, bias=False)
     ids = torch.randint(0, 13, (7,))
     temps = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5, 2.0, 1.0])
-    logp, entropy = token_logps_and_entropy(hidden, head, ids, temps, chunk_size=3)
+    logp, entropy = token_logps_and_entropy(hidden, head, ids, temps, chunk_elements=3 * 13)
     full = torch.log_softmax(head(hidden) / temps[:, None], -1)
     assert torch.allclose(logp, full.gather(1, ids[:, None]).squeeze(1), atol=1e-6)
     assert torch.allclose(entropy, -(full.exp() * full).sum(-1), atol=1e-5)
@@ -192,6 +192,8 @@ def test_chunked_logps_match_full_log_softmax_with_per_token_temperature():
     hidden.grad = None
     full.gather(1, ids[:, None]).sum().backward()
     assert torch.allclose(chunked_grad, hidden.grad, atol=1e-6)
+    one_chunk, _ = token_logps_and_entropy(hidden, head, ids, temps)  # all rows in one chunk, no recompute
+    assert torch.allclose(one_chunk, logp, atol=1e-6)
 
 
 def test_masked_mean():

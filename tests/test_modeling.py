@@ -1,0 +1,89 @@
+"""Log-probs of completions: the shared-prefix forward equals the plain forward in value and gradient; LoRA's
+reference is the base; QLoRA loads, samples and trains on the CPU for real."""
+
+import pytest
+import torch
+
+from lib.data import format_prompt, tokenize_prompts
+from lib.modeling import adapter_disabled, completion_logps, load_policy
+from lib.rollout import HFRollout
+
+PROBLEMS = ["Ben has 9 books. Ben gives away 4 books. How many books does Ben have left?", "What is 6 x 7?"]
+
+
+def _rollout(policy, tokenizer, tokens=20):
+    ids, mask = tokenize_prompts(tokenizer, [format_prompt(tokenizer, p) for p in PROBLEMS], 256)
+    torch.manual_seed(0)
+    return HFRollout(policy, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=1).generate(
+        ids, mask, 3, tokens, temperature=0.9)
+
+
+def test_shared_prefix_logps_and_gradients_equal_the_full_forward(embedded_model, tokenizer):
+    policy = load_policy(embedded_model)
+    ro = _rollout(policy, tokenizer)
+    args = (ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ro.completion_ids, ro.completion_mask, ro.temperatures)
+    shared, ent_shared = completion_logps(policy, *args, share_prompt_prefix=True)
+    full, ent_full = completion_logps(policy, *args, share_prompt_prefix=False)
+    assert torch.allclose(shared, full, atol=1e-4)
+    assert torch.allclose(ent_shared, ent_full, atol=1e-4)
+    # against transformers' own logits at the sampling temperature
+    ids = torch.cat([ro.prompt_ids[ro.prompt_index], ro.completion_ids], 1)
+    mask = torch.cat([ro.prompt_mask[ro.prompt_index], ro.completion_mask], 1)
+    with torch.no_grad():
+        logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    lp = ro.prompt_ids.shape[1]
+    expected = torch.log_softmax(logits[:, lp - 1:-1].float() / 0.9, -1).gather(-1, ro.completion_ids[..., None])
+    assert torch.allclose(shared, expected.squeeze(-1) * ro.completion_mask, atol=1e-4)
+
+    weight = policy.model.layers[5].self_attn.k_proj.weight
+    (shared * ro.completion_mask).sum().backward()
+    g_shared = weight.grad.clone()
+    policy.zero_grad()
+    full, _ = completion_logps(policy, *args, share_prompt_prefix=False)
+    (full * ro.completion_mask).sum().backward()
+    assert torch.allclose(g_shared, weight.grad, rtol=1e-3, atol=1e-5)
+
+
+def test_lora_reference_is_the_base_with_the_adapter_disabled(embedded_model, tokenizer):
+    base = load_policy(embedded_model)
+    ro = _rollout(base, tokenizer, tokens=8)
+    args = (ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ro.completion_ids, ro.completion_mask, ro.temperatures)
+    with torch.no_grad():
+        base_logp, _ = completion_logps(base, *args)
+    lora = load_policy(embedded_model, use_peft=True, lora_r=4, lora_alpha=8)
+    trainable = [n for n, p in lora.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    with torch.no_grad():  # make the adapter do something
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+        adapted, _ = completion_logps(lora, *args)
+        with adapter_disabled(lora):
+            reference, _ = completion_logps(lora, *args)
+    assert torch.allclose(reference, base_logp, atol=1e-4)
+    assert not torch.allclose(adapted, base_logp, atol=1e-3)
+
+
+def test_gradient_checkpointing_with_peft_keeps_lora_gradients(embedded_model, tokenizer):
+    lora = load_policy(embedded_model, use_peft=True, lora_r=4, gradient_checkpointing=True)
+    ro = _rollout(lora, tokenizer, tokens=8)
+    logp, _ = completion_logps(lora, ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ro.completion_ids,
+                               ro.completion_mask, ro.temperatures)
+    (logp * ro.completion_mask).sum().backward()
+    grads = [p.grad for n, p in lora.named_parameters() if "lora_A" in n]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_qlora_loads_in_4bit_samples_and_trains(embedded_model, tokenizer):
+    pytest.importorskip("bitsandbytes")
+    qlora = load_policy(embedded_model, use_peft=True, load_in_4bit=True, lora_r=4)
+    linear = qlora.get_base_model().model.layers[0].mlp.up_proj.base_layer
+    assert type(linear).__name__ == "Linear4bit"
+    ro = _rollout(qlora, tokenizer, tokens=8)
+    assert ro.completion_mask.sum() > 0
+    logp, _ = completion_logps(qlora, ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ro.completion_ids,
+                               ro.completion_mask, ro.temperatures)
+    (logp * ro.completion_mask).sum().backward()
+    grads = [p.grad for n, p in qlora.named_parameters() if p.requires_grad]
+    assert grads and all(g is not None for g in grads)
+    assert sum(float(g.abs().sum()) for g in grads) > 0

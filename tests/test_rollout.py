@@ -1,0 +1,72 @@
+"""The HF rollout backend on the real embedded model: same greedy text as `generate`, groups, masks, sampling."""
+
+import torch
+
+from lib.data import format_prompt, tokenize_prompts
+from lib.modeling import load_policy
+from lib.rollout import HFRollout, sample_next_token
+
+PROBLEMS = ["Mia has 4 apples. Mia gets 3 more apples. How many apples does Mia have now?",
+            "What is 12 + 7?"]
+
+
+def _prompts(tokenizer):
+    return tokenize_prompts(tokenizer, [format_prompt(tokenizer, p) for p in PROBLEMS], 256)
+
+
+def test_greedy_rollout_equals_transformers_generate(embedded_model, tokenizer):
+    policy = load_policy(embedded_model)
+    ids, mask = _prompts(tokenizer)
+    rollout = HFRollout(policy, [tokenizer.eos_token_id], tokenizer.pad_token_id).generate(
+        ids, mask, num_generations=1, max_new_tokens=24, greedy=True)
+    reference = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
+    for row in range(2):
+        n = int(rollout.completion_mask[row].sum())
+        assert rollout.completion_ids[row, :n].tolist() == reference[row, :n].tolist()
+        # the mask ends at the first end-of-turn token, or covers every token of a truncated completion
+        ended = tokenizer.eos_token_id in reference[row, :24].tolist()
+        assert bool(rollout.is_truncated[row]) == (not ended)
+        if ended:
+            assert rollout.completion_ids[row, n - 1].item() == tokenizer.eos_token_id
+
+
+def test_groups_counts_and_per_prompt_temperature(embedded_model, tokenizer):
+    policy = load_policy(embedded_model)
+    ids, mask = _prompts(tokenizer)
+    backend = HFRollout(policy, [tokenizer.eos_token_id], tokenizer.pad_token_id, bf16=True, seed=3)
+    assert backend.copy is not None and next(backend.copy.parameters()).dtype == torch.bfloat16
+    out = backend.generate(ids, mask, torch.tensor([3, 1]), 12, temperature=torch.tensor([0.7, 1.3]))
+    assert out.prompt_index.tolist() == [0, 0, 0, 1]
+    assert out.temperatures.tolist() == [0.7, 0.7, 0.7, 1.3]
+    assert out.completion_ids.shape == (4, out.completion_mask.shape[1]) and out.completion_mask.shape[1] <= 12
+    # padding after the end, never inside a completion
+    lengths = out.completion_mask.sum(1)
+    for row in range(4):
+        assert (out.completion_ids[row, lengths[row]:] == tokenizer.pad_token_id).all()
+    # the same seed gives the same samples; sync_weights copies the policy into the bf16 sampler
+    again = HFRollout(policy, [tokenizer.eos_token_id], tokenizer.pad_token_id, bf16=True, seed=3).generate(
+        ids, mask, torch.tensor([3, 1]), 12, temperature=torch.tensor([0.7, 1.3]))
+    assert torch.equal(out.completion_ids, again.completion_ids)
+    with torch.no_grad():
+        policy.model.norm.weight.mul_(0.5)
+    backend.sync_weights(policy)
+    assert torch.equal(backend.copy.model.norm.weight, policy.model.norm.weight.to(torch.bfloat16))
+
+
+def test_sampler_respects_temperature_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    gen = torch.Generator().manual_seed(0)
+    draws = sample_next_token(logits, torch.ones(4000), top_p=1.0, top_k=0, generator=gen)
+    freq = torch.bincount(draws, minlength=4).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+    top_k = sample_next_token(logits, torch.ones(4000), top_p=1.0, top_k=2, generator=gen)
+    assert set(top_k.tolist()) == {0, 1}
+    # nucleus 0.7: the smallest prefix reaching 0.7 is {0.5, 0.3}
+    top_p = sample_next_token(logits, torch.ones(4000), top_p=0.7, top_k=0, generator=gen)
+    assert set(top_p.tolist()) == {0, 1}
+    greedy = sample_next_token(logits[:3], torch.zeros(3), top_p=1.0, top_k=0, generator=gen)
+    assert greedy.tolist() == [0, 0, 0]
+    # a low temperature sharpens: token 0 dominates
+    cold = sample_next_token(logits, torch.full((4000,), 0.2), top_p=1.0, top_k=0, generator=gen)
+    assert (cold == 0).float().mean() > 0.9

@@ -1,0 +1,210 @@
+"""End-to-end runs of train_agrpo.py on the real embedded model, as a user runs it (subprocesses)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4",
+        "--max_completion_length", "16", "--num_eval_samples", "8", "--temperature", "0.8",
+        "--learning_rate", "1e-5", "--builtin_num_train", "64"]
+
+
+def run(args, tmp_path, check=True, timeout=600, launcher=None):
+    cmd = (launcher or [sys.executable]) + [str(REPO / "train_agrpo.py")] + args
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def test_default_trainer_writes_the_run_directory_and_changes_the_model(tmp_path, embedded_model):
+    out = tmp_path / "run"
+    proc = run(TINY + ["--output_dir", str(out), "--save_steps", "1", "--reward_funcs", "accuracy", "format",
+                       "--reward_weights", "1", "0.2"], tmp_path)
+    assert "step 2/2 | reward" in proc.stdout + proc.stderr  # the dense line
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["algo"] == "grpo" and config["beta"] == 0.04 and config["max_steps"] == 2
+    assert config["reward_funcs"] == ["accuracy", "format"] and config["reward_weights"] == [1.0, 0.2]
+    lines = read_jsonl(out / "metrics.jsonl")
+    train = [m for m in lines if "reward" in m]
+    assert [m["step"] for m in train] == [1, 2]
+    for key in ("reward", "reward_std", "rewards/accuracy/mean", "rewards/format/mean", "frac_reward_zero_std", "kl",
+                "entropy", "clip_ratio/region_mean", "completions/mean_length", "completions/clipped_ratio",
+                "num_tokens", "learning_rate", "loss", "grad_norm", "step_time"):
+        assert key in train[0], key
+    assert train[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference before any update
+    assert train[1]["num_tokens"] > train[0]["num_tokens"] > 0
+    evals = [m for m in lines if "eval/accuracy" in m]
+    assert [m["step"] for m in evals] == [0, 2] and evals[0]["eval/num_problems"] == 8
+    samples = read_jsonl(out / "completions.jsonl")
+    assert samples and {"step", "prompt", "completion", "answer", "reward", "advantage"} <= set(samples[0])
+    for step in (1, 2):
+        folder = out / f"checkpoint-{step}"
+        for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.pt", "trainer_state.json"):
+            assert (folder / name).exists(), name
+        state = json.loads((folder / "trainer_state.json").read_text())
+        assert state["global_step"] == step and state["data_position"] == 2 * step
+    # final/ loads with transformers as is, and training moved its weights
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    base = AutoModelForCausalLM.from_pretrained(embedded_model)
+    moved = [n for (n, p), (_, q) in zip(final.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
+    assert len(moved) > 100
+
+
+def test_kill_after_checkpoint_then_resume_continues_exactly(tmp_path):
+    args = TINY + ["--max_steps", "6", "--save_steps", "2", "--lr_scheduler_type", "linear"]
+    reference = tmp_path / "uninterrupted"
+    run(args + ["--output_dir", str(reference)], tmp_path)
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, str(REPO / "train_agrpo.py")] + args + ["--output_dir", str(out)],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (out / "checkpoint-2" / "trainer_state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists()
+
+    resumed = run(args + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"], tmp_path)
+    assert "step 3/6" in resumed.stdout + resumed.stderr
+    got = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m}
+    want = {m["step"]: m for m in read_jsonl(reference / "metrics.jsonl") if "reward" in m}
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]  # each step once: lines the killed run wrote after step 2 set aside
+    for step in (3, 4, 5, 6):  # same learning rate, same samples, same rewards and loss as without the kill
+        assert got[step]["learning_rate"] == pytest.approx(want[step]["learning_rate"], rel=1e-9)
+        assert got[step]["num_tokens"] == want[step]["num_tokens"]
+        assert got[step]["reward"] == pytest.approx(want[step]["reward"])
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-3, abs=1e-5)
+
+
+def test_lora_run_saves_an_adapter_that_peft_loads(tmp_path, embedded_model):
+    out = tmp_path / "lora"
+    run(TINY + ["--output_dir", str(out), "--use_peft", "true", "--lora_r", "4", "--learning_rate", "1e-3"], tmp_path)
+    assert (out / "final" / "adapter_config.json").exists()
+    assert not (out / "final" / "model.safetensors").exists()
+    from peft import AutoPeftModelForCausalLM
+
+    model = AutoPeftModelForCausalLM.from_pretrained(out / "final")
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+    train = [m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m]
+    assert train[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # reference = base with the adapter disabled
+
+
+def test_qlora_run_trains_on_a_4bit_base(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / "qlora"
+    run(TINY + ["--output_dir", str(out), "--use_peft", "true", "--load_in_4bit", "true", "--lora_r", "4",
+                "--max_steps", "1"], tmp_path)
+    assert (out / "final" / "adapter_config.json").exists()
+    train = [m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m]
+    assert train[0]["grad_norm"] >= 0 and train[0]["step"] == 1
+
+
+def test_two_processes_with_a_group_split_across_them(tmp_path):
+    out = tmp_path / "ddp"
+    # 2 completions per process, groups of 4: every group spans both processes
+    args = TINY[:] + ["--output_dir", str(out), "--per_device_train_batch_size", "2"]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    proc = run(args, tmp_path, launcher=launcher)
+    train = [m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m]
+    assert [m["step"] for m in train] == [1, 2]  # one line per step: only the main process writes
+    assert train[1]["num_tokens"] > 0
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["data_position"] == 2  # one prompt per step across both processes
+    assert (out / "checkpoint-2" / "rng_state_1.pt").exists()
+    assert "MULTI_CPU" in proc.stdout + proc.stderr or (out / "final").exists()
+
+
+def test_custom_reward_that_raises_is_scored_zero_and_counted(tmp_path):
+    (tmp_path / "flaky_reward.py").write_text(
+        "def flaky(prompts, completions, **columns):\n"
+        "    if any(len(c) % 2 for c in completions):\n"
+        "        raise ValueError('odd length')\n"
+        "    return [1.0 for _ in completions]\n")
+    out = tmp_path / "flaky"
+    run(TINY + ["--output_dir", str(out), "--reward_funcs", "accuracy", "flaky_reward.py:flaky",
+                "--max_steps", "1"], tmp_path)
+    train = [m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m][0]
+    assert "rewards/flaky/mean" in train
+    assert train["rewards/flaky/errors"] > 0
+
+
+def test_bad_configuration_fails_before_loading_and_keeps_an_existing_run(tmp_path):
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
+    start = time.time()
+    proc = run(["--output_dir", str(out), "--max_steps", "2"], tmp_path, check=False)
+    assert proc.returncode != 0 and "already holds a run" in proc.stderr and "--resume_from_checkpoint" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "reward": 0.5}\n'
+    for args, message in [
+        (["--per_device_train_batch_size", "6", "--num_generations", "4"], "multiple of num_generations"),
+        (["--learning_rte", "1"], "unrecognized arguments: --learning_rte"),
+        (["--dataset_id_or_path", "missing.jsonl"], "dataset_id_or_path: the path 'missing.jsonl' does not exist"),
+        (["--reward_funcs", "no_such_module:f"], "no_such_module"),
+    ]:
+        proc = run(args + ["--output_dir", str(tmp_path / "new")], tmp_path, check=False)
+        assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr[-2000:])
+    assert time.time() - start < 120  # all of them fail before a model is loaded
+
+
+def test_real_gsm8k_file_trains_and_a_malformed_file_is_named(tmp_path, data_dir):
+    out = tmp_path / "gsm8k"
+    run(TINY + ["--output_dir", str(out), "--max_steps", "1", "--dataset_id_or_path",
+                str(data_dir / "gsm8k" / "train.jsonl"), "--eval_dataset_id_or_path",
+                str(data_dir / "gsm8k" / "test.jsonl"), "--max_prompt_length", "192"], tmp_path)
+    sample = read_jsonl(out / "completions.jsonl")[0]
+    assert "####" not in sample["answer"] and sample["answer"].lstrip("-").replace(".", "").isdigit()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?"}\n')
+    proc = run(["--dataset_id_or_path", str(bad), "--output_dir", str(tmp_path / "bad_run")], tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "bad.jsonl" in proc.stderr and "line 2" in proc.stderr and "answer" in proc.stderr
+
+
+def test_tensorboard_tracker_receives_the_metrics(tmp_path):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "tb"
+    run(TINY + ["--output_dir", str(out), "--max_steps", "1", "--report_to", "tensorboard"], tmp_path)
+    events = list(out.rglob("events.out.tfevents.*"))
+    assert events, sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    assert {"reward", "kl", "eval/accuracy"} <= set(acc.Tags()["scalars"])
+
+
+def test_num_iterations_reuses_a_generation_batch_with_gspo_dapo_options(tmp_path):
+    out = tmp_path / "mu2"
+    run(TINY + ["--output_dir", str(out), "--num_iterations", "2", "--importance_sampling_level", "sequence",
+                "--loss_type", "dapo", "--mask_truncated_completions", "true", "--epsilon_high", "0.28",
+                "--beta", "0"], tmp_path)
+    train = [m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m]
+    # step 2 trains again on step 1's samples: no new tokens, same rewards, no reference model (beta 0)
+    assert train[1]["num_tokens"] == train[0]["num_tokens"]
+    assert train[1]["reward"] == train[0]["reward"]
+    assert train[0]["kl"] == 0.0 and "time/generation" not in train[1]
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["data_position"] == 2
