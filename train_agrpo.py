@@ -154,7 +154,10 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(argv)
     hf_logging.disable_progress_bar()  # per-file loading bars would drown the one training bar
     bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16("cuda" if torch.cuda.is_available() else "cpu")
-    accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no",
+    # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU) when launched
+    # with several processes, instead of running each process alone
+    accelerator = Accelerator(cpu=torch.accelerator.current_accelerator() is None,
+                              mixed_precision="bf16" if bf16 else "no",
                               log_with=None if cfg.report_to == "none" else cfg.report_to,
                               project_dir=cfg.output_dir)
     validate(cfg, accelerator.num_processes)

@@ -92,7 +92,7 @@ class Config:
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 = off)."})
-    max_steps: int = field(default=50, metadata={"help": "Optimizer steps."})
+    max_steps: int = field(default=40, metadata={"help": "Optimizer steps."})
     per_device_train_batch_size: int = field(default=16, metadata={"help": "Completions per process per "
                                              "micro-batch (TRL semantics)."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step. The "

@@ -127,14 +127,14 @@ def test_two_processes_with_a_group_split_across_them(tmp_path):
     args = TINY[:] + ["--output_dir", str(out), "--per_device_train_batch_size", "2"]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    proc = run(args, tmp_path, launcher=launcher)
+    run(args, tmp_path, launcher=launcher)
     train = [m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m]
     assert [m["step"] for m in train] == [1, 2]  # one line per step: only the main process writes
     assert train[1]["num_tokens"] > 0
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["data_position"] == 2  # one prompt per step across both processes
-    assert (out / "checkpoint-2" / "rng_state_1.pt").exists()
-    assert "MULTI_CPU" in proc.stdout + proc.stderr or (out / "final").exists()
+    assert (out / "checkpoint-2" / "rng_state_1.pt").exists()  # a second process (rank 1) took part
+    assert not (out / "checkpoint-2" / "rng_state_2.pt").exists()
 
 
 def test_custom_reward_that_raises_is_scored_zero_and_counted(tmp_path):
