@@ -75,7 +75,8 @@ def load_data(cfg):
 def _load_data(cfg):
     if cfg.dataset_id_or_path is None:
         return builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train, num_eval=cfg.num_eval_samples)
-    columns = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column)
+    columns = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column,
+                   skip_invalid_rows=cfg.skip_invalid_rows)
     train = load_records(cfg.dataset_id_or_path, split=cfg.dataset_split, max_samples=cfg.max_train_samples,
                          seed=cfg.seed, **columns)
     if cfg.eval_dataset_id_or_path:

@@ -64,6 +64,8 @@ class Config:
     prompt_column: str | None = field(default=None, metadata={"help": "Column holding the problem text "
                                       "(default: recognised from the data set's format)."})
     answer_column: str | None = field(default=None, metadata={"help": "Column holding the gold answer."})
+    skip_invalid_rows: bool = field(default=False, metadata={"help": "Leave out rows whose problem or answer "
+                                    "cannot be read (counted in a warning) instead of stopping."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use a seeded subset of the training "
                                           "data."})
     num_eval_samples: int = field(default=200, metadata={"help": "Held-out problems scored at each evaluation."})

@@ -11,6 +11,7 @@ import numbers
 import os
 import random
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +235,7 @@ def load_records(
     answer_column: str | None = None,
     max_samples: int | None = None,
     seed: int = 0,
+    skip_invalid_rows: bool = False,
 ) -> list[dict]:
     """Returns the validated records of a data set: dicts {"problem": str, "answer": str, <original columns>}.
 
@@ -243,6 +245,8 @@ def load_records(
     max_samples: keep a seeded random subset of this size, in file order. Subsets are nested: with the same seed,
         the 100 rows drawn are among the 200 drawn, so a larger eval contains a smaller one.
     Every row is validated first; the first bad row raises ValueError naming the file, the row, the field and the fix.
+    skip_invalid_rows: leave bad rows out instead, with one warning that counts them and names the first
+        (MATH train has two solutions whose \\boxed{} is empty).
     """
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be at least 1 or None (all rows), got {max_samples}")
@@ -250,7 +254,18 @@ def load_records(
     if not rows:
         raise ValueError(f"dataset_id_or_path={dataset_id_or_path!r}: no records")
     prompt, answer, kind = _detect_columns(list(rows[0][1]), prompt_column, answer_column)
-    records = [_to_record(row, where, prompt, answer, kind) for where, row in rows]
+    records, skipped = [], []
+    for where, row in rows:
+        try:
+            records.append(_to_record(row, where, prompt, answer, kind))
+        except ValueError as err:
+            if not skip_invalid_rows:
+                raise ValueError(f"{err} (or pass --skip_invalid_rows true to leave such rows out)") from None
+            skipped.append(str(err))
+    if skipped:
+        warnings.warn(f"left out {len(skipped)} invalid row(s) of {len(rows)}; the first: {skipped[0]}")
+    if not records:
+        raise ValueError(f"dataset_id_or_path={dataset_id_or_path!r}: no valid records")
     if max_samples is None or max_samples >= len(records):
         return records
     order = list(range(len(records)))

@@ -70,8 +70,12 @@ def test_math500_boxed_agrees_with_answer_column(data_dir):
 
 def test_math_train_has_two_empty_boxed_rows(data_dir):
     # MATH train lines 5530 and 5532 end in "\boxed{}" (the answer is missing upstream): validation stops there
-    with pytest.raises(ValueError, match=r"train\.jsonl, line 5530: field 'solution': the extracted answer is empty"):
+    with pytest.raises(ValueError, match=r"train\.jsonl, line 5530: field 'solution': the extracted answer is empty"
+                       r".*--skip_invalid_rows true"):
         load_records(str(data_dir / "math/train.jsonl"))
+    with pytest.warns(UserWarning, match=r"left out 2 invalid row\(s\) of 7500; the first: .*line 5530"):
+        records = load_records(str(data_dir / "math/train.jsonl"), skip_invalid_rows=True)
+    assert len(records) == 7498
 
 
 def test_last_boxed():
