@@ -270,7 +270,6 @@ def main(argv: list[str] | None = None) -> dict:
     first = rank * local_completions  # this process's slice of the step's completions, in global order
     local_prompt_slots = torch.arange(first, first + local_completions) // cfg.num_generations
 
-    history: dict[str, list[float]] = {}
     step = state["global_step"]
     if step == 0 or (cfg.eval_steps and step % cfg.eval_steps == 0):
         start_eval = evaluate(step)
@@ -425,8 +424,6 @@ def main(argv: list[str] | None = None) -> dict:
         error_counts = accelerator.reduce(torch.tensor([errors[n] for n in reward_names], device=device,
                                                        dtype=torch.float32), reduction="sum")
         metrics.update({f"rewards/{n}/errors": float(c) for n, c in zip(reward_names, error_counts)})
-        for k in ("reward", "kl", "step_time"):
-            history.setdefault(k, []).append(metrics[k])
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
             log_line({"step": step, **metrics})
             accelerator.log(metrics, step=step)
@@ -461,7 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
         tqdm.write(f"eval step {step}: accuracy {end_eval['eval/accuracy']:.3f}; final model in {final}")
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    return {"eval": end_eval, "history": history, "global_step": step}
+    return {"eval": end_eval, "global_step": step}
 
 
 def pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
