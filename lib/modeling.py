@@ -168,6 +168,12 @@ def load_policy(
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        # bitsandbytes 0.50 repacks a 4-bit weight for its AVX512-BF16 CPU kernel at the first eval-mode forward
+        # without grad (our sampling), and that kernel has no backward: every later training forward would drop
+        # the gradient through the base layers. Keep the differentiable path.
+        for module in model.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
     else:
         model = model.to(device)
         if gradient_checkpointing:
