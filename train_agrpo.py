@@ -382,6 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else \
             torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in params if p.grad is not None))
+        learning_rate = scheduler.get_last_lr()[0]  # the rate this update used
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -413,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
             "completions/max_length": float(lengths.max()),
             "completions/clipped_ratio": float(truncated.mean()),
             "num_tokens": state["num_tokens"],
-            "learning_rate": scheduler.get_last_lr()[0],
+            "learning_rate": learning_rate,
             "loss": float(reduced[0]),
             "grad_norm": float(grad_norm),
             "beta": cfg.beta,

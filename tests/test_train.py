@@ -91,6 +91,8 @@ def test_kill_after_checkpoint_then_resume_continues_exactly(tmp_path):
     got = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m}
     want = {m["step"]: m for m in read_jsonl(reference / "metrics.jsonl") if "reward" in m}
     assert sorted(got) == [1, 2, 3, 4, 5, 6]  # each step once: lines the killed run wrote after step 2 set aside
+    # linear decay over 6 steps: step k trains at 1e-5 * (1 - (k - 1) / 6)
+    assert [got[k]["learning_rate"] for k in (1, 3, 6)] == pytest.approx([1e-5, 1e-5 * 4 / 6, 1e-5 / 6])
     for step in (3, 4, 5, 6):  # same learning rate, same samples, same rewards and loss as without the kill
         assert got[step]["learning_rate"] == pytest.approx(want[step]["learning_rate"], rel=1e-9)
         assert got[step]["num_tokens"] == want[step]["num_tokens"]
