@@ -1,6 +1,6 @@
 """train_agrpo.py: GRPO fine-tuning of a causal language model, in one visible loop.
 
-    python train_agrpo.py                                   # CPU demo: embedded SmolLM2-135M, built-in task, ~12 min
+    python train_agrpo.py                                   # CPU demo: embedded SmolLM2-135M, built-in task, ~9 min
     python train_agrpo.py --config scripts/recipes/grpo_gsm8k_qwen05b.yaml            # one GPU
     accelerate launch --num_processes 8 train_agrpo.py --config <recipe.yaml>        # several GPUs (DDP)
     accelerate launch --cpu --multi_gpu --num_processes 2 train_agrpo.py --max_steps 2   # two CPU processes (gloo)
@@ -57,7 +57,7 @@ from lib import checkpoint as ckpt
 from lib.config import ConfigError, parse_config, save_yaml, to_dict, validate
 from lib.data import builtin_task, format_prompt, load_records, tokenize_prompts
 from lib.evaluation import generate_and_score, summarize
-from lib.losses import aggregate_loss, clipped_surrogate, group_advantages, kl_penalty, masked_mean
+from lib.losses import aggregate_loss, clipped_surrogate, group_advantages, kl_penalty
 from lib.modeling import (CompletionScorer, adapter_disabled, load_policy, load_reference, load_tokenizer,
                           native_bf16, resolve_model_path)
 from lib.rewards import resolve_reward_funcs, score_completions
@@ -192,9 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.beta > 0 and not lora:
         # same dtype as the policy, so that under the same autocast the KL is exactly 0 before the first update
         reference = CompletionScorer(load_reference(model_path, next(policy.parameters()).dtype, device))
-    eos_ids = [tokenizer.eos_token_id] + ([policy.generation_config.eos_token_id]
-                                          if isinstance(getattr(policy.generation_config, "eos_token_id", None), int)
-                                          else list(getattr(policy.generation_config, "eos_token_id", None) or []))
+    # a completion ends at the tokenizer's end token or any the generation config names (an int or a list)
+    config_eos = getattr(policy.generation_config, "eos_token_id", None)
+    eos_ids = [tokenizer.eos_token_id] + ([config_eos] if isinstance(config_eos, int) else list(config_eos or []))
     rollout = HFRollout(policy, eos_ids, tokenizer.pad_token_id, bf16=bf16, seed=cfg.seed + rank)
 
     params = [p for p in policy.parameters() if p.requires_grad]

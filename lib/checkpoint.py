@@ -54,9 +54,9 @@ def set_rng_state(state: dict) -> None:
 
 
 def staging_dir(output_dir: str | Path, step: int) -> Path:
-    """A fresh hidden folder to write checkpoint `step` into (every process writes its own RNG file there)."""
-    path = Path(output_dir) / f".checkpoint-{step}.partial"
-    return path
+    """The hidden folder checkpoint `step` is written into before its commit (the main process empties and creates
+    it; every process writes its own RNG file there)."""
+    return Path(output_dir) / f".checkpoint-{step}.partial"
 
 
 def write_rng(folder: Path, rank: int, state: dict) -> None:

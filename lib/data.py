@@ -10,7 +10,6 @@ import math
 import numbers
 import os
 import random
-import re
 import warnings
 from pathlib import Path
 from typing import Any
