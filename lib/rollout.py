@@ -3,12 +3,14 @@
 A backend has one job and a small interface, so the trainer, the evaluator and the adaptive methods never care
 which engine samples:
 
-    backend.generate(prompt_ids, prompt_mask, num_generations, max_new_tokens, temperature, top_p, top_k, greedy)
-        -> Rollout
+    backend.generate(prompt_ids, prompt_mask, num_generations, max_new_tokens, temperature, top_p, top_k, greedy,
+                     answer_phase) -> Rollout
     backend.sync_weights(policy)     # after every optimizer step
 
-Sampling parameters are arguments, per call and per prompt (temperature may be a (P,) tensor), so controllers that
-change them (adaptive temperature, resampling rounds) never reach into the backend.
+Sampling parameters are arguments, per call and per prompt (temperature and top_p may be (P,) tensors), so
+controllers that change them (adaptive temperature, resampling rounds) never reach into the backend. An
+`AnswerPhase` switches a sequence to other sampling parameters once it has written the answer marker (adaGRPO's
+think/answer sampler). The temperature every token was sampled at is returned, for the training log-probs.
 
 `HFRollout` runs the Hugging Face model with our own decode loop rather than `model.generate`, for three measured
 reasons (DESIGN.md's table of where a step's time goes): each prompt is prefilled once and its KV cache shared by
@@ -20,7 +22,7 @@ finished. The arithmetic is the model's own forward, so outputs match `generate`
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
@@ -35,7 +37,7 @@ class Rollout:
     prompt_ids, prompt_mask: (P, Lp), left-padded. prompt_index: (B,) the prompt row each completion continues.
     completion_ids: (B, T), padded with `pad_token_id` after the end; completion_mask: (B, T), 1 up to and
     including the first end-of-sequence token. is_truncated: (B,) True where no end token came within
-    max_new_tokens. temperatures: (B,) the temperature each completion was sampled at (0 for greedy).
+    max_new_tokens. temperatures: (B, T) the temperature each token was sampled at (0 for greedy).
     """
 
     prompt_ids: torch.Tensor
@@ -47,14 +49,57 @@ class Rollout:
     prompt_index: torch.Tensor
 
 
+
+@dataclass(frozen=True)
+class AnswerPhase:
+    """Sampling parameters for the answer part of a completion (adaGRPO's intent, ALGORITHMS.md 4.3 [RECON]).
+
+    A sequence samples with the call's parameters until its last tokens equal one of `marker_ids` (the marker's
+    token ids; several variants, since "Answer:" after a space or a newline tokenises differently), and with
+    `temperature` / `top_p` from the next token on. The switch is per sequence and sticky.
+    """
+
+    marker_ids: tuple[tuple[int, ...], ...]
+    temperature: float
+    top_p: float = 1.0
+
+    @classmethod
+    def from_text(cls, tokenizer, marker: str, temperature: float, top_p: float = 1.0) -> "AnswerPhase":
+        variants = {tuple(tokenizer.encode(text, add_special_tokens=False))
+                    for text in (marker, " " + marker, "\n" + marker)}
+        # a variant that starts with a separator token alone also ends with the bare marker's ids; keep all of them
+        return cls(tuple(sorted(v for v in variants if v)), float(temperature), float(top_p))
+
+
+def replace_completions(batch: Rollout, rows: torch.Tensor, new: Rollout, pad_token_id: int) -> Rollout:
+    """`batch` with its completions at `rows` (b,) replaced by the b completions of `new`, in order (a resampled
+    group replaces the old one). The width becomes that of the longest completion kept."""
+    width = max(batch.completion_ids.shape[1], new.completion_ids.shape[1])
+
+    def widen(t: torch.Tensor, fill) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
+
+    ids = widen(batch.completion_ids, pad_token_id).clone()
+    mask = widen(batch.completion_mask, 0).clone()
+    temps = widen(batch.temperatures, 0.0).clone()
+    truncated = batch.is_truncated.clone()
+    ids[rows] = widen(new.completion_ids, pad_token_id)
+    mask[rows] = widen(new.completion_mask, 0)
+    temps[rows] = widen(new.temperatures, 0.0)
+    truncated[rows] = new.is_truncated
+    used = int(mask.sum(1).max()) if mask.numel() else 0
+    return replace(batch, completion_ids=ids[:, :used], completion_mask=mask[:, :used], temperatures=temps[:, :used],
+                   is_truncated=truncated)
+
 def sample_next_token(
     logits: torch.Tensor,
     temperature: torch.Tensor,
-    top_p: float,
+    top_p: float | torch.Tensor,
     top_k: int,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Draw one token per row. logits: (B, V) float; temperature: (B,), rows with 0 are greedy. Returns (B,).
+    """Draw one token per row. logits: (B, V) float; temperature: (B,), rows with 0 are greedy; top_p: a float or
+    (B,) per row. Returns (B,).
 
     Order of warpers as in transformers: temperature, then top-k, then top-p (nucleus, Holtzman et al. 2020).
     The draw is inverse-CDF with one uniform per row: cumsum of the probabilities, count entries below u.
@@ -68,10 +113,11 @@ def sample_next_token(
         kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1.0:
+    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
+        nucleus = torch.as_tensor(top_p, dtype=probs.dtype, device=probs.device).reshape(-1, 1)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the top token is always kept)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= nucleus
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     cdf = probs.cumsum(-1)
@@ -133,12 +179,14 @@ class HFRollout:
         num_generations: int | torch.Tensor,
         max_new_tokens: int,
         temperature: float | torch.Tensor = 1.0,
-        top_p: float = 1.0,
+        top_p: float | torch.Tensor = 1.0,
         top_k: int = 0,
         greedy: bool = False,
+        answer_phase: AnswerPhase | None = None,
     ) -> Rollout:
         """Sample completions for P prompts: `num_generations` each (an int, or a (P,) tensor of counts, for a
-        process that holds part of a group). temperature: a float or a (P,) tensor."""
+        process that holds part of a group). temperature, top_p: floats or (P,) tensors. answer_phase: switch each
+        sequence to the phase's parameters after its answer marker (ignored when greedy)."""
         model = self.model
         was_training = model.training
         model.eval()
@@ -151,6 +199,14 @@ class HFRollout:
         temps = temps.expand(num_prompts) if temps.dim() == 0 else temps
         temps = torch.zeros_like(temps) if greedy else temps
         temps = temps[prompt_index]
+        nucleus = torch.as_tensor(top_p, dtype=torch.float32, device=device)
+        nucleus = nucleus.expand(num_prompts)[prompt_index] if nucleus.dim() == 0 else nucleus[prompt_index]
+        phase = None if greedy else answer_phase
+        plain_nucleus = bool((nucleus >= 1.0).all()) and (phase is None or phase.top_p >= 1.0)
+        if plain_nucleus:
+            nucleus = 1.0  # no nucleus step in the sampler at all
+        markers = [torch.tensor(ids, device=device) for ids in phase.marker_ids] if phase else []
+        in_answer = torch.zeros(batch, dtype=torch.bool, device=device)
 
         with self.autocast():
             # prefill each prompt once, then share its cache across its completions; the head is applied to a
@@ -170,12 +226,22 @@ class HFRollout:
 
             eos = self.eos_token_ids.to(device)
             tokens = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
+            token_temps = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device)
             finished = torch.zeros(batch, dtype=torch.bool, device=device)
             lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
             for step in range(max_new_tokens):
-                token = sample_next_token(logits, temps, top_p, top_k, self.generator)
+                step_temps, step_top_p = temps, nucleus
+                if phase is not None:
+                    step_temps = torch.where(in_answer, phase.temperature, temps)
+                    step_top_p = nucleus if plain_nucleus else torch.where(in_answer, phase.top_p, nucleus)
+                token = sample_next_token(logits, step_temps, step_top_p, top_k, self.generator)
                 token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
                 tokens[:, step] = token
+                token_temps[:, step] = step_temps
+                for marker in markers:  # sticky: once the marker is written, the rest is the answer
+                    k = marker.numel()
+                    if step + 1 >= k:
+                        in_answer |= (tokens[:, step + 1 - k : step + 1] == marker).all(1)
                 just_ended = ~finished & torch.isin(token, eos)
                 lengths = torch.where(just_ended, torch.full_like(lengths, step + 1), lengths)
                 finished |= just_ended
@@ -193,5 +259,6 @@ class HFRollout:
         width = int(lengths.max())
         completion_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
         return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens[:, :width],
-                       completion_mask=completion_mask, is_truncated=~finished, temperatures=temps,
+                       completion_mask=completion_mask, is_truncated=~finished,
+                       temperatures=token_temps[:, :width] * completion_mask,
                        prompt_index=prompt_index)

@@ -13,10 +13,16 @@ from lib.rewards import (
     REWARD_FUNCS,
     accuracy_reward,
     answers_match,
+    cosine_reward,
     extract_answer,
     format_reward,
+    length_reward,
+    reasoning_steps_reward,
+    repetition_reward,
     resolve_reward_funcs,
     score_completions,
+    soft_overlong_reward,
+    tag_count_reward,
     think_format_reward,
     weighted_sum,
 )
@@ -123,6 +129,181 @@ def test_think_format_reward():
     assert think_format_reward([""] * 6, completions) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
 
+# --- length-shaped rewards ------------------------------------------------------------------------------------------
+
+RIGHT, WRONG = "Answer: 52", "Answer: 53"  # gold 52
+
+
+@pytest.mark.parametrize(
+    "completions, expected",
+    [
+        # lengths 10 / 20 / 30: lambda = 0.5 - (L - 10)/20 = 0.5, 0.0, -0.5
+        ([RIGHT, RIGHT, RIGHT], [0.5, 0.0, -0.5]),
+        ([WRONG, WRONG, WRONG], [0.0, 0.0, -0.5]),  # wrong: min(0, lambda); the short wrong one earns nothing
+        ([RIGHT, WRONG, WRONG], [0.5, 0.0, -0.5]),
+        ([WRONG, RIGHT, RIGHT], [0.0, 0.0, -0.5]),
+        ([WRONG, WRONG, RIGHT], [0.0, 0.0, -0.5]),  # a long correct answer is still punished for its length
+    ],
+)
+def test_length_reward_one_group(completions, expected):
+    assert length_reward(["q"] * 3, completions, answer=["52"] * 3, completion_length=[10, 20, 30]) == expected
+
+
+def test_length_reward_equal_lengths_and_single_completion():
+    assert length_reward(["q"] * 3, [RIGHT, WRONG, ""], answer=["52"] * 3, completion_length=[7, 7, 7]) == [0.0] * 3
+    assert length_reward(["q"], [RIGHT], answer=["52"], completion_length=[10]) == [0.0]
+    assert length_reward([], [], answer=[], completion_length=[]) == []
+
+
+def test_length_reward_interleaved_groups():
+    # p: completions 0, 2, 4 with lengths 10, 30, 20 -> lambda 0.5, -0.5, 0.0
+    # q: completions 1, 3 with lengths 100, 40 -> lambda 0.5 - 60/60 = -0.5, 0.5 - 0/60 = 0.5
+    # (one min/max over the whole call, 10 and 100, would give 0.5, -0.5, 0.5 - 20/90, 0.5 - 30/90, 0.5 - 10/90)
+    prompts = ["p", "q", "p", "q", "p"]
+    completions = [RIGHT, RIGHT, WRONG, WRONG, RIGHT]
+    rewards = length_reward(prompts, completions, answer=["52"] * 5, completion_length=[10, 100, 30, 40, 20])
+    assert rewards == [0.5, -0.5, -0.5, 0.0, 0.0]  # idx 3: wrong, min(0, 0.5) = 0; idx 4: correct, lambda 0
+
+
+def test_length_reward_characters_and_malformed_output():
+    # No completion_length column: characters. "Answer: 52" 10, "18 + 34 = 52\nAnswer: 52" 12 + 1 + 10 = 23,
+    # "Answer: 5" 9 -> range 14: lambda = 0.5 - 1/14 = 3/7, 0.5 - 14/14 = -0.5, 0.5 (wrong -> 0)
+    completions = [RIGHT, "18 + 34 = 52\nAnswer: 52", "Answer: 5"]
+    assert length_reward(["q"] * 3, completions, answer=["52"] * 3) == pytest.approx([3 / 7, -0.5, 0.0])
+    # Malformed: "" (0, no answer), "no idea" (7, no answer), "<answer>52" (10, unbalanced tag: the last number,
+    # 52, is correct) -> range 10: lambda 0.5, 0.5 - 0.7 = -0.2, -0.5
+    malformed = ["", "no idea", "<answer>52"]
+    assert length_reward(["q"] * 3, malformed, answer=[52] * 3) == pytest.approx([0.0, -0.2, -0.5])  # int gold
+
+
+def test_cosine_reward_tokens():
+    # max_len 100; correct: 0.5 + 0.25 (1 + cos(pi p)); wrong: -0.5 - 0.25 (1 + cos(pi p))
+    lengths = [0, 25, 50, 100, 0, 50, 100, 200]
+    completions = [RIGHT] * 4 + [WRONG] * 4
+    rewards = cosine_reward(["q"] * 8, completions, answer=["52"] * 8, completion_length=lengths, max_len=100)
+    expected = [
+        1.0,  # cos 0 = 1: 0.5 + 0.25 * 2
+        0.5 + 0.25 * (1 + math.sqrt(2) / 2),  # cos(pi/4): 0.9268
+        0.75,  # cos(pi/2) = 0
+        0.5,  # cos(pi) = -1
+        -1.0,  # short wrong: -0.5 - 0.25 * 2
+        -0.75,
+        -0.5,  # long wrong
+        -0.5,  # 200 > max_len clamps to p = 1; open-r1 (cos 2 pi = 1) would give -1.0
+    ]
+    assert rewards == pytest.approx(expected)
+
+
+def test_cosine_reward_characters_options_and_malformed_output():
+    # No completion_length: characters, with max_len 20. "Answer: 52" / "Answer: 53": 10 chars, p = 0.5, cos = 0;
+    # "": wrong at p = 0 -> -1.0 (an empty completion is a short wrong one);
+    # "no numbers here at all": 22 chars -> p clamps to 1, wrong -> -0.5;
+    # "<think>\n52": 10 chars, no tags closed, the last number 52 is correct -> 0.75
+    completions = [RIGHT, WRONG, "", "no numbers here at all", "<think>\n52"]
+    rewards = cosine_reward(["q"] * 5, completions, answer=["52"] * 5, max_len=20)
+    assert rewards == pytest.approx([0.75, -0.75, -1.0, -0.5, 0.75])
+    # open-r1's ScriptArguments defaults for wrong answers (min 0.0, max -0.5): lo = -0.5, hi = 0.0,
+    # so p = 0 -> -0.5 + 0.5 * 0.5 * (1 + 1) = 0.0 and p = 1 -> -0.5 + 0.5 * 0.5 * (1 - 1) = -0.5
+    rewards = cosine_reward(["q"] * 2, [WRONG, WRONG], answer=["52"] * 2, completion_length=[0, 100], max_len=100,
+                            min_value_wrong=0.0, max_value_wrong=-0.5)
+    assert rewards == pytest.approx([0.0, -0.5])
+    with pytest.raises(ValueError, match="max_len must be positive"):
+        cosine_reward(["q"], [RIGHT], answer=["52"], max_len=0)
+
+
+@pytest.mark.parametrize(
+    "completion_length, expected",
+    [
+        # L_max 100, L_cache 20: free up to 80, then (80 - L)/20, then -1
+        (0, 0.0),
+        (80, 0.0),  # last free length
+        (81, -0.05),  # (80 - 81)/20
+        (90, -0.5),  # (80 - 90)/20
+        (100, -1.0),  # (80 - 100)/20 at L_max itself
+        (101, -1.0),  # past L_max
+    ],
+)
+def test_soft_overlong_reward_boundaries(completion_length, expected):
+    rewards = soft_overlong_reward(["q"], [""], completion_length=[completion_length],
+                                   max_completion_length=100, overlong_buffer_length=20)
+    assert rewards == pytest.approx([expected])
+
+
+def test_soft_overlong_reward_defaults_and_errors():
+    # verl DAPO values 20480 / 4096: free up to 16384; 16385 -> -1/4096; 20480 -> -4096/4096 = -1
+    lengths = [16384, 16385, 20480, 20481]
+    rewards = soft_overlong_reward(["q"] * 4, ["x"] * 4, completion_length=lengths)
+    assert rewards == pytest.approx([0.0, -1 / 4096, -1.0, -1.0])
+    # buffer == limit: punishment starts from the first token, 5 tokens of 10 -> (0 - 5)/10
+    assert soft_overlong_reward(["q"] * 2, ["", "x"], completion_length=[0, 5], max_completion_length=10,
+                                overlong_buffer_length=10) == [0.0, -0.5]
+    with pytest.raises(ValueError, match="'completion_length'"):
+        soft_overlong_reward(["q"], ["Answer: 52"])
+    for buffer in [0, -1, 101]:
+        with pytest.raises(ValueError, match="overlong_buffer_length"):
+            soft_overlong_reward(["q"], [""], completion_length=[1], max_completion_length=100,
+                                 overlong_buffer_length=buffer)
+
+
+# --- text-shape rewards ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion, kwargs, expected",
+    [
+        ("one", {}, 0.0),  # 1 word < 3
+        ("", {}, 0.0),
+        ("  \n ", {}, 0.0),  # whitespace only: no words
+        ("a b c a b c a b c", {}, -4 / 7),  # 7 trigrams abc bca cab abc bca cab abc, 3 distinct: (1 - 3/7) * -1
+        ("the cat sat on the mat", {}, 0.0),  # 4 trigrams, all distinct
+        ("A b C a B c", {}, -0.25),  # lower-cased: abc bca cab abc, 3 of 4 distinct: (1 - 3/4) * -1
+        ("Answer: Answer: Answer: Answer:", {}, -0.5),  # a degenerate loop: 2 trigrams, 1 distinct: (1 - 1/2) * -1
+        ("a a a a", {"ngram_size": 2, "max_penalty": -0.5}, -1 / 3),  # 3 bigrams, 1 distinct: (1 - 1/3) * -0.5
+        ("a b", {"ngram_size": 2}, 0.0),  # exactly n words: one n-gram, nothing repeated
+    ],
+)
+def test_repetition_reward(completion, kwargs, expected):
+    assert repetition_reward(["q"], [completion], **kwargs) == pytest.approx([expected])
+
+
+def test_repetition_reward_rejects_bad_parameters():
+    with pytest.raises(ValueError, match="max_penalty"):
+        repetition_reward(["q"], ["a b c"], max_penalty=0.5)
+    with pytest.raises(ValueError, match="ngram_size"):
+        repetition_reward(["q"], ["a b c"], ngram_size=0)
+
+
+def test_tag_count_reward():
+    completions = [
+        THINK,  # all four tags once: 4 * 0.25
+        "<think>\n<think>\nx\n</think>\n<answer>\n42\n</answer>",  # "<think>\n" twice: 3 * 0.25
+        EMMA,  # plain text
+        "",
+        "<think>\nhmm\n</think>\n<answer>\n42",  # unbalanced: no "\n</answer>"
+        "<answer>\n42\n</answer>",  # at the very start "<answer>" has no "\n" before it: only "\n</answer>" counts
+        "<think>x</think><answer>42</answer>",  # no newlines at all
+    ]
+    assert tag_count_reward([""] * 7, completions) == [1.0, 0.75, 0.0, 0.0, 0.75, 0.25, 0.0]
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("Step 1: add 18 and 34. Step 2: that is 52. Step 3: check it.", 1.0),  # 3 markers / 3
+        ("Step 1: a\nStep 2: b\nStep 3: c\nStep 4: d", 1.0),  # min(1, 4/3)
+        ("First, add 18 and 34. Finally, the total is 52.", 2 / 3),  # 2 markers
+        ("1. Add.\n2. Multiply.\n3. Done.", 1 / 3),  # no MULTILINE flag: only the "1." at the very start counts
+        ("- add\n- multiply\n- done", 2 / 3),  # "\n-" twice; the first "-" has no newline before it
+        ("The sum is 52.\n**Answer:** 52", 1 / 3),  # markdown bold on a new line counts as "\n*"
+        ("Step1: add. step 2: done.", 0.0),  # no space after "Step", lower-case "step"
+        ("", 0.0),
+        ("no steps here", 0.0),
+    ],
+)
+def test_reasoning_steps_reward(completion, expected):
+    assert reasoning_steps_reward(["q"], [completion]) == pytest.approx([expected])
+
+
 # --- real gold answers ----------------------------------------------------------------------------------------------
 
 DATA_DIR = Path(os.environ.get("AGRPO_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
@@ -172,6 +353,12 @@ def length_score(prompts, completions, **columns):
     return [len(c) / 10 for c in completions]
 
 not_callable = 3
+
+def scaled(prompts, completions, *, scale=1.0, **columns):
+    return [scale * len(c) for c in completions]
+
+def column_names(prompts, completions, max_len=5, **columns):
+    return [float(max_len + len(columns))] * len(completions)
 """
 
 
@@ -214,6 +401,48 @@ def test_resolve_errors(spec, problem, tmp_path, monkeypatch):
 def test_resolve_rejects_duplicate_names():
     with pytest.raises(ValueError, match="unique"):
         resolve_reward_funcs(["accuracy", "accuracy"])
+
+
+
+def test_resolve_binds_options_to_keyword_only_parameters(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(CUSTOM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    options = {"max_len": 20, "ngram_size": 2, "max_penalty": -0.5, "max_completion_length": 100,
+               "overlong_buffer_length": 20, "scale": 2.0}
+    specs = ["accuracy", "cosine", "repetition", "soft_overlong", "my_rewards:scaled", "my_rewards:column_names"]
+    resolved = dict(resolve_reward_funcs(specs, options))
+    assert list(resolved) == ["accuracy", "cosine", "repetition", "soft_overlong", "scaled", "column_names"]
+    assert resolved["accuracy"] is accuracy_reward  # nothing to bind: the function itself
+    assert resolved["cosine"](["q"], [RIGHT], answer=["52"]) == pytest.approx([0.75])  # 10 chars / max_len 20
+    assert resolved["repetition"](["q"], ["a a a a"]) == pytest.approx([-1 / 3])  # bigrams, -0.5
+    assert resolved["soft_overlong"](["q"], [""], completion_length=[90]) == pytest.approx([-0.5])  # (80 - 90)/20
+    assert resolved["scaled"]([""], ["abc"]) == [6.0]  # keyword-only `scale` bound
+    # **columns gets no options, and `max_len` (not keyword-only) keeps its default: 5 + 0 columns
+    assert resolved["column_names"]([""], ["abc"]) == [5.0]
+    rewards, _ = score_completions([("column_names", resolved["column_names"])], ["q"], ["abc"], {"answer": ["1"]})
+    assert rewards == [[6.0]]  # 5 + 1 column (answer)
+    assert resolve_reward_funcs(["cosine"])[0][1] is cosine_reward  # options=None: unchanged
+
+
+def test_resolve_rejects_bad_options_at_start_up():
+    # The default buffer 4096 is longer than a 64-token limit: caught here, not as an error on every step.
+    with pytest.raises(ValueError, match="'soft_overlong'.*overlong_buffer_length"):
+        resolve_reward_funcs(["soft_overlong"], {"max_completion_length": 64})
+    with pytest.raises(ValueError, match="'repetition'.*max_penalty"):
+        resolve_reward_funcs(["repetition"], {"max_penalty": 1.0})
+    with pytest.raises(ValueError, match="'cosine'.*max_len"):
+        resolve_reward_funcs(["cosine"], {"max_len": 0})
+
+
+def test_score_completions_with_length_columns():
+    # Through the trainer's path: length and soft_overlong read completion_length; accuracy ignores it.
+    funcs = resolve_reward_funcs(["accuracy", "length", "soft_overlong"],
+                                 {"max_completion_length": 40, "overlong_buffer_length": 20})
+    columns = {"answer": ["52"] * 3, "completion_length": [10, 20, 30]}
+    rewards, errors = score_completions(funcs, ["q"] * 3, [RIGHT, WRONG, RIGHT], columns)
+    # length: lambda 0.5, 0.0, -0.5 (the wrong one min(0, 0) = 0); soft_overlong: free to 20, (20 - 30)/20 = -0.5
+    assert rewards == [[1.0, 0.0, 1.0], [0.5, 0.0, -0.5], [0.0, 0.0, -0.5]]
+    assert errors == {"accuracy": 0, "length": 0, "soft_overlong": 0}
 
 
 # --- scoring a batch ------------------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ def test_groups_counts_and_per_prompt_temperature(embedded_model, tokenizer):
     assert backend.copy is not None and next(backend.copy.parameters()).dtype == torch.bfloat16
     out = backend.generate(ids, mask, torch.tensor([3, 1]), 12, temperature=torch.tensor([0.7, 1.3]))
     assert out.prompt_index.tolist() == [0, 0, 0, 1]
-    assert out.temperatures.tolist() == pytest.approx([0.7, 0.7, 0.7, 1.3])
+    assert out.temperatures[:, 0].tolist() == pytest.approx([0.7, 0.7, 0.7, 1.3])
+    assert torch.equal(out.temperatures == 0, out.completion_mask == 0)  # per token, 0 after the end
     assert out.completion_ids.shape == (4, out.completion_mask.shape[1]) and out.completion_mask.shape[1] <= 12
     # padding after the end, never inside a completion
     lengths = out.completion_mask.sum(1)
