@@ -1,6 +1,8 @@
-"""train_agrpo.py: GRPO fine-tuning of a causal language model, in one visible loop.
+"""train_agrpo.py: GRPO and its adaptive variants (A-GRPO, AGPO, adaGRPO, AGPO-DSF) for a causal LM, in one loop.
 
     python train_agrpo.py                                   # CPU demo: embedded SmolLM2-135M, built-in task, ~9 min
+    python train_agrpo.py --algo agpo_dsf                   # the same demo with another method's preset
+    python train_agrpo.py --config scripts/recipes/agrpo_gsm8k_qwen05b.yaml           # A-GRPO's table, one GPU
     python train_agrpo.py --config scripts/recipes/grpo_gsm8k_qwen05b.yaml            # one GPU
     accelerate launch --num_processes 8 train_agrpo.py --config <recipe.yaml>        # several GPUs (DDP)
     accelerate launch --cpu --multi_gpu --num_processes 2 train_agrpo.py --max_steps 2   # two CPU processes (gloo)
@@ -14,13 +16,27 @@ during and after training, and writes a run directory:
 
 The algorithm, step by step (the phase comments in the loop below carry the same numbers):
   1. rollout: P prompts per step, G = num_generations completions each, sampled at `temperature`.
+     AGPO-DSF (`dsf`) first samples a probe group per prompt; its reward spread, answer vote entropy and skewness
+     set that prompt's training temperature. adaGRPO (`resample_schedule`) samples a prompt's group again, with
+     the next retry's temperature / top_p, while none of its completions is correct. `answer_marker` switches a
+     completion to answer_temperature / answer_top_p once it writes the marker. Probe and discarded tokens count
+     in `num_tokens`.
   2. rewards: every reward function scores every completion; r = sum_k w_k r_k.
-  3. advantages: A_i = (r_i - mean of its group) / (std of its group, or of the batch, or 1) (scale_rewards).
-  4. controllers: adaptive methods update their state here (plain GRPO has none).
-  5. policy update: per token, -min(rho A, clip(rho, 1-eps, 1+eps_high) A) + beta KL_k3(pi || pi_ref),
-     averaged as `loss_type` says, over the global batch; one optimizer step per num_iterations generations.
-  6. log: one dense line per step, metrics.jsonl and the tracker.
-  7. evaluate and save.
+  3. advantages: A_i = (r_i - mean of its group) / (spread of its group, of the batch, a mix, or 1) (scale_rewards,
+     reward_dispersion); adaGRPO pools the statistics over a prompt's rounds; AGPO gives all-correct / all-wrong
+     groups +1 / -1 (homogeneous_advantage) and can mask zero-advantage completions out of the loss.
+  4. controllers: the values this batch trains with: beta and epsilon fixed, or from A-GRPO's KL controller
+     (adaptive_kl), or one clip range per prompt group from AGPO-DSF's statistics.
+  5. policy update: per token, -min(rho A, clip(rho, 1-eps, 1+eps_high) A) (+ dual clip) + beta KL(pi || pi_ref)
+     (k1 / k3 / forward / symmetric) - eta H(pi), averaged as `loss_type` says over the global batch; log-probs at
+     the temperature each token was sampled at; one optimizer step per step, num_iterations steps per generation.
+  6. controller update: state = update(state, what this step measured): A-GRPO's beta / epsilon from the KL moving
+     average and its group size; AGPO-DSF's step-KL average. Saved in every checkpoint, resumed exactly.
+  7. log: one dense line per step, metrics.jsonl (controller fields under their own names) and the tracker.
+  8. evaluate and save.
+
+Methods are presets of these parts (`--algo grpo | agrpo | agpo | adagrpo | agpo_dsf | dapo | dr_grpo | gspo`,
+ALGORITHMS.md section 9); any key you set overrides its preset. The parts are chosen once, before the loop.
 
 How this differs from TRL's GRPOTrainer (same names, same math; ALGORITHMS.md section 1):
   1. The loop is this file, not an inherited Trainer: phases in a fixed order, every metric visible.
@@ -44,6 +60,7 @@ import shutil
 import sys
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -53,15 +70,21 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 from transformers.utils import logging as hf_logging
 
+from accelerate.utils import gather_object
+
 from lib import checkpoint as ckpt
-from lib.config import ConfigError, parse_config, save_yaml, to_dict, validate
+from lib import controllers
+from lib.config import ConfigError, parse_config, reward_options, save_yaml, to_dict, validate
+from lib.controllers import (DSFState, GroupSizeState, KLControllerState, dsf_clip_ranges, dsf_temperatures,
+                             dsf_uncertainty, init_group_size, init_kl_controller, resample_plan, update_group_size,
+                             update_kl_controller, update_step_kl, vote_entropy)
 from lib.data import builtin_task, format_prompt, load_records, tokenize_prompts
 from lib.evaluation import generate_and_score, summarize
-from lib.losses import aggregate_loss, clipped_surrogate, group_advantages, kl_penalty
+from lib.losses import aggregate_loss, clipped_surrogate, dispersion, group_advantages, group_skewness, kl_penalty
 from lib.modeling import (CompletionScorer, adapter_disabled, load_policy, load_reference, load_tokenizer,
                           native_bf16, resolve_model_path)
-from lib.rewards import resolve_reward_funcs, score_completions
-from lib.rollout import HFRollout
+from lib.rewards import extract_answer, resolve_reward_funcs, score_completions
+from lib.rollout import AnswerPhase, HFRollout, replace_completions
 
 
 def load_data(cfg):
@@ -165,10 +188,18 @@ def main(argv: list[str] | None = None) -> dict:
     main_process, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     device = accelerator.device
     try:
-        reward_funcs = resolve_reward_funcs(cfg.reward_funcs)
+        reward_funcs = resolve_reward_funcs(cfg.reward_funcs, reward_options(cfg))
     except ValueError as error:
         raise ConfigError(str(error)) from error
     reward_names = [name for name, _ in reward_funcs]
+    correct_index = reward_names.index(cfg.correctness_reward) if cfg.correctness_reward in reward_names else None
+    if correct_index is None and (cfg.homogeneous_advantage > 0 or cfg.resample_schedule):
+        raise ConfigError(f"correctness_reward: '{cfg.correctness_reward}' is not among reward_funcs {reward_names}; "
+                          f"homogeneous_advantage and resample_schedule judge correctness with it. Add it to "
+                          f"reward_funcs or name another function")
+    # the method, chosen once here: the advantage rule with its options, and the controllers that are on
+    advantage_rule = partial(group_advantages, scale_rewards=cfg.scale_rewards, dispersion_kind=cfg.reward_dispersion,
+                             mix_weight=cfg.scale_rewards_mix, homogeneous_value=cfg.homogeneous_advantage)
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
     train_records, eval_records = load_data(cfg)
     resume = prepare_output_dir(cfg, accelerator)
@@ -196,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
     config_eos = getattr(policy.generation_config, "eos_token_id", None)
     eos_ids = [tokenizer.eos_token_id] + ([config_eos] if isinstance(config_eos, int) else list(config_eos or []))
     rollout = HFRollout(policy, eos_ids, tokenizer.pad_token_id, bf16=bf16, seed=cfg.seed + rank)
+    answer_phase = AnswerPhase.from_text(tokenizer, cfg.answer_marker, cfg.answer_temperature, cfg.answer_top_p) \
+        if cfg.answer_marker else None
 
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -214,6 +247,16 @@ def main(argv: list[str] | None = None) -> dict:
         if rng is not None:
             ckpt.set_rng_state(rng)
             rollout.load_state_dict(rng["rollout"])
+    # controllers (None = off); a resumed run continues with exactly the state its checkpoint saved
+    saved = state["controller_state"]
+    kl_ctl = group_ctl = dsf_ctl = None
+    if cfg.adaptive_kl:
+        kl_ctl = controllers.from_dict(KLControllerState, saved["kl"]) if "kl" in saved else init_kl_controller(cfg)
+    if cfg.adaptive_group_size:
+        group_ctl = controllers.from_dict(GroupSizeState, saved["group_size"]) if "group_size" in saved \
+            else init_group_size(cfg)
+    if cfg.dsf:
+        dsf_ctl = controllers.from_dict(DSFState, saved["dsf"]) if "dsf" in saved else DSFState()
     if cfg.report_to != "none":
         # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists and None)
         hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in to_dict(cfg).items()}
@@ -222,6 +265,28 @@ def main(argv: list[str] | None = None) -> dict:
 
     def prompt_text(record: dict) -> str:
         return format_prompt(tokenizer, record["problem"], cfg.instruction, cfg.system_prompt)
+
+    def score(roll, roll_records: list[dict]) -> tuple[torch.Tensor, dict[str, int], list[str]]:
+        """Every reward function on a rollout's completions: (B, K) rewards, error counts, decoded texts."""
+        texts = tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
+        owners = [roll_records[i] for i in roll.prompt_index.tolist()]
+        columns = {key: [r.get(key) for r in owners] for key in owners[0] if key != "problem"}
+        columns["completion_length"] = roll.completion_mask.sum(1).tolist()  # tokens, for length-based rewards
+        per_func, errors = score_completions(reward_funcs, [prompt_text(r) for r in owners], texts, columns,
+                                             error_value=cfg.reward_error_value)
+        return torch.tensor(per_func, dtype=torch.float32, device=device).T, errors, texts
+
+    def weighted_total(rewards: torch.Tensor) -> torch.Tensor:
+        """r = sum_k w_k r_k per completion, NaN (not applicable) skipped; 0 where every function skipped."""
+        total = torch.nansum(rewards * reward_weights.to(device), dim=1)
+        return torch.where(torch.isnan(rewards).all(dim=1), torch.zeros_like(total), total)
+
+    def group_token_means(values: torch.Tensor, mask: torch.Tensor, group_size: int) -> list[float]:
+        """Token mean of a (B_local, T) per-token quantity over each prompt group of the global batch."""
+        width = min(values.shape[1], mask.shape[1])
+        sums = torch.stack([(values[:, :width] * mask[:, :width]).sum(1), mask[:, :width].sum(1).float()], dim=1)
+        sums = accelerator.gather(sums).view(-1, group_size, 2).sum(1)
+        return (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
 
     def log_line(record: dict) -> None:
         if main_process:
@@ -263,12 +328,13 @@ def main(argv: list[str] | None = None) -> dict:
             ckpt.commit_checkpoint(out, step, {**state, "config": to_dict(cfg)}, cfg.save_total_limit)
         accelerator.wait_for_everyone()
 
-    # batch geometry, TRL semantics: per_device_train_batch_size counts completions
+    # batch geometry, TRL semantics: per_device_train_batch_size counts completions; the group size G may change
+    # from one generation batch to the next (adaptive_group_size), the batch size never does
     local_completions = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     global_completions = local_completions * world
-    prompts_per_step = global_completions // cfg.num_generations
     first = rank * local_completions  # this process's slice of the step's completions, in global order
-    local_prompt_slots = torch.arange(first, first + local_completions) // cfg.num_generations
+    micro = [slice(i, i + cfg.per_device_train_batch_size)
+             for i in range(0, local_completions, cfg.per_device_train_batch_size)]
 
     step = state["global_step"]
     if step == 0 or (cfg.eval_steps and step % cfg.eval_steps == 0):
@@ -281,51 +347,98 @@ def main(argv: list[str] | None = None) -> dict:
     while step < cfg.max_steps:
         t_step = time.perf_counter()
         timing = {}
-        # ------------------------------------------------------------------------------------ 1. rollout
-        if batch is None or step % cfg.num_iterations == 0:
+        new_batch = batch is None or step % cfg.num_iterations == 0
+        if new_batch:
+            # ------------------------------------------------------------------------------------ 1. rollout
             t0 = time.perf_counter()
-            slots = prompts_for_step(state["data_position"], prompts_per_step, len(train_records), cfg.seed)
-            state["data_position"] += prompts_per_step
-            used = torch.unique(local_prompt_slots)
+            group_size = group_ctl.num_generations if group_ctl is not None else cfg.num_generations
+            num_prompts = global_completions // group_size
+            slots = prompts_for_step(state["data_position"], num_prompts, len(train_records), cfg.seed)
+            state["data_position"] += num_prompts
+            local_slots = torch.arange(first, first + local_completions) // group_size  # global prompt of each
+            used = torch.unique(local_slots)  # global indices of the prompts this process samples for
             records = [train_records[slots[s]] for s in used.tolist()]
-            counts = torch.bincount(local_prompt_slots - used[0], minlength=len(used))
+            counts = torch.bincount(local_slots - used[0], minlength=len(used)).to(device)
             prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [prompt_text(r) for r in records],
                                                        cfg.max_prompt_length, device)
             policy.eval()
-            batch = rollout.generate(prompt_ids, prompt_mask, counts.to(device), cfg.max_completion_length,
-                                     temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-            timing["generation"] = time.perf_counter() - t0
+            tokens = {"probe": torch.zeros((), device=device), "resampled": torch.zeros((), device=device)}
+            prompt_temps = torch.full((len(used),), cfg.temperature, device=device)
+            if dsf_ctl is not None:
+                # AGPO-DSF probe: G samples per prompt at the base temperature, scored, never trained on; their
+                # spread, vote entropy and skewness set the training temperature now and the clip range below
+                probe = rollout.generate(prompt_ids, prompt_mask, counts, cfg.max_completion_length,
+                                         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+                probe_scores, _, probe_texts = score(probe, records)
+                probe_total = weighted_total(accelerator.gather(probe_scores)).view(num_prompts, group_size)
+                keys = gather_object([extract_answer(t) or t.strip() for t in probe_texts])
+                probe_stats = {"dispersion": dispersion(probe_total, cfg.reward_dispersion, dim=1).tolist(),
+                               "vote": [vote_entropy(keys[p * group_size : (p + 1) * group_size])
+                                        for p in range(num_prompts)],
+                               "skewness": group_skewness(probe_total).tolist()}
+                uncertainty = [dsf_uncertainty(s, v, k, cfg) for s, v, k in
+                               zip(probe_stats["dispersion"], probe_stats["vote"], probe_stats["skewness"])]
+                dsf_ctl, taus, _ = dsf_temperatures(dsf_ctl, uncertainty, cfg)
+                prompt_temps = torch.tensor(taus, device=device)[used]
+                tokens["probe"] += probe.completion_mask.sum()
+            batch = rollout.generate(prompt_ids, prompt_mask, counts, cfg.max_completion_length,
+                                     temperature=prompt_temps, top_p=cfg.top_p, top_k=cfg.top_k,
+                                     answer_phase=answer_phase)
 
             # -------------------------------------------------------------------------------- 2. rewards
-            t0 = time.perf_counter()
+            local_scores, errors, _ = score(batch, records)
+            all_rewards = accelerator.gather(local_scores)  # (B_global, K), global completion order
+            total = weighted_total(all_rewards)
+            # adaGRPO: a prompt none of whose completions is correct is sampled again with the next retry's
+            # parameters (the judge sees every process's rewards, so all agree); its last group is trained on,
+            # with reward statistics pooled over all its rounds
+            rounds = [total.view(num_prompts, group_size)]
+            plan = resample_plan(cfg.resample_schedule, step + 1, cfg.temperature, cfg.top_p) \
+                if cfg.resample_schedule else []
+            resampled_prompts = 0
+            for retry in plan:
+                failing = ~(all_rewards[:, correct_index] > 0).view(num_prompts, group_size).any(1)
+                if not bool(failing.any()):
+                    break
+                resampled_prompts += int(failing.sum())
+                local_failing = failing[used]
+                if bool(local_failing.any()):
+                    again = local_failing.nonzero().squeeze(1)
+                    redo = rollout.generate(prompt_ids[again], prompt_mask[again], counts[again],
+                                            cfg.max_completion_length, temperature=retry["temperature"],
+                                            top_p=retry["top_p"], top_k=cfg.top_k, answer_phase=answer_phase)
+                    rows = local_failing[batch.prompt_index].nonzero().squeeze(1)
+                    tokens["resampled"] += batch.completion_mask[rows].sum()  # the discarded round's tokens
+                    batch = replace_completions(batch, rows, redo, tokenizer.pad_token_id)
+                    redo_scores, redo_errors, _ = score(redo, [records[i] for i in again.tolist()])
+                    local_scores[rows] = redo_scores
+                    errors = {n: errors[n] + redo_errors[n] for n in errors}
+                all_rewards = accelerator.gather(local_scores)
+                total = weighted_total(all_rewards)
+                rounds.append(torch.where(failing[:, None], total.view(num_prompts, group_size), torch.nan))
             completions = tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
             owners = [records[i] for i in batch.prompt_index.tolist()]
-            columns = {key: [r.get(key) for r in owners] for key in owners[0] if key != "problem"}
             prompts = [prompt_text(r) for r in owners]
-            per_func, errors = score_completions(reward_funcs, prompts, completions, columns,
-                                                 error_value=cfg.reward_error_value)
-            local_rewards = torch.tensor(per_func, dtype=torch.float32, device=device).T  # (B_local, K)
-            all_rewards = accelerator.gather(local_rewards)  # (B_global, K), global completion order
-            total = torch.nansum(all_rewards * reward_weights.to(device), dim=1)
-            total = torch.where(torch.isnan(all_rewards).all(dim=1), torch.zeros_like(total), total)
-            timing["rewards"] = time.perf_counter() - t0
+            timing["generation"] = time.perf_counter() - t0
 
             # -------------------------------------------------------------------------------- 3. advantages
             # over whole groups of the global batch, then this process's slice
-            advantages_all, adv_stats = group_advantages(total, cfg.num_generations, cfg.scale_rewards)
+            correct_all = all_rewards[:, correct_index] > 0 if correct_index is not None else None
+            advantages_all, adv_stats = advantage_rule(total, group_size, correct=correct_all,
+                                                       pooled=torch.cat(rounds, dim=1) if len(rounds) > 1 else None)
             advantages = advantages_all[first : first + local_completions]
             loss_mask = batch.completion_mask.float()
             if cfg.mask_truncated_completions:
                 loss_mask = loss_mask * (~batch.is_truncated).float()[:, None]
+            if cfg.loss_mask_zero_advantage:  # AGPO loss mask: no zero-advantage tokens in sum or count
+                loss_mask = loss_mask * (advantages != 0).float()[:, None]
             global_tokens = accelerator.reduce(loss_mask.sum(), reduction="sum")
-            generated = accelerator.reduce(batch.completion_mask.sum(), reduction="sum")
-            state["num_tokens"] += int(generated)
+            generated = batch.completion_mask.sum() + tokens["probe"] + tokens["resampled"]
+            state["num_tokens"] += int(accelerator.reduce(generated, reduction="sum"))
 
             # reference and old log-probs, once per generation batch, no grad
             t0 = time.perf_counter()
-            micro = [slice(i, i + cfg.per_device_train_batch_size)
-                     for i in range(0, local_completions, cfg.per_device_train_batch_size)]
-            ref_logp, old_logp = None, None
+            ref_logp, old_logp, old_entropy = None, None, None
             with torch.no_grad(), accelerator.autocast():
                 if cfg.beta > 0:
                     ref_parts = []
@@ -338,15 +451,27 @@ def main(argv: list[str] | None = None) -> dict:
                             with adapter_disabled(policy):
                                 ref_parts.append(accelerator.unwrap_model(scorer)(*args, with_entropy=False)[0])
                     ref_logp = pad_cat(ref_parts)
-                if cfg.num_iterations > 1:
-                    old_logp = pad_cat([accelerator.unwrap_model(scorer)(
+                if cfg.num_iterations > 1 or dsf_ctl is not None:
+                    parts = [accelerator.unwrap_model(scorer)(
                         batch.prompt_ids, batch.prompt_mask, batch.prompt_index[rows], batch.completion_ids[rows],
-                        batch.completion_mask[rows], batch.temperatures[rows], with_entropy=False)[0]
-                        for rows in micro])
+                        batch.completion_mask[rows], batch.temperatures[rows], with_entropy=dsf_ctl is not None,
+                        entropy_at_unit_temperature=True) for rows in micro]
+                    old_logp = pad_cat([p[0] for p in parts])
+                    old_entropy = pad_cat([p[1] for p in parts]) if dsf_ctl is not None else None
             timing["reference"] = time.perf_counter() - t0
 
-        # ---------------------------------------------------------------------------------- 4. controllers
-        # (plain GRPO keeps beta and epsilon fixed; adaptive methods update `state["controller_state"]` here)
+            # -------------------------------------------------------------------------------- 4. controllers
+            # the values this generation batch trains with: fixed (GRPO), from the KL controller's state (A-GRPO),
+            # or one clip range per prompt group from the probe and the policy's entropy (AGPO-DSF)
+            beta, epsilon_low, epsilon_high = cfg.beta, cfg.epsilon, cfg.resolved_epsilon_high()
+            if kl_ctl is not None:
+                scale = kl_ctl.epsilon / cfg.epsilon if cfg.epsilon > 0 else 1.0
+                beta, epsilon_low, epsilon_high = kl_ctl.beta, kl_ctl.epsilon, epsilon_high * scale
+            if dsf_ctl is not None:
+                entropies = group_token_means(old_entropy, batch.completion_mask, group_size)
+                dsf_ctl, ranges = dsf_clip_ranges(dsf_ctl, entropies, probe_stats["dispersion"],
+                                                  probe_stats["vote"], probe_stats["skewness"], cfg)
+                epsilon_low = epsilon_high = torch.tensor(ranges, device=device)[local_slots.to(device)]
 
         # ---------------------------------------------------------------------------------- 5. policy update
         t0 = time.perf_counter()
@@ -354,28 +479,33 @@ def main(argv: list[str] | None = None) -> dict:
         stats = {"loss": torch.zeros((), device=device), "kl": torch.zeros((), device=device),
                  "entropy": torch.zeros((), device=device)}
         clip_sums = {}
+        pre_update_logp = []  # the policy's log-probs before this update (AGPO-DSF's step KL compares with after)
         for m, rows in enumerate(micro):
             sync = m == len(micro) - 1  # gradients are all-reduced once, after the last micro-batch
             with (nullcontext() if sync else accelerator.no_sync(scorer)):
                 with accelerator.autocast():
                     logp, entropy = scorer(batch.prompt_ids, batch.prompt_mask, batch.prompt_index[rows],
                                            batch.completion_ids[rows], batch.completion_mask[rows],
-                                           batch.temperatures[rows])
+                                           batch.temperatures[rows], entropy_grad=cfg.eta > 0)
                 mask = loss_mask[rows]
                 width = logp.shape[1]
                 old = old_logp[rows, :width] if old_logp is not None else logp.detach()
-                per_token, clip_stats = clipped_surrogate(logp, old, advantages[rows], mask, cfg.epsilon,
-                                                          cfg.resolved_epsilon_high(), cfg.importance_sampling_level)
-                if cfg.beta > 0:
+                pre_update_logp.append(old)
+                per_token, clip_stats = clipped_surrogate(
+                    logp, old, advantages[rows], mask, per_row(epsilon_low, rows), per_row(epsilon_high, rows),
+                    cfg.importance_sampling_level, dual_clip=cfg.dual_clip)
+                if beta > 0:
                     kl = kl_penalty(logp, ref_logp[rows, :width], cfg.kl_estimator)
-                    per_token = per_token + cfg.beta * kl
+                    per_token = per_token + beta * kl
                     stats["kl"] += (kl.detach() * mask).sum()
+                if cfg.eta > 0:  # A-GRPO entropy bonus: the gradient raises the full distribution's entropy
+                    per_token = per_token - cfg.eta * entropy
                 loss = aggregate_loss(per_token, mask, cfg.loss_type, global_num_sequences=global_completions,
                                       global_num_tokens=global_tokens, max_completion_length=cfg.max_completion_length,
                                       num_processes=world, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
                 accelerator.backward(loss)
             stats["loss"] += loss.detach() / world
-            stats["entropy"] += (entropy * batch.completion_mask[rows]).sum()
+            stats["entropy"] += (entropy.detach() * batch.completion_mask[rows]).sum()
             for k, v in clip_stats.items():
                 clip_sums[k] = clip_sums.get(k, 0.0) + v * mask.sum()
         timing["policy"] = time.perf_counter() - t0
@@ -393,11 +523,34 @@ def main(argv: list[str] | None = None) -> dict:
         step += 1
         state["global_step"] = step
 
-        # ---------------------------------------------------------------------------------- 6. log
-        lengths = accelerator.gather(batch.completion_mask.sum(1).float())
-        truncated = accelerator.gather(batch.is_truncated.float())
+        # ---------------------------------------------------------------------------------- 6. controller update
+        # from what this step measured; the next step trains with the new state
         tokens_all = accelerator.reduce(batch.completion_mask.sum().float(), reduction="sum")
         reduced = accelerator.reduce(torch.stack([stats["loss"], stats["kl"], stats["entropy"]]), reduction="sum")
+        kl_mean = float(reduced[1] / global_tokens.clamp(min=1)) if beta > 0 else 0.0
+        batch_done = step % cfg.num_iterations == 0  # the last update on this generation batch
+        if kl_ctl is not None:
+            kl_ctl = update_kl_controller(kl_ctl, kl_mean, cfg)
+        if group_ctl is not None and batch_done:
+            group_ctl = update_group_size(group_ctl, float(adv_stats["frac_reward_zero_std"]), cfg)
+        if dsf_ctl is not None and batch_done:
+            # KL(pi_old || pi_new) of this generation batch's updates, k1 per group, negative values clamped
+            t0 = time.perf_counter()
+            with torch.no_grad(), accelerator.autocast():
+                after = pad_cat([accelerator.unwrap_model(scorer)(
+                    batch.prompt_ids, batch.prompt_mask, batch.prompt_index[rows], batch.completion_ids[rows],
+                    batch.completion_mask[rows], batch.temperatures[rows], with_entropy=False)[0] for rows in micro])
+            before = old_logp if old_logp is not None else pad_cat(pre_update_logp)
+            drift = group_token_means(before[:, : after.shape[1]] - after, batch.completion_mask, group_size)
+            dsf_ctl = update_step_kl(dsf_ctl, sum(max(d, 0.0) for d in drift) / len(drift), cfg)
+            timing["step_kl"] = time.perf_counter() - t0
+        state["controller_state"] = {name: controllers.to_dict(ctl) for name, ctl in
+                                     (("kl", kl_ctl), ("group_size", group_ctl), ("dsf", dsf_ctl)) if ctl is not None}
+
+        # ---------------------------------------------------------------------------------- 7. log
+        lengths = accelerator.gather(batch.completion_mask.sum(1).float())
+        truncated = accelerator.gather(batch.is_truncated.float())
+        temp_sum = accelerator.reduce((batch.temperatures * batch.completion_mask).sum(), reduction="sum")
         metrics = {
             "reward": float(total.mean()),
             "reward_std": float(adv_stats["reward_std"]),
@@ -405,7 +558,7 @@ def main(argv: list[str] | None = None) -> dict:
             **{f"rewards/{n}/mean": float(torch.nanmean(all_rewards[:, k])) for k, n in enumerate(reward_names)},
             **{f"rewards/{n}/std": float(all_rewards[:, k][~torch.isnan(all_rewards[:, k])].std())
                if int((~torch.isnan(all_rewards[:, k])).sum()) > 1 else 0.0 for k, n in enumerate(reward_names)},
-            "kl": float(reduced[1] / global_tokens.clamp(min=1)) if cfg.beta > 0 else 0.0,
+            "kl": kl_mean,
             "entropy": float(reduced[2] / tokens_all.clamp(min=1)),
             **{k: float(accelerator.reduce(v, reduction="sum") / global_tokens.clamp(min=1))
                for k, v in clip_sums.items()},
@@ -417,11 +570,29 @@ def main(argv: list[str] | None = None) -> dict:
             "learning_rate": learning_rate,
             "loss": float(reduced[0]),
             "grad_norm": float(grad_norm),
-            "beta": cfg.beta,
-            "epsilon": cfg.epsilon,
+            # controller fields: the values this step trained with, then each controller's state after its update
+            "beta": beta,
+            "epsilon": float(torch.as_tensor(epsilon_low).float().mean()),
+            "temperature": float(temp_sum / tokens_all.clamp(min=1)),
+            "num_generations": group_size,
             "step_time": time.perf_counter() - t_step,
             **{f"time/{k}": v for k, v in timing.items()},
         }
+        if kl_ctl is not None:
+            metrics.update({"kl_ema": kl_ctl.kl_ema, "next_beta": kl_ctl.beta, "next_epsilon": kl_ctl.epsilon})
+        if group_ctl is not None:
+            metrics.update({"zero_std_ema": group_ctl.zero_std_ema, "next_num_generations": group_ctl.num_generations})
+        if cfg.resample_schedule:
+            metrics.update({"resample_rounds": len(rounds) - 1, "resampled_prompts": resampled_prompts,
+                            "num_tokens/resampled": float(accelerator.reduce(tokens["resampled"], reduction="sum"))})
+        if dsf_ctl is not None:
+            metrics.update({"entropy_ref": dsf_ctl.entropy_ref, "uncertainty_baseline": dsf_ctl.uncertainty_baseline,
+                            "step_kl_ema": dsf_ctl.step_kl_ema,
+                            "epsilon_min": float(torch.as_tensor(epsilon_low).min()),
+                            "epsilon_max": float(torch.as_tensor(epsilon_low).max()),
+                            "vote_entropy": sum(probe_stats["vote"]) / len(probe_stats["vote"]),
+                            "probe_reward_std": sum(probe_stats["dispersion"]) / len(probe_stats["dispersion"]),
+                            "num_tokens/probe": float(accelerator.reduce(tokens["probe"], reduction="sum"))})
         error_counts = accelerator.reduce(torch.tensor([errors[n] for n in reward_names], device=device,
                                                        dtype=torch.float32), reduction="sum")
         metrics.update({f"rewards/{n}/errors": float(c) for n, c in zip(reward_names, error_counts)})
@@ -439,7 +610,7 @@ def main(argv: list[str] | None = None) -> dict:
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}",
                         step_time=f"{metrics['step_time']:.1f}s")
 
-        # ---------------------------------------------------------------------------------- 7. evaluate / save
+        # ---------------------------------------------------------------------------------- 8. evaluate / save
         if cfg.eval_steps and step % cfg.eval_steps == 0 and step < cfg.max_steps:
             evaluate(step)
         if cfg.save_steps and step % cfg.save_steps == 0 and step < cfg.max_steps:
@@ -460,6 +631,11 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {"eval": end_eval, "global_step": step}
+
+
+def per_row(value: float | torch.Tensor, rows: slice) -> float | torch.Tensor:
+    """A per-completion tensor's rows of one micro-batch, or the scalar itself."""
+    return value[rows] if isinstance(value, torch.Tensor) else value
 
 
 def pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:

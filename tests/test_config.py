@@ -3,6 +3,7 @@
 import pytest
 import yaml
 
+from conftest import REPO
 from lib.config import ConfigError, make_config, parse_config
 
 
@@ -65,3 +66,79 @@ def test_global_batch_counts_processes_and_accumulation():
         validate(make_config({"per_device_train_batch_size": 4, "num_generations": 8}), num_processes=3)
     with pytest.raises(ConfigError, match="multiple of num_generations"):
         validate(make_config({"per_device_train_batch_size": 6, "num_generations": 4}), num_processes=1)
+
+
+@pytest.mark.parametrize("algo, expected", [
+    ("agrpo", {"beta": 0.001, "kl_estimator": "symmetric", "adaptive_kl": True, "eta": 1e-3, "scale_rewards": "batch",
+               "loss_type": "dapo", "adaptive_group_size": False, "kl_target": 0.05, "kl_ema_decay": 0.9,
+               "kl_beta_rate": 0.1, "kl_epsilon_rate": 0.5, "epsilon_min": 0.1, "epsilon_max": 0.3}),
+    ("agpo", {"homogeneous_advantage": 1.0, "reward_funcs": ["accuracy", "length"], "reward_weights": [1.0, 1.0],
+              "loss_mask_zero_advantage": True, "dual_clip": None, "epsilon": 0.2}),
+    ("adagrpo", {"loss_type": "bnpo", "beta": 0.04, "scale_rewards": "group"}),
+    ("agpo_dsf", {"dsf": True, "num_iterations": 4, "beta": 0.03, "kl_estimator": "k1", "loss_type": "grpo",
+                  "dsf_tau_min": 0.5, "dsf_tau_max": 1.5, "dsf_lambda_temp": 0.15, "dsf_eps_min": 0.05,
+                  "dsf_eps_max": 0.4, "dsf_w_k": 0.0, "dsf_zeta_skew": 0.0}),
+    ("grpo", {"adaptive_kl": False, "dsf": False, "resample_schedule": None, "eta": 0.0, "homogeneous_advantage": 0.0}),
+])
+def test_method_presets_set_section_9_defaults(algo, expected):
+    cfg = make_config({"algo": algo})
+    for key, value in expected.items():
+        assert getattr(cfg, key) == value, key
+    if algo == "adagrpo":
+        assert [len(t["params"]) for t in cfg.resample_schedule] == [2, 4, 8, 16]
+
+
+def test_user_keys_override_a_preset_and_config_yaml_records_the_resolved_values(tmp_path):
+    from lib.config import save_yaml
+
+    cfg = parse_config(["--algo", "agrpo", "--eta", "0", "--kl_target", "0.1", "--resample_schedule",
+                        '[{"step": 3, "params": [{"temperature": 1.2, "top_p": 0.95}]}]'])
+    assert cfg.eta == 0.0 and cfg.kl_target == 0.1 and cfg.adaptive_kl is True and cfg.beta == 0.001
+    assert cfg.resample_schedule == [{"step": 3, "params": [{"temperature": 1.2, "top_p": 0.95}]}]
+    save_yaml(cfg, tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["algo"] == "agrpo" and saved["kl_estimator"] == "symmetric" and saved["eta"] == 0.0
+    assert saved["resample_schedule"][0]["params"][0]["temperature"] == 1.2
+    # and the saved file, read back as a recipe, gives the same configuration
+    assert parse_config(["--config", str(tmp_path / "config.yaml")]) == cfg
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"algo": "agrpo", "beta": 0.0}, "adaptive_kl scales beta multiplicatively"),
+    ({"adaptive_kl": True, "beta_min": 0.5, "beta_max": 0.1}, "beta_min .* must not exceed beta_max"),
+    ({"dual_clip": 1.0}, "dual_clip must be > 1"),
+    ({"eta": -0.1}, "eta must be >= 0"),
+    ({"scale_rewards": "mix", "scale_rewards_mix": 2.0}, r"scale_rewards_mix must be in \[0.0, 1.0\]"),
+    ({"reward_dispersion": "var"}, "reward_dispersion: 'var' is not one of std, mad, iqr"),
+    ({"resample_schedule": "[{step: 0, params: []}]"}, r"resample_schedule\[0\].step must be an integer >= 1"),
+    ({"resample_schedule": "not a list"}, "resample_schedule: cannot read"),
+    ({"answer_marker": "Answer:", "answer_temperature": 0}, "answer_temperature must be > 0"),
+    ({"dsf": True, "dsf_tau_min": 2.0}, "dsf_tau_min .* must be > 0 and <= dsf_tau_max"),
+    ({"algo": "agpo_dsf", "save_steps": 6}, "save_steps .6. must be a multiple of num_iterations .4."),
+    ({"overlong_buffer_length": 100}, "overlong_buffer_length .100. must not exceed max_completion_length .64."),
+    ({"adaptive_group_size": True, "num_generations": 32}, "num_generations .32. must not exceed group_size_max"),
+])
+def test_bad_method_values_fail_with_the_field_and_the_fix(values, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config(values)
+
+
+def test_adaptive_group_size_needs_a_batch_that_splits_into_every_reachable_size():
+    from lib.config import reachable_group_sizes, validate
+
+    cfg = make_config({"adaptive_group_size": True, "num_generations": 8, "per_device_train_batch_size": 16})
+    assert reachable_group_sizes(cfg) == [4, 8, 16]
+    validate(cfg, num_processes=1)
+    small = make_config({"adaptive_group_size": True, "num_generations": 8, "per_device_train_batch_size": 8})
+    with pytest.raises(ConfigError, match=r"reach group sizes \[4, 8, 16\].*groups of \[16\]"):
+        validate(small, num_processes=1)
+    validate(small, num_processes=2)  # two processes: a global batch of 16
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "scripts" / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_parses_and_validates(recipe):
+    from lib.config import validate
+
+    cfg = parse_config(["--config", str(recipe)])
+    validate(cfg, num_processes=1)
+    assert recipe.name.startswith(cfg.algo + "_")  # the file says which method it runs

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from lib.losses import (aggregate_loss, clipped_surrogate, group_advantages, kl_penalty, masked_mean,
-                        token_logps_and_entropy)
+from lib.losses import (aggregate_loss, clipped_surrogate, dispersion, group_advantages, group_skewness, kl_penalty,
+                        masked_mean, token_logps_and_entropy)
 
 
 def test_group_advantages_group_scaling_matches_hand_values():
@@ -199,3 +199,126 @@ def test_chunked_logps_match_full_log_softmax_with_per_token_temperature():
 def test_masked_mean():
     assert masked_mean(torch.tensor([1.0, 2.0, 9.0]), torch.tensor([1, 1, 0])).item() == 1.5
     assert masked_mean(torch.tensor([1.0]), torch.tensor([0])).item() == 0.0
+
+
+# ---- adaptive-method parts (ALGORITHMS.md 2-5) ----------------------------------------------------------------------
+
+def test_dispersion_std_mad_iqr_hand_values_and_robust_fallback():
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 10.0]])
+    # std: mean 4, squared deviations 9+4+1+0+36 = 50, / 4 -> 12.5
+    assert dispersion(values, "std", dim=1).item() == pytest.approx(math.sqrt(12.5))
+    # mad: median 3, |r - 3| = 2,1,0,1,7 -> median 1, times 1.4826
+    assert dispersion(values, "mad", dim=1).item() == pytest.approx(1.4826)
+    # iqr: q25 = 2, q75 = 4 (linear interpolation on 5 points), (4 - 2) / 1.349
+    assert dispersion(values, "iqr", dim=1).item() == pytest.approx(2 / 1.349)
+    # one correct answer among wrong ones: MAD and IQR are 0, so the std (0.5) is used, as AGPO-DSF does
+    lone = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    assert dispersion(lone, "mad", dim=1).item() == pytest.approx(0.5)
+    # IQR of [1, 0, 0, 0]: q75 interpolates to 0.25; of one 1 among eight it is 0 -> the std, sqrt(1/8)
+    assert dispersion(lone, "iqr", dim=1).item() == pytest.approx(0.25 / 1.349)
+    assert dispersion(torch.tensor([[1.0] + [0.0] * 7]), "iqr", dim=1).item() == pytest.approx(math.sqrt(1 / 8))
+    # NaN entries (absent resampling rounds) are left out
+    assert dispersion(torch.tensor([[1.0, float("nan"), 3.0]]), "std", dim=1).item() == pytest.approx(math.sqrt(2))
+    with pytest.raises(ValueError, match="dispersion"):
+        dispersion(values, "var")
+
+
+def test_mixed_scaling_is_the_weighted_sum_of_group_and_batch():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    by_group, _ = group_advantages(rewards, 4, "group")
+    by_batch, _ = group_advantages(rewards, 4, "batch")
+    mixed, _ = group_advantages(rewards, 4, "mix", mix_weight=0.25)
+    assert torch.allclose(mixed, 0.25 * by_group + 0.75 * by_batch)
+
+
+def test_adagrpo_pooled_statistics_upstream_vector():
+    # ALGORITHMS.md 4.1: first round [-2, -2, -2, -2], the retry [5, -2, -2, -2]; pooled mean -1.125, pooled unbiased
+    # std sqrt((7 * 0.875^2 + 6.125^2) / 7) = 2.4749 -> A = [2.47, -0.35, -0.35, -0.35] (plain GRPO: [1.5, -0.5, ...])
+    last = torch.tensor([5.0, -2.0, -2.0, -2.0])
+    pooled = torch.tensor([[-2.0, -2.0, -2.0, -2.0, 5.0, -2.0, -2.0, -2.0]])
+    adv, _ = group_advantages(last, 4, "group", pooled=pooled)
+    assert adv.tolist() == pytest.approx([6.125 / (2.474874 + 1e-4), -0.875 / (2.474874 + 1e-4),
+                                          -0.875 / (2.474874 + 1e-4), -0.875 / (2.474874 + 1e-4)], rel=1e-5)
+    assert [round(a, 2) for a in adv.tolist()] == [2.47, -0.35, -0.35, -0.35]
+    plain, _ = group_advantages(last, 4, "group")
+    assert plain.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], rel=1e-3)
+    # a prompt that was not resampled has NaN in the extra round: its statistics are its own group's
+    two = torch.tensor([1.0, 0.0, 0.0, 0.0, 5.0, -2.0, -2.0, -2.0])
+    pool = torch.tensor([[1.0, 0.0, 0.0, 0.0] + [float("nan")] * 4, [-2.0] * 4 + [5.0, -2.0, -2.0, -2.0]])
+    adv2, _ = group_advantages(two, 4, "group", pooled=pool)
+    assert adv2[:4].tolist() == pytest.approx(group_advantages(two[:4], 4, "group")[0].tolist())
+    assert adv2[4:].tolist() == pytest.approx(adv.tolist())
+
+
+def test_agpo_homogeneous_groups_get_plus_minus_one_judged_on_correctness():
+    # rewards = accuracy + a length term: no group has equal totals, but groups 1 and 2 are homogeneous in accuracy
+    rewards = torch.tensor([1.2, 1.0, 0.8, 1.1, -0.1, 0.0, -0.3, -0.2, 1.0, 0.0, 0.0, 0.0])
+    correct = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0], dtype=torch.bool)
+    adv, _ = group_advantages(rewards, 4, "group", correct=correct, homogeneous_value=1.0)
+    assert adv[:4].tolist() == [1.0] * 4 and adv[4:8].tolist() == [-1.0] * 4
+    # the mixed group keeps its z-score
+    assert adv[8:].tolist() == pytest.approx(group_advantages(rewards[8:], 4, "group")[0].tolist())
+    with pytest.raises(ValueError, match="correct"):
+        group_advantages(rewards, 4, homogeneous_value=1.0)
+
+
+def test_group_skewness_hand_value_and_clamp():
+    # [1, 0, 0, 0]: mean 0.25, Bessel std 0.5, z = [1.5, -0.5, -0.5, -0.5], mean z^3 = (3.375 - 0.375) / 4 = 0.75,
+    # adjusted by sqrt(4 * 3) / 2 -> 1.299; a flat group has skewness 0
+    skew = group_skewness(torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, 1.0, 1.0, 1.0]]))
+    assert skew.tolist() == pytest.approx([0.75 * math.sqrt(12) / 2, 0.0, -0.75 * math.sqrt(12) / 2], rel=1e-5)
+    assert group_skewness(torch.tensor([[0.0] * 15 + [1.0]]), max_abs=2.0).item() == 2.0
+
+
+def test_per_completion_clip_range():
+    logp = torch.log(torch.tensor([[1.5, 0.7], [1.5, 0.7]]))
+    old = torch.zeros(2, 2)
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.ones(2, 2)
+    eps = torch.tensor([0.1, 0.4])
+    loss, stats = clipped_surrogate(logp, old, adv, mask, eps, eps)
+    # row 0 (eps 0.1, A = 1): min(1.5, 1.1) = 1.1 and min(0.7, 0.7) = 0.7; row 1 (eps 0.4, A = -1):
+    # -min(-1.5, -1.4) = 1.5 and -min(-0.7, -0.7) = 0.7
+    assert loss.flatten().tolist() == pytest.approx([-1.1, -0.7, 1.5, 0.7])
+    assert float(stats["clip_ratio/high_mean"]) == pytest.approx(0.25)  # row 0's 1.5 > 1.1
+
+
+def test_dual_clip_caps_negative_advantage_losses():
+    logp = torch.log(torch.tensor([[5.0, 1.2, 5.0]]))
+    old = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    # A = -2: plain PPO loss is max(rho, clip(rho)) * 2 = 10, 2.4, 10; the dual clip caps at c |A| = 3 * 2 = 6
+    loss, stats = clipped_surrogate(logp, old, torch.tensor([-2.0]), mask, 0.2, 0.2, dual_clip=3.0)
+    assert loss.flatten().tolist() == pytest.approx([6.0, 2.4, 6.0])
+    assert float(stats["clip_ratio/dual_mean"]) == pytest.approx(2 / 3)
+    # positive advantages are untouched
+    pos, _ = clipped_surrogate(logp, old, torch.tensor([2.0]), mask, 0.2, 0.2, dual_clip=3.0)
+    assert pos.flatten().tolist() == pytest.approx([-2.4, -2.4, -2.4])
+    # the capped tokens get no gradient
+    leaf = logp.clone().requires_grad_(True)
+    capped, _ = clipped_surrogate(leaf, old, torch.tensor([-2.0]), mask, 0.2, 0.2, dual_clip=3.0)
+    capped.sum().backward()
+    assert leaf.grad[0, 0] == 0 and leaf.grad[0, 2] == 0 and leaf.grad[0, 1] != 0
+
+
+def test_entropy_bonus_gradient_chunked_equals_full_and_unit_temperature():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    hidden = torch.randn(12, 8, requires_grad=True)
+    ids = torch.randint(0, 50, (12,))
+    temps = torch.linspace(0.5, 1.5, 12)
+    # reference: the full [12 x 50] distribution at once
+    logp_all = torch.log_softmax(head(hidden) / temps[:, None], dim=1)
+    want = -(logp_all.exp() * logp_all).sum(1)
+    (grad_want,) = torch.autograd.grad(want.sum(), hidden)
+    # chunks of 3 rows (150 elements): recomputed in backward, never the whole matrix
+    _, got = token_logps_and_entropy(hidden, head, ids, temps, chunk_elements=150, entropy_grad=True)
+    (grad_got,) = torch.autograd.grad(got.sum(), hidden)
+    assert torch.allclose(got, want, atol=1e-6) and torch.allclose(grad_got, grad_want, atol=1e-6)
+    # detached by default
+    _, plain = token_logps_and_entropy(hidden, head, ids, temps)
+    assert not plain.requires_grad
+    # the model's own entropy (temperature 1), whatever temperature the tokens were sampled at
+    _, unit = token_logps_and_entropy(hidden, head, ids, temps, entropy_at_unit_temperature=True)
+    own = torch.log_softmax(head(hidden), dim=1)
+    assert torch.allclose(unit, -(own.exp() * own).sum(1), atol=1e-6)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from lib.data import format_prompt, tokenize_prompts
+from lib.data import builtin_task, format_prompt, tokenize_prompts
 from lib.modeling import load_policy
-from lib.rollout import HFRollout, sample_next_token
+from lib.rollout import AnswerPhase, HFRollout, Rollout, replace_completions, sample_next_token
 
 PROBLEMS = ["Mia has 4 apples. Mia gets 3 more apples. How many apples does Mia have now?",
             "What is 12 + 7?"]
@@ -72,3 +72,61 @@ def test_sampler_respects_temperature_top_k_and_top_p():
     # a low temperature sharpens: token 0 dominates
     cold = sample_next_token(logits, torch.full((4000,), 0.2), top_p=1.0, top_k=0, generator=gen)
     assert (cold == 0).float().mean() > 0.9
+
+
+def test_per_row_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    gen = torch.Generator().manual_seed(1)
+    top_p = torch.tensor([0.4, 1.0]).repeat(2000)  # even rows keep only the top token, odd rows everything
+    draws = sample_next_token(logits, torch.ones(4000), top_p=top_p, top_k=0, generator=gen)
+    assert set(draws[0::2].tolist()) == {0}
+    assert set(draws[1::2].tolist()) == {0, 1, 2, 3}
+
+
+def test_answer_phase_switches_each_sequence_after_its_marker(embedded_model, tokenizer):
+    policy = load_policy(embedded_model)
+    problems, _ = builtin_task(seed=5, num_train=8, num_eval=1)
+    ids, mask = tokenize_prompts(tokenizer, [format_prompt(tokenizer, r["problem"]) for r in problems], 256)
+    assert len(AnswerPhase.from_text(tokenizer, "Answer:", 0.3).marker_ids) >= 2  # after a space or a newline
+    # the sampled demo model rarely writes "Answer:" at 0.8; " is" it writes in nearly every completion, which is
+    # what this test needs: the switch itself, at the right token, per sequence
+    phase = AnswerPhase.from_text(tokenizer, "is", temperature=0.3, top_p=0.9)
+    backend = HFRollout(policy, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=0)
+    out = backend.generate(ids, mask, 2, 48, temperature=0.8, answer_phase=phase)
+    switched = 0
+    for row in range(out.completion_ids.shape[0]):
+        n = int(out.completion_mask[row].sum())
+        tokens = out.completion_ids[row, :n].tolist()
+        # the first position right after a complete marker, found independently of the sampler
+        after = next((t + 1 for t in range(n) for m in phase.marker_ids
+                      if t + 1 >= len(m) and tuple(tokens[t + 1 - len(m) : t + 1]) == m), n)
+        temps = out.temperatures[row, :n].tolist()
+        assert temps[:after] == pytest.approx([0.8] * after) and temps[after:] == pytest.approx([0.3] * (n - after))
+        assert (out.temperatures[row, n:] == 0).all()
+        if after < n:
+            assert tokenizer.decode(tokens[:after]).endswith("is")
+            switched += 1
+    assert switched >= 4, "the marker was written in too few completions; the switch was hardly exercised"
+    # greedy ignores the phase: every token at temperature 0
+    greedy = backend.generate(ids, mask, 1, 16, greedy=True, answer_phase=phase)
+    assert (greedy.temperatures == 0).all()
+
+
+def test_replace_completions_swaps_groups_and_pads_to_the_longer_width():
+    def rollout(ids, lengths, temp):
+        ids = torch.tensor(ids)
+        mask = (torch.arange(ids.shape[1])[None, :] < torch.tensor(lengths)[:, None]).long()
+        return Rollout(prompt_ids=torch.zeros(2, 3, dtype=torch.long), prompt_mask=torch.ones(2, 3, dtype=torch.long),
+                       completion_ids=ids, completion_mask=mask, is_truncated=torch.tensor([False] * len(lengths)),
+                       temperatures=temp * mask.float(), prompt_index=torch.tensor([0, 0, 1, 1][: len(lengths)]))
+
+    batch = rollout([[1, 2, 0], [3, 0, 0], [4, 5, 6], [7, 0, 0]], [2, 1, 3, 1], 0.7)
+    new = rollout([[8, 8, 8, 8], [9, 0, 0, 0]], [4, 1], 1.1)
+    merged = replace_completions(batch, torch.tensor([0, 1]), new, pad_token_id=0)
+    assert merged.completion_ids.tolist() == [[8, 8, 8, 8], [9, 0, 0, 0], [4, 5, 6, 0], [7, 0, 0, 0]]
+    assert merged.completion_mask.sum(1).tolist() == [4, 1, 3, 1]
+    assert merged.temperatures[:, 0].tolist() == pytest.approx([1.1, 1.1, 0.7, 0.7])
+    assert merged.prompt_index.tolist() == [0, 0, 1, 1]
+    # shorter replacements shrink the width to the longest kept completion
+    short = replace_completions(batch, torch.tensor([2, 3]), rollout([[1, 0], [1, 0]], [1, 1], 1.0), 0)
+    assert short.completion_ids.shape == (4, 2)

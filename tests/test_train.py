@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -210,3 +211,78 @@ def test_num_iterations_reuses_a_generation_batch_with_gspo_dapo_options(tmp_pat
     assert train[1]["reward"] == train[0]["reward"]
     assert train[0]["kl"] == 0.0 and "time/generation" not in train[1]
     assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["data_position"] == 2
+
+
+# every preset: the fields its controllers log, besides beta / epsilon / temperature / num_generations
+PRESET_FIELDS = {
+    "grpo": [], "dapo": [], "dr_grpo": [], "gspo": [],
+    "agrpo": ["kl_ema", "next_beta", "next_epsilon"],
+    "agpo": ["rewards/length/mean"],
+    "adagrpo": ["resample_rounds", "resampled_prompts", "num_tokens/resampled"],
+    "agpo_dsf": ["entropy_ref", "uncertainty_baseline", "step_kl_ema", "vote_entropy", "probe_reward_std",
+                 "num_tokens/probe", "epsilon_min", "epsilon_max"],
+}
+
+
+@pytest.mark.parametrize("algo", list(PRESET_FIELDS))
+def test_every_preset_trains_changes_the_model_and_logs_its_controllers(algo, tmp_path, embedded_model):
+    from safetensors.torch import load_file
+
+    from lib.config import PRESETS
+
+    assert set(PRESET_FIELDS) == set(PRESETS)
+    out = tmp_path / algo
+    steps = 4 if algo == "agpo_dsf" else 2  # AGPO-DSF: 4 updates per generation batch; its step KL comes after them
+    run(TINY + ["--algo", algo, "--max_steps", str(steps), "--output_dir", str(out), "--num_eval_samples", "4"],
+        tmp_path)
+    assert yaml.safe_load((out / "config.yaml").read_text())["algo"] == algo
+    train = [m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m]
+    assert [m["step"] for m in train] == list(range(1, steps + 1))
+    for key in ["beta", "epsilon", "temperature", "num_generations"] + PRESET_FIELDS[algo]:
+        assert all(key in m for m in train), key
+    final, base = load_file(out / "final" / "model.safetensors"), load_file(embedded_model / "model.safetensors")
+    assert sum(not torch.equal(final[k], base[k]) for k in base) > 100, "training did not change the parameters"
+    if algo == "agrpo":  # each step trains with the beta / epsilon the previous step's update set
+        assert train[1]["beta"] == train[0]["next_beta"] and train[1]["epsilon"] == train[0]["next_epsilon"]
+        assert train[0]["beta"] == 0.001 and train[0]["epsilon"] == 0.2
+    if algo == "adagrpo":  # discarded rounds count in the generated-token budget
+        assert train[0]["num_tokens"] >= 8 + train[0]["num_tokens/resampled"]
+        assert train[0]["resample_rounds"] <= 2
+    if algo == "agpo_dsf":
+        assert len({m["epsilon"] for m in train}) == 1  # one clip range per group, frozen over the 4 updates
+        assert [m["step_kl_ema"] for m in train[:3]] == [0.0] * 3 and train[3]["step_kl_ema"] > 0
+        assert all(0.5 <= m["temperature"] <= 1.5 for m in train)
+        assert 0 < train[0]["num_tokens/probe"] < train[0]["num_tokens"]
+        assert len({m["num_tokens"] for m in train}) == 1  # one generation batch for the 4 updates
+
+
+def test_resume_continues_with_exactly_the_controller_state(tmp_path):
+    # every controller at once: A-GRPO's beta/epsilon and group size, adaGRPO's retries, AGPO-DSF's three averages
+    args = TINY + ["--algo", "agpo_dsf", "--adaptive_kl", "true", "--adaptive_group_size", "true",
+                   "--group_size_min", "2", "--group_size_max", "8", "--num_iterations", "2", "--max_steps", "4",
+                   "--save_steps", "2", "--resample_schedule", '[{"step": 1, "params": [{"temperature": 1.0}]}]']
+    reference = tmp_path / "uninterrupted"
+    run(args + ["--output_dir", str(reference)], tmp_path)
+    saved = json.loads((reference / "checkpoint-2" / "trainer_state.json").read_text())["controller_state"]
+    assert set(saved) == {"kl", "group_size", "dsf"} and saved["dsf"]["step_kl_ema"] > 0
+
+    # the same run, stopped after its step-2 checkpoint, then resumed from it
+    out = tmp_path / "resumed"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("checkpoint-4", "final"))
+    run(args + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"], tmp_path)
+    got = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m}
+    want = {m["step"]: m for m in read_jsonl(reference / "metrics.jsonl") if "reward" in m}
+    assert sorted(got) == [1, 2, 3, 4]
+    # what step 3 trains with comes straight from the saved state: exactly equal, and not the configured start
+    for key in ("beta", "num_generations", "temperature"):
+        assert got[3][key] == want[3][key], key
+    assert want[3]["beta"] != 0.03
+    for step in (3, 4):
+        for key in ("epsilon", "kl_ema", "next_beta", "entropy_ref", "uncertainty_baseline", "step_kl_ema",
+                    "zero_std_ema", "reward", "num_tokens", "resample_rounds"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-7), (step, key)
+    final_got = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["controller_state"]
+    final_want = json.loads((reference / "checkpoint-4" / "trainer_state.json").read_text())["controller_state"]
+    assert final_got["group_size"] == final_want["group_size"]
+    for name in ("kl", "dsf"):
+        assert final_got[name] == pytest.approx(final_want[name], rel=1e-4, abs=1e-7), name

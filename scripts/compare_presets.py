@@ -1,0 +1,93 @@
+"""Train every method preset with the same steps, seed and data, then print one table of what each did.
+
+    python scripts/compare_presets.py                               # all presets, 20 steps each, the CPU demo
+    python scripts/compare_presets.py --algos grpo agrpo --max_steps 40 -- --learning_rate 1e-5
+
+Each preset runs `train_agrpo.py --algo <name>` into `<output_dir>/<name>/` (arguments after `--` go to every run),
+one after the other. A run that already has its `final/` folder is not run again, so an interrupted comparison
+continues where it stopped. The table (markdown, also written to `<output_dir>/presets.md`) has, per preset:
+greedy held-out accuracy before and after, and over the last five steps the mean KL to the reference (in the
+preset's own estimator: k3, symmetric or k1; none when beta is 0), the entropy of the sampling distribution, the
+completion length, and the tokens generated in all (probe groups and discarded resampling rounds included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from lib.config import PRESETS  # noqa: E402  (the repository root is put on the path just above)
+
+LAST = 5  # steps averaged for the end-of-run columns
+
+
+def run_preset(algo: str, out: Path, max_steps: int, extra: list[str]) -> float | None:
+    """Train one preset unless its run is complete; returns the wall time in seconds (None if it was skipped)."""
+    if (out / "final").exists():
+        return None
+    command = [sys.executable, str(REPO / "train_agrpo.py"), "--algo", algo, "--max_steps", str(max_steps),
+               "--output_dir", str(out)]
+    if (out / "metrics.jsonl").exists():  # interrupted: continue from its checkpoint, or start over without one
+        has_checkpoint = any(out.glob("checkpoint-*/trainer_state.json"))
+        command += ["--resume_from_checkpoint", "latest"] if has_checkpoint else ["--overwrite_output_dir", "true"]
+    start = time.perf_counter()
+    subprocess.run(command + extra, check=True)
+    return time.perf_counter() - start
+
+
+def summarize_run(out: Path) -> dict:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [m for m in lines if "eval/accuracy" in m]
+    train = [m for m in lines if "reward" in m][-LAST:]
+    config = yaml.safe_load((out / "config.yaml").read_text())
+
+    def mean(key: str) -> float:
+        return sum(m[key] for m in train) / len(train)
+
+    return {"start": evals[0]["eval/accuracy"], "end": evals[-1]["eval/accuracy"],
+            "kl": mean("kl") if config["beta"] > 0 else None, "estimator": config["kl_estimator"],
+            "entropy": mean("entropy"), "length": mean("completions/mean_length"),
+            "tokens": train[-1]["num_tokens"], "steps": train[-1]["step"]}
+
+
+def table(rows: dict[str, dict]) -> str:
+    head = ("| preset | accuracy start | accuracy end | change | KL (estimator) | entropy | length | "
+            "generated tokens |\n|---|---|---|---|---|---|---|---|\n")
+    body = ""
+    for algo, r in rows.items():
+        kl = f"{r['kl']:.4f} ({r['estimator']})" if r["kl"] is not None else "- (beta 0)"
+        body += (f"| {algo} | {r['start']:.1%} | {r['end']:.1%} | {100 * (r['end'] - r['start']):+.1f} pts | {kl} | "
+                 f"{r['entropy']:.3f} | {r['length']:.1f} | {r['tokens']:,} |\n")
+    return head + body
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algos", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    parser.add_argument("--max_steps", type=int, default=20)
+    parser.add_argument("--output_dir", default="runs/presets")
+    args, extra = parser.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    root = Path(args.output_dir)
+    rows = {}
+    for algo in args.algos:
+        seconds = run_preset(algo, root / algo, args.max_steps, extra)
+        if seconds is not None:
+            print(f"{algo}: {seconds / 60:.1f} min", flush=True)
+        rows[algo] = summarize_run(root / algo)
+    text = table(rows)
+    (root / "presets.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Hand-computed values for the adaptive controllers in lib/controllers.py (ALGORITHMS.md 2.2, 4, 5), including the
+upstream AGPO-DSF unit-test vectors; directions and bounds of every update; state round trips."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from lib import controllers
+from lib.config import make_config
+from lib.controllers import (ADAGRPO_SCHEDULE, DSFState, GroupSizeState, KLControllerState, dsf_clip_range,
+                             dsf_clip_ranges, dsf_temperatures, dsf_uncertainty, init_kl_controller,
+                             parse_resample_schedule, resample_plan, update_group_size, update_kl_controller,
+                             update_step_kl, vote_entropy)
+
+
+def agrpo_cfg(**overrides):
+    return make_config({"algo": "agrpo", **overrides})
+
+
+# ---- A-GRPO: beta_t and epsilon_t ------------------------------------------------------------------------------------
+
+def test_kl_controller_hand_values():
+    cfg = agrpo_cfg()  # beta 0.001, eps 0.2, target 0.05, decay 0.9, k_beta 0.1, k_eps 0.5
+    state = init_kl_controller(cfg)
+    assert state == KLControllerState(beta=0.001, epsilon=0.2, kl_ema=None)
+    # first observation 0.06: K = 0.06 (no history), e = 0.06 / 0.05 - 1 = 0.2 (at the clip)
+    state = update_kl_controller(state, 0.06, cfg)
+    assert state.kl_ema == pytest.approx(0.06)
+    assert state.beta == pytest.approx(0.001 * (1 + 0.1 * 0.2))
+    assert state.epsilon == pytest.approx(0.2 * (1 - 0.5 * 0.2))
+    # second observation 0.04: K = 0.9 * 0.06 + 0.1 * 0.04 = 0.058, e = 0.16
+    state = update_kl_controller(state, 0.04, cfg)
+    assert state.kl_ema == pytest.approx(0.058)
+    assert state.beta == pytest.approx(0.001 * 1.02 * (1 + 0.1 * 0.16))
+    assert state.epsilon == pytest.approx(0.2 * (1 - 0.5 * 0.16))  # from eps_0, not from the last eps
+
+
+def test_kl_controller_directions_and_bounds():
+    cfg = agrpo_cfg(beta=0.5)
+    high = low = init_kl_controller(cfg)
+    for _ in range(600):  # 0.98^600 * 0.5 is far below beta_min
+        high = update_kl_controller(high, 1.0, cfg)  # KL far above target
+        low = update_kl_controller(low, 0.0, cfg)  # far below
+    assert high.beta == cfg.beta_max and high.epsilon == pytest.approx(0.2 * 0.9)  # shrinks the trust region
+    assert low.beta == cfg.beta_min and low.epsilon == pytest.approx(0.2 * 1.1)  # widens it
+    tight = agrpo_cfg(epsilon_min=0.19, epsilon_max=0.21)
+    assert update_kl_controller(init_kl_controller(tight), 1.0, tight).epsilon == 0.19
+    assert update_kl_controller(init_kl_controller(tight), 0.0, tight).epsilon == 0.21
+
+
+def test_group_size_controller_doubles_halves_and_stays_in_bounds():
+    cfg = SimpleNamespace(group_size_min=4, group_size_max=16)
+    state = update_group_size(GroupSizeState(num_generations=8), 0.8, cfg)  # EMA starts at the first value
+    assert state == GroupSizeState(num_generations=16, zero_std_ema=0.8)
+    assert update_group_size(state, 1.0, cfg).num_generations == 16  # at the cap
+    # 0.9 * 0.8 + 0.1 * 0.0 = 0.72 > 0.5: still doubling pressure; the average moves slowly
+    assert update_group_size(state, 0.0, cfg).zero_std_ema == pytest.approx(0.72)
+    calm = update_group_size(GroupSizeState(num_generations=8), 0.05, cfg)
+    assert calm.num_generations == 4
+    assert update_group_size(calm, 0.0, cfg).num_generations == 4  # at the floor
+    middle = update_group_size(GroupSizeState(num_generations=8), 0.3, cfg)
+    assert middle.num_generations == 8
+
+
+# ---- adaGRPO: the retry schedule -------------------------------------------------------------------------------------
+
+def test_upstream_schedule_budgets_and_parameters():
+    schedule = parse_resample_schedule(ADAGRPO_SCHEDULE)
+    assert [len(t["params"]) for t in schedule] == [2, 4, 8, 16]
+    assert resample_plan(schedule, 1, 0.7, 1.0) == [{"temperature": 1.0, "top_p": 1.0}] * 2
+    assert resample_plan(schedule, 99, 0.7, 1.0) == resample_plan(schedule, 1, 0.7, 1.0)
+    at_100 = resample_plan(schedule, 100, 0.7, 1.0)  # the trigger applies from its own step
+    assert at_100[2:] == [{"temperature": 1.1, "top_p": 0.99}] * 2
+    late = resample_plan(schedule, 700, 0.7, 1.0)
+    assert late[-1] == {"temperature": 1.3, "top_p": 0.97} and len(late) == 16
+    # before the first trigger: no retries; keys a retry does not set keep the run's own values
+    assert resample_plan([{"step": 5, "params": [{"top_p": 0.9}]}], 4, 0.7, 1.0) == []
+    assert resample_plan([{"step": 5, "params": [{"top_p": 0.9}]}], 5, 0.7, 1.0) == [{"temperature": 0.7,
+                                                                                      "top_p": 0.9}]
+
+
+@pytest.mark.parametrize("schedule, message", [
+    ([{"step": 0, "params": []}], "step must be an integer >= 1"),
+    ([{"step": 1}], "exactly the keys"),
+    ([{"step": 1, "params": [{"top_k": 5}]}], "may set only temperature, top_p"),
+    ([{"step": 1, "params": [{"temperature": 0}]}], "temperature > 0"),
+    ([{"step": 1, "params": {"temperature": 1.0}}], "one mapping per retry"),
+])
+def test_bad_schedules_name_the_entry(schedule, message):
+    with pytest.raises(ValueError, match=message):
+        parse_resample_schedule(schedule)
+
+
+# ---- AGPO-DSF --------------------------------------------------------------------------------------------------------
+
+def dsf_cfg(**overrides):
+    return make_config({"algo": "agpo_dsf", "temperature": 1.0, **overrides})
+
+
+def test_dsf_upstream_vectors():
+    # upstream tests/train/test_agpo_trainer.py: centred(2.0, ema 1.0, alpha 0.25) -> c = 1.0, baseline 1.25
+    cfg = dsf_cfg(dsf_ema_alpha=0.25, dsf_lambda_temp=0.2)
+    state, temps, centred = dsf_temperatures(DSFState(uncertainty_baseline=1.0), [2.0], cfg)
+    assert centred[0] == pytest.approx(1.0) and state.uncertainty_baseline == pytest.approx(1.25)
+    # tau(1.0, lambda 0.2, c 1) = 1.2
+    assert temps[0] == pytest.approx(1.2)
+    # eps(0.2, sigma .4, |kappa| .3, H 1.5, H_ref 1.0, E .7, KL .2, alpha 1, gamma .5, delta .1, zeta .2, h in [.5, 2])
+    # = 0.2 * 1.5 * 1.07 / 1.56 = 0.2058
+    clip = dsf_cfg(dsf_alpha_var=1.0, dsf_gamma_stepkl=0.5, dsf_delta_probe_entropy=0.1, dsf_zeta_skew=0.2,
+                   dsf_entropy_h_min=0.5, dsf_entropy_h_max=2.0)
+    eps = dsf_clip_range(entropy=1.5, entropy_ref=1.0, dispersion=0.4, vote=0.7, skewness=-0.3, step_kl=0.2, cfg=clip)
+    assert eps == pytest.approx(0.2 * 1.5 * 1.07 / 1.56, rel=1e-6) and round(eps, 4) == 0.2058
+
+
+def test_dsf_temperature_first_prompt_sets_the_baseline_and_heats_or_cools():
+    cfg = dsf_cfg()  # tau_base 1.0, lambda 0.15, alpha 0.1, tau in [0.5, 1.5]
+    state, temps, centred = dsf_temperatures(DSFState(), [0.8, 1.6, 0.4, 50.0], cfg)
+    # prompt 1 initialises: c 0, tau 1.0, baseline 0.8; prompt 2: c = (1.6 - 0.8) / 0.8 = 1 -> tau 1.15, baseline
+    # 0.1 * 1.6 + 0.9 * 0.8 = 0.88; prompt 3: c = (0.4 - 0.88) / 0.88 -> cooler; prompt 4: far above -> tau_max
+    assert centred[:2] == pytest.approx([0.0, 1.0])
+    assert temps[:2] == pytest.approx([1.0, 1.15])
+    assert centred[2] == pytest.approx((0.4 - 0.88) / 0.88) and temps[2] < 1.0
+    assert temps[3] == cfg.dsf_tau_max
+    assert state.uncertainty_baseline == pytest.approx(0.1 * 50.0 + 0.9 * (0.1 * 0.4 + 0.9 * 0.88))
+    cold, temps_cold, _ = dsf_temperatures(DSFState(uncertainty_baseline=10.0), [0.0], dsf_cfg(dsf_lambda_temp=5.0))
+    assert temps_cold == [cfg.dsf_tau_min]
+
+
+def test_dsf_clip_ranges_move_the_entropy_reference_in_order_and_respect_bounds():
+    cfg = dsf_cfg()  # eps 0.2, h in [0.5, 1.5], alpha_var 1, gamma 0.5, delta 0.1, zeta 0, H-bar weight 0.01
+    state, ranges = dsf_clip_ranges(DSFState(), [2.0, 3.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], cfg)
+    # group 1: no reference yet, H_ref = H -> g 1 -> eps 0.2; H-bar <- 2.0; group 2: g = 3 / 2 = 1.5 -> 0.3
+    assert ranges == pytest.approx([0.2, 0.3], rel=1e-6)
+    assert state.entropy_ref == pytest.approx(0.01 * 3.0 + 0.99 * 2.0)
+    # more reward spread and drift narrow it, down to eps_min; disagreeing probe answers widen it, up to eps_max
+    assert dsf_clip_range(1.0, 1.0, dispersion=0.5, vote=0.0, skewness=0.0, step_kl=0.0, cfg=cfg) < 0.2
+    assert dsf_clip_range(1.0, 1.0, dispersion=0.0, vote=2.0, skewness=0.0, step_kl=0.0, cfg=cfg) > 0.2
+    assert dsf_clip_range(0.1, 1.0, dispersion=9.0, vote=0.0, skewness=0.0, step_kl=9.0, cfg=cfg) == cfg.dsf_eps_min
+    assert dsf_clip_range(9.0, 1.0, dispersion=0.0, vote=99.0, skewness=0.0, step_kl=0.0, cfg=cfg) == cfg.dsf_eps_max
+    # the last update's drift enters through the state
+    drifted = DSFState(entropy_ref=1.0, step_kl_ema=0.4)
+    _, (narrow,) = dsf_clip_ranges(drifted, [1.0], [0.0], [0.0], [0.0], cfg)
+    assert narrow == pytest.approx(0.2 / (1 + 0.5 * 0.4))
+
+
+def test_dsf_step_kl_average_and_uncertainty_and_vote_entropy():
+    cfg = dsf_cfg()
+    state = update_step_kl(DSFState(), 0.5, cfg)
+    assert state.step_kl_ema == pytest.approx(0.05)  # 0.1 * 0.5 + 0.9 * 0
+    assert update_step_kl(state, 0.0, cfg).step_kl_ema == pytest.approx(0.045)
+    # U = w_r sigma + w_e E + w_k |kappa|; skewness has no weight by default (upstream w_k = 0)
+    assert dsf_uncertainty(0.5, 0.7, -3.0, cfg) == pytest.approx(1.2)
+    assert dsf_uncertainty(0.5, 0.7, -3.0, dsf_cfg(dsf_w_k=0.1)) == pytest.approx(1.5)
+    assert vote_entropy(["7", "7", "7", "7"]) == 0.0
+    assert vote_entropy(["7", "7", "8", "9"]) == pytest.approx(-(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25)))
+    assert vote_entropy(["1", "2", "3", "4"]) == pytest.approx(math.log(4))
+    assert vote_entropy([]) == 0.0
+
+
+def test_states_round_trip_through_json_exactly():
+    for state in (KLControllerState(beta=0.0009803921568627451, epsilon=0.22, kl_ema=0.030517578125),
+                  GroupSizeState(num_generations=16, zero_std_ema=0.7290000000000001),
+                  DSFState(uncertainty_baseline=1.3039, entropy_ref=1.6587330341339111, step_kl_ema=0.0919)):
+        text = json.dumps(controllers.to_dict(state))
+        assert controllers.from_dict(type(state), json.loads(text)) == state
+    with pytest.raises(ValueError, match="unknown fields"):
+        controllers.from_dict(DSFState, {"temperature": 1.0})
