@@ -306,7 +306,9 @@ def aggregate_loss(
         per_seq = masked_sum.sum(1) / mask.sum(1).clamp(min=1.0)
         return per_seq.sum() * num_processes / global_num_sequences
     if loss_type == "dapo":
-        return masked_sum.sum() * num_processes / global_num_tokens
+        # every token masked (all truncated, or every advantage 0 under the AGPO loss mask): a zero loss, not 0 / 0
+        tokens = torch.as_tensor(global_num_tokens, dtype=masked_sum.dtype, device=masked_sum.device).clamp(min=1.0)
+        return masked_sum.sum() * num_processes / tokens
     if loss_type == "dr_grpo":
         return masked_sum.sum() * num_processes / (global_num_sequences * max_completion_length)
     if loss_type == "bnpo":

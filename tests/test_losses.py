@@ -322,3 +322,12 @@ def test_entropy_bonus_gradient_chunked_equals_full_and_unit_temperature():
     _, unit = token_logps_and_entropy(hidden, head, ids, temps, entropy_at_unit_temperature=True)
     own = torch.log_softmax(head(hidden), dim=1)
     assert torch.allclose(unit, -(own.exp() * own).sum(1), atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_a_fully_masked_batch_gives_a_zero_loss_not_nan(loss_type):
+    logp = torch.randn(2, 3, requires_grad=True)
+    loss = aggregate_loss(logp * 2.0, torch.zeros(2, 3), loss_type, global_num_sequences=2, global_num_tokens=0,
+                          max_completion_length=3)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros(2, 3))
