@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> dict:
             "grad_norm": float(grad_norm),
             # controller fields: the values this step trained with, then each controller's state after its update
             "beta": beta,
-            "epsilon": float(torch.as_tensor(epsilon_low).float().mean()),
+            "epsilon": float(epsilon_low.mean()) if isinstance(epsilon_low, torch.Tensor) else epsilon_low,
             "temperature": float(temp_sum / tokens_all.clamp(min=1)),
             "num_generations": group_size,
             "step_time": time.perf_counter() - t_step,

@@ -240,7 +240,7 @@ def test_every_preset_trains_changes_the_model_and_logs_its_controllers(algo, tm
     assert [m["step"] for m in train] == list(range(1, steps + 1))
     for key in ["beta", "epsilon", "temperature", "num_generations"] + PRESET_FIELDS[algo]:
         assert all(key in m for m in train), key
-    final, base = load_file(out / "final" / "model.safetensors"), load_file(embedded_model / "model.safetensors")
+    final, base = load_file(out / "final" / "model.safetensors"), load_file(Path(embedded_model) / "model.safetensors")
     assert sum(not torch.equal(final[k], base[k]) for k in base) > 100, "training did not change the parameters"
     if algo == "agrpo":  # each step trains with the beta / epsilon the previous step's update set
         assert train[1]["beta"] == train[0]["next_beta"] and train[1]["epsilon"] == train[0]["next_epsilon"]
