@@ -140,6 +140,23 @@ def test_two_processes_with_a_group_split_across_them(tmp_path):
     assert not (out / "checkpoint-2" / "rng_state_2.pt").exists()
 
 
+def test_two_processes_run_the_adaptive_sampling_with_groups_split_across_them(tmp_path):
+    # AGPO-DSF probes and clip ranges, adaGRPO retries and the answer-phase sampler, with every group of 4 split 2 + 2:
+    # the statistics come from gathered rewards, entropies and answer keys, so both processes take the same decisions
+    out = tmp_path / "ddp_adaptive"
+    args = TINY[:] + ["--output_dir", str(out), "--per_device_train_batch_size", "2", "--max_steps", "4",
+                      "--algo", "agpo_dsf", "--resample_schedule", '[{"step": 1, "params": [{"temperature": 1.0}]}]',
+                      "--answer_marker", "is"]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    run(args, tmp_path, launcher=launcher)
+    train = [m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m]
+    assert [m["step"] for m in train] == [1, 2, 3, 4]
+    assert train[0]["num_tokens/probe"] > 0 and "resample_rounds" in train[0]
+    assert len({m["epsilon"] for m in train}) == 1 and train[3]["step_kl_ema"] > 0
+    assert (out / "checkpoint-4" / "rng_state_1.pt").exists()
+
+
 def test_custom_reward_that_raises_is_scored_zero_and_counted(tmp_path):
     (tmp_path / "flaky_reward.py").write_text(
         "def flaky(prompts, completions, **columns):\n"
