@@ -588,8 +588,8 @@ def main(argv: list[str] | None = None) -> dict:
         if dsf_ctl is not None:
             metrics.update({"entropy_ref": dsf_ctl.entropy_ref, "uncertainty_baseline": dsf_ctl.uncertainty_baseline,
                             "step_kl_ema": dsf_ctl.step_kl_ema,
-                            "epsilon_min": float(torch.as_tensor(epsilon_low).min()),
-                            "epsilon_max": float(torch.as_tensor(epsilon_low).max()),
+                            "epsilon/group_min": float(torch.as_tensor(epsilon_low).min()),
+                            "epsilon/group_max": float(torch.as_tensor(epsilon_low).max()),
                             "vote_entropy": sum(probe_stats["vote"]) / len(probe_stats["vote"]),
                             "probe_reward_std": sum(probe_stats["dispersion"]) / len(probe_stats["dispersion"]),
                             "num_tokens/probe": float(accelerator.reduce(tokens["probe"], reduction="sum"))})

@@ -237,7 +237,7 @@ PRESET_FIELDS = {
     "agpo": ["rewards/length/mean"],
     "adagrpo": ["resample_rounds", "resampled_prompts", "num_tokens/resampled"],
     "agpo_dsf": ["entropy_ref", "uncertainty_baseline", "step_kl_ema", "vote_entropy", "probe_reward_std",
-                 "num_tokens/probe", "epsilon_min", "epsilon_max"],
+                 "num_tokens/probe", "epsilon/group_min", "epsilon/group_max"],
 }
 
 
