@@ -81,8 +81,8 @@ from lib.controllers import (DSFState, GroupSizeState, KLControllerState, dsf_cl
 from lib.data import builtin_task, format_prompt, load_records, tokenize_prompts
 from lib.evaluation import generate_and_score, summarize
 from lib.losses import aggregate_loss, clipped_surrogate, dispersion, group_advantages, group_skewness, kl_penalty
-from lib.modeling import (CompletionScorer, adapter_disabled, load_policy, load_reference, load_tokenizer,
-                          native_bf16, resolve_model_path)
+from lib.modeling import (CompletionScorer, adapter_disabled, end_token_ids, load_policy, load_reference,
+                          load_tokenizer, native_bf16, resolve_model_path)
 from lib.rewards import extract_answer, resolve_reward_funcs, score_completions
 from lib.rollout import AnswerPhase, HFRollout, replace_completions
 
@@ -223,10 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.beta > 0 and not lora:
         # same dtype as the policy, so that under the same autocast the KL is exactly 0 before the first update
         reference = CompletionScorer(load_reference(model_path, next(policy.parameters()).dtype, device))
-    # a completion ends at the tokenizer's end token or any the generation config names (an int or a list)
-    config_eos = getattr(policy.generation_config, "eos_token_id", None)
-    eos_ids = [tokenizer.eos_token_id] + ([config_eos] if isinstance(config_eos, int) else list(config_eos or []))
-    rollout = HFRollout(policy, eos_ids, tokenizer.pad_token_id, bf16=bf16, seed=cfg.seed + rank)
+    rollout = HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16,
+                        seed=cfg.seed + rank)
     answer_phase = AnswerPhase.from_text(tokenizer, cfg.answer_marker, cfg.answer_temperature, cfg.answer_top_p) \
         if cfg.answer_marker else None
 

@@ -124,6 +124,14 @@ def load_tokenizer(model_path: str, padding_side: str = "left"):
     return tokenizer
 
 
+def end_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
+    """The tokens that end a completion: the tokenizer's end token and any the generation config names (an int or a
+    list; chat models often add their end-of-turn token there)."""
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    extra = [config_eos] if isinstance(config_eos, int) else list(config_eos or [])
+    return sorted({tokenizer.eos_token_id, *extra})
+
+
 def is_adapter_folder(path: str) -> bool:
     return Path(path, "adapter_config.json").exists()
 

