@@ -37,15 +37,14 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from lib.config import EMBEDDED_MODEL
-from lib.data import DEFAULT_INSTRUCTION, builtin_task, format_prompt, load_records, looks_local
+from lib.data import DEFAULT_INSTRUCTION, builtin_task, format_prompt, load_records
 from lib.evaluation import completion_kl_entropy, generate_and_score, score_problems, win_rate
-from lib.modeling import (end_token_ids, is_adapter_folder, load_policy, load_tokenizer, native_bf16,
-                          resolve_model_path)
+from lib.modeling import (EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference,
+                          model_folder_problem, native_bf16, resolve_model_path)
 from lib.rewards import resolve_reward_funcs, score_completions, weighted_sum
 from lib.rollout import HFRollout, VLLMRollout
 
 BUILTIN = "builtin"
-EMBEDDED_ALIASES = ("embedded", EMBEDDED_MODEL)
 
 
 class EvalConfigError(ValueError):
@@ -115,28 +114,9 @@ def model_label(name: str) -> str:
 
 
 def check_model(option: str, name: str) -> None:
-    """A model argument must be the embedded model, a hub id, or a folder Transformers / PEFT can load."""
-    if name in EMBEDDED_ALIASES:
-        return
-    path = Path(name).expanduser()
-    if not path.exists():
-        if looks_local(name):
-            raise EvalConfigError(f"{option}: '{name}' does not exist; pass a model folder, a run's final/ or "
-                                  f"checkpoint-<step>/ folder, 'embedded', or a hub id")
-        return  # a hub id: loading it tells whether it is reachable
-    if not path.is_dir() or not ((path / "config.json").exists() or is_adapter_folder(str(path))):
-        hint = " (it is a run folder: pass its final/ or a checkpoint-<step>/)" if (path / "final").is_dir() else ""
-        raise EvalConfigError(f"{option}: '{name}' is not a model folder (no config.json or adapter_config.json)"
-                              f"{hint}")
-    if is_adapter_folder(str(path)):
-        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        if not base:
-            raise EvalConfigError(f"{option}: the adapter '{name}' names no base_model_name_or_path in its "
-                                  f"adapter_config.json; set it to the base model's folder")
-        if base not in EMBEDDED_ALIASES and looks_local(base) and not Path(base).expanduser().exists():
-            raise EvalConfigError(f"{option}: the adapter '{name}' is for the base model '{base}', which does not "
-                                  f"exist here; put the base there or edit base_model_name_or_path in "
-                                  f"{path / 'adapter_config.json'}")
+    problem = model_folder_problem(name)
+    if problem:
+        raise EvalConfigError(f"{option}: {problem}")
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -225,18 +205,6 @@ def load_sets(args: argparse.Namespace) -> dict[str, list[dict]]:
     return sets
 
 
-def load_model(name: str, device: torch.device):
-    path = resolve_model_path(EMBEDDED_MODEL if name in EMBEDDED_ALIASES else name)
-    tokenizer_path = path
-    if is_adapter_folder(path) and not Path(path, "tokenizer_config.json").exists():
-        from peft import PeftConfig
-
-        tokenizer_path = resolve_model_path(PeftConfig.from_pretrained(path).base_model_name_or_path)
-    tokenizer = load_tokenizer(tokenizer_path)
-    model = load_policy(path, device=device).eval().requires_grad_(False)
-    return model, tokenizer
-
-
 def engine_key(model: torch.nn.Module) -> tuple:
     """What must match for one vLLM engine to take another model's weights."""
     config = getattr(model, "get_base_model", lambda: model)().config
@@ -248,11 +216,7 @@ def engine_key(model: torch.nn.Module) -> tuple:
 def engine_folder(name: str) -> str:
     """A plain model folder with the model's architecture: the model's own, or an adapter's base."""
     path = resolve_model_path(EMBEDDED_MODEL if name in EMBEDDED_ALIASES else name)
-    if is_adapter_folder(path):
-        from peft import PeftConfig
-
-        path = resolve_model_path(PeftConfig.from_pretrained(path).base_model_name_or_path)
-    return path
+    return adapter_base(path) if is_adapter_folder(path) else path
 
 
 def reseed(backend, seed: int) -> None:
@@ -357,7 +321,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     reference = None
     if reference_label:
-        reference, _ = load_model(args.reference_model, device)
+        reference, _ = load_for_inference(args.reference_model, device)
     engine, key = None, None
     rows: list[dict] = []
     kept: dict[tuple[str, str], tuple[list[dict], list[list[float]]]] = {}  # (model, set) -> (results, rewards)
@@ -365,7 +329,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # ------------------------------------------------------------------------------ generate and score
     for name in names:
         label = model_label(name)
-        model, tokenizer = load_model(name, device)
+        model, tokenizer = load_for_inference(name, device)
         if args.use_vllm:
             if engine is None or engine_key(model) != key:
                 engine = None
