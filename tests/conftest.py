@@ -34,3 +34,4 @@ def tokenizer(embedded_model):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end runs of the scripts on the real model (minutes)")
+    config.addinivalue_line("markers", "browser: drives the chat page in headless Chromium (Playwright)")

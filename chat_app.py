@@ -1,0 +1,439 @@
+"""A Gradio page to read what a checkpoint says, next to its base model, while a run trains.
+
+    python chat_app.py                                          # runs/agrpo/final if it exists, else the embedded model
+    python chat_app.py --model_name_or_path runs/agrpo/final    # base: the run's starting model (its config.yaml)
+    python chat_app.py --model_name_or_path runs/lora/checkpoint-20 --base_model embedded --port 7861
+
+The page listens on 127.0.0.1 only (`--share` asks Gradio for a public link; never by default). One prompt goes to
+both models; their answers stream side by side, token by token, the reasoning apart from the final answer (the
+`<think>` block, or everything before the last `Answer:` line). With a reference answer, each answer is scored by the
+training reward functions. A run folder's `checkpoint-*` and `final/` are listed and switch the model in place; a PEFT
+adapter loads on its base. Conversations save to and load from JSON, and the sampling settings export as a
+`generation_config.json` that a model folder can use. Bad input (not a model folder, an adapter whose base is
+missing, an empty prompt, a conversation longer than the model's context) is reported in the page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from transformers import GenerationConfig, TextIteratorStreamer
+from transformers.utils import logging as hf_logging
+
+from lib.checkpoint import list_checkpoints
+from lib.data import DEFAULT_INSTRUCTION
+from lib.modeling import EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference, \
+    model_folder_problem
+from lib.rewards import REWARD_FUNCS, extract_answer, resolve_reward_funcs, score_completions
+
+CONVERSATION_FORMAT = "agrpo-chat/1"
+DEFAULT_RUN = Path("runs/agrpo/final")
+
+
+# ---------------------------------------------------------------------------------------------- pure helpers
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, final answer) of a completion: a `<think>...</think>` block and what follows it (inside
+    `<answer>` tags if there are any); otherwise the text before the last `Answer:` line and the answer on it;
+    otherwise all of it is reasoning and the answer is what the answer extractor finds (the last number), or ''."""
+    if "</think>" in text:
+        reasoning, _, rest = text.partition("</think>")
+        reasoning = reasoning.replace("<think>", "").strip()
+        rest = rest.strip()
+        if "<answer>" in rest:
+            rest = rest.split("<answer>", 1)[1].split("</answer>", 1)[0]
+        return reasoning, rest.strip()
+    lines = text.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        at = lines[i].lower().rfind("answer:")
+        if at >= 0:
+            before = "\n".join([*lines[:i], lines[i][:at].rstrip("* ")]).strip()
+            return before, lines[i][at + len("answer:") :].strip(" *") or (extract_answer(text) or "")
+    return text.strip(), extract_answer(text) or ""
+
+
+def assistant_messages(text: str, *, streaming: bool = False) -> list[dict]:
+    """Chat messages for one answer: a collapsible 'Reasoning' block, then the final answer."""
+    reasoning, answer = split_reasoning(text)
+    messages = []
+    if reasoning:
+        messages.append({"role": "assistant", "content": reasoning,
+                         "metadata": {"title": "Reasoning", "status": "pending" if streaming else "done"}})
+    if answer or not streaming:
+        messages.append({"role": "assistant", "content": f"**Final answer:** {answer}" if answer
+                         else "_(no final answer)_"})
+    return messages
+
+
+def chat_view(turns: list[dict], side: str) -> list[dict]:
+    """The chatbot messages of one side (`checkpoint` or `base`) for a list of turns."""
+    messages = []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn["prompt"]})
+        if turn.get(side) is not None:
+            messages += assistant_messages(turn[side], streaming=turn.get("streaming", False))
+    return messages
+
+
+def model_messages(turns: list[dict], side: str, prompt: str, instruction: str, system_prompt: str | None):
+    """The conversation a model sees: every earlier prompt (with the instruction, as in training), its own earlier
+    answers, and the new prompt."""
+    def user(text: str) -> dict:
+        return {"role": "user", "content": f"{text}\n{instruction}" if instruction else text}
+
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for turn in turns:
+        messages += [user(turn["prompt"]), {"role": "assistant", "content": turn.get(side) or ""}]
+    return messages + [user(prompt)]
+
+
+def reward_line(rewards: dict[str, float] | None) -> str:
+    if not rewards:
+        return ""
+    return "reward: " + " · ".join(f"{name} {value:g}" for name, value in rewards.items())
+
+
+def run_folder_of(path: str) -> Path | None:
+    """The run directory a checkpoint or final/ folder belongs to (it holds config.yaml), or None."""
+    folder = Path(path).expanduser()
+    for candidate in (folder, folder.parent):
+        if (candidate / "config.yaml").exists():
+            return candidate
+    return None
+
+
+def checkpoint_choices(run_dir: str) -> list[str]:
+    """'final' and every complete checkpoint-<step> of a run folder, newest first."""
+    root = Path(run_dir).expanduser()
+    choices = [p.name for p in reversed(list_checkpoints(root))]
+    if (root / "final").is_dir():
+        choices.insert(0, "final")
+    return choices
+
+
+def run_settings(run_dir: Path | None) -> dict:
+    """The starting model, instruction and system prompt a run trained with (its config.yaml), where known."""
+    if run_dir is None:
+        return {}
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    return {k: config[k] for k in ("model_name_or_path", "instruction", "system_prompt") if k in config}
+
+
+def generation_config(greedy: bool, temperature: float, top_p: float, max_new_tokens: int,
+                      eos_token_ids: list[int], pad_token_id: int) -> GenerationConfig:
+    """The page's sampling settings as a generation config; ValueError names a setting out of range."""
+    if int(max_new_tokens) < 1:
+        raise ValueError(f"max new tokens must be >= 1, got {max_new_tokens}")
+    if not greedy and not float(temperature) > 0:
+        raise ValueError(f"temperature must be > 0 when sampling (or tick greedy), got {temperature}")
+    if not greedy and not 0 < float(top_p) <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    kwargs = {"max_new_tokens": int(max_new_tokens), "eos_token_id": eos_token_ids, "pad_token_id": pad_token_id}
+    if greedy:
+        kwargs["do_sample"] = False
+    else:
+        kwargs.update(do_sample=True, temperature=float(temperature), top_p=float(top_p))
+    config = GenerationConfig(**kwargs)
+    config.validate(strict=True)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------- the models
+
+
+class Slot:
+    """One side of the page: a loaded model and its tokenizer, swapped in place under a lock."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.name: str | None = None
+        self.model = None
+        self.tokenizer = None
+        self.lock = threading.Lock()
+
+    def load(self, name: str) -> str:
+        """Load `name` (errors as a message that names the fix; the previous model stays loaded)."""
+        problem = model_folder_problem(name)
+        if problem:
+            return f"{self.label}: {problem}"
+        try:
+            model, tokenizer = load_for_inference(name)
+        except (OSError, ValueError) as error:  # a folder whose files transformers / peft cannot read
+            return f"{self.label}: could not load '{name}' ({type(error).__name__}: {error})"
+        with self.lock:
+            self.name, self.model, self.tokenizer = name, model, tokenizer
+        return f"{self.label}: loaded {name}"
+
+    def context_length(self) -> int:
+        config = getattr(self.model, "get_base_model", lambda: self.model)().config
+        return int(getattr(config, "max_position_embeddings", 2048))
+
+    def start(self, messages: list[dict], config: GenerationConfig, seed: int):
+        """Start generating in a thread; returns (streamer, thread). Raises ValueError if the prompt is too long."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                 return_dict=True)
+        length, limit = ids["input_ids"].shape[1], self.context_length()
+        if length + config.max_new_tokens > limit:
+            raise ValueError(f"{self.label}: the conversation is {length} tokens and max new tokens is "
+                             f"{config.max_new_tokens}, more than the model's context of {limit}; clear the chat, "
+                             f"shorten the prompt or lower max new tokens")
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
+
+        def work():
+            with self.lock, torch.no_grad():
+                torch.manual_seed(seed)
+                self.model.generate(**ids, generation_config=config, streamer=streamer)
+
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        return streamer, thread
+
+
+# ---------------------------------------------------------------------------------------------- the page
+
+
+def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: Path | None, settings: dict):
+    import gradio as gr
+
+    reward_funcs = resolve_reward_funcs(args.reward_funcs)
+
+    def score(text: str, reference: str) -> dict[str, float] | None:
+        if not reference.strip():
+            return None
+        per_func, _ = score_completions(reward_funcs, [""], [text], {"answer": [reference.strip()]})
+        return {name: values[0] for (name, _), values in zip(reward_funcs, per_func)}
+
+    def send(prompt, reference, instruction, system_prompt, greedy, temperature, top_p, max_new_tokens, turns):
+        turns = list(turns or [])
+        if not prompt or not prompt.strip():
+            yield chat_view(turns, "checkpoint"), chat_view(turns, "base"), "", "", \
+                "Type a prompt first: the prompt is empty.", turns
+            return
+        sides = [s for s in (("checkpoint", checkpoint), ("base", base)) if s[1].model is not None]
+        try:
+            streams = {}
+            for side, slot in sides:
+                config = generation_config(greedy, temperature, top_p, max_new_tokens,
+                                           end_token_ids(slot.model, slot.tokenizer), slot.tokenizer.pad_token_id)
+                messages = model_messages(turns, side, prompt.strip(), instruction, system_prompt or None)
+                streams[side] = slot.start(messages, config, args.seed)
+        except ValueError as error:
+            yield chat_view(turns, "checkpoint"), chat_view(turns, "base"), "", "", str(error), turns
+            return
+        turn = {"prompt": prompt.strip(), "reference": reference.strip(), "streaming": True,
+                **{side: "" for side in streams}}
+        turns.append(turn)
+        start = time.perf_counter()
+        pending = dict(streams)
+        while pending:
+            for side, (streamer, thread) in list(pending.items()):
+                try:
+                    turn[side] += next(streamer)
+                except StopIteration:
+                    thread.join()
+                    del pending[side]
+            yield chat_view(turns, "checkpoint"), chat_view(turns, "base"), "", "", "generating...", turns
+        turn["streaming"] = False
+        turn["seconds"] = round(time.perf_counter() - start, 2)
+        turn["rewards"] = {side: score(turn[side], turn["reference"]) for side in streams}
+        yield (chat_view(turns, "checkpoint"), chat_view(turns, "base"),
+               reward_line(turn["rewards"].get("checkpoint")), reward_line(turn["rewards"].get("base")),
+               f"answered in {turn['seconds']:.1f} s", turns)
+
+    def switch(run_folder, choice, base_name):
+        messages = []
+        if choice:
+            target = str(Path(run_folder).expanduser() / choice) if run_folder and choice in \
+                checkpoint_choices(run_folder) else choice
+            messages.append(checkpoint.load(target))
+        if base_name and base_name != base.name:
+            messages.append(base.load(base_name))
+        return " · ".join(messages) or "nothing to load", title()
+
+    def refresh(run_folder):
+        if not run_folder or not Path(run_folder).expanduser().is_dir():
+            return gr.update(choices=[], value=None), f"'{run_folder}' is not a folder; give a run's output_dir"
+        choices = checkpoint_choices(run_folder)
+        if not choices:
+            return gr.update(choices=[], value=None), f"no final/ or checkpoint-* in '{run_folder}' yet"
+        return gr.update(choices=choices, value=choices[0]), f"{len(choices)} model folder(s) in {run_folder}"
+
+    def clear():
+        return [], [], "", "", "cleared", []
+
+    def save(turns, instruction, system_prompt, greedy, temperature, top_p, max_new_tokens):
+        data = {"format": CONVERSATION_FORMAT, "checkpoint": checkpoint.name, "base": base.name,
+                "instruction": instruction, "system_prompt": system_prompt,
+                "settings": {"greedy": greedy, "temperature": temperature, "top_p": top_p,
+                             "max_new_tokens": max_new_tokens},
+                "turns": [{k: v for k, v in t.items() if k != "streaming"} for t in turns or []]}
+        path = Path(tempfile.mkdtemp(prefix="agrpo-chat-")) / "conversation.json"
+        path.write_text(json.dumps(data, indent=2))
+        return str(path), f"saved {len(data['turns'])} turn(s)"
+
+    def load(file, turns):
+        keep = (chat_view(turns or [], "checkpoint"), chat_view(turns or [], "base"))
+        if file is None:
+            return (*keep, gr.update(), gr.update(), gr.update(), gr.update(), gr.update(),
+                    "choose a conversation .json file first", turns)
+        try:
+            data = json.loads(Path(file).read_text())
+            if data.get("format") != CONVERSATION_FORMAT or not isinstance(data.get("turns"), list):
+                raise ValueError(f"not a conversation saved by this page (format {CONVERSATION_FORMAT})")
+            loaded = [t for t in data["turns"] if isinstance(t, dict) and isinstance(t.get("prompt"), str)]
+            s = data.get("settings", {})
+        except (OSError, ValueError) as error:
+            return (*keep, gr.update(), gr.update(), gr.update(), gr.update(), gr.update(),
+                    f"could not load the conversation: {error}", turns)
+        return (chat_view(loaded, "checkpoint"), chat_view(loaded, "base"), s.get("greedy", True),
+                s.get("temperature", 0.7), s.get("top_p", 1.0), s.get("max_new_tokens", 256),
+                data.get("instruction", DEFAULT_INSTRUCTION), f"loaded {len(loaded)} turn(s)", loaded)
+
+    def export(greedy, temperature, top_p, max_new_tokens):
+        slot = checkpoint if checkpoint.model is not None else base
+        try:
+            config = generation_config(greedy, temperature, top_p, max_new_tokens,
+                                       end_token_ids(slot.model, slot.tokenizer), slot.tokenizer.pad_token_id)
+        except ValueError as error:
+            return None, f"these settings do not make a valid generation config: {error}"
+        folder = Path(tempfile.mkdtemp(prefix="agrpo-generation-"))
+        config.save_pretrained(folder)
+        return str(folder / "generation_config.json"), "generation_config.json: put it in the model folder"
+
+    def title() -> str:
+        return f"### {checkpoint.name or '(no checkpoint)'}  vs  base {base.name or '(none)'}"
+
+    with gr.Blocks(title="agrpo chat") as app:
+        heading = gr.Markdown(title())
+        with gr.Row():
+            with gr.Column():
+                gr.Markdown("**checkpoint**")
+                chat_a = gr.Chatbot(height=420, label="checkpoint", elem_id="chat-checkpoint")
+                reward_a = gr.Markdown(elem_id="reward-checkpoint")
+            with gr.Column():
+                gr.Markdown("**base**")
+                chat_b = gr.Chatbot(height=420, label="base", elem_id="chat-base")
+                reward_b = gr.Markdown(elem_id="reward-base")
+        with gr.Row():
+            prompt = gr.Textbox(label="Prompt", placeholder="Ask both models...", scale=4, elem_id="prompt")
+            reference = gr.Textbox(label="Reference answer (optional: scores both answers)", scale=1,
+                                   elem_id="reference")
+        with gr.Row():
+            send_button = gr.Button("Send", variant="primary", elem_id="send")
+            clear_button = gr.Button("Clear")
+        status = gr.Markdown(elem_id="status")
+        turns = gr.State([])
+        with gr.Accordion("Sampling", open=False):
+            with gr.Row():
+                greedy = gr.Checkbox(value=True, label="greedy")
+                temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="temperature")
+                top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top_p")
+                max_new_tokens = gr.Slider(8, 2048, value=args.max_new_tokens, step=8, label="max new tokens")
+            instruction = gr.Textbox(value=settings.get("instruction", DEFAULT_INSTRUCTION),
+                                     label="Instruction appended to each prompt (as in training)")
+            system_prompt = gr.Textbox(value=settings.get("system_prompt") or "", label="System prompt")
+            with gr.Row():
+                export_button = gr.Button("Export generation_config.json")
+                export_file = gr.File(label="generation_config.json")
+        with gr.Accordion("Checkpoint", open=False):
+            with gr.Row():
+                run_box = gr.Textbox(value=str(run_dir) if run_dir else "", label="Run folder (output_dir)")
+                choices = checkpoint_choices(str(run_dir)) if run_dir else []
+                picker = gr.Dropdown(choices=choices, value=choices[0] if choices else None, allow_custom_value=True,
+                                     label="Checkpoint (or any model folder)", elem_id="picker")
+                base_box = gr.Textbox(value=base.name or "", label="Base model")
+            with gr.Row():
+                refresh_button = gr.Button("List checkpoints")
+                load_button = gr.Button("Load")
+        with gr.Accordion("Conversation", open=False), gr.Row():
+            save_button = gr.Button("Save conversation")
+            saved_file = gr.File(label="conversation.json")
+            upload = gr.File(label="Load a conversation (.json)", file_types=[".json"])
+            load_conv_button = gr.Button("Load conversation")
+
+        sampling = [greedy, temperature, top_p, max_new_tokens]
+        outputs = [chat_a, chat_b, reward_a, reward_b, status, turns]
+        inputs = [prompt, reference, instruction, system_prompt, *sampling, turns]
+        send_button.click(send, inputs, outputs, api_name="send")
+        prompt.submit(send, inputs, outputs, api_name=False)
+        clear_button.click(clear, None, outputs, api_name="clear")
+        refresh_button.click(refresh, [run_box], [picker, status], api_name="list_checkpoints")
+        load_button.click(switch, [run_box, picker, base_box], [status, heading], api_name="load_checkpoint")
+        export_button.click(export, sampling, [export_file, status], api_name="export_generation_config")
+        save_button.click(save, [turns, instruction, system_prompt, *sampling], [saved_file, status],
+                          api_name="save_conversation")
+        load_conv_button.click(load, [upload, turns], [chat_a, chat_b, *sampling, instruction, status, turns],
+                               api_name="load_conversation")
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_name_or_path", default=None,
+                        help=f"Checkpoint to talk to (default: {DEFAULT_RUN} if it exists, else the embedded model).")
+    parser.add_argument("--base_model", default=None,
+                        help="Model to show beside it (default: an adapter's base, or the run's starting model).")
+    parser.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"],
+                        help=f"Reward functions scored against the reference answer ({', '.join(REWARD_FUNCS)}).")
+    parser.add_argument("--max_new_tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0, help="Sampling seed, the same for both sides.")
+    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (127.0.0.1: this machine only).")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--share", action="store_true", help="Ask Gradio for a public share link (off by default).")
+    return parser.parse_args(argv)
+
+
+def resolve_models(args: argparse.Namespace) -> tuple[str, str | None, Path | None, dict]:
+    """(checkpoint, base, run folder, run settings); raises SystemExit with the fix for a bad argument."""
+    name = args.model_name_or_path or (str(DEFAULT_RUN) if DEFAULT_RUN.is_dir() else "embedded")
+    problem = model_folder_problem(name)
+    if problem:
+        raise SystemExit(f"error: --model_name_or_path: {problem}")
+    run_dir = run_folder_of(name) if name not in EMBEDDED_ALIASES else None
+    settings = run_settings(run_dir)
+    base = args.base_model
+    if base is None:
+        path = Path(name).expanduser()
+        if path.is_dir() and is_adapter_folder(str(path)):
+            base = adapter_base(str(path))
+        else:
+            base = settings.get("model_name_or_path") or ("embedded" if name in EMBEDDED_ALIASES else None)
+        base = "embedded" if base in EMBEDDED_ALIASES else base
+    if base is not None and model_folder_problem(base):
+        raise SystemExit(f"error: --base_model: {model_folder_problem(base)}")
+    return name, base, run_dir, settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"error: --max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    unknown = [f for f in args.reward_funcs if f not in REWARD_FUNCS]
+    if unknown:
+        raise SystemExit(f"error: --reward_funcs: unknown {unknown}; choose from {', '.join(REWARD_FUNCS)}")
+    name, base_name, run_dir, settings = resolve_models(args)
+    hf_logging.disable_progress_bar()
+    checkpoint, base = Slot("checkpoint"), Slot("base")
+    for slot, target in ((checkpoint, name), (base, base_name)):
+        if target is not None:
+            message = slot.load(target)
+            if slot.model is None:
+                raise SystemExit(f"error: {message}")
+    app = build_app(checkpoint, base, args, run_dir, settings)
+    app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

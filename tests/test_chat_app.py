@@ -1,0 +1,209 @@
+"""chat_app.py: the pure helpers, then the real page on the embedded model driven by gradio_client and by headless
+Chromium (Playwright)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO))
+from chat_app import (checkpoint_choices, generation_config, model_messages, run_folder_of,  # noqa: E402
+                      split_reasoning)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Mia has 2 + 13 = 15 marbles.\nAnswer: 15", ("Mia has 2 + 13 = 15 marbles.", "15")),
+    ("So the total is 5. **Answer:** 5", ("So the total is 5.", "5")),
+    ("<think>\nadd them\n</think>\n<answer>\n5\n</answer>", ("add them", "5")),
+    ("<think>add</think> 7", ("add", "7")),
+    ("The train leaves at\nAnswer: 3:30", ("The train leaves at", "3:30")),
+    ("She has 7 apples left.", ("She has 7 apples left.", "7")),  # no marker: the last number
+    ("I am not sure.", ("I am not sure.", "")),
+])
+def test_split_reasoning(text, expected):
+    assert split_reasoning(text) == expected
+
+
+def test_model_messages_carry_each_sides_own_history_and_the_instruction():
+    turns = [{"prompt": "2 + 2?", "checkpoint": "Answer: 4", "base": "Answer: 5"}]
+    messages = model_messages(turns, "base", "3 + 3?", "Give the answer.", "Be brief.")
+    assert messages == [{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "2 + 2?\nGive the answer."},
+                        {"role": "assistant", "content": "Answer: 5"},
+                        {"role": "user", "content": "3 + 3?\nGive the answer."}]
+
+
+def test_checkpoint_choices_list_final_then_newest_checkpoints(tmp_path):
+    for step in (5, 10, 20):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-30").mkdir()  # no trainer_state.json: an interrupted save, not listed
+    (tmp_path / "final").mkdir()
+    (tmp_path / "config.yaml").write_text("model_name_or_path: embedded\n")
+    assert checkpoint_choices(str(tmp_path)) == ["final", "checkpoint-20", "checkpoint-10", "checkpoint-5"]
+    assert run_folder_of(str(tmp_path / "final")) == tmp_path
+
+
+def test_generation_config_greedy_sampling_and_bad_values():
+    greedy = generation_config(True, 0.7, 0.9, 64, [2], 2)
+    assert greedy.do_sample is False and greedy.max_new_tokens == 64
+    sampled = generation_config(False, 0.7, 0.9, 64, [2], 2)
+    assert sampled.do_sample and sampled.temperature == 0.7 and sampled.top_p == 0.9
+    with pytest.raises(ValueError):
+        generation_config(False, -1.0, 0.9, 64, [2], 2)
+
+
+# ---------------------------------------------------------------------------------------------- the real page
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory, embedded_model):
+    """A run folder as the trainer leaves it: config.yaml, final/ (a full model whose weights moved) and
+    checkpoint-2/ (a LoRA adapter on the embedded model)."""
+    from peft import LoraConfig, get_peft_model
+
+    from lib.modeling import load_policy, load_tokenizer
+
+    run = tmp_path_factory.mktemp("run")
+    (run / "config.yaml").write_text("model_name_or_path: embedded:SmolLM2-135M-Instruct\n"
+                                     "instruction: \"Give the final answer as 'Answer: <number>'.\"\n")
+    tokenizer = load_tokenizer(embedded_model)
+    model = load_policy(embedded_model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.down_proj.weight"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.004)
+    model.save_pretrained(run / "final")
+    tokenizer.save_pretrained(run / "final")
+    lora = get_peft_model(load_policy(embedded_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    lora.save_pretrained(run / "checkpoint-2")
+    (run / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (run / "not_a_model").mkdir()
+    return run
+
+
+@pytest.fixture(scope="module")
+def page(run_folder, tmp_path_factory):
+    """The app started as a user starts it, on a free port; yields its URL."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("log") / "app.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "chat_app.py"), "--model_name_or_path",
+                                 str(run_folder / "final"), "--port", str(port), "--max_new_tokens", "48"],
+                                cwd=run_folder, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False",
+                                     "TOKENIZERS_PARALLELISM": "false"})
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the app exited: {log.read_text()[-3000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            time.sleep(1)
+    else:
+        proc.kill()
+        raise AssertionError(f"the app did not start: {log.read_text()[-3000:]}")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def ask(client, prompt, reference="", greedy=True, max_new_tokens=48):
+    instruction = "Give the final answer as 'Answer: <number>'."
+    return client.predict(prompt, reference, instruction, "", greedy, 0.7, 1.0, max_new_tokens, api_name="/send")
+
+
+@pytest.mark.slow
+def test_client_sends_a_prompt_gets_both_answers_and_switches_checkpoint(page, run_folder):
+    from gradio_client import Client
+
+    client = Client(page, verbose=False)
+    chat_a, chat_b, reward_a, reward_b, status = ask(client, "Ana has 3 apples and gets 4 more. How many now?", "7")
+    assert status.startswith("answered in")
+    for chat in (chat_a, chat_b):
+        assert chat[0]["role"] == "user" and "Ana has 3 apples" in str(chat[0]["content"])
+        assert any(m["role"] == "assistant" for m in chat)
+    assert reward_a.startswith("reward: accuracy") and reward_b.startswith("reward: accuracy")
+    # the list of the run's models, then a switch to the LoRA checkpoint without a restart
+    picker, status = client.predict(str(run_folder), api_name="/list_checkpoints")
+    assert "2 model folder(s)" in status
+    status, heading = client.predict(str(run_folder), "checkpoint-2", "embedded", api_name="/load_checkpoint")
+    assert "checkpoint: loaded" in status and "checkpoint-2" in heading
+    chat_a, chat_b, *_ = ask(client, "What is 5 + 6?")
+    assert len(chat_a) > 2 and len(chat_b) > 2  # the second turn follows the first
+    # bad input is a message in the page
+    *_, status = ask(client, "   ")
+    assert status == "Type a prompt first: the prompt is empty."
+    status, _ = client.predict(str(run_folder), str(run_folder / "not_a_model"), "embedded",
+                               api_name="/load_checkpoint")
+    assert "is not a model folder" in status
+    status, _ = client.predict(str(run_folder), str(run_folder), "embedded", api_name="/load_checkpoint")
+    assert "it is a run folder: pass its final/" in status
+    *_, status = ask(client, "word " * 9000, max_new_tokens=64)
+    assert "more than the model's context of 8192" in status
+    # the last good turn is intact after the bad inputs: export settings and save the conversation
+    path, status = client.predict(False, 0.8, 0.95, 100, api_name="/export_generation_config")
+    config = json.loads(Path(path).read_text())
+    assert config["do_sample"] is True and config["temperature"] == 0.8 and config["max_new_tokens"] == 100
+    path, status = client.predict(api_name="/save_conversation")
+    saved = json.loads(Path(path).read_text())
+    assert saved["format"] == "agrpo-chat/1" and len(saved["turns"]) == 2
+    assert saved["turns"][0]["reference"] == "7" and "accuracy" in saved["turns"][0]["rewards"]["checkpoint"]
+
+
+@pytest.mark.slow
+def test_adapter_whose_base_is_missing_is_named_at_start(run_folder, tmp_path):
+    adapter = tmp_path / "adapter"
+    shutil.copytree(run_folder / "checkpoint-2", adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "gone")
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, str(REPO / "chat_app.py"), "--model_name_or_path", str(adapter)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "is for the base model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_browser_types_a_prompt_and_sees_both_answers(page, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        view = browser.new_page(viewport={"width": 1280, "height": 900})
+        view.goto(page)
+        view.locator("#prompt textarea").fill("Ben has 9 marbles and loses 4. How many are left?")
+        view.locator("#reference textarea").fill("5")
+        view.locator("#send").click()
+        view.wait_for_function("document.querySelector('#status').innerText.includes('answered in')",
+                               timeout=240_000)
+        for side in ("#chat-checkpoint", "#chat-base"):
+            text = view.locator(side).inner_text()
+            assert "Ben has 9 marbles" in text and ("Final answer" in text or "no final answer" in text)
+        assert "reward: accuracy" in view.locator("#reward-checkpoint").inner_text()
+        shot = Path(os.environ.get("AGRPO_SCREENSHOT", tmp_path / "chat_app.png"))
+        view.screenshot(path=str(shot), full_page=True)
+        browser.close()
+    assert shot.stat().st_size > 20_000
