@@ -35,3 +35,32 @@ def tokenizer(embedded_model):
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end runs of the scripts on the real model (minutes)")
     config.addinivalue_line("markers", "browser: drives the chat page in headless Chromium (Playwright)")
+
+
+@pytest.fixture(scope="session")
+def trained_like(tmp_path_factory, embedded_model):
+    """Model folders as a training run leaves them, without training: `full` (a full model whose MLP weights moved,
+    with its tokenizer), `lora` (an adapter that changes the model) and `lora_zero` (a fresh adapter, B = 0, that
+    computes exactly the base). Adapters name the embedded model's folder as their base."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from lib.modeling import load_policy, load_tokenizer
+
+    root = tmp_path_factory.mktemp("models")
+    full = load_policy(embedded_model)
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            if name.endswith("mlp.down_proj.weight"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.004)
+    full.save_pretrained(root / "full")
+    load_tokenizer(embedded_model).save_pretrained(root / "full")
+    for name, changed in (("lora", True), ("lora_zero", False)):
+        lora = get_peft_model(load_policy(embedded_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        if changed:
+            with torch.no_grad():
+                for pname, p in lora.named_parameters():
+                    if "lora_B" in pname:
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.002)
+        lora.save_pretrained(root / name)
+    return root

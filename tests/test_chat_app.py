@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import REPO
 
@@ -72,26 +71,14 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def run_folder(tmp_path_factory, embedded_model):
+def run_folder(tmp_path_factory, trained_like):
     """A run folder as the trainer leaves it: config.yaml, final/ (a full model whose weights moved) and
-    checkpoint-2/ (a LoRA adapter on the embedded model)."""
-    from peft import LoraConfig, get_peft_model
-
-    from lib.modeling import load_policy, load_tokenizer
-
+    checkpoint-2/ (a LoRA adapter on the embedded model), and a folder that is not a model."""
     run = tmp_path_factory.mktemp("run")
     (run / "config.yaml").write_text("model_name_or_path: embedded:SmolLM2-135M-Instruct\n"
                                      "instruction: \"Give the final answer as 'Answer: <number>'.\"\n")
-    tokenizer = load_tokenizer(embedded_model)
-    model = load_policy(embedded_model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.down_proj.weight"):
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.004)
-    model.save_pretrained(run / "final")
-    tokenizer.save_pretrained(run / "final")
-    lora = get_peft_model(load_policy(embedded_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    lora.save_pretrained(run / "checkpoint-2")
+    shutil.copytree(trained_like / "full", run / "final")
+    shutil.copytree(trained_like / "lora", run / "checkpoint-2")
     (run / "checkpoint-2" / "trainer_state.json").write_text("{}")
     (run / "not_a_model").mkdir()
     return run

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import REPO
 
@@ -89,48 +88,21 @@ def test_command_line_error_exits_with_the_message_and_no_traceback(tmp_path):
 # ---------------------------------------------------------------------------------------------- real runs
 
 
-@pytest.fixture(scope="module")
-def trained_like(tmp_path_factory, embedded_model):
-    """Model folders as a training run leaves them: a full model whose weights moved, a LoRA adapter that changes
-    the model, and a fresh LoRA adapter (B = 0) that computes exactly the base."""
-    from peft import LoraConfig, get_peft_model
-
-    from lib.modeling import load_policy, load_tokenizer
-
-    root = tmp_path_factory.mktemp("models")
-    tokenizer = load_tokenizer(embedded_model)
-    full = load_policy(embedded_model)
-    with torch.no_grad():
-        for name, p in full.named_parameters():
-            if name.endswith("mlp.down_proj.weight"):
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.004)
-    full.save_pretrained(root / "full")
-    tokenizer.save_pretrained(root / "full")
-    for name, init in (("lora", False), ("lora_zero", True)):
-        lora = get_peft_model(load_policy(embedded_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                                      init_lora_weights=init))
-        if not init:
-            with torch.no_grad():
-                for pname, p in lora.named_parameters():
-                    if "lora_B" in pname:
-                        p.mul_(0).add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.002)
-        lora.save_pretrained(root / name)
-    return root
-
-
 @pytest.mark.slow
 def test_embedded_default_on_builtin_and_a_real_file_writes_every_output(tmp_path, data_dir):
     out = tmp_path / "out"
-    rows = eval_agrpo.main(["--max_samples", "16", *SMALL, "--dataset_id_or_path", str(data_dir / "mawps/singleop.jsonl"),
-                            "--output_dir", str(out), "--plot"]) + eval_agrpo.main(
-        ["--max_samples", "16", *SMALL, "--output_dir", str(tmp_path / "builtin")])
+    mawps = str(data_dir / "mawps/singleop.jsonl")
+    rows = eval_agrpo.main(["--max_samples", "16", *SMALL, "--dataset_id_or_path", mawps, "--output_dir", str(out),
+                            "--plot"])
+    rows += eval_agrpo.main(["--max_samples", "16", *SMALL, "--output_dir", str(tmp_path / "builtin")])
     assert [(r["model"], r["dataset"]) for r in rows] == [("embedded", "mawps/singleop"), ("embedded", "builtin")]
     saved = json.loads((out / "results.json").read_text())
     assert saved["results"] == json.loads(json.dumps(rows[:1]))
     assert saved["settings"]["temperature"] == 0.0 and saved["settings"]["max_samples"] == 16
     completions = read_jsonl(out / "completions.jsonl")
     assert len(completions) == 16
-    assert {"problem", "gold", "completion", "answer", "correct", "reward", "tokens", "truncated"} <= set(completions[0])
+    keys = {"problem", "gold", "completion", "answer", "correct", "reward", "tokens", "truncated"}
+    assert keys <= set(completions[0])
     # the row is computed from exactly these completions
     assert rows[0]["accuracy"] == pytest.approx(sum(c["correct"] for c in completions) / 16)
     assert rows[0]["mean_length"] == pytest.approx(sum(c["tokens"] for c in completions) / 16)
