@@ -268,27 +268,24 @@ class HFRollout:
 def policy_weights(policy: torch.nn.Module):
     """(name, tensor) pairs of the policy as a plain Hugging Face causal LM, for a vLLM engine's `reload_weights`.
 
-    A PEFT policy gives its merged weights (W + scale * B A per adapted layer, computed here without touching the
-    policy) under the base model's names; a tied `lm_head.weight` is left out (vLLM ties it to the embeddings).
+    A PEFT policy gives its merged weights, W + scale * B A for each adapted layer (computed here without changing
+    the policy), under the base model's names; a tied `lm_head.weight` is left out (vLLM ties it to the embeddings).
     """
     lm = unwrap_causal_lm(policy)
     tied = getattr(lm.config, "tie_word_embeddings", False)
-    peft = hasattr(getattr(policy, "module", policy), "peft_config")
+    deltas = {}
+    for module_name, module in lm.named_modules():
+        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")):
+            continue  # not a LoRA layer
+        adapters = [a for a in module.active_adapters if a in module.lora_A]
+        if adapters:
+            deltas[f"{module_name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in adapters)
     for name, tensor in lm.state_dict().items():
-        if tied and name == "lm_head.weight":
+        if "lora_" in name or (tied and name == "lm_head.weight"):
             continue
-        if peft:
-            if "lora_" in name or "modules_to_save" in name:
-                continue
-            name = name.replace(".base_layer.", ".")
-        yield name, tensor
-    if peft:
-        # the merged delta of each LoRA layer replaces its base weight (a second pair with the same name wins)
-        for module_name, module in lm.named_modules():
-            if hasattr(module, "get_delta_weight") and getattr(module, "active_adapters", None):
-                weight = module.base_layer.weight
-                delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
-                yield f"{module_name}.weight", (weight + delta).to(weight.dtype)
+        if name in deltas:
+            tensor = (tensor + deltas[name]).to(tensor.dtype)
+        yield name.replace(".base_layer.", "."), tensor
 
 
 class VLLMRollout:

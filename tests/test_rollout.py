@@ -130,3 +130,25 @@ def test_replace_completions_swaps_groups_and_pads_to_the_longer_width():
     # shorter replacements shrink the width to the longest kept completion
     short = replace_completions(batch, torch.tensor([2, 3]), rollout([[1, 0], [1, 0]], [1, 1], 1.0), 0)
     assert short.completion_ids.shape == (4, 2)
+
+
+def test_policy_weights_of_a_lora_policy_equal_peft_merge(embedded_model):
+    """The weights a vLLM engine receives: a LoRA policy's merged weights under the base names, equal to what
+    peft's merge_and_unload computes, the tied lm_head left out, the policy itself unchanged."""
+    from peft import LoraConfig, get_peft_model
+
+    from lib.modeling import load_policy
+    from lib.rollout import policy_weights
+
+    lora = get_peft_model(load_policy(embedded_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.01)
+    sent = {name: t.clone() for name, t in policy_weights(lora)}
+    assert any("lora_B" in n for n, _ in lora.named_parameters())  # still an adapter after the export
+    merged = lora.merge_and_unload().state_dict()
+    assert set(sent) == set(merged) - {"lm_head.weight"}
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(sent[q], load_policy(embedded_model).state_dict()[q])  # the delta is in
+    assert max(float((sent[k] - merged[k]).abs().max()) for k in sent) == 0.0
