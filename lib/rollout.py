@@ -302,7 +302,7 @@ class VLLMRollout:
 
     def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, *, seed: int = 0,
                  max_model_len: int, gpu_memory_utilization: float = 0.5, dtype: str = "auto",
-                 enable_sleep_mode: bool = False):
+                 enable_sleep_mode: bool = False, enforce_eager: bool | None = None):
         # the engine runs in this process: weight sync reaches its model runner directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -315,8 +315,13 @@ class VLLMRollout:
         self.seed = seed
         self.calls = 0
         kwargs = {"enable_sleep_mode": True} if enable_sleep_mode else {}
+        if enforce_eager is None:
+            # on a CPU, compiling the model costs about 60 s at start-up (2 cores, 135M) and gains little when
+            # decoding (measured: 6 s eager against 5 s compiled for 24 prompts); CUDA graphs pay off on a GPU
+            enforce_eager = not torch.cuda.is_available()
         self.llm = LLM(model=model_path, seed=seed, max_model_len=max_model_len, dtype=dtype,
-                       gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True, **kwargs)
+                       gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
+                       enforce_eager=enforce_eager, **kwargs)
 
     def state_dict(self) -> dict:
         return {"calls": self.calls}

@@ -1,7 +1,7 @@
 """Train every method preset with the same steps, seed and data, then print one table of what each did.
 
-    python scripts/compare_presets.py                               # all presets, 20 steps each, the CPU demo
-    python scripts/compare_presets.py --algos grpo agrpo --max_steps 40 -- --learning_rate 1e-5
+    python scripts/compare_presets.py                               # all presets, 40 steps each (the demo default)
+    python scripts/compare_presets.py --algos grpo agrpo --max_steps 20 -- --learning_rate 1e-5 --seed 7
 
 Each preset runs `train_agrpo.py --algo <name>` into `<output_dir>/<name>/` (arguments after `--` go to every run),
 one after the other. A run that already has its `final/` folder is not run again, so an interrupted comparison
@@ -73,7 +73,7 @@ def table(rows: dict[str, dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algos", nargs="+", default=list(PRESETS), choices=list(PRESETS))
-    parser.add_argument("--max_steps", type=int, default=20)
+    parser.add_argument("--max_steps", type=int, default=40, help="Optimizer steps per preset (40: the demo default).")
     parser.add_argument("--output_dir", default="runs/presets")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]

@@ -122,8 +122,10 @@ def test_embedded_default_on_builtin_and_a_real_file_writes_every_output(tmp_pat
 def test_models_side_by_side_with_a_reference_and_sampling(tmp_path, trained_like):
     models = ["embedded", str(trained_like / "full"), str(trained_like / "lora"), str(trained_like / "lora_zero")]
     out = tmp_path / "out"
+    # fp32 sampling: in bf16 a plain model samples from a bf16 copy and an adapter under autocast, which round apart
     rows = eval_agrpo.main(["--model_name_or_path", *models, "--reference_model", "embedded", "--num_samples", "4",
-                            "--temperature", "0.8", "--max_samples", "8", *SMALL, "--output_dir", str(out)])
+                            "--temperature", "0.8", "--max_samples", "6", *SMALL, "--bf16", "false",
+                            "--output_dir", str(out)])
     by_model = {r["model"]: r for r in rows}
     assert list(by_model) == ["embedded", *models[1:]]
     for row in rows:
@@ -131,15 +133,15 @@ def test_models_side_by_side_with_a_reference_and_sampling(tmp_path, trained_lik
         assert row["pass@1"] <= row["pass@2"] <= row["pass@4"]
     completions = read_jsonl(out / "completions.jsonl")
     per_model = {m: [c for c in completions if c["model"] == m] for m in by_model}
-    assert all(len(c) == 8 * 4 for c in per_model.values())
+    assert all(len(c) == 6 * 4 for c in per_model.values())
     # same prompts, same sampling seed: an adapter that computes the base samples exactly the base's completions
     assert [c["completion"] for c in per_model[models[3]]] == [c["completion"] for c in per_model["embedded"]]
-    assert by_model[models[3]]["win_rate"] == 0.5 and by_model[models[3]]["kl"] == pytest.approx(0, abs=1e-5)
+    assert by_model[models[3]]["win_rate"] == 0.5 and by_model[models[3]]["kl"] == pytest.approx(0, abs=1e-7)
     assert by_model["embedded"]["win_rate"] == 0.5 and by_model["embedded"]["kl"] == 0.0
     # the changed models sample other completions and sit at a positive KL from the reference
     for changed in models[1:3]:
         assert [c["completion"] for c in per_model[changed]] != [c["completion"] for c in per_model["embedded"]]
-        assert by_model[changed]["kl"] > 1e-4
+        assert by_model[changed]["kl"] > 1e-5  # small moves: 6e-5 per token measured
     assert "| win | reward | KL | entropy |" in (out / "results.md").read_text()
 
 
