@@ -117,6 +117,14 @@ def check_model(option: str, name: str) -> None:
     problem = model_folder_problem(name)
     if problem:
         raise EvalConfigError(f"{option}: {problem}")
+    if name not in EMBEDDED_ALIASES and not Path(name).expanduser().exists():  # a hub id: is it reachable?
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(name)
+        except (OSError, ValueError) as error:
+            raise EvalConfigError(f"{option}: '{name}' is neither a local folder nor a reachable hub id "
+                                  f"({type(error).__name__}); pass a local model folder, or 'embedded'") from error
 
 
 def validate(args: argparse.Namespace) -> None:

@@ -42,6 +42,7 @@ def model_folders(tmp_path, embedded_model):
 
 @pytest.mark.parametrize("args, message", [
     (["--model_name_or_path", "./no/such/model"], "--model_name_or_path: './no/such/model' does not exist"),
+    (["--model_name_or_path", "no-such-owner/no-such-model"], "is neither a local folder nor a reachable hub id"),
     (["--model_name_or_path", "{run}"], "is not a model folder (no config.json or adapter_config.json) (it is a run "
                                         "folder: pass its final/"),
     (["--model_name_or_path", "{adapter}"], "is for the base model"),
@@ -54,7 +55,10 @@ def model_folders(tmp_path, embedded_model):
     (["--reward_funcs", "accuracy", "format", "--reward_weights", "1"], "one weight per function"),
     (["--model_name_or_path", "embedded", "embedded"], "listed twice"),
 ])
-def test_bad_input_is_named_before_any_model_loads(args, message, model_folders, tmp_path):
+def test_bad_input_is_named_before_any_model_loads(args, message, model_folders, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail at once instead of timing out
     run, adapter = model_folders
     args = [a.format(run=run, adapter=adapter) for a in args]
     with pytest.raises(EvalConfigError) as error:
