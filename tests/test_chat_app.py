@@ -154,6 +154,21 @@ def test_client_sends_a_prompt_gets_both_answers_and_switches_checkpoint(page, r
     saved = json.loads(Path(path).read_text())
     assert saved["format"] == "agrpo-chat/1" and len(saved["turns"]) == 2
     assert saved["turns"][0]["reference"] == "7" and "accuracy" in saved["turns"][0]["rewards"]["checkpoint"]
+    # clear, then load the saved conversation back: both sides and the settings return
+    chat_a, chat_b, *_ = client.predict(api_name="/clear")
+    assert chat_a == [] and chat_b == []
+    from gradio_client import handle_file
+
+    chat_a, chat_b, greedy, temperature, top_p, max_new, instruction, status = client.predict(
+        handle_file(path), api_name="/load_conversation")
+    assert status == "loaded 2 turn(s)" and greedy is True and max_new == 48
+    prompts = [str(m["content"]) for m in chat_a if m["role"] == "user"]
+    assert len(prompts) == 2 and all(t["prompt"] in shown for t, shown in zip(saved["turns"], prompts))
+    assert any("Final answer" in str(m["content"]) or "no final answer" in str(m["content"]) for m in chat_b)
+    bad = Path(path).with_name("not_a_conversation.json")
+    bad.write_text('{"turns": 3}')
+    *_, status = client.predict(handle_file(str(bad)), api_name="/load_conversation")
+    assert status.startswith("could not load the conversation: not a conversation saved by this page")
 
 
 @pytest.mark.slow
