@@ -98,7 +98,8 @@ def test_embedded_default_on_builtin_and_a_real_file_writes_every_output(tmp_pat
     mawps = str(data_dir / "mawps/singleop.jsonl")
     rows = eval_agrpo.main(["--max_samples", "16", *SMALL, "--dataset_id_or_path", mawps, "--output_dir", str(out),
                             "--plot"])
-    rows += eval_agrpo.main(["--max_samples", "16", *SMALL, "--output_dir", str(tmp_path / "builtin")])
+    rows += eval_agrpo.main(["--max_samples", "16", *SMALL, "--output_dir", str(tmp_path / "builtin"),
+                             "--output_json", str(tmp_path / "elsewhere" / "builtin.json")])
     assert [(r["model"], r["dataset"]) for r in rows] == [("embedded", "mawps/singleop"), ("embedded", "builtin")]
     saved = json.loads((out / "results.json").read_text())
     assert saved["results"] == json.loads(json.dumps(rows[:1]))
@@ -118,6 +119,8 @@ def test_embedded_default_on_builtin_and_a_real_file_writes_every_output(tmp_pat
 
     with Image.open(out / "accuracy.png") as image:
         assert image.size[0] > 300 and image.size[1] > 300
+    assert json.loads((tmp_path / "elsewhere" / "builtin.json").read_text())["results"][0]["dataset"] == "builtin"
+    assert not (tmp_path / "builtin" / "results.json").exists() and (tmp_path / "builtin" / "results.md").exists()
     # the built-in task's held-out problems are the trainer's (seed 42): accuracy on them is not trivially 0 or 1
     assert 0.0 < rows[1]["accuracy"] < 1.0
 
