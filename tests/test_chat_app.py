@@ -134,8 +134,12 @@ def test_client_sends_a_prompt_gets_both_answers_and_switches_checkpoint(page, r
     assert "2 model folder(s)" in status
     status, heading = client.predict(str(run_folder), "checkpoint-2", "embedded", api_name="/load_checkpoint")
     assert "checkpoint: loaded" in status and "checkpoint-2" in heading
-    chat_a, chat_b, *_ = ask(client, "What is 5 + 6?")
-    assert len(chat_a) > 2 and len(chat_b) > 2  # the second turn follows the first
+    # the second turn follows the first, and arrives in many partial updates (streamed token by token)
+    instruction = "Give the final answer as 'Answer: <number>'."
+    job = client.submit("What is 5 + 6?", "", instruction, "", True, 0.7, 1.0, 48, api_name="/send")
+    chat_a, chat_b, *_ = job.result()
+    assert len(chat_a) > 2 and len(chat_b) > 2
+    assert len(job.outputs()) > 10
     # bad input is a message in the page
     *_, status = ask(client, "   ")
     assert status == "Type a prompt first: the prompt is empty."
@@ -144,6 +148,13 @@ def test_client_sends_a_prompt_gets_both_answers_and_switches_checkpoint(page, r
     assert "is not a model folder" in status
     status, _ = client.predict(str(run_folder), str(run_folder), "embedded", api_name="/load_checkpoint")
     assert "it is a run folder: pass its final/" in status
+    orphan = run_folder / "orphan_adapter"
+    shutil.copytree(run_folder / "checkpoint-2", orphan, dirs_exist_ok=True)
+    config = json.loads((orphan / "adapter_config.json").read_text())
+    (orphan / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "./gone/base"}))
+    status, heading = client.predict(str(run_folder), str(orphan), "embedded", api_name="/load_checkpoint")
+    assert "is for the base model './gone/base', which does not exist here" in status
+    assert "checkpoint-2" in heading  # the model loaded before is still the one answering
     *_, status = ask(client, "word " * 9000, max_new_tokens=64)
     assert "more than the model's context of 8192" in status
     # the last good turn is intact after the bad inputs: export settings and save the conversation
