@@ -327,9 +327,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         names.append(args.reference_model)  # its completions are needed for the win rate: score it too
     paths = output_paths(args)
 
-    reference = None
-    if reference_label:
-        reference, _ = load_for_inference(args.reference_model, device)
+    reference = reference_tokenizer = None
+    if reference_label:  # loaded once: held for the KL of every model, and scored as a model itself
+        reference, reference_tokenizer = load_for_inference(args.reference_model, device)
     engine, key = None, None
     rows: list[dict] = []
     kept: dict[tuple[str, str], tuple[list[dict], list[list[float]]]] = {}  # (model, set) -> (results, rewards)
@@ -337,7 +337,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # ------------------------------------------------------------------------------ generate and score
     for name in names:
         label = model_label(name)
-        model, tokenizer = load_for_inference(name, device)
+        model, tokenizer = (reference, reference_tokenizer) if label == reference_label \
+            else load_for_inference(name, device)
         if args.use_vllm:
             if engine is None or engine_key(model) != key:
                 engine = None
@@ -376,14 +377,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row = {"model": label, "dataset": set_label, **score_problems(results, args.pass_k, seed=args.seed),
                    "reward": sum(map(sum, rewards)) / max(sum(map(len, rewards)), 1), "seconds": seconds}
             if reference is not None:
-                if label == reference_label:
-                    row["kl"], row["entropy"] = 0.0, completion_kl_entropy(
-                        model, model, tokenizer, prompts, results, temperature=args.temperature,
-                        max_prompt_length=args.max_prompt_length, device=device)[1]
-                else:
-                    row["kl"], row["entropy"] = completion_kl_entropy(
-                        model, reference, tokenizer, prompts, results, temperature=args.temperature,
-                        max_prompt_length=args.max_prompt_length, device=device)
+                row["kl"], row["entropy"] = completion_kl_entropy(
+                    model, reference, tokenizer, prompts, results, temperature=args.temperature,
+                    max_prompt_length=args.max_prompt_length, device=device)
             rows.append(row)
             kept[(label, set_label)] = (results, rewards)
             for i, (record, result) in enumerate(zip(records, results)):

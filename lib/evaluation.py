@@ -197,8 +197,8 @@ def completion_kl_entropy(
         index = torch.arange(len(chunk), device=device)
         temps = torch.full((len(chunk),), temp, device=device)
         logp, entropy = completion_logps(model, prompt_ids, prompt_mask, index, completion, mask, temps)
-        ref_logp, _ = completion_logps(reference, prompt_ids, prompt_mask, index, completion, mask, temps,
-                                       with_entropy=False)
+        ref_logp = logp if reference is model else completion_logps(  # the reference itself: KL 0, one pass
+            reference, prompt_ids, prompt_mask, index, completion, mask, temps, with_entropy=False)[0]
         log_u = (ref_logp - logp).clamp(-20, 20)
         kl = (torch.exp(log_u) - log_u - 1) * mask
         kl_sum += float(kl.sum())

@@ -57,19 +57,21 @@ class AnswerPhase:
 
     A sequence samples with the call's parameters until its last tokens equal one of `marker_ids` (the marker's
     token ids; several variants, since "Answer:" after a space or a newline tokenises differently), and with
-    `temperature` / `top_p` from the next token on. The switch is per sequence and sticky.
+    `temperature` / `top_p` from the next token on. The switch is per sequence and sticky. `marker` is the text
+    itself, for engines that stop on text rather than token ids (vLLM).
     """
 
     marker_ids: tuple[tuple[int, ...], ...]
     temperature: float
     top_p: float = 1.0
+    marker: str = ""
 
     @classmethod
     def from_text(cls, tokenizer, marker: str, temperature: float, top_p: float = 1.0) -> AnswerPhase:
         variants = {tuple(tokenizer.encode(text, add_special_tokens=False))
                     for text in (marker, " " + marker, "\n" + marker)}
         # a variant that starts with a separator token alone also ends with the bare marker's ids; keep all of them
-        return cls(tuple(sorted(v for v in variants if v)), float(temperature), float(top_p))
+        return cls(tuple(sorted(v for v in variants if v)), float(temperature), float(top_p), marker)
 
 
 def replace_completions(batch: Rollout, rows: torch.Tensor, new: Rollout, pad_token_id: int) -> Rollout:
@@ -358,10 +360,9 @@ class VLLMRollout:
         top_k: int = 0,
         greedy: bool = False,
         answer_phase: AnswerPhase | None = None,
-        marker_text: str | None = None,
     ) -> Rollout:
-        """As `HFRollout.generate`. With an answer phase, `marker_text` is the marker as text (the engine stops on
-        text); without it the phase is ignored."""
+        """As `HFRollout.generate`. The engine stops on the answer phase's marker text (`AnswerPhase.marker`, which
+        `AnswerPhase.from_text` sets), then continues those sequences with the phase's parameters."""
         from vllm.inputs import TokensPrompt
 
         device = prompt_ids.device
@@ -371,13 +372,13 @@ class VLLMRollout:
         nucleus = torch.as_tensor(top_p, dtype=torch.float32).expand(num_prompts).tolist()
         if greedy:
             temps = [0.0] * num_prompts
-        phase = None if greedy or marker_text is None else answer_phase
+        phase = None if greedy or answer_phase is None or not answer_phase.marker else answer_phase
         ids = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         base_seed = (self.seed * 1_000_003 + self.calls) * 10_007
         self.calls += 1
         active = [(p, c) for p, c in enumerate(counts) if c > 0]
         params = [self._params(c, temps[p], nucleus[p], top_k, max_new_tokens, base_seed + p,
-                               [marker_text] if phase else None) for p, c in active]
+                               [phase.marker] if phase else None) for p, c in active]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[p]) for p, _ in active], params,
                                     use_tqdm=False)
         # per completion: token ids, the temperature of each token, how it stopped ("end" token, "marker", "length")

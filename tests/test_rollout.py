@@ -171,7 +171,7 @@ if __name__ == "__main__":
     # "=" as the marker: the model writes "8 + 7 = 15" far more often than "Answer:"
     phase = AnswerPhase.from_text(tokenizer, "=", temperature=0.3, top_p=0.9)
     out = engine.generate(ids, mask, torch.tensor([3, 3, 3, 3]), 64, temperature=torch.tensor([0.9, 0.9, 1.1, 1.1]),
-                          answer_phase=phase, marker_text="=")
+                          answer_phase=phase)
     rows = []
     for i in range(out.completion_ids.shape[0]):
         n = int(out.completion_mask[i].sum())
