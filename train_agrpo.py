@@ -80,11 +80,13 @@ from lib.controllers import (DSFState, GroupSizeState, KLControllerState, dsf_cl
                              update_kl_controller, update_step_kl, vote_entropy)
 from lib.data import builtin_task, format_prompt, load_records, tokenize_prompts
 from lib.evaluation import generate_and_score, summarize
-from lib.losses import aggregate_loss, clipped_surrogate, dispersion, group_advantages, group_skewness, kl_penalty
-from lib.modeling import (CompletionScorer, adapter_disabled, end_token_ids, load_policy, load_reference,
-                          load_tokenizer, native_bf16, resolve_model_path)
+from lib.losses import (aggregate_loss, clipped_surrogate, dispersion, group_advantages, group_skewness, kl_penalty,
+                        truncated_importance_weights)
+from lib.memory import build_optimizer, check_step_memory, estimate_step_memory, memory_budget, resident_bytes
+from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_token_ids, is_adapter_folder,
+                          load_policy, load_reference, load_tokenizer, native_bf16, resolve_model_path)
 from lib.rewards import extract_answer, resolve_reward_funcs, score_completions
-from lib.rollout import AnswerPhase, HFRollout, replace_completions
+from lib.rollout import AnswerPhase, HFRollout, VLLMRollout, replace_completions
 
 
 def load_data(cfg):
@@ -102,14 +104,16 @@ def _load_data(cfg):
                    skip_invalid_rows=cfg.skip_invalid_rows)
     train = load_records(cfg.dataset_id_or_path, split=cfg.dataset_split, max_samples=cfg.max_train_samples,
                          seed=cfg.seed, **columns)
-    if cfg.eval_dataset_id_or_path:
+    if cfg.num_eval_samples == 0:
+        evals = []
+    elif cfg.eval_dataset_id_or_path:
         evals = load_records(cfg.eval_dataset_id_or_path, split=cfg.eval_split, max_samples=cfg.num_eval_samples,
                              seed=cfg.seed, **columns)
     else:
         # a single file has no test split: hold out a seeded share of it, disjoint from what we train on
         order = list(range(len(train)))
         random.Random(cfg.seed).shuffle(order)
-        held = set(order[: min(cfg.num_eval_samples, len(train) // 10 or 1)])
+        held = set(order[: min(cfg.num_eval_samples, len(train) // 10 or 1)]) if cfg.num_eval_samples else set()
         evals = [r for i, r in enumerate(train) if i in held]
         train = [r for i, r in enumerate(train) if i not in held]
     if not train:
@@ -223,14 +227,39 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.beta > 0 and not lora:
         # same dtype as the policy, so that under the same autocast the KL is exactly 0 before the first update
         reference = CompletionScorer(load_reference(model_path, next(policy.parameters()).dtype, device))
-    rollout = HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16,
-                        seed=cfg.seed + rank)
+    if cfg.use_vllm:
+        # a colocated engine per process, loaded from the base model and given the policy's weights (LoRA merged)
+        # before the first sample and after every optimizer step
+        engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
+        rollout = VLLMRollout(resolve_model_path(engine_path), end_token_ids(policy, tokenizer),
+                              tokenizer.pad_token_id, seed=cfg.seed + rank,
+                              max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
+                              gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                              dtype="bfloat16" if bf16 else "float32", enable_sleep_mode=cfg.vllm_enable_sleep_mode)
+        rollout.sync_weights(policy)
+    else:
+        rollout = HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16,
+                            seed=cfg.seed + rank)
     answer_phase = AnswerPhase.from_text(tokenizer, cfg.answer_marker, cfg.answer_temperature, cfg.answer_top_p) \
         if cfg.answer_marker else None
 
     params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay)
+    optimizer = build_optimizer(params, cfg.optim, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
+                                cfg.weight_decay)
+    # memory guard: the step's estimated peak (on top of what loading left resident) against the budget, before
+    # any sampling or training; a run that would not fit stops here with the setting to lower
+    micro_prompts = -(-cfg.per_device_train_batch_size // cfg.num_generations) + 1
+    estimate = estimate_step_memory(
+        policy, resident=resident_bytes(device), optim=cfg.optim, bf16=bf16, vllm=cfg.use_vllm,
+        tokens_per_micro_batch=cfg.per_device_train_batch_size * cfg.max_completion_length
+        + min(micro_prompts, cfg.per_device_train_batch_size) * cfg.max_prompt_length,
+        sampling_tokens=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+        * (cfg.max_prompt_length + cfg.max_completion_length), gradient_checkpointing=cfg.gradient_checkpointing)
+    try:
+        check_step_memory(estimate, *memory_budget(device, cfg.max_memory), use_peft=lora,
+                          gradient_checkpointing=cfg.gradient_checkpointing, optim=cfg.optim)
+    except MemoryError as error:
+        raise ConfigError(str(error)) from error
     # the scheduler is stepped by us once per optimizer step (Accelerate's wrapper would step it once per process)
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_training_steps=cfg.max_steps,
                               num_warmup_steps=math.ceil(cfg.warmup_ratio * cfg.max_steps))
@@ -264,14 +293,18 @@ def main(argv: list[str] | None = None) -> dict:
     def prompt_text(record: dict) -> str:
         return format_prompt(tokenizer, record["problem"], cfg.instruction, cfg.system_prompt)
 
+    clock = {"rewards": 0.0}  # seconds spent in reward functions this step (reported apart from generation)
+
     def score(roll, roll_records: list[dict]) -> tuple[torch.Tensor, dict[str, int], list[str]]:
         """Every reward function on a rollout's completions: (B, K) rewards, error counts, decoded texts."""
+        t0 = time.perf_counter()
         texts = tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True)
         owners = [roll_records[i] for i in roll.prompt_index.tolist()]
         columns = {key: [r.get(key) for r in owners] for key in owners[0] if key != "problem"}
         columns["completion_length"] = roll.completion_mask.sum(1).tolist()  # tokens, for length-based rewards
         per_func, errors = score_completions(reward_funcs, [prompt_text(r) for r in owners], texts, columns,
                                              error_value=cfg.reward_error_value)
+        clock["rewards"] += time.perf_counter() - t0
         return torch.tensor(per_func, dtype=torch.float32, device=device).T, errors, texts
 
     def weighted_total(rewards: torch.Tensor) -> torch.Tensor:
@@ -292,6 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f.write(json.dumps(record) + "\n")
 
     def evaluate(step: int) -> dict:
+        if not eval_records:  # num_eval_samples 0: no evaluation
+            return {}
         shard = eval_records[rank::world]  # every process scores its share; sums are reduced below
         results = generate_and_score(rollout, tokenizer, shard, [prompt_text(r) for r in shard],
                                      max_new_tokens=cfg.max_completion_length, max_prompt_length=cfg.max_prompt_length,
@@ -337,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
     step = state["global_step"]
     if step == 0 or (cfg.eval_steps and step % cfg.eval_steps == 0):
         start_eval = evaluate(step)
-        if main_process:
+        if main_process and start_eval:
             tqdm.write(f"eval step {step}: accuracy {start_eval['eval/accuracy']:.3f} on "
                        f"{int(start_eval['eval/num_problems'])} held-out problems")
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not main_process, desc="train", dynamic_ncols=True)
@@ -345,6 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     while step < cfg.max_steps:
         t_step = time.perf_counter()
         timing = {}
+        clock["rewards"] = 0.0
         new_batch = batch is None or step % cfg.num_iterations == 0
         if new_batch:
             # ------------------------------------------------------------------------------------ 1. rollout
@@ -417,7 +453,10 @@ def main(argv: list[str] | None = None) -> dict:
             completions = tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
             owners = [records[i] for i in batch.prompt_index.tolist()]
             prompts = [prompt_text(r) for r in owners]
-            timing["generation"] = time.perf_counter() - t0
+            timing["rewards"] = clock["rewards"]
+            timing["generation"] = time.perf_counter() - t0 - clock["rewards"]
+            if cfg.use_vllm:
+                rollout.sleep()  # sleep mode: the engine's memory goes to the training pass until the next sync
 
             # -------------------------------------------------------------------------------- 3. advantages
             # over whole groups of the global batch, then this process's slice
@@ -477,6 +516,13 @@ def main(argv: list[str] | None = None) -> dict:
         stats = {"loss": torch.zeros((), device=device), "kl": torch.zeros((), device=device),
                  "entropy": torch.zeros((), device=device)}
         clip_sums = {}
+        # truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
+        # off-policy RL training"): the engine's sampling probabilities differ from the trainer's, so each token's
+        # policy-gradient term is weighted by min(pi_train / pi_vllm, C) (or per sequence, or masked above C)
+        tis = cfg.use_vllm and cfg.vllm_importance_sampling_correction and batch.sampling_logps is not None
+        tis_stats = {"sum": torch.zeros((), device=device), "min": torch.full((), math.inf, device=device),
+                     "max": torch.zeros((), device=device), "diff_sum": torch.zeros((), device=device),
+                     "diff_max": torch.zeros((), device=device)}
         pre_update_logp = []  # the policy's log-probs before this update (AGPO-DSF's step KL compares with after)
         for m, rows in enumerate(micro):
             sync = m == len(micro) - 1  # gradients are all-reduced once, after the last micro-batch
@@ -492,6 +538,18 @@ def main(argv: list[str] | None = None) -> dict:
                 per_token, clip_stats = clipped_surrogate(
                     logp, old, advantages[rows], mask, per_row(epsilon_low, rows), per_row(epsilon_high, rows),
                     cfg.importance_sampling_level, dual_clip=cfg.dual_clip)
+                if tis:
+                    weight = truncated_importance_weights(old, batch.sampling_logps[rows, :width], mask,
+                                                          cfg.vllm_importance_sampling_mode,
+                                                          cfg.vllm_importance_sampling_clip_max)
+                    per_token = per_token * weight
+                    off = ~mask.bool()
+                    gap = (old - batch.sampling_logps[rows, :width]).abs().masked_fill(off, 0.0)
+                    tis_stats["sum"] += weight.masked_fill(off, 0.0).sum()
+                    tis_stats["min"] = torch.minimum(tis_stats["min"], weight.masked_fill(off, math.inf).min())
+                    tis_stats["max"] = torch.maximum(tis_stats["max"], weight.masked_fill(off, 0.0).max())
+                    tis_stats["diff_sum"] += gap.sum()
+                    tis_stats["diff_max"] = torch.maximum(tis_stats["diff_max"], gap.max())
                 if beta > 0:
                     kl = kl_penalty(logp, ref_logp[rows, :width], cfg.kl_estimator)
                     per_token = per_token + beta * kl
@@ -583,6 +641,15 @@ def main(argv: list[str] | None = None) -> dict:
         if cfg.resample_schedule:
             metrics.update({"resample_rounds": len(rounds) - 1, "resampled_prompts": resampled_prompts,
                             "num_tokens/resampled": float(accelerator.reduce(tokens["resampled"], reduction="sum"))})
+        if tis:
+            sums = accelerator.reduce(torch.stack([tis_stats["sum"], tis_stats["diff_sum"]]), reduction="sum")
+            highs = accelerator.reduce(torch.stack([tis_stats["max"], tis_stats["diff_max"], -tis_stats["min"]]),
+                                       reduction="max")
+            metrics.update({"sampling/importance_sampling_ratio/mean": float(sums[0] / global_tokens.clamp(min=1)),
+                            "sampling/importance_sampling_ratio/min": float(-highs[2]),
+                            "sampling/importance_sampling_ratio/max": float(highs[0]),
+                            "sampling/sampling_logp_difference/mean": float(sums[1] / global_tokens.clamp(min=1)),
+                            "sampling/sampling_logp_difference/max": float(highs[1])})
         if dsf_ctl is not None:
             metrics.update({"entropy_ref": dsf_ctl.entropy_ref, "uncertainty_baseline": dsf_ctl.uncertainty_baseline,
                             "step_kl_ema": dsf_ctl.step_kl_ema,
@@ -625,7 +692,8 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer.save_pretrained(staging)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
-        tqdm.write(f"eval step {step}: accuracy {end_eval['eval/accuracy']:.3f}; final model in {final}")
+        score_text = f"accuracy {end_eval['eval/accuracy']:.3f}; " if end_eval else ""
+        tqdm.write(f"eval step {step}: {score_text}final model in {final}")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {"eval": end_eval, "global_step": step}

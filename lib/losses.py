@@ -277,6 +277,34 @@ def clipped_surrogate(
     return per_token, stats
 
 
+def truncated_importance_weights(train_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor,
+                                 mode: str = "token_truncate", cap: float = 3.0) -> torch.Tensor:
+    """Importance weights correcting for a sampler whose probabilities differ from the trainer's (B, T), no grad.
+
+    Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"): the policy gradient is estimated on tokens drawn from the inference engine's pi_vllm, not the
+    trained pi, so each token's term is weighted by w = pi(y_t) / pi_vllm(y_t), computed from log-probs
+    (`train_logp` of the policy that sampled, `sampling_logp` the engine's), and capped for variance:
+        token_truncate     w_t = min(w_t, cap)
+        token_mask         w_t if w_t <= cap else 0
+        sequence_truncate  one weight per completion, min(prod_t w_t, cap), on all its tokens
+        sequence_mask      prod_t w_t if it is <= cap else 0
+    Masked positions get weight 0.
+    """
+    log_ratio = ((train_logp - sampling_logp) * mask).detach()
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(1, keepdim=True).expand_as(train_logp)
+    ratio = torch.exp(log_ratio.clamp(max=50.0))  # exp of a huge log-ratio overflows; any value above cap is capped
+    if mode.endswith("truncate"):
+        weight = ratio.clamp(max=cap)
+    elif mode.endswith("mask"):
+        weight = torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+    else:
+        raise ValueError(f"vllm_importance_sampling_mode: '{mode}' is not one of token_truncate, token_mask, "
+                         f"sequence_truncate, sequence_mask")
+    return weight * mask
+
+
 def aggregate_loss(
     per_token_loss: torch.Tensor,
     completion_mask: torch.Tensor,

@@ -111,8 +111,9 @@ def embedded_model_path() -> Path:
 
 
 def resolve_model_path(model_name_or_path: str) -> str:
-    """The embedded sentinel becomes its cached folder; anything else (hub id or local folder) passes through."""
-    if model_name_or_path == EMBEDDED_MODEL:
+    """The embedded sentinel (or its alias `embedded`) becomes its cached folder; anything else (hub id or local
+    folder) passes through."""
+    if model_name_or_path in EMBEDDED_ALIASES:
         return str(embedded_model_path())
     return model_name_or_path
 

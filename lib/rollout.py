@@ -39,6 +39,9 @@ class Rollout:
     completion_ids: (B, T), padded with `pad_token_id` after the end; completion_mask: (B, T), 1 up to and
     including the first end-of-sequence token. is_truncated: (B,) True where no end token came within
     max_new_tokens. temperatures: (B, T) the temperature each token was sampled at (0 for greedy).
+    sampling_logps: (B, T) the sampling engine's own log-probability of each sampled token, from the distribution it
+    actually sampled from (temperature, top_p and top_k applied), or None when the engine is the policy itself (HF):
+    the trainer's truncated importance sampling compares it with the training log-probs.
     """
 
     prompt_ids: torch.Tensor
@@ -48,7 +51,7 @@ class Rollout:
     is_truncated: torch.Tensor
     temperatures: torch.Tensor
     prompt_index: torch.Tensor
-
+    sampling_logps: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,13 @@ def replace_completions(batch: Rollout, rows: torch.Tensor, new: Rollout, pad_to
     temps[rows] = widen(new.temperatures, 0.0)
     truncated[rows] = new.is_truncated
     used = int(mask.sum(1).max()) if mask.numel() else 0
+    logps = None
+    if batch.sampling_logps is not None and new.sampling_logps is not None:
+        logps = widen(batch.sampling_logps, 0.0).clone()
+        logps[rows] = widen(new.sampling_logps, 0.0)
+        logps = logps[:, :used]
     return replace(batch, completion_ids=ids[:, :used], completion_mask=mask[:, :used], temperatures=temps[:, :used],
-                   is_truncated=truncated)
+                   is_truncated=truncated, sampling_logps=logps)
 
 def sample_next_token(
     logits: torch.Tensor,
@@ -321,9 +329,13 @@ class VLLMRollout:
             # on a CPU, compiling the model costs about 60 s at start-up (2 cores, 135M) and gains little when
             # decoding (measured: 6 s eager against 5 s compiled for 24 prompts); CUDA graphs pay off on a GPU
             enforce_eager = not torch.cuda.is_available()
+        self.sleeping = False
+        # logprobs of the distribution each token was drawn from (after temperature / top_p / top_k), for the
+        # trainer's importance-sampling correction
         self.llm = LLM(model=model_path, seed=seed, max_model_len=max_model_len, dtype=dtype,
                        gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-                       enforce_eager=enforce_eager, **kwargs)
+                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **kwargs)
+        self.enable_sleep_mode = enable_sleep_mode
 
     def state_dict(self) -> dict:
         return {"calls": self.calls}
@@ -334,9 +346,22 @@ class VLLMRollout:
     def _model_runner(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
+    def sleep(self) -> None:
+        """Free the engine's accelerator memory for the training pass (sleep mode, GPU only): its KV cache is
+        dropped and its weights, which the next sync replaces anyway, are discarded (level 2)."""
+        if self.enable_sleep_mode and not self.sleeping:
+            self.llm.sleep(level=2)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
     @torch.no_grad()
     def sync_weights(self, policy: torch.nn.Module) -> None:
         """Load the policy's weights (LoRA merged) into the engine and drop cached prefixes of the old weights."""
+        self.wake_up()
         self._model_runner().reload_weights(weights_iterator=((n, t.detach()) for n, t in policy_weights(policy)))
         self.llm.reset_prefix_cache()
 
@@ -346,7 +371,8 @@ class VLLMRollout:
 
         return SamplingParams(n=count, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
                               max_tokens=max_tokens, seed=seed, stop_token_ids=self.eos_token_ids, stop=stop,
-                              include_stop_str_in_output=True, skip_special_tokens=False, detokenize=stop is not None)
+                              include_stop_str_in_output=True, skip_special_tokens=False, detokenize=stop is not None,
+                              logprobs=0 if temperature > 0 else None)  # 0: the sampled token's own log-prob
 
     @torch.no_grad()
     def generate(
@@ -365,6 +391,8 @@ class VLLMRollout:
         `AnswerPhase.from_text` sets), then continues those sequences with the phase's parameters."""
         from vllm.inputs import TokensPrompt
 
+        if self.sleeping:
+            raise RuntimeError("the vLLM engine is asleep and its weights were discarded: sync_weights(policy) first")
         device = prompt_ids.device
         num_prompts = prompt_ids.shape[0]
         counts = torch.as_tensor(num_generations).expand(num_prompts).tolist()
@@ -381,34 +409,38 @@ class VLLMRollout:
                                [phase.marker] if phase else None) for p, c in active]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[p]) for p, _ in active], params,
                                     use_tqdm=False)
-        # per completion: token ids, the temperature of each token, how it stopped ("end" token, "marker", "length")
-        rows: list[tuple[list[int], list[float], str]] = []
+        # per completion: token ids, the temperature of each token, its sampling log-prob, how it stopped ("end"
+        # token, "marker", "length")
+        rows: list[tuple[list[int], list[float], list[float], str]] = []
         for (p, _), output in zip(active, outputs):
             for sample in output.outputs:
                 tokens = list(sample.token_ids)
-                rows.append((tokens, [temps[p]] * len(tokens), stop_kind(sample)))
+                rows.append((tokens, [temps[p]] * len(tokens), token_logps(sample), stop_kind(sample)))
         if phase is not None:
             rows = self._answer_phase(rows, active, ids, phase, top_k, max_new_tokens, base_seed)
         prompt_index = torch.repeat_interleave(torch.arange(num_prompts), torch.tensor(counts))
-        width = max((len(t) for t, _, _ in rows), default=0)
+        width = max((len(row[0]) for row in rows), default=0)
         tokens = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         token_temps = torch.zeros(len(rows), width, dtype=torch.float32)
+        logps = torch.zeros(len(rows), width, dtype=torch.float32)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, (t, tt, _) in enumerate(rows):
+        for i, (t, tt, lp, _) in enumerate(rows):
             tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
             token_temps[i, : len(t)] = torch.tensor(tt)
+            logps[i, : len(t)] = torch.tensor(lp)
             mask[i, : len(t)] = 1
-        finished = torch.tensor([kind == "end" for _, _, kind in rows], dtype=torch.bool)
+        finished = torch.tensor([row[3] == "end" for row in rows], dtype=torch.bool)
         return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens.to(device),
                        completion_mask=mask.to(device), is_truncated=~finished.to(device),
-                       temperatures=token_temps.to(device), prompt_index=prompt_index.to(device))
+                       temperatures=token_temps.to(device), prompt_index=prompt_index.to(device),
+                       sampling_logps=None if greedy else logps.to(device))
 
     def _answer_phase(self, rows, active, ids, phase: AnswerPhase, top_k: int, max_new_tokens: int, base_seed: int):
         """Continue the completions that stopped on the marker text with the answer-phase parameters."""
         from vllm.inputs import TokensPrompt
 
         owners = [p for p, c in active for _ in range(c)]
-        todo = [i for i, (t, _, kind) in enumerate(rows) if kind == "marker" and len(t) < max_new_tokens]
+        todo = [i for i, row in enumerate(rows) if row[3] == "marker" and len(row[0]) < max_new_tokens]
         if not todo:
             return rows
         prompts = [TokensPrompt(prompt_token_ids=ids[owners[i]] + rows[i][0]) for i in todo]
@@ -417,10 +449,18 @@ class VLLMRollout:
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         rows = list(rows)
         for i, output in zip(todo, outputs):
-            tokens, temps, _ = rows[i]
+            tokens, temps, logps, _ = rows[i]
             more = list(output.outputs[0].token_ids)
-            rows[i] = (tokens + more, temps + [phase.temperature] * len(more), stop_kind(output.outputs[0]))
+            rows[i] = (tokens + more, temps + [phase.temperature] * len(more), logps + token_logps(output.outputs[0]),
+                       stop_kind(output.outputs[0]))
         return rows
+
+
+def token_logps(sample) -> list[float]:
+    """The log-prob vLLM gave each sampled token of a completion (0.0 throughout when none were asked for)."""
+    if not sample.logprobs:
+        return [0.0] * len(sample.token_ids)
+    return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
 
 
 def stop_kind(sample) -> str:

