@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -295,6 +296,7 @@ def completion_logps(
     with_entropy: bool = True,
     entropy_grad: bool = False,
     entropy_at_unit_temperature: bool = False,
+    _chunked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of the completion tokens under `model`, at the sampling temperature.
 
@@ -309,10 +311,35 @@ def completion_logps(
     only at completion positions (the lm_head over a 49k vocabulary is a fifth of a small model's FLOPs).
     Gradient checkpointing in transformers turns the cache off, so then the full sequences are run instead.
     """
+    batch, width = completion_ids.shape
+    options = dict(share_prompt_prefix=share_prompt_prefix, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                   entropy_at_unit_temperature=entropy_at_unit_temperature)
+    lengths = completion_mask.sum(1).tolist()
+    # a chunk's fixed cost, in token positions: its prompts' prefill plus a little per call
+    overhead = prompt_ids.shape[1] * int(torch.unique(prompt_index).numel()) + 16
+    chunks = length_chunks(lengths, overhead) if batch > 1 and not _chunked else [list(range(batch))]
+    if len(chunks) > 1:
+        # rows of similar length run together, each chunk padded to its own longest row: the same values and
+        # gradients as one padded batch, without the positions past each row's end (a group's one long completion
+        # would otherwise pad all the others to its length)
+        parts, order = [], []
+        for rows in chunks:
+            index = torch.tensor(rows, device=completion_ids.device)
+            w = max(1, max(lengths[r] for r in rows))
+            t = temperatures[index] if temperatures.dim() == 1 else temperatures[index, :w]
+            parts.append(completion_logps(model, prompt_ids, prompt_mask, prompt_index[index],
+                                          completion_ids[index, :w], completion_mask[index, :w], t,
+                                          **options, _chunked=True))
+            order += rows
+        inverse = torch.argsort(torch.tensor(order, device=completion_ids.device))
+
+        def assemble(values: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values])[inverse]
+
+        return assemble([p[0] for p in parts]), assemble([p[1] for p in parts]) if with_entropy else None
     lm = unwrap_causal_lm(model)
     decoder = lm.get_decoder()
     lm_head = lm.get_output_embeddings()
-    batch, width = completion_ids.shape
     if share_prompt_prefix and not getattr(lm, "is_gradient_checkpointing", False):
         used, inverse = torch.unique(prompt_index, return_inverse=True)
         cache = DynamicCache()
@@ -350,6 +377,31 @@ def completion_logps(
         entropy = torch.zeros(batch, width, dtype=torch.float32, device=completion_ids.device)
         entropy = entropy.masked_scatter(keep, entropy_flat)
     return logp, entropy
+
+
+def length_chunks(lengths: list[int], overhead: int = 64) -> list[list[int]]:
+    """Split rows into groups that are each padded to their own longest row, with the least work.
+
+    Cost of a group: rows x its longest length (the token positions computed) + `overhead` (a forward call's fixed
+    cost and its prompts' prefill, in token positions). Rows sorted by length, an optimal split into
+    contiguous runs is a small dynamic programme over the sorted order (O(B^2)). Returns row indices per group,
+    shortest group first; a single group when splitting does not pay.
+    """
+    order = sorted(range(len(lengths)), key=lambda r: lengths[r])
+    sorted_lengths = [lengths[r] for r in order]
+    n = len(order)
+    best = [0.0] + [math.inf] * n  # best[j]: least cost of the first j sorted rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # the last group is sorted rows i..j-1, padded to sorted_lengths[j - 1]
+            cost = best[i] + (j - i) * sorted_lengths[j - 1] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
 
 
 class CompletionScorer(torch.nn.Module):

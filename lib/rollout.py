@@ -137,6 +137,45 @@ def sample_next_token(
     return torch.where(greedy, next_greedy, sampled)
 
 
+def can_prepack() -> bool:
+    """Whether this torch has oneDNN's prepacked linear (CPU builds with mkldnn)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(torch.nn.Module):
+    """A bf16 linear layer whose weight is stored in oneDNN's blocked layout, for decoding on a CPU.
+
+    `F.linear` in bf16 reorders the [out x in] weight into the layout the AMX / AVX-512 kernel reads on every call;
+    at decode batch sizes that reorder costs as much as the product itself (measured on these CPUs: 84 -> 55 us for
+    a 576 x 1536 layer at batch 8, 4.8 -> 2.5 ms for the 49k-token head). Reordering once per weight sync gives
+    bitwise the same outputs. Inference only: no autograd through the packed weight.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, batch_hint: int = 8):
+        super().__init__()
+        self.in_features, self.out_features, self.batch_hint = linear.in_features, linear.out_features, batch_hint
+        self.load(linear)
+
+    @torch.no_grad()
+    def load(self, linear: torch.nn.Linear) -> None:
+        weight = linear.weight.detach().to(torch.bfloat16)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def prepack_linears(model: torch.nn.Module) -> None:
+    """Replace every nn.Linear of an inference-only bf16 model by a PackedLinear, in place."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, child_name, PackedLinear(child))
+
+
 class HFRollout:
     """Sample with a Hugging Face causal LM and a shared-prefix KV cache.
 
@@ -156,6 +195,8 @@ class HFRollout:
         plain = not hasattr(policy, "peft_config") and not getattr(policy, "is_quantized", False)
         if bf16 and plain and next(policy.parameters()).dtype != torch.bfloat16:
             self.copy = copy.deepcopy(policy).to(torch.bfloat16).eval().requires_grad_(False)
+            if next(policy.parameters()).device.type == "cpu" and can_prepack():
+                prepack_linears(self.copy)
         device = next(policy.parameters()).device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -173,8 +214,12 @@ class HFRollout:
         """Copy the policy's current weights into the sampling copy (no-op when sampling with the policy)."""
         if self.copy is None:
             return
-        for target, source in zip(self.copy.parameters(), policy.parameters()):
-            target.copy_(source)
+        sources = dict(policy.named_parameters())
+        for name, target in self.copy.named_parameters():
+            target.copy_(sources[name])
+        for name, module in self.copy.named_modules():
+            if isinstance(module, PackedLinear):
+                module.load(policy.get_submodule(name))
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
@@ -240,25 +285,39 @@ class HFRollout:
             token_temps = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device)
             finished = torch.zeros(batch, dtype=torch.bool, device=device)
             lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
+            # the rows still decoding, in the cache's order: finished rows leave the batch (their cache rows with
+            # them) once a quarter of it is done, so one long completion does not keep the whole group decoding
+            # (a decode step's cost grows with the batch: 25 vs 40 ms at batch 1 vs 8 here)
+            live = torch.arange(batch, device=device)
+            live_temps = temps
+            live_nucleus = nucleus
             for step in range(max_new_tokens):
-                step_temps, step_top_p = temps, nucleus
+                step_temps, step_top_p = live_temps, live_nucleus
                 if phase is not None:
-                    step_temps = torch.where(in_answer, phase.temperature, temps)
-                    step_top_p = nucleus if plain_nucleus else torch.where(in_answer, phase.top_p, nucleus)
+                    step_temps = torch.where(in_answer[live], phase.temperature, live_temps)
+                    step_top_p = live_nucleus if plain_nucleus else torch.where(in_answer[live], phase.top_p,
+                                                                                live_nucleus)
                 token = sample_next_token(logits, step_temps, step_top_p, top_k, self.generator)
-                token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
-                tokens[:, step] = token
-                token_temps[:, step] = step_temps
+                token = torch.where(finished[live], torch.full_like(token, self.pad_token_id), token)
+                tokens[live, step] = token
+                token_temps[live, step] = step_temps
                 for marker in markers:  # sticky: once the marker is written, the rest is the answer
                     k = marker.numel()
                     if step + 1 >= k:
-                        in_answer |= (tokens[:, step + 1 - k : step + 1] == marker).all(1)
-                just_ended = ~finished & torch.isin(token, eos)
-                lengths = torch.where(just_ended, torch.full_like(lengths, step + 1), lengths)
-                finished |= just_ended
+                        in_answer[live] |= (tokens[live, step + 1 - k : step + 1] == marker).all(1)
+                just_ended = ~finished[live] & torch.isin(token, eos)
+                lengths[live] = torch.where(just_ended, torch.full_like(token, step + 1), lengths[live])
+                finished[live] |= just_ended
                 # one host sync per token: stop as soon as every row is done (most end well before the cap)
-                if bool(finished.all()) or step == max_new_tokens - 1:
+                done = int(finished[live].sum())
+                if done == live.numel() or step == max_new_tokens - 1:
                     break
+                if done * 4 >= live.numel():  # compact: keep the unfinished rows only
+                    keep = (~finished[live]).nonzero().squeeze(1)
+                    cache.batch_select_indices(keep)
+                    live, token, attention, next_pos = live[keep], token[keep], attention[keep], next_pos[keep]
+                    live_temps = live_temps[keep]
+                    live_nucleus = live_nucleus if plain_nucleus else live_nucleus[keep]
                 attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
                 out = model(input_ids=token[:, None], attention_mask=attention, position_ids=next_pos[:, None],
                             past_key_values=cache, use_cache=True)

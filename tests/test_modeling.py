@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lib.data import format_prompt, tokenize_prompts
-from lib.modeling import adapter_disabled, completion_logps, load_policy
+from lib.modeling import adapter_disabled, completion_logps, length_chunks, load_policy
 from lib.rollout import HFRollout
 
 PROBLEMS = ["Ben has 9 books. Ben gives away 4 books. How many books does Ben have left?", "What is 6 x 7?"]
@@ -42,6 +42,35 @@ def test_shared_prefix_logps_and_gradients_equal_the_full_forward(embedded_model
     full, _ = completion_logps(policy, *args, share_prompt_prefix=False)
     (full * ro.completion_mask).sum().backward()
     assert torch.allclose(g_shared, weight.grad, rtol=1e-3, atol=1e-5)
+
+
+def test_length_chunks_split_where_padding_costs_more_than_a_call():
+    assert length_chunks([64] * 8) == [list(range(8))]  # equal lengths: one call
+    # seven short rows and one long one: the long one alone (7 x 60 + 128 + 2 x 64 < 8 x 128 + 64)
+    assert length_chunks([30, 35, 40, 45, 50, 55, 60, 128]) == [[0, 1, 2, 3, 4, 5, 6], [7]]
+    assert length_chunks([10, 128, 12, 127], overhead=64) == [[0, 2], [3, 1]]
+    assert length_chunks([10, 12], overhead=64) == [[0, 1]]  # too small to pay for a second call
+
+
+def test_length_chunked_logps_and_gradients_equal_one_padded_batch(embedded_model, tokenizer):
+    policy = load_policy(embedded_model)
+    ro = _rollout(policy, tokenizer, tokens=4)
+    ids = torch.randint(100, 40000, (6, 160), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate([160, 3, 4, 2, 160, 5]):  # two long rows, four short: worth splitting
+        mask[row, :n] = 1
+    args = (ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ids, mask, torch.full((6,), 0.9))
+    assert len(length_chunks(mask.sum(1).tolist(), ro.prompt_ids.shape[1] * 2 + 16)) > 1
+    chunked, ent_chunked = completion_logps(policy, *args)
+    (chunked.sum() + ent_chunked.sum()).backward()
+    grads = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+    whole, ent_whole = completion_logps(policy, *args, _chunked=True)  # one call, padded to 24
+    (whole.sum() + ent_whole.sum()).backward()
+    assert chunked.shape == whole.shape and torch.equal(chunked == 0, mask == 0)
+    assert torch.allclose(chunked, whole, atol=1e-4) and torch.allclose(ent_chunked, ent_whole, atol=1e-4)
+    for g, p in zip(grads, policy.parameters()):
+        assert torch.allclose(g, p.grad, rtol=1e-3, atol=1e-5)
 
 
 def test_lora_reference_is_the_base_with_the_adapter_disabled(embedded_model, tokenizer):
