@@ -42,12 +42,15 @@ How this differs from TRL's GRPOTrainer (same names, same math; ALGORITHMS.md se
   1. The loop is this file, not an inherited Trainer: phases in a fixed order, every metric visible.
   2. Each prompt is prefilled once and its keys/values shared by its G completions, in sampling and in the
      training forward (exact: same values and gradients as the full forward); logits only at completion tokens,
-     one vocabulary chunk at a time.
-  3. On a CPU with bf16 the sampler keeps a bf16 copy of the weights, synced after each optimizer step; training
-     keeps fp32 master weights under bf16 autocast.
+     one vocabulary chunk at a time; rows of similar length run together, each chunk padded to its own longest
+     row; finished rows leave the decode batch.
+  3. On a CPU with bf16 the sampler keeps a bf16 copy of the weights (linear layers prepacked for oneDNN), synced
+     after each optimizer step; training keeps fp32 master weights under bf16 autocast. With use_vllm a colocated
+     vLLM engine samples instead, and truncated importance sampling corrects for its probabilities.
   4. The loss is normalised over the global batch explicitly (lib/losses.aggregate_loss), so one batch of B and
      two accumulated batches of B/2 give the same gradient, on one process or several.
   5. Defaults are sized for the CPU demo (short completions, 2 prompts a step); recipes set real-model values.
+  6. Before the first step the run's memory is estimated and checked against max_memory (lib/memory.py).
 """
 
 from __future__ import annotations
