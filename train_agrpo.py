@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
                           gradient_checkpointing=cfg.gradient_checkpointing, optim=cfg.optim)
     except MemoryError as error:
         raise ConfigError(str(error)) from error
+    if main_process:
+        tqdm.write(f"memory: a step is estimated at {estimate.total / 2**30:.1f} GB (in GB: {estimate.describe()})")
     # the scheduler is stepped by us once per optimizer step (Accelerate's wrapper would step it once per process)
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_training_steps=cfg.max_steps,
                               num_warmup_steps=math.ceil(cfg.warmup_ratio * cfg.max_steps))
@@ -698,6 +700,8 @@ def main(argv: list[str] | None = None) -> dict:
         score_text = f"accuracy {end_eval['eval/accuracy']:.3f}; " if end_eval else ""
         tqdm.write(f"eval step {step}: {score_text}final model in {final}")
     accelerator.wait_for_everyone()
+    if cfg.use_vllm:
+        rollout.close()
     accelerator.end_training()
     return {"eval": end_eval, "global_step": step}
 

@@ -395,6 +395,7 @@ class VLLMRollout:
                        gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
                        enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **kwargs)
         self.enable_sleep_mode = enable_sleep_mode
+        self.dtype = self.llm.llm_engine.model_config.dtype  # the engine's weights; the sync casts to it
 
     def state_dict(self) -> dict:
         return {"calls": self.calls}
@@ -404,6 +405,11 @@ class VLLMRollout:
 
     def _model_runner(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    def close(self) -> None:
+        """Shut the engine down now, while the process group it set up is alive (at interpreter exit vLLM's own
+        finaliser would find it already destroyed and print a traceback)."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory for the training pass (sleep mode, GPU only): its KV cache is
@@ -421,7 +427,8 @@ class VLLMRollout:
     def sync_weights(self, policy: torch.nn.Module) -> None:
         """Load the policy's weights (LoRA merged) into the engine and drop cached prefixes of the old weights."""
         self.wake_up()
-        self._model_runner().reload_weights(weights_iterator=((n, t.detach()) for n, t in policy_weights(policy)))
+        self._model_runner().reload_weights(weights_iterator=((n, t.detach().to(self.dtype))
+                                                              for n, t in policy_weights(policy)))
         self.llm.reset_prefix_cache()
 
     def _params(self, count: int, temperature: float, top_p: float, top_k: int, max_tokens: int, seed: int,
