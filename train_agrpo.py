@@ -85,7 +85,8 @@ from lib.data import builtin_task, format_prompt, load_records, tokenize_prompts
 from lib.evaluation import generate_and_score, summarize
 from lib.losses import (aggregate_loss, clipped_surrogate, dispersion, group_advantages, group_skewness, kl_penalty,
                         truncated_importance_weights)
-from lib.memory import build_optimizer, check_step_memory, estimate_step_memory, memory_budget, resident_bytes
+from lib.memory import (build_optimizer, check_step_memory, estimate_step_memory, memory_budget, resident_bytes,
+                        step_token_counts)
 from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_token_ids, is_adapter_folder,
                           load_policy, load_reference, load_tokenizer, native_bf16, resolve_model_path)
 from lib.rewards import extract_answer, resolve_reward_funcs, score_completions
@@ -116,7 +117,7 @@ def _load_data(cfg):
         # a single file has no test split: hold out a seeded share of it, disjoint from what we train on
         order = list(range(len(train)))
         random.Random(cfg.seed).shuffle(order)
-        held = set(order[: min(cfg.num_eval_samples, len(train) // 10 or 1)]) if cfg.num_eval_samples else set()
+        held = set(order[: min(cfg.num_eval_samples, len(train) // 10 or 1)])
         evals = [r for i, r in enumerate(train) if i in held]
         train = [r for i, r in enumerate(train) if i not in held]
     if not train:
@@ -251,13 +252,9 @@ def main(argv: list[str] | None = None) -> dict:
                                 cfg.weight_decay)
     # memory guard: the step's estimated peak (on top of what loading left resident) against the budget, before
     # any sampling or training; a run that would not fit stops here with the setting to lower
-    micro_prompts = -(-cfg.per_device_train_batch_size // cfg.num_generations) + 1
-    estimate = estimate_step_memory(
-        policy, resident=resident_bytes(device), optim=cfg.optim, bf16=bf16, vllm=cfg.use_vllm,
-        tokens_per_micro_batch=cfg.per_device_train_batch_size * cfg.max_completion_length
-        + min(micro_prompts, cfg.per_device_train_batch_size) * cfg.max_prompt_length,
-        sampling_tokens=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-        * (cfg.max_prompt_length + cfg.max_completion_length), gradient_checkpointing=cfg.gradient_checkpointing)
+    estimate = estimate_step_memory(policy, resident=resident_bytes(device), optim=cfg.optim, bf16=bf16,
+                                    vllm=cfg.use_vllm, gradient_checkpointing=cfg.gradient_checkpointing,
+                                    **step_token_counts(cfg))
     try:
         check_step_memory(estimate, *memory_budget(device, cfg.max_memory), use_peft=lora,
                           gradient_checkpointing=cfg.gradient_checkpointing, optim=cfg.optim)

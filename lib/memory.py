@@ -103,6 +103,17 @@ def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, t
                       logits=logits, kv_cache=kv_cache)
 
 
+def step_token_counts(cfg) -> dict[str, int]:
+    """The token positions a step of this configuration holds at once, per process: a training micro-batch's
+    (its completions at full length plus its distinct prompts, at most one more than whole groups) and the sampling
+    batch's (every completion of the generation batch with its prompt, in the KV cache)."""
+    completions = cfg.per_device_train_batch_size
+    prompts = min(-(-completions // cfg.num_generations) + 1, completions)
+    return {"tokens_per_micro_batch": completions * cfg.max_completion_length + prompts * cfg.max_prompt_length,
+            "sampling_tokens": completions * cfg.gradient_accumulation_steps
+            * (cfg.max_prompt_length + cfg.max_completion_length)}
+
+
 def resident_bytes(device: torch.device) -> int:
     """What the process holds now: allocated CUDA memory on a GPU, the resident set on a CPU."""
     if device.type == "cuda":

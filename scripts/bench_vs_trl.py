@@ -127,6 +127,7 @@ def model_folder(args, workdir: Path) -> str:
 
 def bench_prompts(args, model_path: str) -> tuple[list[str], list[str]]:
     """The prompts our trainer sees in its first --steps steps, in order, as chat-formatted text, and answers."""
+    from lib.config import Config
     from lib.data import builtin_task, format_prompt
     from lib.modeling import load_tokenizer
     from train_agrpo import prompts_for_step
@@ -135,10 +136,8 @@ def bench_prompts(args, model_path: str) -> tuple[list[str], list[str]]:
     tokenizer = load_tokenizer(model_path)
     order = prompts_for_step(0, args.steps * args.num_prompts, len(train), args.seed)
     records = [train[i] for i in order]
-    from lib.config import Config
-
-    instruction = Config.instruction
-    return [format_prompt(tokenizer, r["problem"], instruction) for r in records], [r["answer"] for r in records]
+    return ([format_prompt(tokenizer, r["problem"], Config.instruction) for r in records],
+            [r["answer"] for r in records])
 
 
 def peak_memory_gb() -> float:

@@ -5,7 +5,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from lib.memory import GB, build_optimizer, check_step_memory, estimate_step_memory, memory_budget
+from lib.memory import (GB, build_optimizer, check_step_memory, estimate_step_memory, memory_budget,
+                        step_token_counts)
 
 BASE = dict(resident=0, optim="adamw_torch", sampling_tokens=8 * 192, gradient_checkpointing=False, bf16=True)
 
@@ -85,3 +86,13 @@ def test_adamw_8bit_steps_like_adamw(embedded_model):
     assert moved_8bit.abs().max() > 0
     cosine = torch.nn.functional.cosine_similarity(moved_8bit.flatten(), moved_torch.flatten(), dim=0)
     assert cosine > 0.99
+
+
+def test_step_token_counts_of_a_configuration():
+    from lib.config import make_config
+
+    cfg = make_config({"per_device_train_batch_size": 16, "num_generations": 8, "max_completion_length": 64,
+                       "max_prompt_length": 256, "gradient_accumulation_steps": 2})
+    # 16 completions x 64 + 3 prompts (2 whole groups, one more when a micro-batch straddles a group) x 256
+    assert step_token_counts(cfg) == {"tokens_per_micro_batch": 16 * 64 + 3 * 256,
+                                      "sampling_tokens": 32 * (256 + 64)}
