@@ -14,7 +14,7 @@ reference, the sampler and vLLM's reservation are measured, not estimated):
     logits        one vocabulary chunk (lib/losses.token_logps_and_entropy: 2^26 floats) for the forward, its
                   softmax and its gradient
     KV cache      sampling: 2 x layers x kv_heads x head_dim x (prompt + completion) tokens x batch x 2 bytes
-                  (HF decode loop; vLLM's cache is inside its measured reservation)
+                  (4 in fp32; HF decode loop; vLLM's cache is inside its measured reservation)
 
 A micro-batch's tokens: its completions x max_completion_length plus its distinct prompts x max_prompt_length
 (each prompt runs once, its keys/values shared by its group).

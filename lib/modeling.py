@@ -312,13 +312,14 @@ def completion_logps(
     Gradient checkpointing in transformers turns the cache off, so then the full sequences are run instead.
     """
     batch, width = completion_ids.shape
-    options = dict(share_prompt_prefix=share_prompt_prefix, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                   entropy_at_unit_temperature=entropy_at_unit_temperature)
-    lengths = completion_mask.sum(1).tolist()
-    # a chunk's fixed cost, in token positions: its prompts' prefill plus a little per call
-    overhead = prompt_ids.shape[1] * int(torch.unique(prompt_index).numel()) + 16
-    chunks = length_chunks(lengths, overhead) if batch > 1 and not _chunked else [list(range(batch))]
+    chunks = []
+    if batch > 1 and not _chunked:
+        lengths = completion_mask.sum(1).tolist()
+        # a chunk's fixed cost, in token positions: its prompts' prefill plus a little per call
+        chunks = length_chunks(lengths, prompt_ids.shape[1] * int(torch.unique(prompt_index).numel()) + 16)
     if len(chunks) > 1:
+        options = dict(share_prompt_prefix=share_prompt_prefix, with_entropy=with_entropy,
+                       entropy_grad=entropy_grad, entropy_at_unit_temperature=entropy_at_unit_temperature)
         # rows of similar length run together, each chunk padded to its own longest row: the same values and
         # gradients as one padded batch, without the positions past each row's end (a group's one long completion
         # would otherwise pad all the others to its length)

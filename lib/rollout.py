@@ -170,7 +170,7 @@ class PackedLinear(torch.nn.Module):
 
 def prepack_linears(model: torch.nn.Module) -> None:
     """Replace every nn.Linear of an inference-only bf16 model by a PackedLinear, in place."""
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear):
                 setattr(module, child_name, PackedLinear(child))
