@@ -379,7 +379,13 @@ def main(argv: list[str] | None = None) -> dict:
                        f"{int(start_eval['eval/num_problems'])} held-out problems")
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not main_process, desc="train", dynamic_ncols=True)
     batch = None
-    while step < cfg.max_steps:
+
+    def finished(step: int) -> bool:
+        """max_steps reached, or the generated-token budget spent at the end of a generation batch."""
+        spent = cfg.max_num_tokens is not None and state["num_tokens"] >= cfg.max_num_tokens
+        return step >= cfg.max_steps or (spent and step % cfg.num_iterations == 0)
+
+    while not finished(step):
         t_step = time.perf_counter()
         timing = {}
         clock["rewards"] = 0.0
@@ -663,7 +669,8 @@ def main(argv: list[str] | None = None) -> dict:
         error_counts = accelerator.reduce(torch.tensor([errors[n] for n in reward_names], device=device,
                                                        dtype=torch.float32), reduction="sum")
         metrics.update({f"rewards/{n}/errors": float(c) for n, c in zip(reward_names, error_counts)})
-        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+        last = finished(step)
+        if step % cfg.logging_steps == 0 or last:
             log_line({"step": step, **metrics})
             accelerator.log(metrics, step=step)
             if main_process:
@@ -678,9 +685,9 @@ def main(argv: list[str] | None = None) -> dict:
                         step_time=f"{metrics['step_time']:.1f}s")
 
         # ---------------------------------------------------------------------------------- 8. evaluate / save
-        if cfg.eval_steps and step % cfg.eval_steps == 0 and step < cfg.max_steps:
+        if cfg.eval_steps and step % cfg.eval_steps == 0 and not last:
             evaluate(step)
-        if cfg.save_steps and step % cfg.save_steps == 0 and step < cfg.max_steps:
+        if cfg.save_steps and step % cfg.save_steps == 0 and not last:
             save_checkpoint(step)
     bar.close()
 

@@ -123,6 +123,11 @@ class Config:
     adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 = off)."})
     max_steps: int = field(default=40, metadata={"help": "Optimizer steps."})
+    max_num_tokens: int | None = field(default=None, metadata={"help": "Stop once this many tokens have been "
+                                       "generated (num_tokens: probe groups and discarded resampling rounds "
+                                       "included), at the end of a generation batch, or at max_steps if that "
+                                       "comes first: runs of different methods compared at an equal token budget. "
+                                       "The learning-rate schedule is still laid out over max_steps."})
     per_device_train_batch_size: int = field(default=16, metadata={"help": "Completions per process per "
                                              "micro-batch (TRL semantics)."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step. The "
@@ -406,7 +411,7 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
             raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
     if cfg.num_eval_samples < 0:
         raise ConfigError(f"num_eval_samples must be at least 0 (0 = no evaluation), got {cfg.num_eval_samples}")
-    for name in ("eval_steps", "save_steps", "save_total_limit", "max_train_samples"):
+    for name in ("eval_steps", "save_steps", "save_total_limit", "max_train_samples", "max_num_tokens"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be at least 1 or null, got {value}")

@@ -30,8 +30,10 @@ from lib.config import PRESETS  # noqa: E402  (the repository root is put on the
 LAST = 5  # steps averaged for the end-of-run columns
 
 
-def run_preset(algo: str, out: Path, max_steps: int, extra: list[str]) -> float | None:
-    """Train one preset unless its run is complete; returns the wall time in seconds (None if it was skipped)."""
+def train_command(algo: str, out: Path, max_steps: int, extra: list[str]) -> list[str] | None:
+    """The `train_agrpo.py` command line for one run into `out`: None when the run is complete (it has `final/`),
+    `--resume_from_checkpoint latest` when an interrupted run left a checkpoint, `--overwrite_output_dir true` when
+    it left lines but no checkpoint. Shared with scripts/ablate.py."""
     if (out / "final").exists():
         return None
     command = [sys.executable, str(REPO / "train_agrpo.py"), "--algo", algo, "--max_steps", str(max_steps),
@@ -39,8 +41,16 @@ def run_preset(algo: str, out: Path, max_steps: int, extra: list[str]) -> float 
     if (out / "metrics.jsonl").exists():  # interrupted: continue from its checkpoint, or start over without one
         has_checkpoint = any(out.glob("checkpoint-*/trainer_state.json"))
         command += ["--resume_from_checkpoint", "latest"] if has_checkpoint else ["--overwrite_output_dir", "true"]
+    return command + extra
+
+
+def run_preset(algo: str, out: Path, max_steps: int, extra: list[str]) -> float | None:
+    """Train one preset unless its run is complete; returns the wall time in seconds (None if it was skipped)."""
+    command = train_command(algo, out, max_steps, extra)
+    if command is None:
+        return None
     start = time.perf_counter()
-    subprocess.run(command + extra, check=True)
+    subprocess.run(command, check=True)
     return time.perf_counter() - start
 
 
