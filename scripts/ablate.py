@@ -37,6 +37,7 @@ import json
 import math
 import os
 import queue
+import shlex
 import statistics
 import subprocess
 import sys
@@ -75,6 +76,13 @@ CONTROLLER_FIELDS = ("beta", "epsilon", "kl_ema", "next_beta", "next_epsilon", "
 METRICS = {"win_rate": ("Win", "{:.1%}"), "accuracy": ("Accuracy", "{:.1%}"), "reward": ("Reward", "{:.3f}"),
            "kl": ("KL", "{:.4f}"), "entropy": ("Entropy", "{:.3f}"), "length": ("Length", "{:.1f}"),
            "num_tokens": ("Generated tokens", "{:,.0f}"), "steps": ("Steps", "{:.0f}")}
+
+
+# settings a dry run shows per run
+DRY_RUN_KEYS = ("model_name_or_path", "max_steps", "max_num_tokens", "learning_rate", "lr_scheduler_type",
+                "warmup_ratio", "beta", "adaptive_kl", "kl_estimator", "epsilon", "eta", "num_generations",
+                "per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length",
+                "max_completion_length", "temperature", "use_vllm", "seed")
 
 
 class AblateError(ValueError):
@@ -129,14 +137,14 @@ class Job:
     method: str
     ablation: str
     seed: int
-    flags: list[str]  # the trainer's flags after `--algo <method> --max_steps <n>`
+    flags: list[str]  # the trainer's flags after `--algo <method> [--max_steps <n>]`
     run_dir: Path
     cfg: Config
     same_as: str | None = None  # "<method>/<ablation>" whose run this configuration reuses
 
 
 def plan(methods: list[str], ablations: list[str], seeds: list[int], extra: list[str], root: Path,
-         max_steps: int, token_budget: int | None) -> list[Job]:
+         max_steps: int | None, token_budget: int | None) -> list[Job]:
     """Every (method, ablation, seed) with its resolved, validated configuration, before anything runs. Bad input
     (an unknown method or ablation, a flag the trainer refuses) raises here, naming the configuration."""
     common = ["--num_eval_samples", "0"] + (["--max_num_tokens", str(token_budget)] if token_budget else [])
@@ -148,13 +156,17 @@ def plan(methods: list[str], ablations: list[str], seeds: list[int], extra: list
         for ablation in ablations:
             for seed in seeds:
                 flags = [*common, *extra, "--seed", str(seed)]
-                head = ["--algo", method, "--max_steps", str(max_steps)]
+                head = ["--algo", method, *(["--max_steps", str(max_steps)] if max_steps else [])]
                 try:
                     flags += as_flags(ablation_overrides(ablation, parse_config([*head, *flags])))
                     cfg = parse_config([*head, *flags])
                     validate_methods(cfg, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps)
                 except ConfigError as error:
                     raise AblateError(f"{method} / {ablation} / seed {seed}: {error}") from None
+                data = cfg.dataset_id_or_path
+                if data and not cfg.eval_dataset_id_or_path and Path(data).is_file():
+                    raise AblateError(f"dataset_id_or_path '{data}' is one file, with no held-out "
+                                      f"split to evaluate on: pass --eval_dataset_id_or_path <file> after --")
                 identity = json.dumps({k: v for k, v in to_dict(cfg).items() if k != "output_dir"}, sort_keys=True,
                                       default=str)
                 job = Job(method, ablation, seed, flags, root / "runs" / method / ablation / f"seed{seed}", cfg)
@@ -171,13 +183,13 @@ def plan(methods: list[str], ablations: list[str], seeds: list[int], extra: list
 # Running (subprocesses; resumable)
 
 
-def eval_command(job: Job, eval_samples: int, eval_num_samples: int) -> list[str]:
-    """The evaluator against the run's starting model, at the run's sampling settings, on held-out problems drawn
-    from the run's seed (the built-in task) or the run's evaluation data."""
+def eval_command(job: Job, eval_samples: int, eval_num_samples: int, temperature: float | None) -> list[str]:
+    """The evaluator against the run's starting model, at the run's sampling settings and backend, on held-out
+    problems drawn from the run's seed (the built-in task) or the run's evaluation data."""
     cfg = job.cfg
     command = [sys.executable, str(REPO / "eval_agrpo.py"), "--model_name_or_path", str(job.run_dir / "final"),
                "--reference_model", cfg.model_name_or_path, "--num_samples", str(eval_num_samples),
-               "--temperature", str(cfg.temperature), "--top_p", str(cfg.top_p),
+               "--temperature", str(cfg.temperature if temperature is None else temperature), "--top_p", str(cfg.top_p),
                "--max_samples", str(eval_samples), "--seed", str(job.seed),
                "--max_prompt_length", str(cfg.max_prompt_length),
                "--max_completion_length", str(cfg.max_completion_length), "--instruction", cfg.instruction,
@@ -185,6 +197,8 @@ def eval_command(job: Job, eval_samples: int, eval_num_samples: int) -> list[str
                "--overwrite_output_dir", "true"]
     if cfg.system_prompt:
         command += ["--system_prompt", cfg.system_prompt]
+    if cfg.use_vllm:  # the run's backend
+        command += ["--use_vllm", "true", "--vllm_gpu_memory_utilization", str(cfg.vllm_gpu_memory_utilization)]
     data = cfg.eval_dataset_id_or_path or cfg.dataset_id_or_path
     if data:
         command += ["--dataset_id_or_path", data, "--split", cfg.eval_split]
@@ -202,7 +216,7 @@ def run_logged(command: list[str], log: Path, env: dict | None) -> None:
                            f"again: finished runs are kept")
 
 
-def execute(job: Job, eval_samples: int, eval_num_samples: int, device: str | None) -> str:
+def execute(job: Job, evaluation: dict, device: str | None) -> str:
     """Train (or resume) and evaluate one run unless already done; returns what happened."""
     env = None if device is None else {**os.environ, "CUDA_VISIBLE_DEVICES": device}
     log = job.run_dir.parent / f"seed{job.seed}.log"
@@ -214,13 +228,13 @@ def execute(job: Job, eval_samples: int, eval_num_samples: int, device: str | No
         did.append(f"trained in {(time.perf_counter() - start) / 60:.1f} min")
     if not (job.run_dir / "eval.json").exists():
         start = time.perf_counter()
-        run_logged(eval_command(job, eval_samples, eval_num_samples), log, env)
+        run_logged(eval_command(job, **evaluation), log, env)
         did.append(f"evaluated in {(time.perf_counter() - start) / 60:.1f} min")
     return ", ".join(did) or "already done"
 
 
-def run_all(jobs: list[Job], eval_samples: int, eval_num_samples: int, devices: list[str] | None) -> None:
-    """Sequentially, or one run per device at a time (`--devices`)."""
+def run_all(jobs: list[Job], evaluation: dict, devices: list[str] | None) -> None:
+    """Sequentially, or one run per device at a time (`--devices`). `evaluation`: eval_command's keywords."""
     todo = [j for j in jobs if j.same_as is None]
     lock = threading.Lock()
     failures: list[str] = []
@@ -236,7 +250,7 @@ def run_all(jobs: list[Job], eval_samples: int, eval_num_samples: int, devices: 
                 return
             name = f"{job.method} / {job.ablation} / seed {job.seed}"
             try:
-                what = execute(job, eval_samples, eval_num_samples, device)
+                what = execute(job, evaluation, device)
             except RuntimeError as error:
                 with lock:
                     failures.append(f"{name}: {error}")
@@ -386,7 +400,7 @@ def plot_curves(jobs: list[Job], methods: list[str], ablations: list[str], out: 
                 for s in seeds:
                     points = [(m["step"], m[key]) for m in runs[(method, ablation, s)] if key in m]
                     if points:
-                        ax.plot(*zip(*points), label=f"seed {s}", linewidth=1.2)
+                        ax.plot(*zip(*points), label=f"seed {s}", linewidth=1.2, marker="o" if len(points) < 4 else "")
                 ax.set_title(title, fontsize=10)
                 ax.set_xlabel("step", fontsize=8)
                 ax.tick_params(labelsize=8)
@@ -408,7 +422,8 @@ def plot_curves(jobs: list[Job], methods: list[str], ablations: list[str], out: 
                 steps = min(len(c) for c in curves)
                 means = [statistics.fmean(c[i] for c in curves) if all(c[i] is not None for c in curves) else None
                          for i in range(steps)]
-                ax.plot(range(1, steps + 1), [float("nan") if v is None else v for v in means], label=method)
+                ax.plot(range(1, steps + 1), [float("nan") if v is None else v for v in means], label=method,
+                        marker="o" if steps < 4 else "")
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("step", fontsize=8)
             ax.tick_params(labelsize=8)
@@ -477,19 +492,27 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--methods", nargs="+", default=["grpo", "agrpo"], help=f"Presets: {', '.join(PRESETS)}.")
     p.add_argument("--ablations", nargs="+", default=["full"], help=f"Any of: {', '.join(ABLATIONS)}.")
     p.add_argument("--seeds", nargs="+", type=int, default=[42, 43])
-    p.add_argument("--max_steps", type=int, default=40, help="Optimizer steps per run (the ceiling with "
-                   "--token_budget).")
+    p.add_argument("--max_steps", type=int, default=None, help="Optimizer steps per run, the ceiling with "
+                   "--token_budget (default: the recipe's, or the trainer's 40).")
     p.add_argument("--token_budget", type=int, default=None, help="Stop every run at this many generated tokens "
                    "(the trainer's max_num_tokens): methods compared at an equal budget.")
     p.add_argument("--eval_samples", type=int, default=200, help="Held-out problems per evaluation.")
     p.add_argument("--eval_num_samples", type=int, default=2, help="Samples per problem for Win / Reward / KL.")
+    p.add_argument("--eval_temperature", type=float, default=None, help="Sampling temperature of the evaluation "
+                   "(default: each run's training temperature; 0 = greedy, then Win compares greedy answers).")
     p.add_argument("--devices", nargs="+", default=None, help="GPU ids: one run per device at a time (default: "
                    "one run after the other).")
     p.add_argument("--output_dir", default="runs/ablate")
+    p.add_argument("--dry_run", action="store_true", help="Print each run's resolved settings and commands, run "
+                   "nothing.")
     args = p.parse_args(own)
     for name in ("max_steps", "eval_samples", "eval_num_samples"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise AblateError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.eval_temperature is not None and args.eval_temperature < 0:
+        raise AblateError(f"--eval_temperature must be at least 0 (0 = greedy), got {args.eval_temperature}")
+    if args.eval_temperature == 0 and args.eval_num_samples > 1:
+        raise AblateError("--eval_temperature 0 (greedy) gives one answer per problem: pass --eval_num_samples 1")
     if args.token_budget is not None and args.token_budget < 1:
         raise AblateError(f"--token_budget must be at least 1 (generated tokens), got {args.token_budget}")
     for flag in ("--output_dir", "--seed", "--algo", "--resume_from_checkpoint", "--overwrite_output_dir"):
@@ -506,13 +529,23 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.output_dir)
     methods, ablations = list(dict.fromkeys(args.methods)), list(dict.fromkeys(args.ablations))
     jobs = plan(methods, ablations, args.seeds, extra, out, args.max_steps, args.token_budget)
+    if args.dry_run:
+        for job in jobs:
+            print(f"{job.method} / {job.ablation} / seed {job.seed}: " + (f"= {job.same_as}" if job.same_as else
+                  json.dumps({k: v for k, v in to_dict(job.cfg).items() if k in DRY_RUN_KEYS})))
+            command = None if job.same_as else train_command(job.method, job.run_dir, job.cfg.max_steps, job.flags)
+            if command:
+                shown = ["python", str(Path(command[1]).relative_to(REPO)), *command[2:]]
+                print("  " + " ".join(shlex.quote(part) for part in shown))
+        return {"jobs": jobs}
     out.mkdir(parents=True, exist_ok=True)
     (out / "ablate.yaml").write_text(yaml.safe_dump({"command": "python scripts/ablate.py " + " ".join(
         sys.argv[1:] if argv is None else argv), **{k: v for k, v in vars(args).items()}, "trainer_args": extra},
         sort_keys=False))
     distinct = sum(j.same_as is None for j in jobs)
     print(f"{len(jobs)} configurations x seeds, {distinct} distinct runs, into {out}", flush=True)
-    run_all(jobs, args.eval_samples, args.eval_num_samples, args.devices)
+    run_all(jobs, {"eval_samples": args.eval_samples, "eval_num_samples": args.eval_num_samples,
+                   "temperature": args.eval_temperature}, args.devices)
 
     rows = [run_row(j) for j in jobs]
     agg = aggregate(rows)
@@ -520,7 +553,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.token_budget is not None:
         short = [f"{r['method']}/{r['ablation']}/seed {r['seed']}" for r in rows if r["num_tokens"] < args.token_budget]
         if short:
-            text += (f"\nStopped at --max_steps {args.max_steps} before the budget of {args.token_budget:,} tokens "
+            text += (f"\nStopped at max_steps before the budget of {args.token_budget:,} tokens "
                      f"(raise --max_steps for an equal budget): {', '.join(short)}\n")
     (out / "table.md").write_text(text)
     write_csvs(rows, agg, out)

@@ -1,0 +1,181 @@
+"""scripts/ablate.py: ablations as overrides of the resolved presets, the seeds' table with mean and spread, and a
+real (tiny) run of the harness on the embedded model: runs, evaluation, table, figures, token budget and resume."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from lib.config import ConfigError, parse_config
+from scripts.ablate import (AblateError, ablation_overrides, aggregate, mean_spread, parse_args, plan, table_markdown,
+                            within_spread)
+from scripts.compare_presets import train_command
+
+ABLATE = [sys.executable, str(REPO / "scripts" / "ablate.py")]
+
+
+def resolved(method, *flags):
+    return parse_config(["--algo", method, *flags])
+
+
+def test_ablations_override_the_resolved_preset_and_switch_off_what_would_move_them():
+    agrpo = resolved("agrpo")
+    assert ablation_overrides("full", agrpo) == {}
+    # A-GRPO's controller would move beta off 0 and epsilon off a fixed value: it is switched off / pinned
+    assert ablation_overrides("no_kl", agrpo) == {"beta": 0.0, "adaptive_kl": False}
+    assert ablation_overrides("no_kl", resolved("grpo")) == {"beta": 0.0}
+    assert ablation_overrides("beta1.0", agrpo) == {"beta": 1.0, "adaptive_kl": False}
+    assert ablation_overrides("eps0.5", agrpo) == {"epsilon": 0.5, "epsilon_high": 0.5, "epsilon_min": 0.5,
+                                                   "epsilon_max": 0.5}
+    dsf = ablation_overrides("no_clip", resolved("agpo_dsf"))
+    assert dsf["dsf_eps_min"] == dsf["dsf_eps_max"] == dsf["epsilon"] == 1e6
+    assert ablation_overrides("no_kl_no_entropy", agrpo) == {"beta": 0.0, "adaptive_kl": False, "eta": 0.0}
+    # group size: the completions per step are kept, rounded up to whole groups
+    assert ablation_overrides("g16", resolved("grpo", "--per_device_train_batch_size", "12")) == {
+        "num_generations": 16, "adaptive_group_size": False, "per_device_train_batch_size": 16}
+    assert "per_device_train_batch_size" not in ablation_overrides("g4", resolved("grpo"))
+    with pytest.raises(AblateError, match="'no_such' is not one of full, no_clip"):
+        ablation_overrides("no_such", agrpo)
+
+
+def test_plan_resolves_every_configuration_first_and_shares_identical_runs(tmp_path):
+    jobs = plan(["grpo", "agrpo"], ["full", "no_entropy", "no_kl", "g4"], [1, 2], ["--max_completion_length", "32"],
+                tmp_path, 5, 3000)
+    assert len(jobs) == 16
+    by = {(j.method, j.ablation, j.seed): j for j in jobs}
+    # GRPO's eta is already 0: its no_entropy run is its full run
+    shared = by[("grpo", "no_entropy", 2)]
+    assert shared.same_as == "grpo/full" and shared.run_dir == by[("grpo", "full", 2)].run_dir
+    assert by[("agrpo", "no_entropy", 1)].same_as is None and by[("agrpo", "no_entropy", 1)].cfg.eta == 0.0
+    no_kl = by[("agrpo", "no_kl", 1)].cfg
+    assert no_kl.beta == 0.0 and no_kl.adaptive_kl is False and no_kl.kl_estimator == "symmetric"
+    g4 = by[("agrpo", "g4", 2)].cfg
+    assert (g4.num_generations, g4.seed, g4.max_steps, g4.max_num_tokens, g4.max_completion_length,
+            g4.num_eval_samples) == (4, 2, 5, 3000, 32, 0)
+    # a value the trainer refuses is named with its configuration before anything runs
+    with pytest.raises(AblateError, match="grpo / full / seed 1: .*temperature"):
+        plan(["grpo"], ["full"], [1], ["--temperature", "-1"], tmp_path, 5, None)
+    with pytest.raises(AblateError, match="'nope' is not a preset"):
+        plan(["nope"], ["full"], [1], [], tmp_path, 5, None)
+
+
+def test_harness_arguments_are_checked_and_name_the_fix():
+    with pytest.raises(AblateError, match="--ablations: eps0.3 not known"):
+        parse_args(["--ablations", "full", "eps0.3"])
+    with pytest.raises(AblateError, match="--seed after --: the harness sets it"):
+        parse_args(["--", "--seed", "3"])
+    with pytest.raises(AblateError, match="--token_budget must be at least 1"):
+        parse_args(["--token_budget", "0"])
+    args, extra = parse_args(["--methods", "agpo", "--", "--learning_rate", "1e-5"])
+    assert args.methods == ["agpo"] and extra == ["--learning_rate", "1e-5"]
+
+
+def test_max_num_tokens_is_checked_like_the_other_limits():
+    assert resolved("grpo", "--max_num_tokens", "5000").max_num_tokens == 5000
+    with pytest.raises(ConfigError, match="max_num_tokens must be at least 1 or null"):
+        resolved("grpo", "--max_num_tokens", "0")
+
+
+def test_train_command_resumes_an_interrupted_run_and_skips_a_finished_one(tmp_path):
+    fresh = train_command("grpo", tmp_path / "a", 5, ["--seed", "1"])
+    assert fresh[-6:] == ["--max_steps", "5", "--output_dir", str(tmp_path / "a"), "--seed", "1"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text("{}\n")
+    assert train_command("grpo", tmp_path / "a", 5, [])[-2:] == ["--overwrite_output_dir", "true"]
+    (tmp_path / "a" / "checkpoint-2").mkdir()
+    (tmp_path / "a" / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    assert train_command("grpo", tmp_path / "a", 5, [])[-2:] == ["--resume_from_checkpoint", "latest"]
+    (tmp_path / "a" / "final").mkdir()
+    assert train_command("grpo", tmp_path / "a", 5, []) is None
+
+
+def row(method, ablation, seed, win, accuracy=0.5):
+    return {"method": method, "ablation": ablation, "seed": seed, "win_rate": win, "accuracy": accuracy,
+            "accuracy_start": 0.2, "reward": accuracy, "kl": 0.01, "entropy": 0.5, "length": 30.0,
+            "num_tokens": 1000, "steps": 10, "train_reward": 0.3, "same_as": ""}
+
+
+def test_table_shows_mean_and_spread_and_marks_differences_smaller_than_the_spread():
+    assert mean_spread([0.6, 0.7]) == pytest.approx((0.65, 0.0707107), abs=1e-6)
+    assert mean_spread([0.4]) == (0.4, 0.0)
+    # |0.65 - 0.51| = 0.14 against hypot(0.0707, 0.0141) = 0.0721: a real difference; 0.05 against 0.0721: not
+    assert not within_spread((0.65, 0.0707107), (0.51, 0.0141421))
+    assert within_spread((0.56, 0.0707107), (0.51, 0.0141421))
+    assert not within_spread((0.56, 0.0), (0.51, 0.0))  # one seed: no spread, nothing marked
+    rows = [row("grpo", "full", 1, 0.50, 0.30), row("grpo", "full", 2, 0.52, 0.50),
+            row("grpo", "no_kl", 1, 0.60, 0.40), row("grpo", "no_kl", 2, 0.70, 0.40),
+            row("agrpo", "full", 1, 0.55, 0.70), row("agrpo", "full", 2, 0.57, 0.80),
+            row("agrpo", "no_kl", 1, 0.50, 0.40), row("agrpo", "no_kl", 2, 0.50, 0.42)]
+    agg = aggregate(rows)
+    assert agg[("grpo", "no_kl")]["win_rate"] == pytest.approx((0.65, 0.0707107), abs=1e-6)
+    text = table_markdown(agg, ["grpo", "agrpo"], ["full", "no_kl"])
+    lines = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in text.splitlines()
+             if line.startswith("| full") or line.startswith("| no_kl")}
+    # grpo no_kl against grpo full: win 65.0% +- 7.1% is a real difference, accuracy 40.0% +- 0.0% is not
+    assert "| 65.0% ± 7.1% |" in lines[("no_kl", "grpo")] and "| 40.0% ± 0.0% ~ |" in lines[("no_kl", "grpo")]
+    assert "~" not in lines[("full", "grpo")]  # the full row is the reference of the marks
+    assert "Differences to grpo" in text
+    # agrpo - grpo on full: win +5.0% (spread hypot(1.4%, 1.4%) = 2.0%: real), accuracy +35.0% (real)
+    diff = [line for line in text.splitlines() if line.startswith("| full | agrpo | +")][0]
+    assert diff.startswith("| full | agrpo | +5.0% | +35.0% |")
+
+
+def test_a_grpo_readme_table_recipe_resolves_to_the_readme_training_settings():
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "recipes" / "agrpo_readme_table.sh"), "--dry_run"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    settings = {}
+    for line in proc.stdout.splitlines():
+        if " / full / seed 42: " in line:
+            settings[line.split(" /")[0]] = json.loads(line.split(": ", 1)[1])
+    assert set(settings) == {"grpo", "agrpo"}
+    for s in settings.values():  # the A-GRPO README's training table (ALGORITHMS.md 2.1)
+        assert (s["model_name_or_path"], s["max_steps"], s["learning_rate"], s["lr_scheduler_type"],
+                s["warmup_ratio"], s["beta"], s["num_generations"], s["max_prompt_length"],
+                s["max_completion_length"], s["use_vllm"]) == ("Qwen/Qwen2.5-0.5B-Instruct", 450, 5e-7, "cosine",
+                                                               0.03, 0.001, 8, 256, 1024, True)
+        assert s["per_device_train_batch_size"] * s["gradient_accumulation_steps"] == 16
+    assert settings["agrpo"]["adaptive_kl"] and settings["agrpo"]["kl_estimator"] == "symmetric"
+    assert not settings["grpo"]["adaptive_kl"] and settings["grpo"]["kl_estimator"] == "k3"
+    assert "python train_agrpo.py --algo agrpo --max_steps 450" in proc.stdout
+
+
+@pytest.mark.slow
+def test_tiny_ablation_runs_evaluates_writes_table_and_figures_and_resumes(tmp_path):
+    out = tmp_path / "ablate"
+    command = ABLATE + ["--methods", "grpo", "--ablations", "full", "no_entropy", "no_kl", "--seeds", "3",
+                        "--max_steps", "3", "--token_budget", "50", "--eval_samples", "6", "--eval_num_samples", "1",
+                        "--output_dir", str(out), "--", "--max_completion_length", "16"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "3 configurations x seeds, 2 distinct runs" in proc.stdout
+    runs = list(csv.DictReader(open(out / "runs.csv")))
+    assert [(r["ablation"], r["same_as"]) for r in runs] == [("full", ""), ("no_entropy", "grpo/full"),
+                                                             ("no_kl", "")]
+    for r in runs:
+        # the budget (50 tokens) is spent by the first step's 16 completions: every run stops there, not at 3
+        assert r["steps"] == "1" and int(r["num_tokens"]) >= 50
+        assert 0.0 <= float(r["win_rate"]) <= 1.0 and float(r["kl"]) >= 0.0 and 0 < float(r["length"]) <= 16
+    assert runs[0]["win_rate"] == runs[1]["win_rate"]  # the shared run is the same run
+    no_kl = out / "runs" / "grpo" / "no_kl" / "seed3" / "config.yaml"
+    assert "beta: 0.0" in no_kl.read_text() and "max_num_tokens: 50" in no_kl.read_text()
+    table = (out / "table.md").read_text()
+    assert "| no_entropy (= grpo/full) | grpo |" in table and "| Win |" in table
+    assert len(list(csv.DictReader(open(out / "table.csv")))) == 3
+    figures = ["curves/grpo-full.png", "curves/grpo-no_kl.png", "curves/no_kl.png", "win_rate_bar.png",
+               "win_rate_radar.png"]
+    for name in figures:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+    # interrupted after training one run and before its evaluation: only that evaluation is done again
+    (out / "runs" / "grpo" / "no_kl" / "seed3" / "eval.json").unlink()
+    before = (out / "runs" / "grpo" / "full" / "seed3" / "eval.json").stat().st_mtime_ns
+    again = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[1/2] grpo / full / seed 3: already done" in again.stdout
+    assert "[2/2] grpo / no_kl / seed 3: evaluated in" in again.stdout and "trained" not in again.stdout
+    assert (out / "runs" / "grpo" / "full" / "seed3" / "eval.json").stat().st_mtime_ns == before
+    assert list(csv.DictReader(open(out / "runs.csv")))[2]["win_rate"] == runs[2]["win_rate"]
