@@ -401,18 +401,10 @@ def plot_curves(jobs: list[Job], methods: list[str], ablations: list[str], out: 
                     points = [(m["step"], m[key]) for m in runs[(method, ablation, s)] if key in m]
                     if points:
                         ax.plot(*zip(*points), label=f"seed {s}", linewidth=1.2, marker="o" if len(points) < 4 else "")
-                ax.set_title(title, fontsize=10)
-                ax.set_xlabel("step", fontsize=8)
-                ax.tick_params(labelsize=8)
+                label_panel(ax, title)
             for ax in list(axes.flat)[len(panels):]:
                 ax.axis("off")
-            axes.flat[0].legend(fontsize=8)
-            fig.suptitle(f"{method} / {ablation}")
-            fig.tight_layout()
-            path = folder / f"{method}-{ablation}.png"
-            fig.savefig(path, dpi=90)
-            plt.close(fig)
-            written.append(path)
+            written.append(save_figure(fig, axes, f"{method} / {ablation}", folder / f"{method}-{ablation}.png"))
     for ablation in ablations:  # the methods side by side, seed means
         fig, axes = plt.subplots(1, len(main), figsize=(4 * len(main), 3), squeeze=False)
         for ax, (key, title) in zip(axes.flat, main):
@@ -424,17 +416,26 @@ def plot_curves(jobs: list[Job], methods: list[str], ablations: list[str], out: 
                          for i in range(steps)]
                 ax.plot(range(1, steps + 1), [float("nan") if v is None else v for v in means], label=method,
                         marker="o" if steps < 4 else "")
-            ax.set_title(title, fontsize=10)
-            ax.set_xlabel("step", fontsize=8)
-            ax.tick_params(labelsize=8)
-        axes.flat[0].legend(fontsize=8)
-        fig.suptitle(f"{ablation}: mean over seeds")
-        fig.tight_layout()
-        path = folder / f"{ablation}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(path)
+            label_panel(ax, title)
+        written.append(save_figure(fig, axes, f"{ablation}: mean over seeds", folder / f"{ablation}.png"))
     return written
+
+
+def label_panel(ax, title: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=8)
+
+
+def save_figure(fig, axes, title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def plot_win_rates(agg: dict[tuple[str, str], dict], methods: list[str], ablations: list[str],

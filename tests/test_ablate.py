@@ -146,36 +146,34 @@ def test_a_grpo_readme_table_recipe_resolves_to_the_readme_training_settings():
 @pytest.mark.slow
 def test_tiny_ablation_runs_evaluates_writes_table_and_figures_and_resumes(tmp_path):
     out = tmp_path / "ablate"
-    command = ABLATE + ["--methods", "grpo", "--ablations", "full", "no_entropy", "no_kl", "--seeds", "3",
-                        "--max_steps", "3", "--token_budget", "50", "--eval_samples", "6", "--eval_num_samples", "1",
+    command = ABLATE + ["--methods", "grpo", "--ablations", "full", "no_entropy", "--seeds", "3", "--max_steps", "3",
+                        "--token_budget", "50", "--eval_samples", "6", "--eval_num_samples", "1",
                         "--output_dir", str(out), "--", "--max_completion_length", "16"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "3 configurations x seeds, 2 distinct runs" in proc.stdout
+    assert "2 configurations x seeds, 1 distinct runs" in proc.stdout
     runs = list(csv.DictReader(open(out / "runs.csv")))
-    assert [(r["ablation"], r["same_as"]) for r in runs] == [("full", ""), ("no_entropy", "grpo/full"),
-                                                             ("no_kl", "")]
-    for r in runs:
-        # the budget (50 tokens) is spent by the first step's 16 completions: every run stops there, not at 3
-        assert r["steps"] == "1" and int(r["num_tokens"]) >= 50
-        assert 0.0 <= float(r["win_rate"]) <= 1.0 and float(r["kl"]) >= 0.0 and 0 < float(r["length"]) <= 16
-    assert runs[0]["win_rate"] == runs[1]["win_rate"]  # the shared run is the same run
-    no_kl = out / "runs" / "grpo" / "no_kl" / "seed3" / "config.yaml"
-    assert "beta: 0.0" in no_kl.read_text() and "max_num_tokens: 50" in no_kl.read_text()
+    assert [(r["ablation"], r["same_as"]) for r in runs] == [("full", ""), ("no_entropy", "grpo/full")]
+    run = runs[0]
+    # the budget (50 tokens) is spent by the first step's 16 completions: the run stops there, not at 3 steps
+    assert run["steps"] == "1" and int(run["num_tokens"]) >= 50
+    assert 0.0 <= float(run["win_rate"]) <= 1.0 and float(run["kl"]) >= 0.0 and 0 < float(run["length"]) <= 16
+    assert 0.0 <= float(run["accuracy_start"]) <= 1.0 and run["win_rate"] == runs[1]["win_rate"]
+    config = (out / "runs" / "grpo" / "full" / "seed3" / "config.yaml").read_text()
+    assert "max_num_tokens: 50" in config and "num_eval_samples: 0" in config and "seed: 3" in config
     table = (out / "table.md").read_text()
     assert "| no_entropy (= grpo/full) | grpo |" in table and "| Win |" in table
-    assert len(list(csv.DictReader(open(out / "table.csv")))) == 3
-    figures = ["curves/grpo-full.png", "curves/grpo-no_kl.png", "curves/no_kl.png", "win_rate_bar.png",
-               "win_rate_radar.png"]
-    for name in figures:
+    assert len(list(csv.DictReader(open(out / "table.csv")))) == 2
+    for name in ["curves/grpo-full.png", "curves/full.png", "win_rate_bar.png", "win_rate_radar.png"]:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
-    # interrupted after training one run and before its evaluation: only that evaluation is done again
-    (out / "runs" / "grpo" / "no_kl" / "seed3" / "eval.json").unlink()
-    before = (out / "runs" / "grpo" / "full" / "seed3" / "eval.json").stat().st_mtime_ns
+    # interrupted after training and before the evaluation: only the evaluation is done again
+    (out / "runs" / "grpo" / "full" / "seed3" / "eval.json").unlink()
+    trained = (out / "runs" / "grpo" / "full" / "seed3" / "final" / "model.safetensors").stat().st_mtime_ns
     again = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "[1/2] grpo / full / seed 3: already done" in again.stdout
-    assert "[2/2] grpo / no_kl / seed 3: evaluated in" in again.stdout and "trained" not in again.stdout
-    assert (out / "runs" / "grpo" / "full" / "seed3" / "eval.json").stat().st_mtime_ns == before
-    assert list(csv.DictReader(open(out / "runs.csv")))[2]["win_rate"] == runs[2]["win_rate"]
+    assert "[1/1] grpo / full / seed 3: evaluated in" in again.stdout and "trained" not in again.stdout
+    assert (out / "runs" / "grpo" / "full" / "seed3" / "final" / "model.safetensors").stat().st_mtime_ns == trained
+    assert list(csv.DictReader(open(out / "runs.csv")))[0]["win_rate"] == run["win_rate"]
+    third = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert "[1/1] grpo / full / seed 3: already done" in third.stdout
