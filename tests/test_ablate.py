@@ -175,5 +175,7 @@ def test_tiny_ablation_runs_evaluates_writes_table_and_figures_and_resumes(tmp_p
     assert "[1/1] grpo / full / seed 3: evaluated in" in again.stdout and "trained" not in again.stdout
     assert (out / "runs" / "grpo" / "full" / "seed3" / "final" / "model.safetensors").stat().st_mtime_ns == trained
     assert list(csv.DictReader(open(out / "runs.csv")))[0]["win_rate"] == run["win_rate"]
-    third = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert "[1/1] grpo / full / seed 3: already done" in third.stdout
+    # the per-device scheduler (one worker per id; CUDA_VISIBLE_DEVICES is ignored on a CPU) finds it all done
+    third = subprocess.run(command[:2] + ["--devices", "0", "1"] + command[2:], capture_output=True, text=True,
+                           timeout=900, cwd=tmp_path)
+    assert third.returncode == 0 and "[1/1] grpo / full / seed 3: already done" in third.stdout
