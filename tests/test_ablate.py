@@ -3,6 +3,7 @@ real (tiny) run of the harness on the embedded model: runs, evaluation, table, f
 
 import csv
 import json
+import os
 import subprocess
 import sys
 
@@ -123,9 +124,10 @@ def test_table_shows_mean_and_spread_and_marks_differences_smaller_than_the_spre
     assert diff.startswith("| full | agrpo | +5.0% | +35.0% |")
 
 
-def test_a_grpo_readme_table_recipe_resolves_to_the_readme_training_settings():
+def test_a_grpo_readme_table_recipe_resolves_to_the_readme_training_settings(data_dir):
     proc = subprocess.run(["bash", str(REPO / "scripts" / "recipes" / "agrpo_readme_table.sh"), "--dry_run"],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+                          capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**os.environ, "DATA": str(data_dir / "gsm8k")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     settings = {}
     for line in proc.stdout.splitlines():

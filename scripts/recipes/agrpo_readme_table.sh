@@ -16,12 +16,14 @@
 # each evaluation. One seed of both methods: about 1.2-2 hours on one GPU, half that with DEVICES="0 1" (one run per
 # GPU). Three seeds (SEEDS="42 43 44") give the spread the table needs to call a difference real.
 #
-#   bash scripts/recipes/agrpo_readme_table.sh                   # DATA=<folder with gsm8k train/test.jsonl>
+#   bash scripts/recipes/agrpo_readme_table.sh     # DATA: folder with GSM8K's train/test.jsonl (default: the
+#                                                  # gsm8k/ folder of $AGRPO_DATA_DIR, or of ../shared/data)
 #   SEEDS="42 43 44" DEVICES="0 1 2 3" bash scripts/recipes/agrpo_readme_table.sh
 #   bash scripts/recipes/agrpo_readme_table.sh --dry_run       # each run's resolved settings; runs nothing
 # Interrupted, run it again: finished runs and evaluations are kept, a run with a checkpoint resumes (save_steps 25).
 set -euo pipefail
-DATA=${DATA:-../shared/data/gsm8k}
+cd "$(dirname "$0")/../.."  # the repository root: DATA and OUT are relative to it
+DATA=${DATA:-${AGRPO_DATA_DIR:-../shared/data}/gsm8k}
 OUT=${OUT:-runs/agrpo_readme_table}
 SEEDS=${SEEDS:-42}
 DEVICES=${DEVICES:-0}
