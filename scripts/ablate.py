@@ -12,7 +12,8 @@ range no ratio reaches), `no_kl` (beta 0), `no_entropy` (eta 0), `eps0.1` / `eps
 `g4` / `g8` / `g16` (group size, same completions per step). Where a method's controller moves the value the
 ablation fixes (A-GRPO's beta_t / epsilon_t, AGPO-DSF's per-group clip), the controller is switched off or its
 bounds pinned to the value, so that the ablation means what its name says. A configuration that resolves to the
-same settings as another (GRPO's `no_entropy`: its eta is already 0) reuses that run instead of training twice.
+same settings as another (GRPO's `no_entropy`: its eta is already 0; `no_clip` / `eps*` with one update per
+generation batch, where the clip never binds) reuses that run instead of training twice.
 
 Each run trains into `<output_dir>/runs/<method>/<ablation>/seed<seed>/` (no evaluation inside the trainer), then
 the evaluator scores its `final/` against the starting model on held-out problems drawn from the run's seed
@@ -125,6 +126,21 @@ def ablation_overrides(name: str, cfg: Config) -> dict:
     raise AblateError(f"--ablations: '{name}' is not one of {', '.join(ABLATIONS)}")
 
 
+CLIP_KEYS = ("epsilon", "epsilon_high", "epsilon_min", "epsilon_max", "dsf_eps_min", "dsf_eps_max", "dual_clip")
+
+
+def run_identity(cfg: Config) -> dict:
+    """The settings that decide what a run computes. With one update per generation batch (and no AGPO-DSF, whose
+    old log-probs come from a pass of their own) the ratio pi / pi_old is exactly 1 at every token (pi_old is the
+    same forward, detached), so no clip range binds and the clip settings change nothing: `no_clip` and `eps*`
+    then share the `full` run."""
+    settings = {k: v for k, v in to_dict(cfg).items() if k != "output_dir"}
+    if cfg.num_iterations == 1 and not cfg.dsf:
+        for key in CLIP_KEYS:
+            settings.pop(key)
+    return settings
+
+
 def as_flags(keys: dict) -> list[str]:
     flags = []
     for key, value in keys.items():
@@ -167,8 +183,7 @@ def plan(methods: list[str], ablations: list[str], seeds: list[int], extra: list
                 if data and not cfg.eval_dataset_id_or_path and Path(data).is_file():
                     raise AblateError(f"dataset_id_or_path '{data}' is one file, with no held-out "
                                       f"split to evaluate on: pass --eval_dataset_id_or_path <file> after --")
-                identity = json.dumps({k: v for k, v in to_dict(cfg).items() if k != "output_dir"}, sort_keys=True,
-                                      default=str)
+                identity = json.dumps(run_identity(cfg), sort_keys=True, default=str)
                 job = Job(method, ablation, seed, flags, root / "runs" / method / ablation / f"seed{seed}", cfg)
                 if identity in first_with:  # the same settings as a configuration already planned: reuse its run
                     first = first_with[identity]
@@ -190,6 +205,7 @@ def eval_command(job: Job, eval_samples: int, eval_num_samples: int, temperature
     command = [sys.executable, str(REPO / "eval_agrpo.py"), "--model_name_or_path", str(job.run_dir / "final"),
                "--reference_model", cfg.model_name_or_path, "--num_samples", str(eval_num_samples),
                "--temperature", str(cfg.temperature if temperature is None else temperature), "--top_p", str(cfg.top_p),
+               "--top_k", str(cfg.top_k),
                "--max_samples", str(eval_samples), "--seed", str(job.seed),
                "--max_prompt_length", str(cfg.max_prompt_length),
                "--max_completion_length", str(cfg.max_completion_length), "--instruction", cfg.instruction,

@@ -56,6 +56,15 @@ def test_plan_resolves_every_configuration_first_and_shares_identical_runs(tmp_p
     g4 = by[("agrpo", "g4", 2)].cfg
     assert (g4.num_generations, g4.seed, g4.max_steps, g4.max_num_tokens, g4.max_completion_length,
             g4.num_eval_samples) == (4, 2, 5, 3000, 32, 0)
+    # one update per generation batch: the ratio is exactly 1, no clip binds, so no_clip / eps* share the full run;
+    # AGPO-DSF (4 updates per batch) and --num_iterations 2 are trained for real
+    clip = plan(["grpo", "agrpo", "agpo_dsf"], ["full", "no_clip", "eps0.5"], [1], [], tmp_path, 5, None)
+    shared = {(j.method, j.ablation): j.same_as for j in clip}
+    assert shared[("grpo", "no_clip")] == shared[("grpo", "eps0.5")] == "grpo/full"
+    assert shared[("agrpo", "no_clip")] == shared[("agrpo", "eps0.5")] == "agrpo/full"
+    assert shared[("agpo_dsf", "no_clip")] is None and shared[("agpo_dsf", "eps0.5")] is None
+    twice = plan(["grpo"], ["full", "no_clip"], [1], ["--num_iterations", "2"], tmp_path, 4, None)
+    assert twice[1].same_as is None and twice[1].cfg.epsilon == 1e6
     # a value the trainer refuses is named with its configuration before anything runs
     with pytest.raises(AblateError, match="grpo / full / seed 1: .*temperature"):
         plan(["grpo"], ["full"], [1], ["--temperature", "-1"], tmp_path, 5, None)
