@@ -29,7 +29,8 @@ The algorithm, step by step (the phase comments in the loop below carry the same
      (adaptive_kl), or one clip range per prompt group from AGPO-DSF's statistics.
   5. policy update: per token, -min(rho A, clip(rho, 1-eps, 1+eps_high) A) (+ dual clip) + beta KL(pi || pi_ref)
      (k1 / k3 / forward / symmetric) - eta H(pi), averaged as `loss_type` says over the global batch; log-probs at
-     the temperature each token was sampled at; one optimizer step per step, num_iterations steps per generation.
+     the temperature each token was sampled at; one optimizer step per step, num_iterations steps per generation
+     (none from a batch whose advantages are all 0 with skip_zero_signal_updates: it is measured and logged only).
   6. controller update: state = update(state, what this step measured): A-GRPO's beta / epsilon from the KL moving
      average and its group size; AGPO-DSF's step-KL average. Saved in every checkpoint, resumed exactly.
   7. log: one dense line per step, metrics.jsonl (controller fields under their own names) and the tracker.
@@ -472,6 +473,8 @@ def main(argv: list[str] | None = None) -> dict:
             advantages_all, adv_stats = advantage_rule(total, group_size, correct=correct_all,
                                                        pooled=torch.cat(rounds, dim=1) if len(rounds) > 1 else None)
             advantages = advantages_all[first : first + local_completions]
+            # no group has a reward spread: the batch has no policy-gradient signal (same on every process)
+            skip_update = cfg.skip_zero_signal_updates and not bool((advantages_all != 0).any())
             loss_mask = batch.completion_mask.float()
             if cfg.mask_truncated_completions:
                 loss_mask = loss_mask * (~batch.is_truncated).float()[:, None]
@@ -534,7 +537,9 @@ def main(argv: list[str] | None = None) -> dict:
         pre_update_logp = []  # the policy's log-probs before this update (AGPO-DSF's step KL compares with after)
         for m, rows in enumerate(micro):
             sync = m == len(micro) - 1  # gradients are all-reduced once, after the last micro-batch
-            with (nullcontext() if sync else accelerator.no_sync(scorer)):
+            # a skipped update still measures the batch (loss, KL, entropy, clip) for the log and the controllers
+            with (nullcontext() if sync else accelerator.no_sync(scorer)), \
+                    (torch.no_grad() if skip_update else nullcontext()):
                 with accelerator.autocast():
                     logp, entropy = scorer(batch.prompt_ids, batch.prompt_mask, batch.prompt_index[rows],
                                            batch.completion_ids[rows], batch.completion_mask[rows],
@@ -567,17 +572,21 @@ def main(argv: list[str] | None = None) -> dict:
                 loss = aggregate_loss(per_token, mask, cfg.loss_type, global_num_sequences=global_completions,
                                       global_num_tokens=global_tokens, max_completion_length=cfg.max_completion_length,
                                       num_processes=world, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
-                accelerator.backward(loss)
+                if not skip_update:
+                    accelerator.backward(loss)
             stats["loss"] += loss.detach() / world
             stats["entropy"] += (entropy.detach() * batch.completion_mask[rows]).sum()
             for k, v in clip_stats.items():
                 clip_sums[k] = clip_sums.get(k, 0.0) + v * mask.sum()
         timing["policy"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else \
-            torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in params if p.grad is not None))
         learning_rate = scheduler.get_last_lr()[0]  # the rate this update used
-        optimizer.step()
+        if skip_update:  # the schedule still advances: it is laid out over steps, not updates
+            grad_norm = torch.zeros(())
+        else:
+            grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else \
+                torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in params if p.grad is not None))
+            optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         timing["optimizer"] = time.perf_counter() - t0
@@ -642,6 +651,8 @@ def main(argv: list[str] | None = None) -> dict:
             "step_time": time.perf_counter() - t_step,
             **{f"time/{k}": v for k, v in timing.items()},
         }
+        if cfg.skip_zero_signal_updates:
+            metrics["update_skipped"] = float(skip_update)
         if kl_ctl is not None:
             metrics.update({"kl_ema": kl_ctl.kl_ema, "next_beta": kl_ctl.beta, "next_epsilon": kl_ctl.epsilon})
         if group_ctl is not None:

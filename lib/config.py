@@ -156,6 +156,12 @@ class Config:
     correctness_reward: str = field(default="accuracy", metadata={"help": "Reward function whose value > 0 marks a "
                                     "completion correct: AGPO's homogeneous groups and adaGRPO's retry judge."})
     importance_sampling_level: str = field(default="token", metadata={"help": "token (GRPO) | sequence (GSPO)."})
+    skip_zero_signal_updates: bool = field(default=False, metadata={"help": "Make no optimizer step on a "
+                                           "generation batch whose advantages are all 0 (no group has a reward "
+                                           "spread): it has no policy-gradient signal, and its KL and entropy "
+                                           "terms alone would become a full-size Adam step, which early in a run "
+                                           "(Adam's running gradient size near 0) is a large move away from the "
+                                           "start. The step is counted, measured and logged (update_skipped)."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Exclude completions that hit "
                                              "max_completion_length from the loss (DAPO overlong filtering)."})
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"], metadata={
@@ -272,8 +278,12 @@ PRESETS: dict[str, dict] = {
     # adaGRPO (ALGORITHMS.md 4): resample groups with no correct answer on the upstream schedule, pooled statistics;
     # TRL 0.18.1's bnpo loss and beta 0.04
     "adagrpo": {"resample_schedule": ADAGRPO_SCHEDULE, "loss_type": "bnpo"},
-    # AGPO-DSF (ALGORITHMS.md 5): probe groups, adaptive temperature and clip, 4 update epochs, beta_ref 0.03 with k1
-    "agpo_dsf": {"dsf": True, "num_iterations": 4, "beta": 0.03, "kl_estimator": "k1", "loss_type": "grpo"},
+    # AGPO-DSF (ALGORITHMS.md 5): probe groups, adaptive temperature and clip, 4 update epochs, beta_ref 0.03. The
+    # upstream code's k1 (log pi - log pi_ref) is swapped for k3: as a loss term k1's gradient is grad log pi of the
+    # sampled tokens, zero in expectation on-policy, and here (tokens sampled below temperature 1, four updates on
+    # the same batch) it lowers their probability, so the "penalty" raised the KL (0.14 to 0.50 over batches with
+    # no reward spread); upstream never ran it (its LoRA configs have no reference model, ALGORITHMS.md 5.3)
+    "agpo_dsf": {"dsf": True, "num_iterations": 4, "beta": 0.03, "kl_estimator": "k3", "loss_type": "grpo"},
     "dapo": {"beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dapo",
              "mask_truncated_completions": True},
     "dr_grpo": {"beta": 0.0, "loss_type": "dr_grpo", "scale_rewards": "none"},

@@ -1,14 +1,17 @@
-"""Train every method preset with the same steps, seed and data, then print one table of what each did.
+"""Train every method preset on the same prompts with the same seed, then print one table of what each did.
 
-    python scripts/compare_presets.py                               # all presets, 40 steps each (the demo default)
+    python scripts/compare_presets.py                       # all presets, 40 generation batches each (the demo)
     python scripts/compare_presets.py --algos grpo agrpo --max_steps 20 -- --learning_rate 1e-5 --seed 7
 
+Every preset trains on `--max_steps` generation batches, the same prompts in the same order. A preset that makes
+mu > 1 updates per batch (agpo_dsf: 4) runs mu times as many optimizer steps, as AGPO-DSF itself counts a step.
 Each preset runs `train_agrpo.py --algo <name>` into `<output_dir>/<name>/` (arguments after `--` go to every run),
 one after the other. A run that already has its `final/` folder is not run again, so an interrupted comparison
 continues where it stopped. The table (markdown, also written to `<output_dir>/presets.md`) has, per preset:
 greedy held-out accuracy before and after, and over the last five steps the mean KL to the reference (in the
 preset's own estimator: k3, symmetric or k1; none when beta is 0), the entropy of the sampling distribution, the
-completion length, and the tokens generated in all (probe groups and discarded resampling rounds included).
+completion length, the tokens generated in all (probe groups and discarded resampling rounds included), and the
+generation batches and optimizer steps run.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lib.config import PRESETS  # noqa: E402  (the repository root is put on the path just above)
+from lib.config import PRESETS, parse_config  # noqa: E402  (the repository root is put on the path just above)
 
 LAST = 5  # steps averaged for the end-of-run columns
 
@@ -42,6 +45,14 @@ def train_command(algo: str, out: Path, max_steps: int, extra: list[str]) -> lis
         has_checkpoint = any(out.glob("checkpoint-*/trainer_state.json"))
         command += ["--resume_from_checkpoint", "latest"] if has_checkpoint else ["--overwrite_output_dir", "true"]
     return command + extra
+
+
+def preset_steps(algo: str, batches: int, extra: list[str]) -> int:
+    """Optimizer steps that make `batches` generation batches for `algo`: a preset with mu > 1 updates per batch
+    (AGPO-DSF's 4 update epochs, num_iterations) takes mu steps on each. AGPO-DSF counts a step per rollout batch
+    (its scheduler runs max_steps x update_epochs, ALGORITHMS.md 5.1); at 40 optimizer steps it would see 20 prompts
+    where every other preset sees 80."""
+    return batches * parse_config(["--algo", algo, *extra]).num_iterations
 
 
 def run_preset(algo: str, out: Path, max_steps: int, extra: list[str]) -> float | None:
@@ -66,31 +77,34 @@ def summarize_run(out: Path) -> dict:
     return {"start": evals[0]["eval/accuracy"], "end": evals[-1]["eval/accuracy"],
             "kl": mean("kl") if config["beta"] > 0 else None, "estimator": config["kl_estimator"],
             "entropy": mean("entropy"), "length": mean("completions/mean_length"),
-            "tokens": train[-1]["num_tokens"], "steps": train[-1]["step"]}
+            "tokens": train[-1]["num_tokens"], "steps": train[-1]["step"],
+            "batches": train[-1]["step"] // config["num_iterations"]}
 
 
 def table(rows: dict[str, dict]) -> str:
     head = ("| preset | accuracy start | accuracy end | change | KL (estimator) | entropy | length | "
-            "generated tokens |\n|---|---|---|---|---|---|---|---|\n")
+            "generated tokens | batches (updates) |\n|---|---|---|---|---|---|---|---|---|\n")
     body = ""
     for algo, r in rows.items():
         kl = f"{r['kl']:.4f} ({r['estimator']})" if r["kl"] is not None else "- (beta 0)"
         body += (f"| {algo} | {r['start']:.1%} | {r['end']:.1%} | {100 * (r['end'] - r['start']):+.1f} pts | {kl} | "
-                 f"{r['entropy']:.3f} | {r['length']:.1f} | {r['tokens']:,} |\n")
+                 f"{r['entropy']:.3f} | {r['length']:.1f} | {r['tokens']:,} | {r['batches']} ({r['steps']}) |\n")
     return head + body
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algos", nargs="+", default=list(PRESETS), choices=list(PRESETS))
-    parser.add_argument("--max_steps", type=int, default=40, help="Optimizer steps per preset (40: the demo default).")
+    parser.add_argument("--max_steps", type=int, default=40, help="Generation batches per preset (40: the demo "
+                        "default), the same prompts in the same order for every preset; a preset that updates mu > 1 "
+                        "times per batch (agpo_dsf) runs mu x this many optimizer steps.")
     parser.add_argument("--output_dir", default="runs/presets")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     root = Path(args.output_dir)
     rows = {}
     for algo in args.algos:
-        seconds = run_preset(algo, root / algo, args.max_steps, extra)
+        seconds = run_preset(algo, root / algo, preset_steps(algo, args.max_steps, extra), extra)
         if seconds is not None:
             print(f"{algo}: {seconds / 60:.1f} min", flush=True)
         rows[algo] = summarize_run(root / algo)

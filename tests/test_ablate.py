@@ -13,7 +13,7 @@ from conftest import REPO
 from lib.config import ConfigError, parse_config
 from scripts.ablate import (AblateError, ablation_overrides, aggregate, mean_spread, parse_args, plan, table_markdown,
                             within_spread)
-from scripts.compare_presets import train_command
+from scripts.compare_presets import preset_steps, train_command
 
 ABLATE = [sys.executable, str(REPO / "scripts" / "ablate.py")]
 
@@ -100,6 +100,13 @@ def test_train_command_resumes_an_interrupted_run_and_skips_a_finished_one(tmp_p
     assert train_command("grpo", tmp_path / "a", 5, [])[-2:] == ["--resume_from_checkpoint", "latest"]
     (tmp_path / "a" / "final").mkdir()
     assert train_command("grpo", tmp_path / "a", 5, []) is None
+
+
+def test_compare_presets_gives_every_preset_the_same_generation_batches():
+    assert preset_steps("grpo", 40, []) == 40
+    assert preset_steps("agpo_dsf", 40, []) == 160  # 4 updates on each of its 40 batches
+    assert preset_steps("grpo", 40, ["--num_iterations", "2"]) == 80
+    assert preset_steps("agpo_dsf", 10, ["--num_iterations", "1"]) == 10
 
 
 def row(method, ablation, seed, win, accuracy=0.5):

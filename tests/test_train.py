@@ -166,6 +166,36 @@ def test_custom_reward_that_raises_is_scored_zero_and_counted(tmp_path):
     assert train["rewards/flaky/errors"] > 0
 
 
+def test_a_batch_without_signal_is_measured_but_moves_nothing_when_skipped(tmp_path, embedded_model):
+    """Every completion scores 1, so every advantage is 0. With the entropy bonus on, the only gradient is the
+    bonus's, and Adam makes a full-size first step of it; skip_zero_signal_updates keeps the model exactly as it
+    started while the step is still measured and logged."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "constant_reward.py").write_text(
+        "def one(prompts, completions, **columns):\n    return [1.0 for _ in completions]\n")
+    base = load_file(Path(embedded_model) / "model.safetensors")
+    common = TINY + ["--algo", "agrpo", "--reward_funcs", "constant_reward.py:one", "--num_eval_samples", "0",
+                     "--max_steps", "2"]
+    skipped, applied = tmp_path / "skipped", tmp_path / "applied"
+    run(common + ["--output_dir", str(skipped), "--skip_zero_signal_updates", "true"], tmp_path)
+    run(common + ["--output_dir", str(applied), "--skip_zero_signal_updates", "false"], tmp_path)
+
+    train = [m for m in read_jsonl(skipped / "metrics.jsonl") if "reward" in m]
+    assert [m["update_skipped"] for m in train] == [1.0, 1.0]
+    assert all(m["grad_norm"] == 0.0 and m["frac_reward_zero_std"] == 1.0 for m in train)
+    assert all(m["entropy"] > 0 and m["learning_rate"] == 1e-5 for m in train)  # measured all the same
+    assert abs(train[0]["kl"]) < 1e-6 and abs(train[1]["kl"]) < 1e-6  # the policy never left the reference
+    final = load_file(skipped / "final" / "model.safetensors")
+    assert all(torch.equal(final[k], base[k]) for k in base)
+
+    train = [m for m in read_jsonl(applied / "metrics.jsonl") if "reward" in m]
+    assert "update_skipped" not in train[0] and 0 < train[0]["grad_norm"] < 0.1  # the entropy bonus alone
+    assert train[1]["kl"] > 0  # one full-size Adam step of it moved the policy
+    final = load_file(applied / "final" / "model.safetensors")
+    assert sum(not torch.equal(final[k], base[k]) for k in base) > 100
+
+
 def test_bad_configuration_fails_before_loading_and_keeps_an_existing_run(tmp_path):
     out = tmp_path / "existing"
     out.mkdir()
