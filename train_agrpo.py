@@ -29,8 +29,9 @@ The algorithm, step by step (the phase comments in the loop below carry the same
      (adaptive_kl), or one clip range per prompt group from AGPO-DSF's statistics.
   5. policy update: per token, -min(rho A, clip(rho, 1-eps, 1+eps_high) A) (+ dual clip) + beta KL(pi || pi_ref)
      (k1 / k3 / forward / symmetric) - eta H(pi), averaged as `loss_type` says over the global batch; log-probs at
-     the temperature each token was sampled at; one optimizer step per step, num_iterations steps per generation
-     (none from a batch whose advantages are all 0 with skip_zero_signal_updates: it is measured and logged only).
+     the temperature each token was sampled at; one optimizer step per step on its slice of the generation batch
+     (steps_per_generation slices, each used num_iterations times; none from a slice whose advantages are all 0
+     with skip_zero_signal_updates: it is measured and logged only).
   6. controller update: state = update(state, what this step measured): A-GRPO's beta / epsilon from the KL moving
      average and its group size; AGPO-DSF's step-KL average. Saved in every checkpoint, resumed exactly.
   7. log: one dense line per step, metrics.jsonl (controller fields under their own names) and the tracker.
@@ -78,7 +79,7 @@ from accelerate.utils import gather_object
 
 from lib import checkpoint as ckpt
 from lib import controllers
-from lib.config import ConfigError, parse_config, reward_options, save_yaml, to_dict, validate
+from lib.config import ConfigError, parse_config, reward_options, save_yaml, steps_per_rollout, to_dict, validate
 from lib.controllers import (DSFState, GroupSizeState, KLControllerState, dsf_clip_ranges, dsf_temperatures,
                              dsf_uncertainty, init_group_size, init_kl_controller, resample_plan, update_group_size,
                              update_kl_controller, update_step_kl, vote_entropy)
@@ -366,11 +367,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     # batch geometry, TRL semantics: per_device_train_batch_size counts completions; the group size G may change
     # from one generation batch to the next (adaptive_group_size), the batch size never does
-    local_completions = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-    global_completions = local_completions * world
-    first = rank * local_completions  # this process's slice of the step's completions, in global order
+    # A generation batch serves steps_per_generation optimizer steps (times num_iterations): each process samples
+    # its contiguous share of it, and step s of the batch trains on the s-th slice of every process's share
+    local_completions = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # per step and process
+    global_completions = local_completions * world  # per optimizer step
+    local_rollout = local_completions * cfg.steps_per_generation  # per generation batch and process
+    first = rank * local_rollout  # this process's share of the generation batch, in global order
+    per_rollout = steps_per_rollout(cfg)
     micro = [slice(i, i + cfg.per_device_train_batch_size)
-             for i in range(0, local_completions, cfg.per_device_train_batch_size)]
+             for i in range(0, local_rollout, cfg.per_device_train_batch_size)]  # every micro-batch of the share
 
     step = state["global_step"]
     if step == 0 or (cfg.eval_steps and step % cfg.eval_steps == 0):
@@ -384,21 +389,21 @@ def main(argv: list[str] | None = None) -> dict:
     def finished(step: int) -> bool:
         """max_steps reached, or the generated-token budget spent at the end of a generation batch."""
         spent = cfg.max_num_tokens is not None and state["num_tokens"] >= cfg.max_num_tokens
-        return step >= cfg.max_steps or (spent and step % cfg.num_iterations == 0)
+        return step >= cfg.max_steps or (spent and step % per_rollout == 0)
 
     while not finished(step):
         t_step = time.perf_counter()
         timing = {}
         clock["rewards"] = 0.0
-        new_batch = batch is None or step % cfg.num_iterations == 0
+        new_batch = batch is None or step % per_rollout == 0
         if new_batch:
             # ------------------------------------------------------------------------------------ 1. rollout
             t0 = time.perf_counter()
             group_size = group_ctl.num_generations if group_ctl is not None else cfg.num_generations
-            num_prompts = global_completions // group_size
+            num_prompts = global_completions * cfg.steps_per_generation // group_size
             slots = prompts_for_step(state["data_position"], num_prompts, len(train_records), cfg.seed)
             state["data_position"] += num_prompts
-            local_slots = torch.arange(first, first + local_completions) // group_size  # global prompt of each
+            local_slots = torch.arange(first, first + local_rollout) // group_size  # global prompt of each
             used = torch.unique(local_slots)  # global indices of the prompts this process samples for
             records = [train_records[slots[s]] for s in used.tolist()]
             counts = torch.bincount(local_slots - used[0], minlength=len(used)).to(device)
@@ -472,15 +477,17 @@ def main(argv: list[str] | None = None) -> dict:
             correct_all = all_rewards[:, correct_index] > 0 if correct_index is not None else None
             advantages_all, adv_stats = advantage_rule(total, group_size, correct=correct_all,
                                                        pooled=torch.cat(rounds, dim=1) if len(rounds) > 1 else None)
-            advantages = advantages_all[first : first + local_completions]
-            # no group has a reward spread: the batch has no policy-gradient signal (same on every process)
-            skip_update = cfg.skip_zero_signal_updates and not bool((advantages_all != 0).any())
+            advantages = advantages_all[first : first + local_rollout]
+            # no completion of a step's slice (on any process) has an advantage: that step has no policy-gradient
+            # signal (the same answer on every process)
+            signal = (advantages_all.view(world, cfg.steps_per_generation, local_completions) != 0).any(2).any(0)
+            skip_updates = [cfg.skip_zero_signal_updates and not bool(has) for has in signal]
             loss_mask = batch.completion_mask.float()
             if cfg.mask_truncated_completions:
                 loss_mask = loss_mask * (~batch.is_truncated).float()[:, None]
             if cfg.loss_mask_zero_advantage:  # AGPO loss mask: no zero-advantage tokens in sum or count
                 loss_mask = loss_mask * (advantages != 0).float()[:, None]
-            global_tokens = accelerator.reduce(loss_mask.sum(), reduction="sum")
+            slice_tokens = accelerator.reduce(loss_mask.view(cfg.steps_per_generation, -1).sum(1), reduction="sum")
             generated = batch.completion_mask.sum() + tokens["probe"] + tokens["resampled"]
             state["num_tokens"] += int(accelerator.reduce(generated, reduction="sum"))
 
@@ -499,7 +506,7 @@ def main(argv: list[str] | None = None) -> dict:
                             with adapter_disabled(policy):
                                 ref_parts.append(accelerator.unwrap_model(scorer)(*args, with_entropy=False)[0])
                     ref_logp = pad_cat(ref_parts)
-                if cfg.num_iterations > 1 or dsf_ctl is not None:
+                if per_rollout > 1 or dsf_ctl is not None:
                     parts = [accelerator.unwrap_model(scorer)(
                         batch.prompt_ids, batch.prompt_mask, batch.prompt_index[rows], batch.completion_ids[rows],
                         batch.completion_mask[rows], batch.temperatures[rows], with_entropy=dsf_ctl is not None,
@@ -522,6 +529,12 @@ def main(argv: list[str] | None = None) -> dict:
                 epsilon_low = epsilon_high = torch.tensor(ranges, device=device)[local_slots.to(device)]
 
         # ---------------------------------------------------------------------------------- 5. policy update
+        # this step's slice of the generation batch: its micro-batches, tokens and whether it has any signal
+        part = step % per_rollout % cfg.steps_per_generation
+        accumulate = cfg.gradient_accumulation_steps
+        step_micro = micro[part * accumulate : (part + 1) * accumulate]
+        step_rows = slice(part * local_completions, (part + 1) * local_completions)
+        global_tokens, skip_update = slice_tokens[part], skip_updates[part]
         t0 = time.perf_counter()
         policy.train()
         stats = {"loss": torch.zeros((), device=device), "kl": torch.zeros((), device=device),
@@ -535,8 +548,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "max": torch.zeros((), device=device), "diff_sum": torch.zeros((), device=device),
                      "diff_max": torch.zeros((), device=device)}
         pre_update_logp = []  # the policy's log-probs before this update (AGPO-DSF's step KL compares with after)
-        for m, rows in enumerate(micro):
-            sync = m == len(micro) - 1  # gradients are all-reduced once, after the last micro-batch
+        for m, rows in enumerate(step_micro):
+            sync = m == len(step_micro) - 1  # gradients are all-reduced once, after the last micro-batch
             # a skipped update still measures the batch (loss, KL, entropy, clip) for the log and the controllers
             with (nullcontext() if sync else accelerator.no_sync(scorer)), \
                     (torch.no_grad() if skip_update else nullcontext()):
@@ -598,10 +611,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         # ---------------------------------------------------------------------------------- 6. controller update
         # from what this step measured; the next step trains with the new state
-        tokens_all = accelerator.reduce(batch.completion_mask.sum().float(), reduction="sum")
+        tokens_all = accelerator.reduce(batch.completion_mask[step_rows].sum().float(), reduction="sum")
         reduced = accelerator.reduce(torch.stack([stats["loss"], stats["kl"], stats["entropy"]]), reduction="sum")
         kl_mean = float(reduced[1] / global_tokens.clamp(min=1)) if beta > 0 else 0.0
-        batch_done = step % cfg.num_iterations == 0  # the last update on this generation batch
+        batch_done = step % per_rollout == 0  # the last update on this generation batch
         if kl_ctl is not None:
             kl_ctl = update_kl_controller(kl_ctl, kl_mean, cfg)
         if group_ctl is not None and batch_done:
@@ -623,7 +636,7 @@ def main(argv: list[str] | None = None) -> dict:
         # ---------------------------------------------------------------------------------- 7. log
         lengths = accelerator.gather(batch.completion_mask.sum(1).float())
         truncated = accelerator.gather(batch.is_truncated.float())
-        temp_sum = accelerator.reduce((batch.temperatures * batch.completion_mask).sum(), reduction="sum")
+        temp_sum = accelerator.reduce((batch.temperatures * batch.completion_mask)[step_rows].sum(), reduction="sum")
         metrics = {
             "reward": float(total.mean()),
             "reward_std": float(adv_stats["reward_std"]),

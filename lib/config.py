@@ -131,10 +131,16 @@ class Config:
     per_device_train_batch_size: int = field(default=16, metadata={"help": "Completions per process per "
                                              "micro-batch (TRL semantics)."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step. The "
-                                             "global batch, per_device_train_batch_size x processes x this, must "
-                                             "be a multiple of num_generations."})
+                                             "generation batch, per_device_train_batch_size x processes x this x "
+                                             "steps_per_generation, must be a multiple of num_generations."})
     num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per generation batch (PPO epochs, "
                                 "mu); above 1 the ratio uses the log-probs of the policy that sampled."})
+    steps_per_generation: int = field(default=1, metadata={"help": "Optimizer steps whose completions are sampled "
+                                      "in one rollout (TRL's steps_per_generation): the rollout samples this many "
+                                      "steps' prompts at once and each step trains on the next slice, so every "
+                                      "slice after the first is off-policy and the clip range acts (GSPO trains on "
+                                      "4 minibatches per rollout). With num_iterations mu the rollout serves mu x "
+                                      "this many steps."})
     seed: int = field(default=42, metadata={"help": "Seed for data order, sampling and initialisation."})
     # ---- GRPO ----------------------------------------------------------------------------------------------------
     beta: float = field(default=0.04, metadata={"help": "KL coefficient (0 = no reference model is loaded)."})
@@ -287,8 +293,10 @@ PRESETS: dict[str, dict] = {
     "dapo": {"beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dapo",
              "mask_truncated_completions": True},
     "dr_grpo": {"beta": 0.0, "loss_type": "dr_grpo", "scale_rewards": "none"},
+    # GSPO (arXiv 2507.18071 section 5.1, TRL's GSPO settings): each rollout trains 4 minibatches, so all but the
+    # first are off-policy and the sequence-level clip acts (with one step per rollout s_i is exactly 1)
     "gspo": {"beta": 0.0, "importance_sampling_level": "sequence", "loss_type": "grpo", "epsilon": 3e-4,
-             "epsilon_high": 4e-4},
+             "epsilon_high": 4e-4, "steps_per_generation": 4},
 }
 
 CHOICES = {
@@ -414,7 +422,8 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name}: '{getattr(cfg, name)}' is not one of {', '.join(allowed)}")
     positive = ["num_generations", "max_prompt_length", "max_completion_length", "max_steps",
-                "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations", "logging_steps",
+                "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations", "steps_per_generation",
+                "logging_steps",
                 "eval_batch_size", "builtin_num_train", "lora_r"]
     for name in positive:
         if getattr(cfg, name) < 1:
@@ -427,13 +436,16 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
             raise ConfigError(f"{name} must be at least 1 or null, got {value}")
     if cfg.num_generations < 2:
         raise ConfigError("num_generations must be at least 2: group-relative advantages need two completions")
-    global_batch = cfg.per_device_train_batch_size * (num_processes or 1) * cfg.gradient_accumulation_steps
+    # the completions of one generation batch: every step's global batch, for steps_per_generation steps
+    global_batch = (cfg.per_device_train_batch_size * (num_processes or 1) * cfg.gradient_accumulation_steps
+                    * cfg.steps_per_generation)
     if num_processes is not None and global_batch % cfg.num_generations:
         raise ConfigError(
-            f"the global batch (per_device_train_batch_size {cfg.per_device_train_batch_size} x {num_processes} "
-            f"process(es) x gradient_accumulation_steps {cfg.gradient_accumulation_steps} = {global_batch} "
-            f"completions) must be a multiple of num_generations ({cfg.num_generations}); change "
-            f"per_device_train_batch_size or gradient_accumulation_steps")
+            f"the generation batch (per_device_train_batch_size {cfg.per_device_train_batch_size} x {num_processes} "
+            f"process(es) x gradient_accumulation_steps {cfg.gradient_accumulation_steps} x steps_per_generation "
+            f"{cfg.steps_per_generation} = {global_batch} completions) must be a multiple of num_generations "
+            f"({cfg.num_generations}); change per_device_train_batch_size, gradient_accumulation_steps or "
+            f"steps_per_generation")
     if cfg.temperature <= 0:
         raise ConfigError("temperature must be > 0 for sampling (greedy is used only for evaluation)")
     if not 0 < cfg.top_p <= 1:
@@ -551,8 +563,9 @@ def validate_methods(cfg: Config, global_batch: int | None) -> None:
             if bad:
                 raise ConfigError(f"adaptive_group_size can reach group sizes {reachable_group_sizes(cfg)}, but the "
                                   f"global batch of {global_batch} completions does not split into groups of {bad}; "
-                                  f"make per_device_train_batch_size x processes x gradient_accumulation_steps a "
-                                  f"multiple of group_size_max ({cfg.group_size_max}) or narrow the range")
+                                  f"make per_device_train_batch_size x processes x gradient_accumulation_steps x "
+                                  f"steps_per_generation a multiple of group_size_max ({cfg.group_size_max}) or "
+                                  f"narrow the range")
     if cfg.resample_schedule is not None:
         try:
             cfg.resample_schedule = parse_resample_schedule(cfg.resample_schedule)
@@ -577,10 +590,16 @@ def validate_methods(cfg: Config, global_batch: int | None) -> None:
     if cfg.overlong_buffer_length is not None and cfg.overlong_buffer_length > cfg.max_completion_length:
         raise ConfigError(f"overlong_buffer_length ({cfg.overlong_buffer_length}) must not exceed "
                           f"max_completion_length ({cfg.max_completion_length})")
-    if cfg.num_iterations > 1 and cfg.save_steps and cfg.save_steps % cfg.num_iterations:
-        raise ConfigError(f"save_steps ({cfg.save_steps}) must be a multiple of num_iterations "
-                          f"({cfg.num_iterations}), so that a checkpoint never falls inside a generation batch "
-                          f"(a resumed run could not redo it exactly)")
+    per_rollout = steps_per_rollout(cfg)
+    if per_rollout > 1 and cfg.save_steps and cfg.save_steps % per_rollout:
+        raise ConfigError(f"save_steps ({cfg.save_steps}) must be a multiple of num_iterations x steps_per_generation "
+                          f"({cfg.num_iterations} x {cfg.steps_per_generation} = {per_rollout}), so that a checkpoint "
+                          f"never falls inside a generation batch (a resumed run could not redo it exactly)")
+
+
+def steps_per_rollout(cfg: Config) -> int:
+    """Optimizer steps one generation batch serves: mu passes (num_iterations) over steps_per_generation slices."""
+    return cfg.num_iterations * cfg.steps_per_generation
 
 
 def reward_options(cfg: Config) -> dict:

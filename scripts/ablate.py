@@ -52,7 +52,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lib.config import PRESETS, Config, ConfigError, parse_config, to_dict, validate_methods  # noqa: E402
+from lib.config import (PRESETS, Config, ConfigError, parse_config, steps_per_rollout, to_dict,  # noqa: E402
+                        validate_methods)
 from scripts.compare_presets import train_command  # noqa: E402
 
 # name -> what it means (the seeds' twelve configurations: A-GRPO's ablation table)
@@ -130,12 +131,12 @@ CLIP_KEYS = ("epsilon", "epsilon_high", "epsilon_min", "epsilon_max", "dsf_eps_m
 
 
 def run_identity(cfg: Config) -> dict:
-    """The settings that decide what a run computes. With one update per generation batch (and no AGPO-DSF, whose
+    """The settings that decide what a run computes. With one update per generation batch and one step per rollout (and no AGPO-DSF, whose
     old log-probs come from a pass of their own) the ratio pi / pi_old is exactly 1 at every token (pi_old is the
     same forward, detached), so no clip range binds and the clip settings change nothing: `no_clip` and `eps*`
     then share the `full` run."""
     settings = {k: v for k, v in to_dict(cfg).items() if k != "output_dir"}
-    if cfg.num_iterations == 1 and not cfg.dsf:
+    if steps_per_rollout(cfg) == 1 and not cfg.dsf:
         for key in CLIP_KEYS:
             settings.pop(key)
     return settings

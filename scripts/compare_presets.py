@@ -3,15 +3,17 @@
     python scripts/compare_presets.py                       # all presets, 40 generation batches each (the demo)
     python scripts/compare_presets.py --algos grpo agrpo --max_steps 20 -- --learning_rate 1e-5 --seed 7
 
-Every preset trains on `--max_steps` generation batches, the same prompts in the same order. A preset that makes
-mu > 1 updates per batch (agpo_dsf: 4) runs mu times as many optimizer steps, as AGPO-DSF itself counts a step.
+Every preset trains on the same prompts in the same order: `--max_steps` steps' worth (P prompts each, the
+default 2). A preset that makes mu > 1 updates per generation batch (agpo_dsf: 4) runs mu times as many optimizer
+steps, as AGPO-DSF itself counts a step; one that samples several steps' prompts in one rollout (gspo: 4,
+steps_per_generation) runs the same steps from fewer, larger generation batches.
 Each preset runs `train_agrpo.py --algo <name>` into `<output_dir>/<name>/` (arguments after `--` go to every run),
 one after the other. A run that already has its `final/` folder is not run again, so an interrupted comparison
 continues where it stopped. The table (markdown, also written to `<output_dir>/presets.md`) has, per preset:
 greedy held-out accuracy before and after, and over the last five steps the mean KL to the reference (in the
 preset's own estimator: k3, symmetric or k1; none when beta is 0), the entropy of the sampling distribution, the
 completion length, the tokens generated in all (probe groups and discarded resampling rounds included), and the
-generation batches and optimizer steps run.
+generation batches (rollouts) and optimizer steps run.
 """
 
 from __future__ import annotations
@@ -78,12 +80,12 @@ def summarize_run(out: Path) -> dict:
             "kl": mean("kl") if config["beta"] > 0 else None, "estimator": config["kl_estimator"],
             "entropy": mean("entropy"), "length": mean("completions/mean_length"),
             "tokens": train[-1]["num_tokens"], "steps": train[-1]["step"],
-            "batches": train[-1]["step"] // config["num_iterations"]}
+            "batches": train[-1]["step"] // (config["num_iterations"] * config.get("steps_per_generation", 1))}
 
 
 def table(rows: dict[str, dict]) -> str:
     head = ("| preset | accuracy start | accuracy end | change | KL (estimator) | entropy | length | "
-            "generated tokens | batches (updates) |\n|---|---|---|---|---|---|---|---|---|\n")
+            "generated tokens | rollouts (updates) |\n|---|---|---|---|---|---|---|---|---|\n")
     body = ""
     for algo, r in rows.items():
         kl = f"{r['kl']:.4f} ({r['estimator']})" if r["kl"] is not None else "- (beta 0)"
@@ -95,9 +97,9 @@ def table(rows: dict[str, dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algos", nargs="+", default=list(PRESETS), choices=list(PRESETS))
-    parser.add_argument("--max_steps", type=int, default=40, help="Generation batches per preset (40: the demo "
+    parser.add_argument("--max_steps", type=int, default=40, help="Steps' worth of prompts per preset (40: the demo "
                         "default), the same prompts in the same order for every preset; a preset that updates mu > 1 "
-                        "times per batch (agpo_dsf) runs mu x this many optimizer steps.")
+                        "times per generation batch (agpo_dsf) runs mu x this many optimizer steps.")
     parser.add_argument("--output_dir", default="runs/presets")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]

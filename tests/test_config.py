@@ -79,7 +79,10 @@ def test_global_batch_counts_processes_and_accumulation():
     ("agpo_dsf", {"dsf": True, "num_iterations": 4, "beta": 0.03, "kl_estimator": "k3", "loss_type": "grpo",
                   "dsf_tau_min": 0.5, "dsf_tau_max": 1.5, "dsf_lambda_temp": 0.15, "dsf_eps_min": 0.05,
                   "dsf_eps_max": 0.4, "dsf_w_k": 0.0, "dsf_zeta_skew": 0.0}),
-    ("grpo", {"adaptive_kl": False, "dsf": False, "resample_schedule": None, "eta": 0.0, "homogeneous_advantage": 0.0}),
+    ("grpo", {"adaptive_kl": False, "dsf": False, "resample_schedule": None, "eta": 0.0, "homogeneous_advantage": 0.0,
+              "steps_per_generation": 1}),
+    ("gspo", {"beta": 0.0, "importance_sampling_level": "sequence", "loss_type": "grpo", "epsilon": 3e-4,
+              "epsilon_high": 4e-4, "steps_per_generation": 4, "num_iterations": 1}),
 ])
 def test_method_presets_set_section_9_defaults(algo, expected):
     cfg = make_config({"algo": algo})
@@ -115,7 +118,10 @@ def test_user_keys_override_a_preset_and_config_yaml_records_the_resolved_values
     ({"resample_schedule": "not a list"}, "resample_schedule: cannot read"),
     ({"answer_marker": "Answer:", "answer_temperature": 0}, "answer_temperature must be > 0"),
     ({"dsf": True, "dsf_tau_min": 2.0}, "dsf_tau_min .* must be > 0 and <= dsf_tau_max"),
-    ({"algo": "agpo_dsf", "save_steps": 6}, "save_steps .6. must be a multiple of num_iterations .4."),
+    ({"algo": "agpo_dsf", "save_steps": 6}, r"save_steps .6. must be a multiple of num_iterations x "
+     r"steps_per_generation .4 x 1 = 4."),
+    ({"algo": "gspo", "num_iterations": 2, "save_steps": 4}, r"\(2 x 4 = 8\)"),
+    ({"steps_per_generation": 0}, "steps_per_generation must be at least 1, got 0"),
     ({"overlong_buffer_length": 100}, "overlong_buffer_length .100. must not exceed max_completion_length .64."),
     ({"adaptive_group_size": True, "num_generations": 32}, "num_generations .32. must not exceed group_size_max"),
 ])
@@ -130,10 +136,25 @@ def test_adaptive_group_size_needs_a_batch_that_splits_into_every_reachable_size
     cfg = make_config({"adaptive_group_size": True, "num_generations": 8, "per_device_train_batch_size": 16})
     assert reachable_group_sizes(cfg) == [4, 8, 16]
     validate(cfg, num_processes=1)
-    small = make_config({"adaptive_group_size": True, "num_generations": 8, "per_device_train_batch_size": 8})
+    small_values = {"adaptive_group_size": True, "num_generations": 8, "per_device_train_batch_size": 8}
+    small = make_config(small_values)
     with pytest.raises(ConfigError, match=r"reach group sizes \[4, 8, 16\].*groups of \[16\]"):
         validate(small, num_processes=1)
     validate(small, num_processes=2)  # two processes: a global batch of 16
+    validate(make_config({**small_values, "steps_per_generation": 2}), num_processes=1)  # or one rollout of 2 steps
+
+
+def test_a_generation_batch_of_several_steps_needs_whole_groups_only_over_the_rollout():
+    from lib.config import steps_per_rollout, validate
+
+    # 4 completions a step and groups of 8: one group per rollout of 2 steps is fine, one step alone is not
+    cfg = make_config({"per_device_train_batch_size": 4, "num_generations": 8, "steps_per_generation": 2})
+    validate(cfg, num_processes=1)
+    with pytest.raises(ConfigError, match=r"generation batch .* x steps_per_generation 1 = 4 completions\) must be "
+                       r"a multiple of num_generations \(8\)"):
+        validate(make_config({"per_device_train_batch_size": 4, "num_generations": 8}), num_processes=1)
+    assert steps_per_rollout(make_config({"algo": "gspo"})) == 4
+    assert steps_per_rollout(make_config({"algo": "agpo_dsf", "steps_per_generation": 2})) == 8
 
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "scripts" / "recipes").glob("*.yaml")), ids=lambda p: p.name)

@@ -135,7 +135,10 @@ def test_two_processes_run_the_adaptive_sampling_with_groups_split_across_them(t
     # AGPO-DSF probes and clip ranges, adaGRPO retries and the answer-phase sampler, with every group of 4 split 2 + 2:
     # the statistics come from gathered rewards, entropies and answer keys, so both processes take the same decisions
     out = tmp_path / "ddp_adaptive"
+    # two steps of 2 completions a process per generation batch (steps_per_generation), each made twice (mu 2): one
+    # group of 8 a batch, 4 on each process, and every step trains on a slice of both halves
     args = TINY[:] + ["--output_dir", str(out), "--per_device_train_batch_size", "2", "--max_steps", "4",
+                      "--num_generations", "8", "--steps_per_generation", "2", "--num_iterations", "2",
                       "--algo", "agpo_dsf", "--resample_schedule", '[{"step": 1, "params": [{"temperature": 1.0}]}]',
                       "--answer_marker", "is", "--kl_estimator", "k1"]  # k1: the step KL moves without a spread
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -148,6 +151,7 @@ def test_two_processes_run_the_adaptive_sampling_with_groups_split_across_them(t
     assert train[3]["num_tokens"] > 0  # one line per step above: only the main process writes
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["data_position"] == 1  # one prompt per generation batch (4 steps of it), across both processes
+    assert len({m["num_tokens"] for m in train}) == 1 and len({m["reward"] for m in train}) == 1
     assert (out / "checkpoint-4" / "rng_state_1.pt").exists()  # a second process (rank 1) took part
     assert not (out / "checkpoint-4" / "rng_state_2.pt").exists()
 
@@ -274,7 +278,8 @@ def test_every_preset_trains_changes_the_model_and_logs_its_controllers(algo, tm
 
     assert set(PRESET_FIELDS) == set(PRESETS)
     out = tmp_path / algo
-    steps = 4 if algo == "agpo_dsf" else 2  # AGPO-DSF: 4 updates per generation batch; its step KL comes after them
+    # AGPO-DSF: 4 updates per generation batch, its step KL comes after them; GSPO: 4 steps from one generation batch
+    steps = 4 if algo in ("agpo_dsf", "gspo") else 2
     # AGPO-DSF trains on one generation batch here, and 16-token answers are rarely right: a reward on the text's
     # length in characters gives its groups a spread, since with k3 a batch without one has no gradient at all
     (tmp_path / "spread_reward.py").write_text(
@@ -304,6 +309,13 @@ def test_every_preset_trains_changes_the_model_and_logs_its_controllers(algo, tm
         assert all(0.5 <= m["temperature"] <= 1.5 for m in train)
         assert 0 < train[0]["num_tokens/probe"] < train[0]["num_tokens"]
         assert len({m["num_tokens"] for m in train}) == 1  # one generation batch for the 4 updates
+    if algo == "gspo":  # 4 prompts sampled at once, then 4 steps on 4 slices of 8 completions
+        assert len({m["num_tokens"] for m in train}) == 1
+        assert "time/generation" in train[0] and not any("time/generation" in m for m in train[1:])
+        # the first slice is on-policy (s_i = 1 exactly, nothing clipped); the later ones were sampled before an
+        # update, so their sequence ratios leave GSPO's 3e-4 band and some are clipped
+        assert train[0]["clip_ratio/region_mean"] == 0.0
+        assert max(m["clip_ratio/region_mean"] for m in train[1:]) > 0
 
 
 def test_resume_continues_with_exactly_the_controller_state(tmp_path):
