@@ -18,9 +18,10 @@ The algorithm, step by step (the phase comments in the loop below carry the same
   1. rollout: P prompts per step, G = num_generations completions each, sampled at `temperature`.
      AGPO-DSF (`dsf`) first samples a probe group per prompt; its reward spread, answer vote entropy and skewness
      set that prompt's training temperature. adaGRPO (`resample_schedule`) samples a prompt's group again, with
-     the next retry's temperature / top_p, while none of its completions is correct. `answer_marker` switches a
-     completion to answer_temperature / answer_top_p once it writes the marker. Probe and discarded tokens count
-     in `num_tokens`.
+     the next retry's temperature / top_p, while none of its completions is correct. DAPO's dynamic sampling
+     (`dynamic_sampling_rounds`) replaces a group whose answers are all right or all wrong with the next prompt's.
+     `answer_marker` switches a completion to answer_temperature / answer_top_p once it writes the marker. Probe,
+     discarded and dropped tokens count in `num_tokens`.
   2. rewards: every reward function scores every completion; r = sum_k w_k r_k.
   3. advantages: A_i = (r_i - mean of its group) / (spread of its group, of the batch, a mix, or 1) (scale_rewards,
      reward_dispersion); adaGRPO pools the statistics over a prompt's rounds; AGPO gives all-correct / all-wrong
@@ -57,6 +58,7 @@ How this differs from TRL's GRPOTrainer (same names, same math; ALGORITHMS.md se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -203,10 +205,11 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError(str(error)) from error
     reward_names = [name for name, _ in reward_funcs]
     correct_index = reward_names.index(cfg.correctness_reward) if cfg.correctness_reward in reward_names else None
-    if correct_index is None and (cfg.homogeneous_advantage > 0 or cfg.resample_schedule):
+    if correct_index is None and (cfg.homogeneous_advantage > 0 or cfg.resample_schedule or
+                                  cfg.dynamic_sampling_rounds):
         raise ConfigError(f"correctness_reward: '{cfg.correctness_reward}' is not among reward_funcs {reward_names}; "
-                          f"homogeneous_advantage and resample_schedule judge correctness with it. Add it to "
-                          f"reward_funcs or name another function")
+                          f"homogeneous_advantage, resample_schedule and dynamic_sampling_rounds judge correctness "
+                          f"with it. Add it to reward_funcs or name another function")
     # the method, chosen once here: the advantage rule with its options, and the controllers that are on
     advantage_rule = partial(group_advantages, scale_rewards=cfg.scale_rewards, dispersion_kind=cfg.reward_dispersion,
                              mix_weight=cfg.scale_rewards_mix, homogeneous_value=cfg.homogeneous_advantage)
@@ -410,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
             prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [prompt_text(r) for r in records],
                                                        cfg.max_prompt_length, device)
             policy.eval()
-            tokens = {"probe": torch.zeros((), device=device), "resampled": torch.zeros((), device=device)}
+            tokens = {name: torch.zeros((), device=device) for name in ("probe", "resampled", "filtered")}
             prompt_temps = torch.full((len(used),), cfg.temperature, device=device)
             if dsf_ctl is not None:
                 # AGPO-DSF probe: G samples per prompt at the base temperature, scored, never trained on; their
@@ -437,6 +440,40 @@ def main(argv: list[str] | None = None) -> dict:
             local_scores, errors, _ = score(batch, records)
             all_rewards = accelerator.gather(local_scores)  # (B_global, K), global completion order
             total = weighted_total(all_rewards)
+            # DAPO dynamic sampling (arXiv 2503.14476, eq. 11's constraint 0 < #correct < G): a group whose answers
+            # are all right or all wrong has no signal, so its prompt gives way to the next prompt in the data order,
+            # sampled in its place, for at most dynamic_sampling_rounds rounds; groups still flat after the last
+            # round stay (zero advantage). The judge is the gathered correctness, so every process agrees.
+            replaced_groups, sampling_rounds = 0, 0
+            for _ in range(cfg.dynamic_sampling_rounds):
+                right = (all_rewards[:, correct_index] > 0).view(num_prompts, group_size)
+                flat = right.all(1) | ~right.any(1)
+                if not bool(flat.any()):
+                    break
+                sampling_rounds += 1
+                replaced_groups += int(flat.sum())
+                fresh = prompts_for_step(state["data_position"], int(flat.sum()), len(train_records), cfg.seed)
+                state["data_position"] += len(fresh)
+                for slot, new_slot in zip(flat.nonzero().squeeze(1).tolist(), fresh):
+                    slots[slot] = new_slot
+                local_flat = flat[used]
+                if bool(local_flat.any()):
+                    records = [train_records[slots[s]] for s in used.tolist()]
+                    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [prompt_text(r) for r in records],
+                                                               cfg.max_prompt_length, device)
+                    again = local_flat.nonzero().squeeze(1)
+                    redo = rollout.generate(prompt_ids[again], prompt_mask[again], counts[again],
+                                            cfg.max_completion_length, temperature=prompt_temps[again],
+                                            top_p=cfg.top_p, top_k=cfg.top_k, answer_phase=answer_phase)
+                    rows = local_flat[batch.prompt_index].nonzero().squeeze(1)
+                    tokens["filtered"] += batch.completion_mask[rows].sum()  # the dropped groups' tokens
+                    batch = replace_completions(batch, rows, redo, tokenizer.pad_token_id)
+                    batch = dataclasses.replace(batch, prompt_ids=prompt_ids, prompt_mask=prompt_mask)
+                    redo_scores, redo_errors, _ = score(redo, [records[i] for i in again.tolist()])
+                    local_scores[rows] = redo_scores
+                    errors = {n: errors[n] + redo_errors[n] for n in errors}
+                all_rewards = accelerator.gather(local_scores)
+                total = weighted_total(all_rewards)
             # adaGRPO: a prompt none of whose completions is correct is sampled again with the next retry's
             # parameters (the judge sees every process's rewards, so all agree); its last group is trained on,
             # with reward statistics pooled over all its rounds
@@ -488,7 +525,7 @@ def main(argv: list[str] | None = None) -> dict:
             if cfg.loss_mask_zero_advantage:  # AGPO loss mask: no zero-advantage tokens in sum or count
                 loss_mask = loss_mask * (advantages != 0).float()[:, None]
             slice_tokens = accelerator.reduce(loss_mask.view(cfg.steps_per_generation, -1).sum(1), reduction="sum")
-            generated = batch.completion_mask.sum() + tokens["probe"] + tokens["resampled"]
+            generated = batch.completion_mask.sum() + tokens["probe"] + tokens["resampled"] + tokens["filtered"]
             state["num_tokens"] += int(accelerator.reduce(generated, reduction="sum"))
 
             # reference and old log-probs, once per generation batch, no grad
@@ -673,6 +710,10 @@ def main(argv: list[str] | None = None) -> dict:
         if cfg.resample_schedule:
             metrics.update({"resample_rounds": len(rounds) - 1, "resampled_prompts": resampled_prompts,
                             "num_tokens/resampled": float(accelerator.reduce(tokens["resampled"], reduction="sum"))})
+        if cfg.dynamic_sampling_rounds:
+            metrics.update({"dynamic_sampling/rounds": sampling_rounds,
+                            "dynamic_sampling/replaced_groups": replaced_groups,
+                            "num_tokens/filtered": float(accelerator.reduce(tokens["filtered"], reduction="sum"))})
         if tis:
             sums = accelerator.reduce(torch.stack([tis_stats["sum"], tis_stats["diff_sum"]]), reduction="sum")
             highs = accelerator.reduce(torch.stack([tis_stats["max"], tis_stats["diff_max"], -tis_stats["min"]]),

@@ -170,6 +170,10 @@ class Config:
                                            "start. The step is counted, measured and logged (update_skipped)."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Exclude completions that hit "
                                              "max_completion_length from the loss (DAPO overlong filtering)."})
+    dynamic_sampling_rounds: int = field(default=0, metadata={"help": "DAPO dynamic sampling: for up to this many "
+                                         "rounds a generation batch, each group whose answers (correctness_reward) "
+                                         "are all right or all wrong is replaced by a group of the next prompt in "
+                                         "the data order; its tokens count in num_tokens (0 = off)."})
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"], metadata={
                                     "help": "Built-in names (accuracy, format, think_format) or module:function. "
                                     "The demo rewards accuracy only: with group-normalised advantages a format "
@@ -279,7 +283,7 @@ PRESETS: dict[str, dict] = {
               "scale_rewards": "batch", "loss_type": "dapo"},
     # AGPO (Li et al., ALGORITHMS.md 3.2 (a) + (b) + v3 loss mask): +-1 for homogeneous groups, a length reward,
     # zero-advantage completions masked out of a token-mean loss; loss clip (dual_clip) off
-    "agpo": {"homogeneous_advantage": 1.0, "reward_funcs": ["accuracy", "length"], "reward_weights": [1.0, 1.0],
+    "agpo": {"homogeneous_advantage": 0.1, "reward_funcs": ["accuracy", "length"], "reward_weights": [1.0, 0.1],
              "loss_mask_zero_advantage": True, "loss_type": "dapo"},
     # adaGRPO (ALGORITHMS.md 4): resample groups with no correct answer on the upstream schedule, pooled statistics;
     # TRL 0.18.1's bnpo loss and beta 0.04
@@ -290,8 +294,10 @@ PRESETS: dict[str, dict] = {
     # the same batch) it lowers their probability, so the "penalty" raised the KL (0.14 to 0.50 over batches with
     # no reward spread); upstream never ran it (its LoRA configs have no reference model, ALGORITHMS.md 5.3)
     "agpo_dsf": {"dsf": True, "num_iterations": 4, "beta": 0.03, "kl_estimator": "k3", "loss_type": "grpo"},
+    # DAPO (ALGORITHMS.md 1.3): clip-higher, token-mean loss, overlong filtering, no KL, and dynamic sampling. verl
+    # over-samples 3x and allows 10 generation batches; here each round re-samples only the flat groups' slots
     "dapo": {"beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dapo",
-             "mask_truncated_completions": True},
+             "mask_truncated_completions": True, "dynamic_sampling_rounds": 10},
     "dr_grpo": {"beta": 0.0, "loss_type": "dr_grpo", "scale_rewards": "none"},
     # GSPO (arXiv 2507.18071 section 5.1, TRL's GSPO settings): each rollout trains 4 minibatches, so all but the
     # first are off-policy and the sequence-level clip acts (with one step per rollout s_i is exactly 1)
@@ -566,6 +572,12 @@ def validate_methods(cfg: Config, global_batch: int | None) -> None:
                                   f"make per_device_train_batch_size x processes x gradient_accumulation_steps x "
                                   f"steps_per_generation a multiple of group_size_max ({cfg.group_size_max}) or "
                                   f"narrow the range")
+    if cfg.dynamic_sampling_rounds < 0:
+        raise ConfigError(f"dynamic_sampling_rounds must be >= 0 (0 = off), got {cfg.dynamic_sampling_rounds}")
+    if cfg.dynamic_sampling_rounds and (cfg.resample_schedule or cfg.dsf):
+        raise ConfigError("dynamic_sampling_rounds (DAPO) replaces flat groups with new prompts, and cannot be "
+                          "combined with resample_schedule (adaGRPO re-samples the same prompt) or dsf (each prompt's "
+                          "temperature comes from its own probe); set dynamic_sampling_rounds 0 or turn those off")
     if cfg.resample_schedule is not None:
         try:
             cfg.resample_schedule = parse_resample_schedule(cfg.resample_schedule)

@@ -131,10 +131,10 @@ CLIP_KEYS = ("epsilon", "epsilon_high", "epsilon_min", "epsilon_max", "dsf_eps_m
 
 
 def run_identity(cfg: Config) -> dict:
-    """The settings that decide what a run computes. With one update per generation batch and one step per rollout (and no AGPO-DSF, whose
-    old log-probs come from a pass of their own) the ratio pi / pi_old is exactly 1 at every token (pi_old is the
-    same forward, detached), so no clip range binds and the clip settings change nothing: `no_clip` and `eps*`
-    then share the `full` run."""
+    """The settings that decide what a run computes. With one update per generation batch and one step per rollout
+    (and no AGPO-DSF, whose old log-probs come from a pass of their own) the ratio pi / pi_old is exactly 1 at every
+    token (pi_old is the same forward, detached), so no clip range binds and the clip settings change nothing:
+    `no_clip` and `eps*` then share the `full` run."""
     settings = {k: v for k, v in to_dict(cfg).items() if k != "output_dir"}
     if steps_per_rollout(cfg) == 1 and not cfg.dsf:
         for key in CLIP_KEYS:

@@ -73,7 +73,7 @@ def test_global_batch_counts_processes_and_accumulation():
                "loss_type": "dapo", "adaptive_group_size": False, "kl_target": 0.05, "kl_ema_decay": 0.9,
                "kl_beta_rate": 0.1, "kl_epsilon_rate": 0.5, "epsilon_min": 0.1, "epsilon_max": 0.3,
                "skip_zero_signal_updates": False}),
-    ("agpo", {"homogeneous_advantage": 1.0, "reward_funcs": ["accuracy", "length"], "reward_weights": [1.0, 1.0],
+    ("agpo", {"homogeneous_advantage": 0.1, "reward_funcs": ["accuracy", "length"], "reward_weights": [1.0, 0.1],
               "loss_mask_zero_advantage": True, "dual_clip": None, "epsilon": 0.2}),
     ("adagrpo", {"loss_type": "bnpo", "beta": 0.04, "scale_rewards": "group"}),
     ("agpo_dsf", {"dsf": True, "num_iterations": 4, "beta": 0.03, "kl_estimator": "k3", "loss_type": "grpo",
@@ -81,6 +81,8 @@ def test_global_batch_counts_processes_and_accumulation():
                   "dsf_eps_max": 0.4, "dsf_w_k": 0.0, "dsf_zeta_skew": 0.0}),
     ("grpo", {"adaptive_kl": False, "dsf": False, "resample_schedule": None, "eta": 0.0, "homogeneous_advantage": 0.0,
               "steps_per_generation": 1}),
+    ("dapo", {"beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dapo",
+              "mask_truncated_completions": True, "dynamic_sampling_rounds": 10}),
     ("gspo", {"beta": 0.0, "importance_sampling_level": "sequence", "loss_type": "grpo", "epsilon": 3e-4,
               "epsilon_high": 4e-4, "steps_per_generation": 4, "num_iterations": 1}),
 ])
@@ -122,6 +124,9 @@ def test_user_keys_override_a_preset_and_config_yaml_records_the_resolved_values
      r"steps_per_generation .4 x 1 = 4."),
     ({"algo": "gspo", "num_iterations": 2, "save_steps": 4}, r"\(2 x 4 = 8\)"),
     ({"steps_per_generation": 0}, "steps_per_generation must be at least 1, got 0"),
+    ({"dynamic_sampling_rounds": -1}, r"dynamic_sampling_rounds must be >= 0 \(0 = off\), got -1"),
+    ({"algo": "dapo", "dsf": True}, "cannot be combined with resample_schedule .* or dsf"),
+    ({"algo": "adagrpo", "dynamic_sampling_rounds": 2}, "set dynamic_sampling_rounds 0 or turn those off"),
     ({"overlong_buffer_length": 100}, "overlong_buffer_length .100. must not exceed max_completion_length .64."),
     ({"adaptive_group_size": True, "num_generations": 32}, "num_generations .32. must not exceed group_size_max"),
 ])
