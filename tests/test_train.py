@@ -286,7 +286,8 @@ def test_every_preset_trains_changes_the_model_and_logs_its_controllers(algo, tm
     (tmp_path / "spread_reward.py").write_text(
         "def characters(prompts, completions, **columns):\n    return [len(c) / 100 for c in completions]\n")
     signal = ["--reward_funcs", "accuracy", "spread_reward.py:characters"] if algo == "agpo_dsf" else []
-    signal += ["--save_steps", "2"] if algo == "dapo" else []  # its checkpoint records the prompts it drew
+    # DAPO: groups of 2 are often all wrong (or right); its checkpoint records the prompts it drew
+    signal += ["--num_generations", "2", "--save_steps", "2"] if algo == "dapo" else []
     run(TINY + ["--algo", algo, "--max_steps", str(steps), "--output_dir", str(out), "--num_eval_samples", "4",
                 *signal], tmp_path)
     assert yaml.safe_load((out / "config.yaml").read_text())["algo"] == algo
@@ -311,13 +312,13 @@ def test_every_preset_trains_changes_the_model_and_logs_its_controllers(algo, tm
         assert all(0.5 <= m["temperature"] <= 1.5 for m in train)
         assert 0 < train[0]["num_tokens/probe"] < train[0]["num_tokens"]
         assert len({m["num_tokens"] for m in train}) == 1  # one generation batch for the 4 updates
-    if algo == "dapo":  # dynamic sampling: 16-token answers are seldom right, so all-wrong groups were replaced
+    if algo == "dapo":  # dynamic sampling: groups whose 2 answers agree were replaced
         replaced = sum(m["dynamic_sampling/replaced_groups"] for m in train)
         assert replaced > 0 and sum(m["num_tokens/filtered"] for m in train) > 0
         assert all(m["dynamic_sampling/rounds"] <= 10 for m in train)
-        # each replacement drew the next prompt in the data order: 2 prompts a step plus one per dropped group
+        # each replacement drew the next prompt in the data order: 4 prompts a step plus one per dropped group
         state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
-        assert state["data_position"] == 2 * steps + replaced
+        assert state["data_position"] == 4 * steps + replaced
     if algo == "gspo":  # 4 prompts sampled at once, then 4 steps on 4 slices of 8 completions
         assert len({m["num_tokens"] for m in train}) == 1
         assert "time/generation" in train[0] and not any("time/generation" in m for m in train[1:])
