@@ -314,6 +314,22 @@ def main(argv: list[str] | None = None) -> dict:
         clock["rewards"] += time.perf_counter() - t0
         return torch.tensor(per_func, dtype=torch.float32, device=device).T, errors, texts
 
+    def sample_again(roll, scores: torch.Tensor, errors: dict[str, int], flagged: torch.Tensor, prompt_ids,
+                     prompt_mask, counts, roll_records: list[dict], temperature, top_p: float):
+        """The groups of this process's prompts `flagged` (bool per prompt row) sampled again, at `temperature` /
+        `top_p`, in place of their completions, and scored (adaGRPO's retries, DAPO's dynamic sampling). Returns
+        the new rollout, its (B, K) rewards, the error counts and the number of tokens it replaced."""
+        again = flagged.nonzero().squeeze(1)
+        redo = rollout.generate(prompt_ids[again], prompt_mask[again], counts[again], cfg.max_completion_length,
+                                temperature=temperature, top_p=top_p, top_k=cfg.top_k, answer_phase=answer_phase)
+        rows = flagged[roll.prompt_index].nonzero().squeeze(1)
+        replaced_tokens = roll.completion_mask[rows].sum()
+        roll = replace_completions(roll, rows, redo, tokenizer.pad_token_id)
+        redo_scores, redo_errors, _ = score(redo, [roll_records[i] for i in again.tolist()])
+        scores = scores.clone()
+        scores[rows] = redo_scores
+        return roll, scores, {n: errors[n] + redo_errors[n] for n in errors}, replaced_tokens
+
     def weighted_total(rewards: torch.Tensor) -> torch.Tensor:
         """r = sum_k w_k r_k per completion, NaN (not applicable) skipped; 0 where every function skipped."""
         total = torch.nansum(rewards * reward_weights.to(device), dim=1)
@@ -461,17 +477,11 @@ def main(argv: list[str] | None = None) -> dict:
                     records = [train_records[slots[s]] for s in used.tolist()]
                     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [prompt_text(r) for r in records],
                                                                cfg.max_prompt_length, device)
-                    again = local_flat.nonzero().squeeze(1)
-                    redo = rollout.generate(prompt_ids[again], prompt_mask[again], counts[again],
-                                            cfg.max_completion_length, temperature=prompt_temps[again],
-                                            top_p=cfg.top_p, top_k=cfg.top_k, answer_phase=answer_phase)
-                    rows = local_flat[batch.prompt_index].nonzero().squeeze(1)
-                    tokens["filtered"] += batch.completion_mask[rows].sum()  # the dropped groups' tokens
-                    batch = replace_completions(batch, rows, redo, tokenizer.pad_token_id)
                     batch = dataclasses.replace(batch, prompt_ids=prompt_ids, prompt_mask=prompt_mask)
-                    redo_scores, redo_errors, _ = score(redo, [records[i] for i in again.tolist()])
-                    local_scores[rows] = redo_scores
-                    errors = {n: errors[n] + redo_errors[n] for n in errors}
+                    batch, local_scores, errors, dropped = sample_again(
+                        batch, local_scores, errors, local_flat, prompt_ids, prompt_mask, counts, records,
+                        prompt_temps[local_flat], cfg.top_p)
+                    tokens["filtered"] += dropped  # the dropped groups' tokens
                 all_rewards = accelerator.gather(local_scores)
                 total = weighted_total(all_rewards)
             # adaGRPO: a prompt none of whose completions is correct is sampled again with the next retry's
@@ -488,16 +498,10 @@ def main(argv: list[str] | None = None) -> dict:
                 resampled_prompts += int(failing.sum())
                 local_failing = failing[used]
                 if bool(local_failing.any()):
-                    again = local_failing.nonzero().squeeze(1)
-                    redo = rollout.generate(prompt_ids[again], prompt_mask[again], counts[again],
-                                            cfg.max_completion_length, temperature=retry["temperature"],
-                                            top_p=retry["top_p"], top_k=cfg.top_k, answer_phase=answer_phase)
-                    rows = local_failing[batch.prompt_index].nonzero().squeeze(1)
-                    tokens["resampled"] += batch.completion_mask[rows].sum()  # the discarded round's tokens
-                    batch = replace_completions(batch, rows, redo, tokenizer.pad_token_id)
-                    redo_scores, redo_errors, _ = score(redo, [records[i] for i in again.tolist()])
-                    local_scores[rows] = redo_scores
-                    errors = {n: errors[n] + redo_errors[n] for n in errors}
+                    batch, local_scores, errors, discarded = sample_again(
+                        batch, local_scores, errors, local_failing, prompt_ids, prompt_mask, counts, records,
+                        retry["temperature"], retry["top_p"])
+                    tokens["resampled"] += discarded  # the discarded round's tokens
                 all_rewards = accelerator.gather(local_scores)
                 total = weighted_total(all_rewards)
                 rounds.append(torch.where(failing[:, None], total.view(num_prompts, group_size), torch.nan))
