@@ -25,7 +25,7 @@ The algorithm, step by step (the phase comments in the loop below carry the same
   2. rewards: every reward function scores every completion; r = sum_k w_k r_k.
   3. advantages: A_i = (r_i - mean of its group) / (spread of its group, of the batch, a mix, or 1) (scale_rewards,
      reward_dispersion); adaGRPO pools the statistics over a prompt's rounds; AGPO gives all-correct / all-wrong
-     groups +1 / -1 (homogeneous_advantage) and can mask zero-advantage completions out of the loss.
+     groups +v / -v (homogeneous_advantage) and can mask zero-advantage completions out of the loss.
   4. controllers: the values this batch trains with: beta and epsilon fixed, or from A-GRPO's KL controller
      (adaptive_kl), or one clip range per prompt group from AGPO-DSF's statistics.
   5. policy update: per token, -min(rho A, clip(rho, 1-eps, 1+eps_high) A) (+ dual clip) + beta KL(pi || pi_ref)

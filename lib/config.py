@@ -281,8 +281,10 @@ PRESETS: dict[str, dict] = {
     # entropy bonus, group mean / batch std advantages, token-mean loss; adaptive group size stays off
     "agrpo": {"beta": 0.001, "kl_estimator": "symmetric", "adaptive_kl": True, "epsilon": 0.2, "eta": 1e-3,
               "scale_rewards": "batch", "loss_type": "dapo"},
-    # AGPO (Li et al., ALGORITHMS.md 3.2 (a) + (b) + v3 loss mask): +-1 for homogeneous groups, a length reward,
-    # zero-advantage completions masked out of a token-mean loss; loss clip (dual_clip) off
+    # AGPO (Li et al., ALGORITHMS.md 3.2 (a) + (b) + v3 loss mask): a fixed advantage for homogeneous groups, a length
+    # reward, zero-advantage completions masked out of a token-mean loss; dual_clip off. Both signals are damped from
+    # v1's +-1 and weight 1 to 0.1 (3.2 (c) reading C2 for the first): on the embedded demo either one at full size
+    # drove the answer lengths off (to 7-16 tokens, or to the 64-token cap) and accuracy fell (README, preset table)
     "agpo": {"homogeneous_advantage": 0.1, "reward_funcs": ["accuracy", "length"], "reward_weights": [1.0, 0.1],
              "loss_mask_zero_advantage": True, "loss_type": "dapo"},
     # adaGRPO (ALGORITHMS.md 4): resample groups with no correct answer on the upstream schedule, pooled statistics;
@@ -429,8 +431,7 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
             raise ConfigError(f"{name}: '{getattr(cfg, name)}' is not one of {', '.join(allowed)}")
     positive = ["num_generations", "max_prompt_length", "max_completion_length", "max_steps",
                 "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations", "steps_per_generation",
-                "logging_steps",
-                "eval_batch_size", "builtin_num_train", "lora_r"]
+                "logging_steps", "eval_batch_size", "builtin_num_train", "lora_r"]
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
@@ -568,7 +569,8 @@ def validate_methods(cfg: Config, global_batch: int | None) -> None:
             bad = [g for g in reachable_group_sizes(cfg) if global_batch % g]
             if bad:
                 raise ConfigError(f"adaptive_group_size can reach group sizes {reachable_group_sizes(cfg)}, but the "
-                                  f"global batch of {global_batch} completions does not split into groups of {bad}; "
+                                  f"generation batch of {global_batch} completions does not split into groups of "
+                                  f"{bad}; "
                                   f"make per_device_train_batch_size x processes x gradient_accumulation_steps x "
                                   f"steps_per_generation a multiple of group_size_max ({cfg.group_size_max}) or "
                                   f"narrow the range")

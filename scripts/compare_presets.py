@@ -1,6 +1,6 @@
 """Train every method preset on the same prompts with the same seed, then print one table of what each did.
 
-    python scripts/compare_presets.py                       # all presets, 40 generation batches each (the demo)
+    python scripts/compare_presets.py                       # all presets, 40 steps' prompts each (the demo)
     python scripts/compare_presets.py --algos grpo agrpo --max_steps 20 -- --learning_rate 1e-5 --seed 7
 
 Every preset trains on the same prompts in the same order: `--max_steps` steps' worth (P prompts each, the

@@ -132,7 +132,8 @@ def test_qlora_run_trains_on_a_4bit_base(tmp_path):
 
 
 def test_two_processes_run_the_adaptive_sampling_with_groups_split_across_them(tmp_path):
-    # AGPO-DSF probes and clip ranges, adaGRPO retries and the answer-phase sampler, with every group of 4 split 2 + 2:
+    # AGPO-DSF probes and clip ranges, adaGRPO retries and the answer-phase sampler, with every group split across
+    # the two processes:
     # the statistics come from gathered rewards, entropies and answer keys, so both processes take the same decisions
     out = tmp_path / "ddp_adaptive"
     # two steps of 2 completions a process per generation batch (steps_per_generation), each made twice (mu 2): one
