@@ -35,7 +35,7 @@ class ConfigError(ValueError):
 @dataclass
 class Config:
     # ---- method --------------------------------------------------------------------------------------------------
-    algo: str = field(default="grpo", metadata={"help": "Preset of method defaults (ALGORITHMS.md section 9): "
+    algo: str = field(default="grpo", metadata={"help": "Preset of method defaults (docs/methods.md section 9): "
                       "grpo | agrpo | agpo | adagrpo | agpo_dsf | dapo | dr_grpo | gspo. Any key you set "
                       "overrides the preset; config.yaml records the resolved values."})
     # ---- model ---------------------------------------------------------------------------------------------------
@@ -85,8 +85,7 @@ class Config:
                                    "truncated from the left."})
     max_completion_length: int = field(default=64, metadata={"help": "Maximum new tokens per completion."})
     temperature: float = field(default=0.7, metadata={"help": "Sampling temperature; training log-probs use the "
-                               "same temperature. (TRL's default is 1.0; at 1.0 the 135M demo model is right on 5% "
-                               "of samples against 29% greedy, too few groups carry a signal.)"})
+                               "same temperature. TRL's default is 1.0 (why 0.7 here: docs/results.md 1.2)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling (0 = off)."})
     use_vllm: bool = field(default=False, metadata={"help": "Sample with a colocated vLLM engine (`pip install "
@@ -135,17 +134,15 @@ class Config:
                                              "steps_per_generation, must be a multiple of num_generations."})
     num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per generation batch (PPO epochs, "
                                 "mu); above 1 the ratio uses the log-probs of the policy that sampled."})
-    steps_per_generation: int = field(default=1, metadata={"help": "Optimizer steps whose completions are sampled "
-                                      "in one rollout (TRL's steps_per_generation): the rollout samples this many "
-                                      "steps' prompts at once and each step trains on the next slice, so every "
-                                      "slice after the first is off-policy and the clip range acts (GSPO trains on "
-                                      "4 minibatches per rollout). With num_iterations mu the rollout serves mu x "
-                                      "this many steps."})
+    steps_per_generation: int = field(default=1, metadata={"help": "Optimizer steps whose prompts are sampled in "
+                                      "one rollout (TRL's steps_per_generation); each step trains on its own slice, "
+                                      "so every slice after the first is off-policy and the clip range acts. A "
+                                      "rollout serves num_iterations x this many steps."})
     seed: int = field(default=42, metadata={"help": "Seed for data order, sampling and initialisation."})
     # ---- GRPO ----------------------------------------------------------------------------------------------------
     beta: float = field(default=0.04, metadata={"help": "KL coefficient (0 = no reference model is loaded)."})
     kl_estimator: str = field(default="k3", metadata={"help": "k1 | k3 | forward | symmetric (per-token KL "
-                              "estimator, ALGORITHMS.md 1.1 and 2.2)."})
+                              "estimator, docs/methods.md 1.1 and 2.2)."})
     epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the ratio."})
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clip range (DAPO clip-higher); "
                                        "default = epsilon."})
@@ -164,10 +161,8 @@ class Config:
     importance_sampling_level: str = field(default="token", metadata={"help": "token (GRPO) | sequence (GSPO)."})
     skip_zero_signal_updates: bool = field(default=False, metadata={"help": "Make no optimizer step on a "
                                            "generation batch whose advantages are all 0 (no group has a reward "
-                                           "spread): it has no policy-gradient signal, and its KL and entropy "
-                                           "terms alone would become a full-size Adam step, which early in a run "
-                                           "(Adam's running gradient size near 0) is a large move away from the "
-                                           "start. The step is counted, measured and logged (update_skipped)."})
+                                           "spread; why: docs/methods.md 6.1, phase 5). The step is still counted, "
+                                           "measured and logged (update_skipped)."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Exclude completions that hit "
                                              "max_completion_length from the loss (DAPO overlong filtering)."})
     dynamic_sampling_rounds: int = field(default=0, metadata={"help": "DAPO dynamic sampling: for up to this many "
@@ -175,10 +170,9 @@ class Config:
                                          "are all right or all wrong is replaced by a group of the next prompt in "
                                          "the data order; its tokens count in num_tokens (0 = off)."})
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"], metadata={
-                                    "help": "Built-in names (accuracy, format, think_format) or module:function. "
-                                    "The demo rewards accuracy only: with group-normalised advantages a format "
-                                    "reward is the whole signal of every all-wrong group, and the 135M model "
-                                    "learned to answer 'Answer: N' without working within 6 steps."})
+                                    "help": "Built-in names (accuracy, format, think_format, length, cosine, "
+                                    "repetition, soft_overlong, tag_count, reasoning_steps) or module:function / "
+                                    "file.py:function. The demo rewards accuracy only (why: docs/results.md 1.2)."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function "
                                                "(default: all 1)."})
     reward_error_value: float | None = field(default=0.0, metadata={"help": "Score for a completion on which a "
@@ -191,7 +185,7 @@ class Config:
     repetition_n_grams: int = field(default=3, metadata={"help": "n of the repetition penalty's n-grams."})
     repetition_max_penalty: float = field(default=-1.0, metadata={"help": "Repetition penalty of a completion "
                                           "that only repeats (<= 0)."})
-    # ---- adaptive methods (ALGORITHMS.md 2-5; presets set these) ------------------------------------------------
+    # ---- adaptive methods (docs/methods.md sections 2-5; presets set these) -------------------------------------
     eta: float = field(default=0.0, metadata={"help": "Entropy bonus: -eta x the entropy of the full next-token "
                        "distribution, per token (A-GRPO: 1e-3)."})
     adaptive_kl: bool = field(default=False, metadata={"help": "A-GRPO: beta_t and epsilon_t follow a moving "
@@ -211,7 +205,7 @@ class Config:
     group_size_max: int = field(default=16, metadata={"help": "adaptive_group_size: largest group."})
     homogeneous_advantage: float = field(default=0.0, metadata={"help": "AGPO: advantage +v for a group whose "
                                          "completions are all correct, -v when all are wrong, instead of 0 "
-                                         "(AGPO: 1)."})
+                                         "(AGPO v1: 1; the agpo preset: 0.1)."})
     loss_mask_zero_advantage: bool = field(default=False, metadata={"help": "AGPO loss mask: completions with "
                                            "advantage 0 leave the loss and its token count."})
     dual_clip: float | None = field(default=None, metadata={"help": "AGPO loss clip (dual-clip PPO): cap the loss "
@@ -273,30 +267,30 @@ class Config:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
-# Presets (ALGORITHMS.md section 9): only method keys; the task, model, sampling temperature and optimiser stay the
+# Presets (docs/methods.md section 9): only method keys; the task, model, sampling temperature and optimiser stay the
 # user's (or the recipe's). The adaptive presets' constants that are not in the dataclass defaults are set here.
 PRESETS: dict[str, dict] = {
     "grpo": {},  # DeepSeekMath: beta 0.04 k3, epsilon 0.2, loss grpo, group scaling (the dataclass defaults)
-    # A-GRPO (ALGORITHMS.md 2.2, [RECON] but beta_0): symmetric KL with beta_t / epsilon_t from its moving average,
+    # A-GRPO (docs/methods.md 2.2, [RECON] but beta_0): symmetric KL with beta_t / epsilon_t from its moving average,
     # entropy bonus, group mean / batch std advantages, token-mean loss; adaptive group size stays off
     "agrpo": {"beta": 0.001, "kl_estimator": "symmetric", "adaptive_kl": True, "epsilon": 0.2, "eta": 1e-3,
               "scale_rewards": "batch", "loss_type": "dapo"},
-    # AGPO (Li et al., ALGORITHMS.md 3.2 (a) + (b) + v3 loss mask): a fixed advantage for homogeneous groups, a length
+    # AGPO (Li et al., docs/methods.md 3.2 (a) + (b) + v3 loss mask): a fixed advantage for homogeneous groups, a length
     # reward, zero-advantage completions masked out of a token-mean loss; dual_clip off. Both signals are damped from
     # v1's +-1 and weight 1 to 0.1 (3.2 (c) reading C2 for the first): on the embedded demo either one at full size
-    # drove the answer lengths off (to 7-16 tokens, or to the 64-token cap) and accuracy fell (README, preset table)
+    # drove the answer lengths off (to 7-16 tokens, or to the 64-token cap) and accuracy fell (docs/results.md 2.2)
     "agpo": {"homogeneous_advantage": 0.1, "reward_funcs": ["accuracy", "length"], "reward_weights": [1.0, 0.1],
              "loss_mask_zero_advantage": True, "loss_type": "dapo"},
-    # adaGRPO (ALGORITHMS.md 4): resample groups with no correct answer on the upstream schedule, pooled statistics;
+    # adaGRPO (docs/methods.md 4): resample groups with no correct answer on the upstream schedule, pooled statistics;
     # TRL 0.18.1's bnpo loss and beta 0.04
     "adagrpo": {"resample_schedule": ADAGRPO_SCHEDULE, "loss_type": "bnpo"},
-    # AGPO-DSF (ALGORITHMS.md 5): probe groups, adaptive temperature and clip, 4 update epochs, beta_ref 0.03. The
+    # AGPO-DSF (docs/methods.md 5): probe groups, adaptive temperature and clip, 4 update epochs, beta_ref 0.03. The
     # upstream code's k1 (log pi - log pi_ref) is swapped for k3: as a loss term k1's gradient is grad log pi of the
     # sampled tokens, zero in expectation on-policy, and here (tokens sampled below temperature 1, four updates on
     # the same batch) it lowers their probability, so the "penalty" raised the KL (0.14 to 0.50 over batches with
-    # no reward spread); upstream never ran it (its LoRA configs have no reference model, ALGORITHMS.md 5.3)
+    # no reward spread); upstream never ran it (its LoRA configs have no reference model, docs/methods.md 5.3)
     "agpo_dsf": {"dsf": True, "num_iterations": 4, "beta": 0.03, "kl_estimator": "k3", "loss_type": "grpo"},
-    # DAPO (ALGORITHMS.md 1.3): clip-higher, token-mean loss, overlong filtering, no KL, and dynamic sampling. verl
+    # DAPO (docs/methods.md 1.3): clip-higher, token-mean loss, overlong filtering, no KL, and dynamic sampling. verl
     # over-samples 3x and allows 10 generation batches; here each round re-samples only the flat groups' slots
     "dapo": {"beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dapo",
              "mask_truncated_completions": True, "dynamic_sampling_rounds": 10},
@@ -535,7 +529,7 @@ def reachable_group_sizes(cfg: Config) -> list[int]:
 
 
 def validate_methods(cfg: Config, global_batch: int | None) -> None:
-    """The adaptive methods' keys (ALGORITHMS.md 2-5): ranges, bounds and what each needs."""
+    """The adaptive methods' keys (docs/methods.md sections 2-5): ranges, bounds and what each needs."""
     def in_range(name: str, low: float, high: float) -> None:
         if not low <= getattr(cfg, name) <= high:
             raise ConfigError(f"{name} must be in [{low}, {high}], got {getattr(cfg, name)}")

@@ -1,0 +1,165 @@
+"""Write docs/configuration.md from the configuration dataclass, so that the page cannot drift from the code.
+
+    python scripts/config_doc.py                 # print the page
+    python scripts/config_doc.py --write         # write it to docs/configuration.md
+    python scripts/config_doc.py --check         # exit 1 if docs/configuration.md is out of date
+
+Every field of `lib.config.Config` becomes a row (key, type, default, its help string), grouped as the dataclass
+groups them with its `# ---- group ----` comments, in the dataclass's order; then one table of the keys each
+`--algo` preset sets (`lib.config.PRESETS`). tests/test_config_doc.py fails when the page differs from this output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from lib.config import FIELDS, PRESETS, Config  # noqa: E402  (the repository root is put on the path just above)
+from lib.controllers import ADAGRPO_SCHEDULE  # noqa: E402
+
+PAGE = REPO / "docs" / "configuration.md"
+COMMAND = "python scripts/config_doc.py --write"
+GROUP = re.compile(r"^\s*# ---- (.+?) -*$")
+FIELD = re.compile(r"^    (\w+)\s*:")
+DOC_MENTION = re.compile(r"docs/(\w+)\.md")
+
+HEADER = f"""# Configuration: every key
+
+[README](../README.md) · [methods](methods.md) · [results](results.md) · [performance](performance.md) ·
+**configuration** · [troubleshooting](troubleshooting.md)
+
+<!-- Generated from lib/config.py by `{COMMAND}`; edit the help strings there, not this page. -->
+
+Every key of the trainer's one configuration surface (`lib/config.py` `Config`; names follow TRL's `GRPOConfig`).
+Set a key in a YAML recipe (`--config recipe.yaml`) or as a flag (`--learning_rate 1e-5`; a list takes several
+values, `--reward_funcs accuracy format`; a boolean takes `true` / `false`). Precedence: the defaults below < the
+`--algo` preset ([section 9](#9-presets)) < the YAML file < the command line. An unknown key is an error that names
+the closest field; an invalid value is an error that names the field and the fix
+([troubleshooting](troubleshooting.md#2-configuration-errors)). The resolved values are saved as `config.yaml` in the
+run directory. `python train_agrpo.py --help` prints the same help strings.
+"""
+
+
+def groups() -> list[tuple[str, list[str]]]:
+    """(group title, field names) in the dataclass's order, read from its `# ---- group ----` comments."""
+    result: list[tuple[str, list[str]]] = []
+    for line in inspect.getsource(Config).splitlines():
+        heading = GROUP.match(line)
+        if heading:
+            result.append((heading.group(1).strip(), []))
+            continue
+        name = FIELD.match(line)
+        if name and name.group(1) in FIELDS:
+            if not result:
+                raise ValueError(f"field {name.group(1)} comes before any '# ---- group ----' comment")
+            result[-1][1].append(name.group(1))
+    listed = [n for _, names in result for n in names]
+    missing = [n for n in FIELDS if n not in listed]
+    if missing or len(listed) != len(FIELDS):
+        raise ValueError(f"fields not placed in exactly one group: {missing or listed}")
+    return result
+
+
+def value_text(value) -> str:
+    """A value as it is written in a YAML recipe."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is ADAGRPO_SCHEDULE:
+        return "ADAGRPO_SCHEDULE"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(value_text(v) for v in value) + "]"
+    return str(value)
+
+
+def cell(text: str) -> str:
+    """Text safe inside a markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def linked(text: str) -> str:
+    """Help text with its `docs/<page>.md` mentions as links (this page sits in docs/)."""
+    return DOC_MENTION.sub(r"[docs/\1.md](\1.md)", text)
+
+
+def split_title(text: str) -> tuple[str, str]:
+    """A group comment such as 'adaptive methods (docs/methods.md sections 2-5; presets set these)' -> the heading
+    'Adaptive methods' and the note in brackets."""
+    name, _, note = text.partition(" (")
+    return name[0].upper() + name[1:], note.rstrip(")")
+
+
+def title_case(text: str) -> str:
+    return text[0].upper() + text[1:]
+
+
+def default_of(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def render() -> str:
+    parts = [HEADER]
+    sections = groups()
+    parts.append("| section | keys |\n|---|---|")
+    for i, (name, names) in enumerate(sections, start=1):
+        heading = split_title(name)[0]
+        anchor = f"{i}-" + re.sub(r"[^a-z0-9 _-]", "", heading.lower()).replace(" ", "-")
+        parts[-1] += f"\n| [{i}. {cell(heading)}](#{anchor}) | {len(names)} |"
+    parts[-1] += f"\n| [{len(sections) + 1}. Presets](#{len(sections) + 1}-presets) | the keys each `--algo` sets |\n"
+    for i, (name, names) in enumerate(sections, start=1):
+        rows = ["| key | type | default | what it does |", "|---|---|---|---|"]
+        for key in names:
+            f = FIELDS[key]
+            rows.append(f"| `{key}` | `{cell(str(f.type))}` | `{cell(value_text(default_of(f)))}` | "
+                        f"{cell(linked(f.metadata.get('help', '')))} |")
+        heading, note = split_title(name)
+        note = f"{title_case(linked(note))}.\n\n" if note else ""
+        parts.append(f"## {i}. {heading}\n\n{note}" + "\n".join(rows) + "\n")
+    parts.append(presets_section(len(sections) + 1))
+    return "\n".join(parts)
+
+
+def presets_section(number: int) -> str:
+    algos = list(PRESETS)
+    keys = [k for k in FIELDS if any(k in PRESETS[a] for a in algos)]
+    rows = ["| key | default | " + " | ".join(f"`{a}`" for a in algos) + " |",
+            "|---|---|" + "---|" * len(algos)]
+    for key in keys:
+        values = [f"`{cell(value_text(PRESETS[a][key]))}`" if key in PRESETS[a] else "" for a in algos]
+        rows.append(f"| `{key}` | `{cell(value_text(default_of(FIELDS[key])))}` | " + " | ".join(values) + " |")
+    return (f"## {number}. Presets\n\n"
+            "The keys each `--algo` preset sets (`lib/config.py` `PRESETS`); an empty cell keeps the default, and\n"
+            "any key you set yourself wins. `ADAGRPO_SCHEDULE` is the upstream retry schedule\n"
+            "([methods 4.2](methods.md#42-the-schedule-and-the-published-settings)). Why each preset has its values:\n"
+            "[methods section 9](methods.md#9-presets-the-choices-this-package-makes).\n\n"
+            + "\n".join(rows) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help=f"write {PAGE.relative_to(REPO)}")
+    mode.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
+    args = parser.parse_args(argv)
+    page = render()
+    if args.write:
+        PAGE.write_text(page)
+    elif args.check:
+        if not PAGE.is_file() or PAGE.read_text() != page:
+            print(f"{PAGE.relative_to(REPO)} is out of date: run `{COMMAND}`", file=sys.stderr)
+            return 1
+    else:
+        sys.stdout.write(page)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
