@@ -12,7 +12,7 @@ Every model sees the same prompts with the same sampling seed. For each model an
 (pass@1: greedy, or the mean over samples) with a 95% bootstrap interval over problems; pass@k (the unbiased
 estimator of Chen et al. 2021) and maj@k (majority vote of the first k samples) for each k of --pass_k; mean
 completion tokens; the share of truncated completions; and with --reference_model the seeds' ablation columns: win
-rate against the reference (ALGORITHMS.md section 9), mean reward, KL to the reference and entropy on the model's own
+rate against the reference (docs/methods.md 9.5), mean reward, KL to the reference and entropy on the model's own
 completions. Written to --output_dir: results.json (or --output_json), results.md, completions.jsonl (every
 completion with its extracted answer, whether it is right and its reward) and, with --plot, accuracy.png.
 

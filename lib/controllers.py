@@ -38,7 +38,7 @@ def _clip(value: float, low: float, high: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# A-GRPO: beta_t and epsilon_t from the KL moving average (ALGORITHMS.md 2.2, [RECON]). The proportional-error form is
+# A-GRPO: beta_t and epsilon_t from the KL moving average (docs/methods.md 2.2, [RECON]). The proportional-error form is
 # Ziegler et al. 2019's adaptive KL controller (TRL AdaptiveKLController), whose error is clipped to +-0.2.
 
 KL_ERROR_CLIP = 0.2
@@ -71,7 +71,7 @@ def update_kl_controller(state: KLControllerState, kl: float, cfg) -> KLControll
     return KLControllerState(beta=beta, epsilon=epsilon, kl_ema=ema)
 
 
-# A-GRPO adaptive group size (ALGORITHMS.md 2.2, [RECON], off by default): many all-equal groups mean too few samples
+# A-GRPO adaptive group size (docs/methods.md 2.2, [RECON], off by default): many all-equal groups mean too few samples
 # to see a difference, so double G; almost none mean G can halve. Thresholds and the 0.9 average are the spec's.
 ZERO_STD_HIGH, ZERO_STD_LOW, ZERO_STD_EMA_DECAY = 0.5, 0.1, 0.9
 
@@ -101,12 +101,12 @@ def update_group_size(state: GroupSizeState, frac_zero_std: float, cfg) -> Group
 
 # ---------------------------------------------------------------------------------------------------------------------
 # adaGRPO: resample a prompt's group with other sampling parameters while none of its completions is correct
-# (ALGORITHMS.md 4.1-4.2, [CODE]). The schedule is a list of triggers {step, params: [retry 1 params, retry 2 ...]};
+# (docs/methods.md 4.1-4.2, [CODE]). The schedule is a list of triggers {step, params: [retry 1 params, retry 2 ...]};
 # from its step on a trigger sets the budget (= len(params)) and the parameters of each retry.
 
 RESAMPLE_KEYS = ("temperature", "top_p")
 
-# the latest upstream schedule (whaaaaaatt/adaGRPO 213090a, LLMRLV6math.py), ALGORITHMS.md 4.2
+# the latest upstream schedule (whaaaaaatt/adaGRPO 213090a, LLMRLV6math.py), docs/methods.md 4.2
 ADAGRPO_SCHEDULE = [
     {"step": 1, "params": [{"temperature": 1.0}] * 2},
     {"step": 100, "params": [{"temperature": 1.0}] * 2 + [{"temperature": 1.1, "top_p": 0.99}] * 2},
@@ -139,7 +139,7 @@ def parse_resample_schedule(schedule: list[dict]) -> list[dict]:
 def resample_plan(schedule: list[dict], step: int, temperature: float, top_p: float) -> list[dict]:
     """Sampling parameters of each allowed retry at training step `step` (1-based), the trigger in force being the
     last one whose step is <= `step`; keys a retry does not set keep the run's `temperature` / `top_p`. The upstream
-    code applies a trigger one generation batch late (ALGORITHMS.md 4.1); here it applies from its own step."""
+    code applies a trigger one generation batch late (docs/methods.md 4.1); here it applies from its own step."""
     active = [t for t in schedule if t["step"] <= step]
     if not active:
         return []
@@ -147,7 +147,7 @@ def resample_plan(schedule: list[dict], step: int, temperature: float, top_p: fl
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# AGPO-DSF (Hu et al. 2026, wandugu/paper_agpo trainer.py; ALGORITHMS.md 5.1-5.2, [CODE]): a probe group per prompt
+# AGPO-DSF (Hu et al. 2026, wandugu/paper_agpo trainer.py; docs/methods.md 5.1-5.2, [CODE]): a probe group per prompt
 # sets the temperature of its training group; the clip range of each group comes from the probe's statistics, the
 # policy's entropy against its running reference, and the drift of the last update.
 
@@ -199,7 +199,7 @@ def dsf_temperatures(state: DSFState, uncertainties: list[float], cfg) -> tuple[
 
 def dsf_clip_range(entropy: float, entropy_ref: float, dispersion: float, vote: float, skewness: float,
                    step_kl: float, cfg) -> float:
-    """The clip range of one group (ALGORITHMS.md 5.1 step 4):
+    """The clip range of one group (docs/methods.md 5.1 step 4):
 
         g_H = clip(max(H, 1e-8) / (max(H_ref, 1e-8) + 1e-8), h_min, h_max)
         eps = clip(eps_base g_H (1 + delta E_vote) / (1 + alpha_var sigma_p + gamma K_step + zeta |kappa|),

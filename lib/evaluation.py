@@ -132,7 +132,7 @@ def bootstrap_interval(values: list[float], *, confidence: float = 0.95, num_res
 
 
 def win_rate(policy_rewards: list[list[float]], reference_rewards: list[list[float]]) -> float:
-    """ALGORITHMS.md section 9: the share of held-out prompts where a completion of the trained policy gets a higher
+    """docs/methods.md 9.5: the share of held-out prompts where a completion of the trained policy gets a higher
     reward than one of the reference model, ties counted as half. Sample j of a problem is paired with sample j of
     the reference on the same problem, and every pair counts."""
     if len(policy_rewards) != len(reference_rewards):

@@ -3,7 +3,7 @@
 Everything here takes tensors and returns tensors (plus a dict of detached statistics). No model forward, no
 Accelerator, no globals, no `.item()`: the training loop reduces and logs. Shapes use B = completions in the
 (micro-)batch, T = completion tokens (padded), V = vocabulary, G = group size (`num_generations`).
-Formulas: ALGORITHMS.md section 1 (DeepSeekMath GRPO, TRL's implementation, DAPO, Dr. GRPO, GSPO).
+Formulas: docs/methods.md section 1 (DeepSeekMath GRPO, TRL's implementation, DAPO, Dr. GRPO, GSPO).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ DISPERSIONS = ("std", "mad", "iqr")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k3", "forward", "symmetric")
 
-# TRL (and adaGRPO, which inherits it) divide by std + 1e-4; ALGORITHMS.md 1.1 picks that for parity with TRL.
+# TRL (and adaGRPO, which inherits it) divide by std + 1e-4; docs/methods.md 1.1 picks that for parity with TRL.
 STD_EPS = 1e-4
 
 
@@ -30,7 +30,7 @@ def dispersion(values: torch.Tensor, kind: str = "std", dim: int = -1) -> torch.
     std: unbiased (Bessel) standard deviation, as torch.std and TRL; 0 for fewer than two values.
     mad: 1.4826 * median |r - median r|   (the factor makes it equal the std for normal data)
     iqr: (q75 - q25) / 1.349              (same reason)
-    The robust two come from AGPO-DSF (`agpo_use_robust_dispersion`, ALGORITHMS.md 5.1). A robust spread is 0 for a
+    The robust two come from AGPO-DSF (`agpo_use_robust_dispersion`, docs/methods.md 5.1). A robust spread is 0 for a
     group with one outlier (MAD of [1, 0, 0, 0] is 0), which would silence exactly the rare correct answer; like the
     AGPO-DSF code, such a group falls back to the std.
     """
@@ -62,7 +62,7 @@ def group_advantages(
     correct: torch.Tensor | None = None,
     homogeneous_value: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Group-relative advantages, every rule of ALGORITHMS.md section 6's advantage row in one function.
+    """Group-relative advantages, every rule of docs/methods.md 6.2's advantage row in one function.
 
     rewards: (N,) with N a multiple of `group_size`, the completions of one prompt contiguous.
     Returns advantages (N,) and stats: `reward_std` (mean of the per-group spread, TRL's key) and
@@ -71,13 +71,13 @@ def group_advantages(
     scale_rewards (TRL's key):
       group: (r - mean_g) / (spread_g + 1e-4)                         DeepSeekMath outcome supervision
       batch: (r - mean_g) / (spread over all N + 1e-4)                 Lite-PPO; A-GRPO's "weighted & global"
-      mix:   w * group + (1 - w) * batch, w = mix_weight               A-GRPO option (ALGORITHMS.md 2.2 [RECON])
+      mix:   w * group + (1 - w) * batch, w = mix_weight               A-GRPO option (docs/methods.md 2.2 [RECON])
       none:  r - mean_g                                                Dr. GRPO
     spread = `dispersion(kind=dispersion_kind)`: std (default), or the robust MAD / IQR of AGPO-DSF.
-    pooled: (P, M) rewards of every sampling round of each prompt, NaN-padded (adaGRPO, ALGORITHMS.md 4.1): the
+    pooled: (P, M) rewards of every sampling round of each prompt, NaN-padded (adaGRPO, docs/methods.md 4.1): the
       group mean and spread come from all rounds, so a rare correct answer after failed rounds gets a large
       advantage. None = the group itself.
-    correct: (N,) bool and homogeneous_value > 0: AGPO (arXiv 2503.15952 v1, ALGORITHMS.md 3.2 (a) [RECON]): a
+    correct: (N,) bool and homogeneous_value > 0: AGPO (arXiv 2503.15952 v1, docs/methods.md 3.2 (a) [RECON]): a
       group that is all correct gets +homogeneous_value, all wrong -homogeneous_value, instead of 0. Homogeneity is
       judged on correctness, not on the total reward (a length term makes every group look mixed).
     """
@@ -120,7 +120,7 @@ def group_advantages(
 
 
 def group_skewness(values: torch.Tensor, max_abs: float = 10.0) -> torch.Tensor:
-    """Adjusted Fisher-Pearson sample skewness per row of (P, G) values (AGPO-DSF `_skewness`, ALGORITHMS.md 5.1).
+    """Adjusted Fisher-Pearson sample skewness per row of (P, G) values (AGPO-DSF `_skewness`, docs/methods.md 5.1).
 
     g = mean(((r - mean) / s)^3) with s the Bessel std; times sqrt(n(n-1))/(n-2) when n > 2; 0 when s < 1e-6;
     clamped to +-max_abs (a single outlier in a group of 8 would otherwise dominate the clip rule). Returns (P,).
@@ -200,7 +200,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
       k1:        -log u                      (Schulman's k1: unbiased for KL(pi_theta || pi_ref), can be negative)
       k3:        u - log u - 1               (DeepSeekMath eq. 4, Schulman's k3: unbiased, >= 0)
       forward:   u log u - u + 1             (unbiased for KL(pi_ref || pi_theta) under o ~ pi_theta, >= 0)
-      symmetric: k3 + forward                (A-GRPO's symmetric KL, ALGORITHMS.md 2.2 [RECON])
+      symmetric: k3 + forward                (A-GRPO's symmetric KL, docs/methods.md 2.2 [RECON])
     """
     log_u = (ref_logp - logp).clamp(-20.0, 20.0)
     u = torch.exp(log_u)
@@ -231,7 +231,7 @@ def clipped_surrogate(
     for a clip range per completion (AGPO-DSF sets one per prompt group). Returns the per-token loss (B, T) (to be
     aggregated by `aggregate_loss`) and clip statistics (fractions of completion tokens, TRL's keys).
     dual_clip = c: for A < 0 the loss is also capped at c |A| (dual-clip PPO, Ye et al. 2020, arXiv 1912.09729;
-    AGPO's "loss clip" reading C1, ALGORITHMS.md 3.2 (c)): a token whose ratio has run far above 1 on a negative
+    AGPO's "loss clip" reading C1, docs/methods.md 3.2 (c)): a token whose ratio has run far above 1 on a negative
     advantage cannot dominate the batch.
 
     token level (GRPO): rho_{i,t} = exp(logp - old_logp).

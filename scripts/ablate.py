@@ -7,7 +7,7 @@
     python scripts/ablate.py ... --devices 0 1 2 3                         # one run per GPU at a time
     python scripts/ablate.py ... -- --config scripts/recipes/agrpo_gsm8k_qwen05b.yaml   # after --: to every run
 
-An ablation is a plain override of the method's resolved configuration (ALGORITHMS.md section 9): `no_clip` (a clip
+An ablation is a plain override of the method's resolved configuration (docs/methods.md 9.4): `no_clip` (a clip
 range no ratio reaches), `no_kl` (beta 0), `no_entropy` (eta 0), `eps0.1` / `eps0.5`, `beta0.1` / `beta1.0`,
 `g4` / `g8` / `g16` (group size, same completions per step). Where a method's controller moves the value the
 ablation fixes (A-GRPO's beta_t / epsilon_t, AGPO-DSF's per-group clip), the controller is switched off or its
@@ -69,7 +69,7 @@ ABLATIONS = {
 }
 NO_CLIP = 1e6
 LAST = 5  # training steps averaged for the end-of-run training columns
-# Controller fields the trainer logs (README "Methods"); a run's curves show the ones it logged.
+# Controller fields the trainer logs (docs/methods.md 9.3); a run's curves show the ones it logged.
 CONTROLLER_FIELDS = ("beta", "epsilon", "kl_ema", "next_beta", "next_epsilon", "num_generations", "temperature",
                      "epsilon/group_min", "epsilon/group_max", "entropy_ref", "uncertainty_baseline", "step_kl_ema",
                      "vote_entropy", "resample_rounds", "resampled_prompts", "num_tokens/probe",
@@ -96,7 +96,7 @@ class AblateError(ValueError):
 
 
 def ablation_overrides(name: str, cfg: Config) -> dict:
-    """The keys that turn the method's resolved configuration `cfg` into ablation `name` (ALGORITHMS.md section 9)."""
+    """The keys that turn the method's resolved configuration `cfg` into ablation `name` (docs/methods.md 9.4)."""
     if name == "full":
         return {}
     if name == "no_kl":

@@ -52,7 +52,7 @@ def train_command(algo: str, out: Path, max_steps: int, extra: list[str]) -> lis
 def preset_steps(algo: str, batches: int, extra: list[str]) -> int:
     """Optimizer steps that make `batches` generation batches for `algo`: a preset with mu > 1 updates per batch
     (AGPO-DSF's 4 update epochs, num_iterations) takes mu steps on each. AGPO-DSF counts a step per rollout batch
-    (its scheduler runs max_steps x update_epochs, ALGORITHMS.md 5.1); at 40 optimizer steps it would see 20 prompts
+    (its scheduler runs max_steps x update_epochs, docs/methods.md 5.1); at 40 optimizer steps it would see 20 prompts
     where every other preset sees 80."""
     return batches * parse_config(["--algo", algo, *extra]).num_iterations
 

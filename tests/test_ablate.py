@@ -150,7 +150,7 @@ def test_a_grpo_readme_table_recipe_resolves_to_the_readme_training_settings(dat
         if " / full / seed 42: " in line:
             settings[line.split(" /")[0]] = json.loads(line.split(": ", 1)[1])
     assert set(settings) == {"grpo", "agrpo"}
-    for s in settings.values():  # the A-GRPO README's training table (ALGORITHMS.md 2.1)
+    for s in settings.values():  # the A-GRPO README's training table (docs/methods.md 2.1)
         assert (s["model_name_or_path"], s["max_steps"], s["learning_rate"], s["lr_scheduler_type"],
                 s["warmup_ratio"], s["beta"], s["num_generations"], s["max_prompt_length"],
                 s["max_completion_length"], s["use_vllm"]) == ("Qwen/Qwen2.5-0.5B-Instruct", 450, 5e-7, "cosine",

@@ -1,4 +1,4 @@
-"""Hand-computed values for the adaptive controllers in lib/controllers.py (ALGORITHMS.md 2.2, 4, 5), including the
+"""Hand-computed values for the adaptive controllers in lib/controllers.py (docs/methods.md 2.2, 4, 5), including the
 upstream AGPO-DSF unit-test vectors; directions and bounds of every update; state round trips."""
 
 import json

@@ -1,4 +1,4 @@
-"""Hand-computed values for the GRPO math in lib/losses.py (ALGORITHMS.md section 1)."""
+"""Hand-computed values for the GRPO math in lib/losses.py (docs/methods.md section 1)."""
 
 import math
 
@@ -202,7 +202,7 @@ def test_masked_mean():
     assert masked_mean(torch.tensor([1.0]), torch.tensor([0])).item() == 0.0
 
 
-# ---- adaptive-method parts (ALGORITHMS.md 2-5) ----------------------------------------------------------------------
+# ---- adaptive-method parts (docs/methods.md 2-5) --------------------------------------------------------------------
 
 def test_dispersion_std_mad_iqr_hand_values_and_robust_fallback():
     values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 10.0]])
@@ -233,7 +233,7 @@ def test_mixed_scaling_is_the_weighted_sum_of_group_and_batch():
 
 
 def test_adagrpo_pooled_statistics_upstream_vector():
-    # ALGORITHMS.md 4.1: first round [-2, -2, -2, -2], the retry [5, -2, -2, -2]; pooled mean -1.125, pooled unbiased
+    # docs/methods.md 4.1: first round [-2, -2, -2, -2], the retry [5, -2, -2, -2]; pooled mean -1.125, pooled unbiased
     # std sqrt((7 * 0.875^2 + 6.125^2) / 7) = 2.4749 -> A = [2.47, -0.35, -0.35, -0.35] (plain GRPO: [1.5, -0.5, ...])
     last = torch.tensor([5.0, -2.0, -2.0, -2.0])
     pooled = torch.tensor([[-2.0, -2.0, -2.0, -2.0, 5.0, -2.0, -2.0, -2.0]])

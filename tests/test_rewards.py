@@ -1,5 +1,5 @@
-"""Reward parsing is where silent bugs live (STYLE.md habit 10): hand-written expected values on concrete, realistic
-model outputs, malformed ones included, plus gold answers from the real data sets."""
+"""Reward parsing is where silent bugs live: hand-written expected values on concrete, realistic model outputs,
+malformed ones included, plus gold answers from the real data sets."""
 
 import json
 import math
