@@ -92,3 +92,18 @@ def read_trainer_state(checkpoint: str | Path) -> dict:
 def read_rng(checkpoint: str | Path, rank: int) -> dict | None:
     path = Path(checkpoint) / f"rng_state_{rank}.pt"
     return torch.load(path, weights_only=False) if path.exists() else None
+
+
+def trim_jsonl(path: Path, last_step: int) -> None:
+    """Keep the lines of `path` up to `last_step`; later ones move to `<name>.orphaned.jsonl` (not lost)."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
+    later = [line for line in lines if json.loads(line).get("step", 0) > last_step]
+    if later:
+        with open(path.with_suffix(".orphaned.jsonl"), "a") as f:
+            f.write("\n".join(later) + "\n")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)

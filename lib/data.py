@@ -360,6 +360,18 @@ def builtin_task(
     return train_records, eval_records
 
 
+def prompts_for_step(position: int, count: int, num_records: int, seed: int) -> list[int]:
+    """Record indices for the next `count` prompts from data position `position`: one seeded shuffle per epoch,
+    so any position (a resumed run's) is reproducible without replaying the earlier ones."""
+    indices = []
+    for p in range(position, position + count):
+        epoch, offset = divmod(p, num_records)
+        order = list(range(num_records))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        indices.append(order[offset])
+    return indices
+
+
 def format_prompt(
     tokenizer: Any, problem: str, instruction: str = DEFAULT_INSTRUCTION, system_prompt: str | None = None
 ) -> str:

@@ -24,7 +24,7 @@ KL_ESTIMATORS = ("k1", "k3", "forward", "symmetric")
 STD_EPS = 1e-4
 
 
-def dispersion(values: torch.Tensor, kind: str = "std", dim: int = -1) -> torch.Tensor:
+def dispersion(values: torch.Tensor, kind: str = "std", dim: int = -1, fallback_to_std: bool = True) -> torch.Tensor:
     """Spread of `values` along `dim` (NaN entries ignored, so ragged pools can be padded with NaN).
 
     std: unbiased (Bessel) standard deviation, as torch.std and TRL; 0 for fewer than two values.
@@ -32,7 +32,8 @@ def dispersion(values: torch.Tensor, kind: str = "std", dim: int = -1) -> torch.
     iqr: (q75 - q25) / 1.349              (same reason)
     The robust two come from AGPO-DSF (`agpo_use_robust_dispersion`, docs/methods.md 5.1). A robust spread is 0 for a
     group with one outlier (MAD of [1, 0, 0, 0] is 0), which would silence exactly the rare correct answer; like the
-    AGPO-DSF code, such a group falls back to the std.
+    AGPO-DSF code, such a group falls back to the std when the spread scales advantages (`fallback_to_std`). The
+    same code measures its probe groups' spread without the fall-back (docs/methods.md 5.1, step 1).
     """
     if kind not in DISPERSIONS:
         raise ValueError(f"dispersion must be one of {DISPERSIONS}, got {kind!r}")
@@ -48,7 +49,7 @@ def dispersion(values: torch.Tensor, kind: str = "std", dim: int = -1) -> torch.
     else:
         q = torch.nanquantile(values, torch.tensor([0.25, 0.75], dtype=values.dtype, device=values.device), dim=dim)
         robust = (q[1] - q[0]) / 1.349
-    return torch.where(robust > 1e-8, robust, std)
+    return torch.where(robust > 1e-8, robust, std) if fallback_to_std else robust
 
 
 def group_advantages(
@@ -117,6 +118,13 @@ def group_advantages(
         "frac_reward_zero_std": (own_spread < 1e-6).float().mean(),
     }
     return advantages.reshape(-1), stats
+
+
+def weighted_rewards(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """r = sum_k w_k r_k per completion of (B, K) rewards; NaN (a function's "not applicable") is skipped, as TRL's
+    nansum, and a completion that every function skipped gets 0. Returns (B,)."""
+    total = torch.nansum(rewards * weights, dim=1)
+    return torch.where(torch.isnan(rewards).all(dim=1), torch.zeros_like(total), total)
 
 
 def group_skewness(values: torch.Tensor, max_abs: float = 10.0) -> torch.Tensor:

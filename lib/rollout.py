@@ -225,6 +225,12 @@ class HFRollout:
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
 
+    def sleep(self) -> None:
+        """Nothing to free between sampling and training (VLLMRollout's sleep mode has)."""
+
+    def close(self) -> None:
+        """Nothing to shut down (VLLMRollout has an engine)."""
+
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
 

@@ -130,7 +130,7 @@ def bench_prompts(args, model_path: str) -> tuple[list[str], list[str]]:
     from lib.config import Config
     from lib.data import builtin_task, format_prompt
     from lib.modeling import load_tokenizer
-    from train_agrpo import prompts_for_step
+    from lib.data import prompts_for_step
 
     train, _ = builtin_task(seed=args.seed, num_train=2000, num_eval=0)
     tokenizer = load_tokenizer(model_path)

@@ -64,3 +64,25 @@ def trained_like(tmp_path_factory, embedded_model):
                         p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.002)
         lora.save_pretrained(root / name)
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, embedded_model) -> str:
+    """A two-block Llama with random (seeded) weights and the embedded model's tokenizer, built from a config in about
+    a second: the training loop's mechanics run on it in the fast suite (its completions are random text, so the
+    tests that need a reward with a spread use tests/tiny_rewards.py). Learning and quality use the real model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lib.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(embedded_model)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny_model")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -1,0 +1,244 @@
+"""The training loop's mechanics on a tiny random-weight model (tests/conftest.py::tiny_model), in the fast suite:
+every preset's parts, per-batch counters, the controllers' timing, exact resume, gradient accumulation and two
+processes. The trainer runs in this process (`train_agrpo.main`), a few seconds a run. Learning and quality are
+tested on the real embedded model in tests/test_train.py."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import train_agrpo
+from conftest import REPO
+from lib.config import PRESETS, steps_per_rollout, make_config
+
+REWARDS = str(REPO / "tests" / "tiny_rewards.py")
+# 2 prompts x 4 completions of 8 tokens a step; the correctness judge is has_x (about 1 completion in 8 on random
+# text, so groups are mixed, all wrong and now and then all right), and `characters` gives every group a spread
+TINY = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4",
+        "--max_completion_length", "8", "--num_eval_samples", "4", "--builtin_num_train", "64",
+        "--learning_rate", "1e-3", "--reward_funcs", f"{REWARDS}:has_x", f"{REWARDS}:characters",
+        "--reward_weights", "1", "0.5", "--correctness_reward", "has_x", "--bf16", "false"]
+TIMES = ("step_time",)
+
+
+def train(tiny_model, out, *args) -> list[dict]:
+    """Run the trainer in this process; returns the training lines of metrics.jsonl."""
+    from accelerate.state import AcceleratorState
+
+    try:
+        train_agrpo.main(["--model_name_or_path", tiny_model, *TINY, "--output_dir", str(out), *args])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # the next run builds its own Accelerator
+    return steps_of(out)
+
+
+def steps_of(out) -> list[dict]:
+    return [m for m in read_jsonl(Path(out) / "metrics.jsonl") if "reward" in m]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def without_times(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith("time/") and k not in TIMES}
+
+
+def moved_tensors(out, start) -> int:
+    final, base = load_file(Path(out) / "final" / "model.safetensors"), load_file(Path(start) / "model.safetensors")
+    return sum(not torch.equal(final[k], base[k]) for k in base)
+
+
+# every preset: the fields its parts log besides beta / epsilon / temperature / num_generations, and the ones among
+# them that count events of a generation batch's sampling (logged on the step that sampled it, 0 on the others)
+PRESET_FIELDS = {
+    "grpo": [], "dr_grpo": [], "gspo": [],
+    "dapo": ["dynamic_sampling/rounds", "dynamic_sampling/replaced_groups", "num_tokens/filtered"],
+    "agrpo": ["kl_ema", "next_beta", "next_epsilon"],
+    "agpo": ["rewards/length/mean"],
+    "adagrpo": ["resample_rounds", "resampled_prompts", "num_tokens/resampled"],
+    "agpo_dsf": ["entropy_ref", "uncertainty_baseline", "step_kl_ema", "vote_entropy", "probe_reward_std",
+                 "num_tokens/probe", "epsilon/group_min", "epsilon/group_max"],
+}
+COUNTERS = {"dynamic_sampling/rounds", "dynamic_sampling/replaced_groups", "num_tokens/filtered", "resample_rounds",
+            "resampled_prompts", "num_tokens/resampled", "num_tokens/probe"}
+
+
+@pytest.mark.parametrize("algo", list(PRESET_FIELDS))
+def test_every_preset_runs_its_parts_and_logs_batch_counters_once(algo, tmp_path, tiny_model):
+    assert set(PRESET_FIELDS) == set(PRESETS)
+    per_rollout = steps_per_rollout(make_config({"algo": algo}))
+    steps = 2 * per_rollout  # two generation batches
+    extra = ["--reward_funcs", f"{REWARDS}:has_x", "length", "--reward_weights", "1", "0.1"] if algo == "agpo" else []
+    # DAPO: groups of 2 are often flat, so there is something to replace; the tiny model's random text never ends
+    # within 8 tokens, so its overlong filter would mask every token out of the loss
+    extra += ["--num_generations", "2", "--mask_truncated_completions", "false"] if algo == "dapo" else []
+    out = tmp_path / algo
+    lines = train(tiny_model, out, "--algo", algo, "--max_steps", str(steps), "--save_steps", str(per_rollout),
+                  *extra)
+    assert yaml.safe_load((out / "config.yaml").read_text())["algo"] == algo
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    for key in ["beta", "epsilon", "temperature", "num_generations", "loss", "grad_norm"] + PRESET_FIELDS[algo]:
+        assert all(key in m for m in lines), key
+    assert moved_tensors(out, tiny_model) > 10, "training did not change the parameters"
+    # a generation batch's counters and its sampling time appear once, on the step that sampled it: summed over
+    # the run they count each batch once
+    for batch_start in range(0, steps, per_rollout):
+        reused = lines[batch_start + 1: batch_start + per_rollout]
+        assert "time/generation" in lines[batch_start] and not any("time/generation" in m for m in reused)
+        for key in COUNTERS & set(PRESET_FIELDS[algo]):
+            assert all(m[key] == 0 for m in reused), key
+    batches = lines[::per_rollout]
+    assert [m["num_tokens"] for m in lines] == [m["num_tokens"] for m in batches for _ in range(per_rollout)]
+    if algo == "agpo_dsf":
+        assert all(m["num_tokens/probe"] > 0 for m in batches)
+        first = batches[0]["num_tokens"]
+        assert first == 2 * batches[0]["num_tokens/probe"]  # probe and training groups are both 8 x 8 tokens
+    if algo == "dapo":
+        replaced = sum(m["dynamic_sampling/replaced_groups"] for m in lines)
+        state = json.loads((out / f"checkpoint-{steps}" / "trainer_state.json").read_text())
+        assert replaced > 0 and state["data_position"] == 4 * steps + replaced  # one new prompt per dropped group
+        assert sum(m["num_tokens/filtered"] for m in lines) == 8 * replaced * 2  # groups of 2 x 8 tokens dropped
+    if algo == "adagrpo":
+        assert all(m["num_tokens"] >= 8 * 8 for m in batches) and all(m["resample_rounds"] <= 2 for m in lines)
+    if algo == "gspo":  # the first slice is on-policy (s_i = 1 exactly), later slices were sampled before updates
+        assert lines[0]["clip_ratio/region_mean"] == 0.0
+
+
+def test_agrpo_controller_values_are_fresh_at_every_step_of_a_reused_batch(tmp_path, tiny_model):
+    """A-GRPO's controller updates after every optimizer step; with two updates per generation batch the second
+    must train with the beta / epsilon the first set, not the ones in force when the batch was sampled."""
+    lines = train(tiny_model, tmp_path / "mu2", "--algo", "agrpo", "--num_iterations", "2", "--max_steps", "4",
+                  "--beta", "0.04", "--kl_estimator", "k1")  # k1: the KL, and so the controller, moves at once
+    assert lines[0]["beta"] == 0.04
+    for before, after in zip(lines, lines[1:]):
+        assert after["beta"] == before["next_beta"] and after["epsilon"] == before["next_epsilon"]
+    assert len({m["beta"] for m in lines}) == 4  # it moved at every step
+
+
+def test_dsf_step_kl_is_measured_in_eval_mode(tmp_path, tiny_model):
+    """AGPO-DSF's step KL compares pi_old (eval mode) with the policy after the batch's updates. With every update
+    skipped the policy did not change, so the drift is exactly 0; measured in train mode, the adapter's dropout
+    noise, clamped at 0 per group, would make it positive (docs/methods.md 5.1)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # an adapter that does something (B != 0), so that its dropout changes the output in train mode
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.5, target_modules="all-linear", init_lora_weights=False))
+    adapter.save_pretrained(tmp_path / "adapter")
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path / "adapter")  # as a LoRA run's final/ has
+    lines = train(tiny_model, tmp_path / "dsf", "--model_name_or_path", str(tmp_path / "adapter"), "--algo",
+                  "agpo_dsf", "--reward_funcs", f"{REWARDS}:one", "--reward_weights", "1", "--correctness_reward", "one",
+                  "--skip_zero_signal_updates", "true", "--max_steps", "8")
+    assert all(m["update_skipped"] == 1.0 for m in lines)
+    assert [m["step_kl_ema"] for m in lines] == [0.0] * 8
+
+
+def test_resume_continues_exactly_with_every_controller(tmp_path, tiny_model):
+    # every controller at once: A-GRPO's beta / epsilon and group size, adaGRPO's retries, AGPO-DSF's averages
+    args = ["--algo", "agpo_dsf", "--adaptive_kl", "true", "--adaptive_group_size", "true", "--group_size_min", "2",
+            "--group_size_max", "8", "--num_iterations", "2", "--max_steps", "6", "--save_steps", "2",
+            "--resample_schedule", '[{"step": 1, "params": [{"temperature": 1.0}]}]', "--kl_estimator", "k1"]
+    reference = tmp_path / "uninterrupted"
+    want = {m["step"]: m for m in train(tiny_model, reference, *args)}
+    saved = json.loads((reference / "checkpoint-2" / "trainer_state.json").read_text())["controller_state"]
+    assert set(saved) == {"kl", "group_size", "dsf"} and saved["dsf"]["step_kl_ema"] > 0
+    # the same run stopped after its step-2 checkpoint, then resumed from it: the same process, code and inputs, so
+    # every number is exactly equal (timings aside)
+    out = tmp_path / "resumed"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("checkpoint-4", "checkpoint-6", "final"))
+    got = {m["step"]: m for m in train(tiny_model, out, *args, "--resume_from_checkpoint", "latest")}
+    assert sorted(got) == list(range(1, 7))
+    assert got[3]["beta"] != 0.03  # step 3 trains with the saved controller state, not the configured start
+    for step in range(3, 7):
+        assert without_times(got[step]) == without_times(want[step]), step
+    for name in ("trainer_state.json",):
+        got_state = json.loads((out / "checkpoint-6" / name).read_text())
+        want_state = json.loads((reference / "checkpoint-6" / name).read_text())
+        assert got_state["controller_state"] == want_state["controller_state"]
+    a, b = load_file(out / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_two_accumulated_half_batches_train_like_one_batch(loss_type, tmp_path, tiny_model):
+    """One micro-batch of 8 against two accumulated micro-batches of 4: the same samples (the sampler draws the
+    whole generation batch at once), the same loss normalisation over the global batch, so the same update. bnpo is
+    left out: TRL's per-micro-batch token mean depends on the split by definition (lib/losses.aggregate_loss)."""
+    common = ["--loss_type", loss_type, "--max_steps", "1", "--num_eval_samples", "0", "--max_grad_norm", "0"]
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    a = train(tiny_model, one, *common)[0]
+    b = train(tiny_model, two, *common, "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2")[0]
+    assert a["reward"] == b["reward"] and a["num_tokens"] == b["num_tokens"]  # the same samples
+    start = load_file(Path(tiny_model) / "model.safetensors")
+    wa, wb = load_file(one / "final" / "model.safetensors"), load_file(two / "final" / "model.safetensors")
+    delta_a = torch.cat([(wa[k] - start[k]).flatten() for k in start])
+    delta_b = torch.cat([(wb[k] - start[k]).flatten() for k in start])
+    # the updates agree to float summation order: relative difference of the whole update ~1e-6 on any CPU, where a
+    # wrong normalisation (a factor 2 on one micro-batch, a per-micro-batch mean) gives 1e-2 or more
+    assert delta_a.norm() > 0
+    assert (delta_a - delta_b).norm() / delta_a.norm() < 1e-4
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+def test_a_batch_without_signal_is_measured_but_moves_nothing_when_skipped(tmp_path, tiny_model):
+    """Every completion scores 1, so every advantage is 0; with the entropy bonus on, the only gradient is the
+    bonus's. skip_zero_signal_updates keeps the model exactly as it started while the step is still measured."""
+    common = ["--algo", "agrpo", "--reward_funcs", f"{REWARDS}:one", "--reward_weights", "1", "--correctness_reward",
+              "one", "--num_eval_samples", "0"]
+    skipped = train(tiny_model, tmp_path / "skipped", *common, "--skip_zero_signal_updates", "true")
+    assert [m["update_skipped"] for m in skipped] == [1.0, 1.0]
+    assert all(m["grad_norm"] == 0.0 and m["frac_reward_zero_std"] == 1.0 and m["entropy"] > 0 for m in skipped)
+    assert all(abs(m["kl"]) < 1e-6 for m in skipped)  # the policy never left the reference
+    assert moved_tensors(tmp_path / "skipped", tiny_model) == 0
+    applied = train(tiny_model, tmp_path / "applied", *common, "--skip_zero_signal_updates", "false")
+    assert "update_skipped" not in applied[0] and applied[0]["grad_norm"] > 0 and applied[1]["kl"] > 0
+    assert moved_tensors(tmp_path / "applied", tiny_model) > 10
+
+
+def test_custom_reward_that_raises_is_scored_zero_and_counted(tmp_path, tiny_model):
+    (tmp_path / "flaky_reward.py").write_text(
+        "def flaky(prompts, completions, **columns):\n"
+        "    if any(len(c) % 2 for c in completions):\n"
+        "        raise ValueError('odd length')\n"
+        "    return [1.0 for _ in completions]\n")
+    lines = train(tiny_model, tmp_path / "flaky", "--reward_funcs", f"{REWARDS}:has_x",
+                  f"{tmp_path / 'flaky_reward.py'}:flaky", "--reward_weights", "1", "1", "--max_steps", "1")
+    assert lines[0]["rewards/flaky/errors"] > 0
+    # each completion that raised scored 0 and the others 1
+    assert lines[0]["rewards/flaky/mean"] == pytest.approx(1 - lines[0]["rewards/flaky/errors"] / 8)
+
+
+def test_two_processes_split_groups_and_agree_on_the_adaptive_sampling(tmp_path, tiny_model):
+    """AGPO-DSF's probes and clip ranges, adaGRPO's retries and the answer-phase sampler, with every group split
+    across two processes (gloo): the statistics come from gathered rewards, entropies and answer keys, so both
+    processes take the same decisions."""
+    out = tmp_path / "ddp"
+    # two steps of 2 completions a process per generation batch, each made twice: one group of 8 a batch, 4 on each
+    # process, and every step trains on a slice of both halves
+    args = ["--model_name_or_path", tiny_model, *TINY, "--output_dir", str(out), "--per_device_train_batch_size", "2",
+            "--max_steps", "8", "--num_generations", "8", "--steps_per_generation", "2", "--num_iterations", "2",
+            "--algo", "agpo_dsf", "--resample_schedule", '[{"step": 1, "params": [{"temperature": 1.0}]}]',
+            "--answer_marker", "is", "--kl_estimator", "k1", "--save_steps", "4"]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    proc = subprocess.run(launcher + [str(REPO / "train_agrpo.py"), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = steps_of(out)
+    assert [m["step"] for m in lines] == list(range(1, 9))  # only the main process writes
+    assert lines[0]["num_tokens/probe"] > 0 and lines[4]["num_tokens/probe"] > 0 and "resample_rounds" in lines[0]
+    assert [m["num_tokens/probe"] for m in lines[1:4] + lines[5:8]] == [0] * 6
+    assert len({m["epsilon"] for m in lines[:4]}) == 1 and lines[3]["step_kl_ema"] > 0
+    state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
+    assert state["data_position"] == 2  # one prompt per generation batch, across both processes
+    assert (out / "checkpoint-8" / "rng_state_1.pt").exists() and not (out / "checkpoint-8" / "rng_state_2.pt").exists()
