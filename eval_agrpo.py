@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import time
@@ -41,7 +40,8 @@ from lib.data import DEFAULT_INSTRUCTION, builtin_task, format_prompt, load_reco
 from lib.evaluation import completion_kl_entropy, generate_and_score, score_problems, win_rate
 from lib.modeling import (EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference,
                           model_folder_problem, native_bf16, resolve_model_path)
-from lib.rewards import resolve_reward_funcs, score_completions, weighted_sum
+from lib.losses import weighted_rewards
+from lib.rewards import resolve_reward_funcs, score_completions
 from lib.rollout import HFRollout, VLLMRollout
 
 BUILTIN = "builtin"
@@ -242,7 +242,9 @@ def reward_totals(reward_funcs, weights: list[float], prompts: list[str], record
     columns = {key: [records[i].get(key) for i in owners] for key in records[0] if key != "problem"}
     columns["completion_length"] = [n for r in results for n in r["lengths"]]
     per_func, _ = score_completions(reward_funcs, [prompts[i] for i in owners], texts, columns)
-    totals = [0.0 if math.isnan(t) else t for t in weighted_sum(per_func, weights)]  # all skipped: 0, as in training
+    # the trainer's sum (NaN skipped, all skipped: 0), in float64 as the rewards came
+    totals = weighted_rewards(torch.tensor(per_func, dtype=torch.float64).T,
+                              torch.tensor(weights, dtype=torch.float64)).tolist()
     out, k = [], 0
     for r in results:
         out.append(totals[k : k + len(r["completions"])])

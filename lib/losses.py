@@ -350,9 +350,3 @@ def aggregate_loss(
     if loss_type == "bnpo":
         return masked_sum.sum() / mask.sum().clamp(min=1.0) / gradient_accumulation_steps
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` over the positions where `mask` is 1 (0 when the mask is empty)."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)

@@ -496,14 +496,3 @@ def score_completions(
                               "but on no single completion", RuntimeWarning, stacklevel=2)
         rewards.append(_as_floats(name, values, n))
     return rewards, errors
-
-
-def weighted_sum(rewards_per_func: list[list[float]], weights: list[float]) -> list[float]:
-    """r_i = sum_k w_k r_i^(k) per completion, skipping NaN (TRL's nansum, docs/methods.md 1.2); NaN if all are NaN."""
-    if len(weights) != len(rewards_per_func):
-        raise ValueError(f"got {len(weights)} reward weights for {len(rewards_per_func)} reward functions")
-    totals = []
-    for per_completion in zip(*rewards_per_func, strict=True):
-        terms = [w * r for w, r in zip(weights, per_completion, strict=True) if not math.isnan(r)]
-        totals.append(sum(terms) if terms else math.nan)
-    return totals

@@ -24,7 +24,6 @@ from lib.rewards import (
     soft_overlong_reward,
     tag_count_reward,
     think_format_reward,
-    weighted_sum,
 )
 
 EMMA = "Emma has 18 cards, so Emma has 18 + 34 = 52 cards.\nAnswer: 52."
@@ -495,15 +494,3 @@ def test_score_completions_rejects_malformed_output():
         score_completions([("text", text)], ["q", "q"], ["a", "b"], {})
     with pytest.raises(ValueError, match="column 'answer' has 1 values for 2 completions"):
         score_completions([("format", format_reward)], ["q", "q"], ["a", "b"], {"answer": ["1"]})
-
-
-# --- weighted sum ---------------------------------------------------------------------------------------------------
-
-
-def test_weighted_sum_skips_nan():
-    nan = math.nan
-    rewards = [[1.0, 0.0, nan, nan], [1.0, nan, 0.5, nan]]
-    total = weighted_sum(rewards, [1.0, 2.0])
-    assert total[:3] == [3.0, 0.0, 1.0] and math.isnan(total[3])
-    with pytest.raises(ValueError, match="2 reward weights for 1 reward functions"):
-        weighted_sum(rewards[:1], [1.0, 2.0])
