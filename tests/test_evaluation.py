@@ -119,14 +119,49 @@ def test_kl_of_a_model_to_itself_is_zero_and_entropy_positive(embedded_model, to
     ids = [tokenizer.encode(" The answer is 5.", add_special_tokens=False),
            tokenizer.encode("Answer: 3", add_special_tokens=False)]
     results = [{"token_ids": [ids[0]]}, {"token_ids": [ids[1], ids[1][:2]]}]
-    kl, entropy = completion_kl_entropy(model, model, tokenizer, prompts, results, temperature=0.0,
+    # the reference as a second copy of the same weights, not the same object: completion_kl_entropy's
+    # `reference is model` shortcut (eval_agrpo.py's reference row: one pass instead of two) is not taken, so both
+    # forwards and the k3 math run
+    copy = load_policy(embedded_model).eval()
+    kl, entropy = completion_kl_entropy(model, copy, tokenizer, prompts, results, temperature=0.0,
                                         max_prompt_length=128)
+    # Two copies of the same weights on the same inputs run the same kernels in the same order: their log-probs are
+    # bitwise equal on this CPU and the KL is exactly 0. The bound 1e-6 also holds on a CPU whose kernels are not
+    # run-to-run deterministic: k3 of a log-prob difference d is d^2 / 2 + O(d^3), so float32 noise d ~ 1e-5 gives
+    # ~1e-10, while k3 without its -1 would give 1.
     assert kl == pytest.approx(0.0, abs=1e-6)
     assert 0.0 < entropy < math.log(len(tokenizer))
-    # a perturbed copy is a different distribution: KL > 0
+    shortcut = completion_kl_entropy(model, model, tokenizer, prompts, results, temperature=0.0,
+                                     max_prompt_length=128)
+    assert shortcut == pytest.approx((0.0, entropy), abs=1e-6)  # the shortcut gives the same
+
+    # a perturbed copy is a different distribution: its KL to the reference at a sampling temperature is the k3 token
+    # mean of the two models' per-token log-probs, computed here from plain forwards of each unpadded
+    # [prompt; completion] (the function pads prompts and runs completions on a shared-prefix cache)
     other = load_policy(embedded_model).eval()
     with torch.no_grad():
-        other.model.norm.weight.mul_(1.5)
-    kl_other, _ = completion_kl_entropy(other, model, tokenizer, prompts, results, temperature=1.0,
-                                        max_prompt_length=128)
-    assert kl_other > 1e-3
+        other.model.norm.weight.mul_(1.1)  # KL ~0.2 at temperature 0.7 (1.5 gives ~100)
+    temperature = 0.7
+    kl_other, entropy_other = completion_kl_entropy(other, model, tokenizer, prompts, results,
+                                                    temperature=temperature, max_prompt_length=128)
+    k3, entropies = [], []
+    with torch.no_grad():
+        for i, completion in [(0, ids[0]), (1, ids[1]), (1, ids[1][:2])]:
+            prompt = tokenizer.encode(prompts[i], add_special_tokens=False)
+            sequence = torch.tensor([prompt + completion])
+            at = slice(len(prompt) - 1, len(prompt) - 1 + len(completion))  # the positions predicting completion
+            target = torch.tensor(completion)[:, None]
+            logp_all = torch.log_softmax(other(sequence).logits[0, at].double() / temperature, dim=-1)
+            ref_all = torch.log_softmax(model(sequence).logits[0, at].double() / temperature, dim=-1)
+            log_u = ref_all.gather(1, target) - logp_all.gather(1, target)
+            k3 += (torch.exp(log_u) - log_u - 1).flatten().tolist()
+            entropies += (-(logp_all.exp() * logp_all).sum(-1)).tolist()
+    assert len(k3) == len(ids[0]) + len(ids[1]) + 2
+    kl_hand = sum(k3) / len(k3)
+    assert kl_hand > 1e-2
+    # Both sides are float32 forwards of the same weights that differ only in padding, the prefix cache and summation
+    # order. Measured on this CPU: KL 0.176164 by hand, 0.176166 by the function (relative gap 9e-6; the k3 of
+    # tokens where the reference is likelier amplifies log-prob noise by u - 1); entropies 1e-7 apart. The bounds
+    # leave 100x for other CPUs' kernels; a missing temperature (KL 0.05) or another estimator is far outside them.
+    assert kl_other == pytest.approx(kl_hand, rel=1e-3)
+    assert entropy_other == pytest.approx(sum(entropies) / len(entropies), rel=1e-5)
