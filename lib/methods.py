@@ -1,18 +1,17 @@
-"""A method's parts, chosen once before the training loop: how a generation batch is sampled, and its controllers.
+"""A method's parts, chosen once before the training loop: how a generation batch is refilled, the advantage rule
+and the controllers.
 
 Every method (docs/methods.md section 9) is GRPO plus some of the parts below. `choose_method(cfg)` picks them from
 the configuration, so the loop in train_agrpo.py calls the same hooks whatever the method and never asks which one
-it runs:
+it runs (docs/methods.md 6.1):
 
-    temperatures  one temperature for every prompt (GRPO), or AGPO-DSF's probe group per prompt, whose reward spread,
-                  answer vote entropy and skewness set that prompt's temperature          (ProbeTemperatures)
     refill        after scoring: nothing (GRPO), DAPO's dynamic sampling (a group whose answers are all right or all
                   wrong gives way to the next prompt), or adaGRPO's retries (a group with no correct answer is
-                  sampled again with the next retry's parameters)               (DynamicSampling, RetryUntilCorrect)
+                  sampled again with the next retry's parameters)       (NoRefill, DynamicSampling, RetryUntilCorrect)
     advantages    lib/losses.group_advantages with the method's options
-    controllers   the values each optimizer step trains with (beta, epsilon), set before the step and updated from
-                  what it measured: A-GRPO's KL controller and adaptive group size, AGPO-DSF's clip range per
-                  group and step-KL average (KLController, GroupSizeController, DSFController)
+    controllers   the group size and each prompt's temperature before sampling (A-GRPO's adaptive group size,
+                  AGPO-DSF's probe groups), the values each optimizer step trains with (beta, epsilon) and how they
+                  move with what the step measured (KLController, GroupSizeController, DSFController)
 
 The pure state transitions live in lib/controllers.py; the objects here hold a state, call those transitions at
 fixed hooks, and save / restore the state with every checkpoint. Each hook's docstring says when the loop calls it.
