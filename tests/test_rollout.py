@@ -46,7 +46,8 @@ def test_groups_counts_and_per_prompt_temperature(embedded_model, tokenizer):
     lengths = out.completion_mask.sum(1)
     for row in range(4):
         assert (out.completion_ids[row, lengths[row]:] == tokenizer.pad_token_id).all()
-    # the same seed gives the same samples; sync_weights copies the policy into the bf16 sampler
+    # the same seed gives the same samples (same code, inputs and kernels: exactly); sync_weights copies the policy
+    # into the bf16 sampler (a cast: exactly)
     again = HFRollout(policy, [tokenizer.eos_token_id], tokenizer.pad_token_id, bf16=True, seed=3).generate(
         ids, mask, torch.tensor([3, 1]), 12, temperature=torch.tensor([0.7, 1.3]))
     assert torch.equal(out.completion_ids, again.completion_ids)
@@ -61,6 +62,7 @@ def test_sampler_respects_temperature_top_k_and_top_p():
     gen = torch.Generator().manual_seed(0)
     draws = sample_next_token(logits, torch.ones(4000), top_p=1.0, top_k=0, generator=gen)
     freq = torch.bincount(draws, minlength=4).float() / 4000
+    # a statistical bound, not rounding: 0.03 is 3.8 standard errors of 4000 draws at p = 0.5
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
     top_k = sample_next_token(logits, torch.ones(4000), top_p=1.0, top_k=2, generator=gen)
     assert set(top_k.tolist()) == {0, 1}
@@ -151,6 +153,7 @@ def test_policy_weights_of_a_lora_policy_equal_peft_merge(embedded_model):
     assert set(sent) == set(merged) - {"lm_head.weight"}
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(sent[q], load_policy(embedded_model).state_dict()[q])  # the delta is in
+    # exactly: both add the same get_delta_weight to the same fp32 weight, one elementwise add on the same CPU
     assert max(float((sent[k] - merged[k]).abs().max()) for k in sent) == 0.0
 
 
