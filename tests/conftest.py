@@ -53,8 +53,6 @@ def assert_close_to_scale(actual, expected, rel: float, what: str = "") -> None:
     """Every element within rel * max|expected| of its expected value: rounding scales with the tensor's magnitude
     (log-probs of rare tokens reach -30), and one wrong element (a token masked wrongly, a wrong temperature) still
     fails. rel 1e-4 for a model's forward in fp32, 1e-5 for a layer or two."""
-    import torch
-
     actual, expected = actual.detach().double(), expected.detach().double()
     assert actual.shape == expected.shape, (tuple(actual.shape), tuple(expected.shape))
     scale = expected.abs().max().item() if expected.numel() else 0.0
