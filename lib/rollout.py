@@ -138,8 +138,11 @@ def sample_next_token(
 
 
 def can_prepack() -> bool:
-    """Whether this torch has oneDNN's prepacked linear (CPU builds with mkldnn)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """Whether this torch has oneDNN's prepacked linear (CPU builds with mkldnn) and this CPU its bf16 kernel: on a
+    CPU without AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT the reorder raises (seen on an AVX2 EPYC), so the bf16 copy
+    then decodes with plain linear layers."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(torch.nn.Module):
