@@ -178,6 +178,14 @@ class Config:
                                                "(default: all 1)."})
     reward_error_value: float | None = field(default=0.0, metadata={"help": "Score for a completion on which a "
                                              "reward function raises (null = skip it, like None)."})
+    reward_timeout: float = field(default=300.0, metadata={"help": "Seconds one call of a reward function may "
+                                  "take. Reward functions run in a worker process: a call past the limit, or one "
+                                  "that kills the worker, scores as a failure (reward_error_value) and is counted; "
+                                  "the run goes on (0 = no worker and no limit: they run in the trainer)."})
+    max_nonfinite_steps: int = field(default=3, metadata={"help": "A non-finite reward, advantage, loss or gradient "
+                                     "norm skips its optimizer step (logged with the reason); after this many "
+                                     "consecutive skipped steps the run stops with an error, keeping its last good "
+                                     "checkpoint."})
     cosine_max_len: int | None = field(default=None, metadata={"help": "Length (tokens) at which the cosine reward "
                                        "reaches its long-answer value (default: max_completion_length)."})
     overlong_buffer_length: int | None = field(default=None, metadata={"help": "DAPO soft overlong punishment: the "
@@ -432,10 +440,12 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
             raise ConfigError(f"{name}: '{getattr(cfg, name)}' is not one of {', '.join(allowed)}")
     positive = ["num_generations", "max_prompt_length", "max_completion_length", "max_steps",
                 "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations", "steps_per_generation",
-                "logging_steps", "eval_batch_size", "builtin_num_train", "lora_r"]
+                "logging_steps", "eval_batch_size", "builtin_num_train", "lora_r", "max_nonfinite_steps"]
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    if not cfg.reward_timeout >= 0:  # also refuses NaN
+        raise ConfigError(f"reward_timeout must be at least 0 seconds (0 = no limit), got {cfg.reward_timeout}")
     if cfg.num_eval_samples < 0:
         raise ConfigError(f"num_eval_samples must be at least 0 (0 = no evaluation), got {cfg.num_eval_samples}")
     for name in ("eval_steps", "save_steps", "save_total_limit", "max_train_samples", "max_num_tokens"):
