@@ -55,6 +55,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -80,13 +81,17 @@ from lib.memory import (build_optimizer, check_step_memory, estimate_step_memory
 from lib.methods import Method, RolloutContext, Sampled, TrainValues, choose_method
 from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_token_ids, is_adapter_folder,
                           load_policy, load_reference, load_tokenizer, native_bf16, resolve_model_path)
+from lib.reward_worker import RewardWorker
 from lib.rewards import resolve_reward_funcs
 from lib.rollout import AnswerPhase, HFRollout, Rollout, VLLMRollout
 
 
 def main(argv: list[str] | None = None) -> dict:
     run, state = setup(parse_config(argv))
-    return train(run, state)
+    try:
+        return train(run, state)
+    finally:
+        close(run)
 
 
 # =====================================================================================================================
@@ -95,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def train(run: Run, state: TrainerState) -> dict:
     cfg, geo, controllers = run.cfg, run.geometry, run.method.controllers
-    if state.global_step == 0 or (cfg.eval_steps and state.global_step % cfg.eval_steps == 0):
+    resumed_at_end = state.global_step > 0 and finished(cfg, state, geo.steps_per_rollout)  # only the end is left
+    if not resumed_at_end and (state.global_step == 0 or (cfg.eval_steps and state.global_step % cfg.eval_steps == 0)):
         start = evaluate(run, state.global_step)
         if start and run.accelerator.is_main_process:
             tqdm.write(f"eval step {state.global_step}: accuracy {start['eval/accuracy']:.3f} on "
@@ -130,14 +136,17 @@ def train(run: Run, state: TrainerState) -> dict:
         # ---------------------------------------------------------------------------------- 5. policy update
         # one optimizer step on this step's slice of the generation batch
         part = state.global_step % geo.steps_per_rollout % cfg.steps_per_generation
-        update = update_policy(run, batch, part, values)
+        update, nonfinite = update_policy(run, batch, part, values)
         state.global_step += 1
         step = state.global_step
+        state.nonfinite_streak = state.nonfinite_streak + 1 if nonfinite else 0
 
         # ---------------------------------------------------------------------------------- 6. controller update
-        # from what this step measured; after the last step on a batch, from what the batch's updates did
-        controllers.after_step(update["kl"])
-        if step % geo.steps_per_rollout == 0:
+        # from what this step measured; after the last step on a batch, from what the batch's updates did (a step
+        # skipped for a non-finite value teaches the controllers nothing)
+        if not nonfinite:
+            controllers.after_step(update["kl"])
+        if step % geo.steps_per_rollout == 0 and not batch.nonfinite:
             controllers.after_batch(float(batch.adv_stats["frac_reward_zero_std"]),
                                     partial(step_drift, run, batch, timing))
         state.controller_state = controllers.state_dict()
@@ -156,20 +165,33 @@ def train(run: Run, state: TrainerState) -> dict:
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}",
                         step_time=f"{metrics['step_time']:.1f}s")
+        if nonfinite:  # the weights did not move; stop after max_nonfinite_steps such steps in a row
+            stop_if_nonfinite(run, state, nonfinite)
 
         # ---------------------------------------------------------------------------------- 8. evaluate / save
         if cfg.eval_steps and step % cfg.eval_steps == 0 and not last:
             evaluate(run, step)
-        if cfg.save_steps and step % cfg.save_steps == 0 and not last:
+        saved = cfg.save_steps and step % cfg.save_steps == 0 and not last
+        if saved:
             save_checkpoint(run, state)
+        # preemption (SIGTERM / SIGUSR1): checkpoint where resuming is exact, at the end of a generation batch
+        if not last and step % geo.steps_per_rollout == 0 and (signal_name := stop_requested(run)):
+            stop_for_signal(run, state, signal_name, saved)
     bar.close()
 
     end_eval = evaluate(run, state.global_step)
     save_checkpoint(run, state)
     save_final(run, end_eval, state.global_step)
-    run.engine.close()
-    run.accelerator.end_training()
     return {"eval": end_eval, "global_step": state.global_step}
+
+
+def close(run: Run) -> None:
+    """After the run, or when it stops early: the sampler, the reward worker, the trackers, the signal handlers."""
+    run.stop.restore()
+    run.engine.close()
+    if run.ctx.worker is not None:
+        run.ctx.worker.close()
+    run.accelerator.end_training()
 
 
 def finished(cfg: Config, state: TrainerState, per_rollout: int) -> bool:
@@ -216,6 +238,7 @@ class Batch:
     texts: list[str]
     prompts: list[str]
     answers: list
+    nonfinite: str = ""  # what was not finite in the rewards or advantages ("" when all were): no step trains on it
 
 
 def sample_batch(run: Run, data_position: int, step: int) -> Sampled:
@@ -223,7 +246,7 @@ def sample_batch(run: Run, data_position: int, step: int) -> Sampled:
     method's refill. Returns the batch and the data position after it."""
     cfg, ctx, controllers = run.cfg, run.ctx, run.method.controllers
     t0 = time.perf_counter()
-    ctx.reward_seconds = 0.0
+    ctx.start_batch()
     group_size = controllers.group_size(cfg.num_generations)
     num_prompts = run.geometry.global_completions * cfg.steps_per_generation // group_size
     prompts = ctx.prompts(ctx.next_slots(data_position, num_prompts), group_size)
@@ -237,6 +260,7 @@ def sample_batch(run: Run, data_position: int, step: int) -> Sampled:
                       data_position + num_prompts, rounds=[total.view(num_prompts, group_size)], counters=counters)
     sampled = run.method.refill(ctx, sampled, step)
     sampled.reward_seconds = ctx.reward_seconds
+    sampled.nonfinite = ctx.nonfinite
     sampled.generation_seconds = time.perf_counter() - t0 - ctx.reward_seconds
     run.engine.sleep()  # vLLM sleep mode: the engine's memory goes to the training pass until the next sync
     return sampled
@@ -253,12 +277,13 @@ def prepare_batch(run: Run, sampled: Sampled) -> Batch:
     advantages = advantages_all[geo.first: geo.first + geo.local_rollout]
     # a step's slice with no advantage on any process has no policy-gradient signal (the same answer everywhere)
     signal = (advantages_all.view(geo.world, cfg.steps_per_generation, geo.local_completions) != 0).any(2).any(0)
+    nonfinite, nonfinite_counts = nonfinite_rewards(run, sampled, advantages_all)
     loss_mask = roll.completion_mask.float()
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~roll.is_truncated).float()[:, None]
     if cfg.loss_mask_zero_advantage:  # AGPO loss mask: no zero-advantage tokens in sum or count
         loss_mask = loss_mask * (advantages != 0).float()[:, None]
-    counters = sampled.counters
+    counters = {**sampled.counters, **nonfinite_counts}
     timing = {"rewards": sampled.reward_seconds, "generation": sampled.generation_seconds}
     generated = int(accelerator.reduce(roll.completion_mask.sum(), reduction="sum"))
     t0 = time.perf_counter()
@@ -270,12 +295,32 @@ def prepare_batch(run: Run, sampled: Sampled) -> Batch:
         prompt_of_row=(torch.arange(geo.first, geo.first + geo.local_rollout) // group_size).to(accelerator.device),
         advantages=advantages, adv_stats=adv_stats, loss_mask=loss_mask,
         slice_tokens=accelerator.reduce(loss_mask.view(cfg.steps_per_generation, -1).sum(1), reduction="sum"),
-        skip_updates=[cfg.skip_zero_signal_updates and not bool(has) for has in signal],
+        skip_updates=[bool(nonfinite) or (cfg.skip_zero_signal_updates and not bool(has)) for has in signal],
         ref_logp=ref_logp, old_logp=old_logp, old_entropy=old_entropy,
         num_tokens=generated + int(sum(v for k, v in counters.items() if k.startswith("num_tokens/"))),
         counters=counters, timing=timing,
         texts=run.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True),
-        prompts=[ctx.prompt_text(r) for r in owners], answers=[r.get("answer") for r in owners])
+        prompts=[ctx.prompt_text(r) for r in owners], answers=[r.get("answer") for r in owners],
+        nonfinite=nonfinite)
+
+
+def nonfinite_rewards(run: Run, sampled: Sampled, advantages: torch.Tensor) -> tuple[str, dict]:
+    """(what was not finite, "" if nothing; the per-function counts to log). A reward of inf, -inf or NaN (None is
+    not one: it means 'does not apply') makes every advantage of the batch meaningless, so no step trains on it."""
+    names, accelerator = run.ctx.reward_names, run.accelerator
+    counts = accelerator.reduce(torch.tensor([sampled.nonfinite.get(n, 0) for n in names], dtype=torch.float32,
+                                             device=accelerator.device), reduction="sum").tolist()
+    reasons = []
+    for k, (name, count) in enumerate(zip(names, counts)):
+        if count:
+            column = sampled.rewards[:, k]
+            kinds = {"inf": int(torch.isposinf(column).sum()), "-inf": int(torch.isneginf(column).sum())}
+            kinds["nan"] = max(int(count) - kinds["inf"] - kinds["-inf"], 0)
+            seen = ", ".join(f"{v} x {k}" for k, v in kinds.items() if v)
+            reasons.append(f"reward function '{name}' returned {seen or 'non-finite values'}")
+    if not reasons and not torch.isfinite(advantages).all():
+        reasons.append("the advantages (from finite rewards: a reward too large for float32 arithmetic?)")
+    return "; ".join(reasons), {f"nonfinite/rewards/{n}": c for n, c in zip(names, counts)}
 
 
 def reference_and_old_logps(run: Run, roll: Rollout):
@@ -304,8 +349,8 @@ def reference_and_old_logps(run: Run, roll: Rollout):
 def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dict:
     """Phase 5: one optimizer step on slice `part` of the generation batch (its gradient_accumulation_steps
     micro-batches), with the step's beta and clip range. A slice without signal under skip_zero_signal_updates is
-    measured (loss, KL, entropy, clip) but moves nothing. Returns the step's reduced metrics, weights synced to the
-    sampler."""
+    measured (loss, KL, entropy, clip) but moves nothing, and so does one whose rewards, loss or gradient norm are
+    not finite. Returns (the step's reduced metrics, what was not finite or ""), weights synced to the sampler."""
     cfg, geo, accelerator, scorer = run.cfg, run.geometry, run.accelerator, run.scorer
     roll = batch.rollout
     step_micro = geo.micro[part * cfg.gradient_accumulation_steps: (part + 1) * cfg.gradient_accumulation_steps]
@@ -367,22 +412,30 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
 
     t0 = time.perf_counter()
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this update used
-    if skip_update:  # the schedule still advances: it is laid out over steps, not updates
-        grad_norm = torch.zeros(())
-    else:
+    reduced = accelerator.reduce(torch.stack([sums["loss"], sums["kl"], sums["entropy"]]), reduction="sum")
+    nonfinite = batch.nonfinite  # the batch's rewards: every step on it is skipped
+    grad_norm = torch.zeros(())
+    if not skip_update:
         grad_norm = accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else \
             torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in run.params if p.grad is not None))
+        # both are reduced over every process, so every process takes the same decision
+        if not torch.isfinite(reduced[0]):
+            nonfinite = f"the loss ({float(reduced[0])})"
+        elif not torch.isfinite(grad_norm):
+            nonfinite = f"the gradient norm ({float(grad_norm)})"
+    stepped = not skip_update and not nonfinite
+    if stepped:
         run.optimizer.step()
-    run.scheduler.step()
+    run.scheduler.step()  # the schedule still advances on a skipped step: it is laid out over steps, not updates
     run.optimizer.zero_grad(set_to_none=True)
     timing["time/optimizer"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    run.engine.sync_weights(accelerator.unwrap_model(scorer).model)
+    if stepped:  # the weights moved: the sampler gets them
+        run.engine.sync_weights(accelerator.unwrap_model(scorer).model)
     timing["time/weight_sync"] = time.perf_counter() - t0
 
     step_tokens = accelerator.reduce(roll.completion_mask[step_rows].sum().float(), reduction="sum").clamp(min=1)
     loss_tokens = global_tokens.clamp(min=1)
-    reduced = accelerator.reduce(torch.stack([sums["loss"], sums["kl"], sums["entropy"]]), reduction="sum")
     temperature = accelerator.reduce((roll.temperatures * roll.completion_mask)[step_rows].sum(), reduction="sum")
     metrics = {
         "kl": float(reduced[1] / loss_tokens) if values.beta > 0 else 0.0,
@@ -392,7 +445,8 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
         "temperature": float(temperature / step_tokens),
     }
     if cfg.skip_zero_signal_updates:
-        metrics["update_skipped"] = float(skip_update)
+        metrics["update_skipped"] = float(skip_update and not batch.nonfinite)
+    metrics["nonfinite_skipped"] = float(bool(nonfinite))
     if tis:
         total = accelerator.reduce(torch.stack([tis_sums["sum"], tis_sums["diff_sum"]]), reduction="sum")
         highs = accelerator.reduce(torch.stack(list(tis_highs.values())), reduction="max")
@@ -401,7 +455,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                         "sampling/importance_sampling_ratio/max": float(highs[0]),
                         "sampling/sampling_logp_difference/mean": float(total[1] / loss_tokens),
                         "sampling/sampling_logp_difference/max": float(highs[1])})
-    return {**metrics, **timing}
+    return {**metrics, **timing}, nonfinite
 
 
 def step_drift(run: Run, batch: Batch, timing: dict) -> list[float]:
@@ -488,33 +542,120 @@ def evaluate(run: Run, step: int) -> dict:
 
 def save_checkpoint(run: Run, state: TrainerState) -> None:
     """Phase 8: model (or adapter), optimizer, scheduler, RNG per process and trainer state, written to a staging
-    folder and renamed into place (lib/checkpoint.py)."""
-    accelerator, main_process = run.accelerator, run.accelerator.is_main_process
-    staging = ckpt.staging_dir(run.out, state.global_step)
-    if main_process:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    ckpt.write_rng(staging, accelerator.process_index, ckpt.rng_state({"rollout": run.engine.state_dict()}))
-    if main_process:
-        accelerator.unwrap_model(run.scorer).model.save_pretrained(staging)
-        run.tokenizer.save_pretrained(staging)
-        torch.save(run.optimizer.state_dict(), staging / "optimizer.pt")
-        torch.save(run.scheduler.state_dict(), staging / "scheduler.pt")
-    accelerator.wait_for_everyone()
-    if main_process:
-        ckpt.commit_checkpoint(run.out, state.global_step, {**dataclasses.asdict(state), "config": to_dict(run.cfg)},
-                               run.cfg.save_total_limit)
-    accelerator.wait_for_everyone()
+    folder and renamed into place (lib/checkpoint.py). Never from non-finite weights. A write that fails (a full
+    disk) on any process removes the staging folder, leaves the previous checkpoint whole and stops the run with
+    the space a checkpoint needs."""
+    accelerator, main_process, step = run.accelerator, run.accelerator.is_main_process, state.global_step
+    check_finite_weights(run, f"checkpoint-{step}")
+    staging = ckpt.staging_dir(run.out, step)
+    error = None
+    try:
+        if main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        ckpt.write_rng(staging, accelerator.process_index, ckpt.rng_state({"rollout": run.engine.state_dict()}))
+        if main_process:
+            accelerator.unwrap_model(run.scorer).model.save_pretrained(staging)
+            run.tokenizer.save_pretrained(staging)
+            torch.save(run.optimizer.state_dict(), staging / "optimizer.pt")
+            torch.save(run.scheduler.state_dict(), staging / "scheduler.pt")
+    except Exception as exc:  # noqa: BLE001 - OSError, or torch.save's RuntimeError around one: reported below
+        error = f"{type(exc).__name__}: {exc}"
+    error = first_error(run, error)
+    if error is None and main_process:
+        try:
+            ckpt.commit_checkpoint(run.out, step, {**dataclasses.asdict(state), "config": to_dict(run.cfg)},
+                                   run.cfg.save_total_limit)
+        except OSError as exc:  # a full disk while writing trainer_state.json
+            error = f"{type(exc).__name__}: {exc}"
+    error = first_error(run, error)
+    if error is not None:
+        if main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise ckpt.RunStopped(save_failed_message(run, f"checkpoint-{step}", error))
+
+
+def first_error(run: Run, error: str | None) -> str | None:
+    """The first process's error, on every process (a collective: every process calls it at the same point)."""
+    if run.accelerator.num_processes == 1:
+        return error
+    return next((e for e in run.ctx.gather_object([error]) if e is not None), None)
+
+
+def save_failed_message(run: Run, what: str, error: str) -> str:
+    unwrapped = run.accelerator.unwrap_model(run.scorer).model
+    previous = ckpt.latest_checkpoint(run.out)
+    if previous is not None:
+        needed = ckpt.folder_bytes(previous)
+    else:  # model (adapter) and optimizer states, as written
+        weights = run.params if hasattr(unwrapped, "peft_config") else list(unwrapped.state_dict().values())
+        states = [v for s in run.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        needed = sum(t.numel() * t.element_size() for t in [*weights, *states])
+    free = shutil.disk_usage(run.out).free
+    cause = f"out of space; {error}" if free < needed else error
+    return (f"{what} could not be written to '{run.out}' ({cause}). A checkpoint needs about {needed / 2**20:.1f} "
+            f"MiB; {free / 2**20:.1f} MiB are free. The partial files were removed and "
+            f"{previous.name + ' is whole' if previous else 'no earlier checkpoint exists'}. Free some space and "
+            f"resume with --resume_from_checkpoint latest")
+
+
+def check_finite_weights(run: Run, what: str) -> None:
+    """Refuse to save weights that are not finite (the trained ones; frozen ones never change)."""
+    if not all(bool(torch.isfinite(p).all()) for p in run.params):
+        raise ckpt.RunStopped(f"{what} not written: the weights are not finite (an optimizer step on finite "
+                              f"gradients overflowed: lower learning_rate). The last checkpoint is "
+                              f"{getattr(ckpt.latest_checkpoint(run.out), 'name', 'none')}")
+
+
+def stop_if_nonfinite(run: Run, state: TrainerState, reason: str) -> None:
+    """Say that a step was skipped for a non-finite value; stop after max_nonfinite_steps in a row."""
+    cfg, step = run.cfg, state.global_step
+    if run.accelerator.is_main_process:
+        tqdm.write(f"step {step}: optimizer step skipped, the weights unchanged: {reason} not finite "
+                   f"({state.nonfinite_streak} of max_nonfinite_steps {cfg.max_nonfinite_steps} in a row)")
+    if state.nonfinite_streak >= cfg.max_nonfinite_steps:
+        latest = ckpt.latest_checkpoint(run.out)
+        raise ckpt.RunStopped(
+            f"step {step}: {state.nonfinite_streak} optimizer steps in a row skipped for non-finite values, the last "
+            f"because {reason} was not finite (max_nonfinite_steps {cfg.max_nonfinite_steps}). No weight was "
+            f"updated from them and final/ was not written; the last checkpoint is "
+            f"{latest.name if latest else 'none'}. Fix the cause (docs/troubleshooting.md) and resume with "
+            f"--resume_from_checkpoint latest")
+
+
+def stop_requested(run: Run) -> str | None:
+    """The stop signal any process received (SIGTERM / SIGUSR1), the same answer on every process."""
+    name = run.stop.signal_name
+    if run.accelerator.num_processes > 1:
+        names = ckpt.StopRequest.SIGNALS
+        index = run.accelerator.reduce(torch.tensor(names.index(name) + 1 if name else 0,
+                                                    device=run.accelerator.device), reduction="max")
+        name = names[int(index) - 1] if int(index) else None
+    return name
+
+
+def stop_for_signal(run: Run, state: TrainerState, signal_name: str, saved: bool) -> None:
+    """Preemption: a checkpoint at this step (resuming from it is exact) and a stop."""
+    if not saved:
+        save_checkpoint(run, state)
+    raise ckpt.RunStopped(f"{signal_name} received: stopped at step {state.global_step} of {run.cfg.max_steps} with "
+                          f"checkpoint-{state.global_step} written; continue with --resume_from_checkpoint latest",
+                          exit_code=128 + int(getattr(signal, signal_name)))
 
 
 def save_final(run: Run, end_eval: dict, step: int) -> None:
     """final/: a model (or adapter) folder that transformers / peft load as is, renamed into place."""
+    check_finite_weights(run, "final/")
     if run.accelerator.is_main_process:
         final, staging = run.out / "final", run.out / ".final.partial"
         shutil.rmtree(staging, ignore_errors=True)
-        run.accelerator.unwrap_model(run.scorer).model.save_pretrained(staging)
-        run.tokenizer.save_pretrained(staging)
+        try:
+            run.accelerator.unwrap_model(run.scorer).model.save_pretrained(staging)
+            run.tokenizer.save_pretrained(staging)
+        except (OSError, RuntimeError) as exc:  # a full disk (safetensors raises either): the checkpoint is whole
+            shutil.rmtree(staging, ignore_errors=True)
+            raise ckpt.RunStopped(save_failed_message(run, "final/", f"{type(exc).__name__}: {exc}")) from exc
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         score_text = f"accuracy {end_eval['eval/accuracy']:.3f}; " if end_eval else ""
@@ -534,6 +675,7 @@ class TrainerState:
     data_position: int = 0  # prompts taken from the data order so far (lib/data.prompts_for_step)
     num_tokens: int = 0  # tokens generated on all processes, probes and discarded rounds included
     controller_state: dict = dataclasses.field(default_factory=dict)
+    nonfinite_streak: int = 0  # optimizer steps skipped in a row for non-finite values
 
 
 @dataclass(frozen=True)
@@ -579,6 +721,7 @@ class Run:
     scheduler: object
     eval_records: list[dict]
     geometry: Geometry
+    stop: ckpt.StopRequest  # SIGTERM / SIGUSR1 received
 
 
 def setup(cfg: Config) -> tuple[Run, TrainerState]:
@@ -605,6 +748,11 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
                           f"function")
     train_records, eval_records = load_data(cfg)
     resume = prepare_output_dir(cfg, accelerator)
+    # reward functions run in a worker process with a time limit per call (lib/reward_worker.py); it starts now and
+    # loads them while the models load
+    worker = RewardWorker(cfg.reward_funcs, reward_options(cfg), cfg.reward_timeout) if cfg.reward_timeout else None
+    if worker is not None:
+        worker.start()
     out = Path(cfg.output_dir)
     if accelerator.is_main_process:
         save_yaml(cfg, out / "config.yaml")
@@ -668,9 +816,9 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
         if cfg.answer_marker else None
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
     ctx = RolloutContext(cfg, engine, tokenizer, reward_funcs, reward_weights, train_records, accelerator,
-                         answer_phase, geometry.local_rollout, geometry.first)
+                         answer_phase, geometry.local_rollout, geometry.first, worker)
     return Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method, params, optimizer,
-               scheduler, eval_records, geometry), state
+               scheduler, eval_records, geometry, ckpt.StopRequest()), state
 
 
 def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, rank: int) -> HFRollout | VLLMRollout:
@@ -719,19 +867,35 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
 def prepare_output_dir(cfg: Config, accelerator: Accelerator) -> Path | None:
     """Refuse to write over an existing run unless asked; returns the checkpoint to resume from, if any."""
     out = Path(cfg.output_dir)
+    try:  # every process: on several nodes each writes its RNG state into the same folder
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_test_{accelerator.process_index}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"output_dir: cannot create or write '{out}' ({error.strerror or error}); pass a folder "
+                          f"you can write to") from error
+    if accelerator.is_main_process:  # what a kill in the middle of a save left behind
+        for line in ckpt.recover(out):
+            tqdm.write(f"output_dir: {line}")
+    accelerator.wait_for_everyone()
     resume = None
     if cfg.resume_from_checkpoint == "latest":
+        # a job script passes 'latest' every time: on the first start, or after a kill before the first checkpoint,
+        # there is none yet and the run starts from step 0 (what a killed run logged is set aside, not lost)
         resume = ckpt.latest_checkpoint(out)
-        if resume is None:
-            raise ConfigError(f"resume_from_checkpoint: 'latest' found no checkpoint in '{out}'")
+        if resume is None and accelerator.is_main_process:
+            tqdm.write(f"resume_from_checkpoint: 'latest' found no checkpoint in '{out}': starting from step 0")
+            for name in ("metrics.jsonl", "completions.jsonl"):
+                ckpt.trim_jsonl(out / name, 0)
     elif cfg.resume_from_checkpoint:
         resume = Path(cfg.resume_from_checkpoint)
-    holds_run = (out / "metrics.jsonl").exists() or bool(ckpt.list_checkpoints(out))
+    holds_run = (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size > 0 \
+        or bool(ckpt.list_checkpoints(out))
     if holds_run and resume is None and not cfg.overwrite_output_dir:
         raise ConfigError(f"output_dir: '{out}' already holds a run. Pass --resume_from_checkpoint latest to "
                           f"continue it, --overwrite_output_dir true to start over, or another --output_dir")
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
         if holds_run and resume is None:  # overwrite_output_dir: start over, explicitly asked for
             for old in [*ckpt.list_checkpoints(out), out / "final"]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -790,3 +954,6 @@ if __name__ == "__main__":
         main()
     except ConfigError as error:
         sys.exit(f"configuration error: {error}")
+    except ckpt.RunStopped as error:
+        print(f"training stopped: {error}", file=sys.stderr)
+        sys.exit(error.exit_code)

@@ -14,6 +14,8 @@ import os
 import random
 import re
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +87,73 @@ def commit_checkpoint(output_dir: str | Path, step: int, trainer_state: dict, sa
     return final
 
 
+def recover(output_dir: str | Path) -> list[str]:
+    """Finish or undo what a run killed while saving left behind; returns what was done, one line each.
+
+    A kill between the two renames of a re-saved step (commit_checkpoint) leaves `checkpoint-N` missing, the old copy
+    in `.checkpoint-N.old` and the new one, complete, in `.checkpoint-N.partial`: the complete new one is put in
+    place (or the old one back). Staging folders of saves that never committed, and of `final/`, are removed."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    done = []
+    for old in sorted(root.glob(".checkpoint-*.old")):
+        step = old.name[len(".checkpoint-"):-len(".old")]
+        final, staging = root / f"checkpoint-{step}", staging_dir(root, int(step)) if step.isdigit() else None
+        if not final.exists():
+            if staging is not None and (staging / STATE_FILE).exists():
+                os.replace(staging, final)
+                done.append(f"checkpoint-{step}: completed the save a kill interrupted")
+            elif (old / STATE_FILE).exists():
+                os.replace(old, final)
+                done.append(f"checkpoint-{step}: put the previous copy back")
+        shutil.rmtree(old, ignore_errors=True)
+    for partial in [*root.glob(".checkpoint-*.partial"), root / ".final.partial"]:
+        if partial.exists():
+            shutil.rmtree(partial, ignore_errors=True)
+            done.append(f"removed {partial.name} (a save that never finished)")
+    return done
+
+
+def folder_bytes(folder: str | Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
+class RunStopped(RuntimeError):
+    """The run stopped on purpose, its checkpoints whole: preempted (exit code 128 + the signal's number, as a shell
+    reports a process the signal ended), too many non-finite steps, or a checkpoint that could not be written (1)."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StopRequest:
+    """SIGTERM and SIGUSR1 (a scheduler's preemption, or its warning ahead of the time limit) ask the run to stop:
+    the handler only records the signal; the loop checks `signal_name` where a checkpoint resumes exactly, saves
+    and exits (train_agrpo.train). A second signal of the same kind while the first is pending is ignored. Handlers
+    are installed in the main thread only (Python's rule) and restored by `restore()`."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
 def read_trainer_state(checkpoint: str | Path) -> dict:
     return json.loads((Path(checkpoint) / STATE_FILE).read_text())
 
@@ -95,12 +164,23 @@ def read_rng(checkpoint: str | Path, rank: int) -> dict | None:
 
 
 def trim_jsonl(path: Path, last_step: int) -> None:
-    """Keep the lines of `path` up to `last_step`; later ones move to `<name>.orphaned.jsonl` (not lost)."""
+    """Keep the lines of `path` that a run resumed at `last_step` does not write again: those of earlier steps and
+    the training lines of `last_step` itself (its evaluation, if any, is redone after the resume). The others move to
+    `<name>.orphaned.jsonl` (not lost), and so does a line cut short by a kill in the middle of a write."""
     if not path.exists():
         return
+
+    def kept(line: str) -> bool:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return False
+        step = record.get("step", 0)
+        return step < last_step or (step == last_step and not any(k.startswith("eval/") for k in record))
+
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    keep = [line for line in lines if json.loads(line).get("step", 0) <= last_step]
-    later = [line for line in lines if json.loads(line).get("step", 0) > last_step]
+    keep = [line for line in lines if kept(line)]
+    later = [line for line in lines if not kept(line)]
     if later:
         with open(path.with_suffix(".orphaned.jsonl"), "a") as f:
             f.write("\n".join(later) + "\n")

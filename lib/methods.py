@@ -81,6 +81,7 @@ class Sampled:
     rounds: list[torch.Tensor]
     counters: dict[str, float] = field(default_factory=dict)
     reward_seconds: float = 0.0  # time spent in reward functions
+    nonfinite: dict[str, int] = field(default_factory=dict)  # completions each function scored inf / -inf / NaN
     generation_seconds: float = 0.0  # time spent sampling (probes and refills included), rewards excepted
 
 
@@ -88,7 +89,7 @@ class RolloutContext:
     """The engine, the data, the reward functions and the process group, as the sampling parts need them."""
 
     def __init__(self, cfg, engine, tokenizer, reward_funcs, reward_weights: torch.Tensor, train_records: list[dict],
-                 accelerator, answer_phase, local_rollout: int, first: int):
+                 accelerator, answer_phase, local_rollout: int, first: int, worker=None):
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
         self.reward_funcs, self.reward_weights = reward_funcs, reward_weights
         self.reward_names = [name for name, _ in reward_funcs]
@@ -98,6 +99,13 @@ class RolloutContext:
         self.local_rollout, self.first = local_rollout, first
         self.device = accelerator.device
         self.reward_seconds = 0.0  # time spent in reward functions, reported apart from generation
+        self.worker = worker  # lib.reward_worker.RewardWorker (reward_timeout > 0), or None: called in this process
+        self.nonfinite = dict.fromkeys(self.reward_names, 0)  # completions scored inf / -inf / NaN, this batch
+
+    def start_batch(self) -> None:
+        """Reset the per-batch tallies (reward time, non-finite rewards)."""
+        self.reward_seconds = 0.0
+        self.nonfinite = dict.fromkeys(self.reward_names, 0)
 
     def prompt_text(self, record: dict) -> str:
         return format_prompt(self.tokenizer, record["problem"], self.cfg.instruction, self.cfg.system_prompt)
@@ -131,8 +139,12 @@ class RolloutContext:
         owners = [records[i] for i in rollout.prompt_index.tolist()]
         columns = {key: [r.get(key) for r in owners] for key in owners[0] if key != "problem"}
         columns["completion_length"] = rollout.completion_mask.sum(1).tolist()  # tokens, for length-based rewards
+        nonfinite = {}
         per_func, errors = score_completions(self.reward_funcs, [self.prompt_text(r) for r in owners], texts,
-                                             columns, error_value=self.cfg.reward_error_value)
+                                             columns, error_value=self.cfg.reward_error_value,
+                                             call=self.worker.call if self.worker is not None else None,
+                                             nonfinite=nonfinite)
+        self.nonfinite = {n: self.nonfinite[n] + nonfinite[n] for n in self.reward_names}
         self.reward_seconds += time.perf_counter() - t0
         return torch.tensor(per_func, dtype=torch.float32, device=self.device).T, errors, texts
 

@@ -25,7 +25,6 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from math_verify import parse, verify
 
 RewardFunc = Callable[..., list[float | None]]
 
@@ -117,6 +116,8 @@ def _parse_math(text: str, timeout: int | None) -> list:
     words = _NUMBER_THEN_WORDS.fullmatch(text)
     if words:
         text = words.group(1)
+    from math_verify import parse  # imported on first use: 1.5 s that a run without answer checking never pays
+
     return parse(f"${text}$", parsing_timeout=timeout)
 
 
@@ -135,6 +136,8 @@ def answers_match(predicted: str | None, gold: str) -> bool:
         predicted_parsed = _parse_math(predicted, timeout)
         if not gold_parsed or not predicted_parsed:
             return False
+        from math_verify import verify
+
         # verify(gold, target): the order matters, gold first.
         return verify(gold_parsed, predicted_parsed, timeout_seconds=timeout)
     except (ValueError, TypeError, OverflowError, RecursionError):
@@ -455,6 +458,8 @@ def score_completions(
     completions: list[str],
     columns: dict[str, list],
     error_value: float | None = 0.0,
+    call: Callable | None = None,
+    nonfinite: dict[str, int] | None = None,
 ) -> tuple[list[list[float]], dict[str, int]]:
     """Run every reward function on the batch.
 
@@ -462,37 +467,53 @@ def score_completions(
     None); errors[name] counts the completions on which that function raised and got `error_value` (None -> NaN).
     A function that raises on the batch is retried one completion at a time, so one bad completion costs one reward,
     not the whole batch. Raises ValueError for a wrong-length or non-numeric result, or a column of the wrong length.
+
+    call(k, prompts, completions, columns): how function k is called (default: directly, in this process; the
+    trainer passes lib.reward_worker.RewardWorker.call, which runs it in a worker with a time limit and raises on a
+    timeout or a dead worker, scored like any exception). nonfinite: if given, nonfinite[name] counts the
+    completions the function scored inf, -inf or NaN (None is not counted: it means the function does not apply).
     """
+    if call is None:
+        def call(k, p, c, cols):
+            return reward_funcs[k][1](p, c, **cols)
     n = len(completions)
     if len(prompts) != n:
         raise ValueError(f"got {len(prompts)} prompts for {n} completions; repeat each prompt once per completion")
     for key, column in columns.items():
         if len(column) != n:
             raise ValueError(f"column {key!r} has {len(column)} values for {n} completions")
-    fallback = math.nan if error_value is None else float(error_value)
+    fallback = None if error_value is None else float(error_value)  # None: skipped, like a function's None
     rewards, errors = [], {}
-    for name, func in reward_funcs:
+    for k, (name, _) in enumerate(reward_funcs):
         errors[name] = 0
         try:
-            values = func(prompts, completions, **columns)
+            values = call(k, prompts, completions, columns)
         # User code can raise anything; catching Exception (not BaseException: Ctrl-C still stops) is the point here.
         except Exception as batch_exc:  # noqa: BLE001
             warned = set()
             values = []
             for i in range(n):
                 try:
-                    one = func([prompts[i]], [completions[i]], **{key: [col[i]] for key, col in columns.items()})
+                    one = call(k, [prompts[i]], [completions[i]], {key: [col[i]] for key, col in columns.items()})
                 except Exception as exc:  # noqa: BLE001
                     errors[name] += 1
                     values.append(fallback)
-                    message = f"reward function {name!r} raised {type(exc).__name__}: {exc}; scored {fallback}"
+                    # the reward worker's failures describe themselves ("gave no answer within ...")
+                    what = str(exc) if getattr(exc, "predicate", False) else f"raised {type(exc).__name__}: {exc}"
+                    message = f"reward function {name!r} {what}; scored {fallback}"
                     if message not in warned:  # one line per distinct failure, no traceback per completion
                         warnings.warn(message, RuntimeWarning, stacklevel=2)
                         warned.add(message)
                     continue
-                values.append(_as_floats(name, one, 1)[0])
+                checked = _as_floats(name, one, 1)[0]
+                values.append(None if one[0] is None else checked)
             if not errors[name]:
-                warnings.warn(f"reward function {name!r} raised {type(batch_exc).__name__}: {batch_exc} on the batch "
-                              "but on no single completion", RuntimeWarning, stacklevel=2)
-        rewards.append(_as_floats(name, values, n))
+                what = str(batch_exc) if getattr(batch_exc, "predicate", False) else \
+                    f"raised {type(batch_exc).__name__}: {batch_exc}"
+                warnings.warn(f"reward function {name!r} {what} on the batch but on no single completion",
+                              RuntimeWarning, stacklevel=2)
+        floats = _as_floats(name, values, n)
+        if nonfinite is not None:
+            nonfinite[name] = sum(v is not None and not math.isfinite(f) for v, f in zip(values, floats))
+        rewards.append(floats)
     return rewards, errors

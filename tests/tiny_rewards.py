@@ -17,3 +17,39 @@ def characters(prompts, completions, **columns):
 def one(prompts, completions, **columns):
     """1 for everything: no group has a spread, every advantage is 0."""
     return [1.0 for _ in completions]
+
+
+# ---- faults (tests/test_faults.py). These run in the trainer's reward worker (lib/reward_worker.py), a fresh process
+# per run, so a module-level counter counts the calls of one run.
+_calls = {"bad_after_two": 0}
+
+
+def bad_after_two(prompts, completions, **columns):
+    """Like `characters` for its first two calls (two generation batches), then the value of the environment variable
+    AGRPO_TEST_BAD_VALUE (inf, -inf or nan) for the first completion of every batch."""
+    import os
+
+    _calls["bad_after_two"] += 1
+    values = characters(prompts, completions)
+    if _calls["bad_after_two"] > 2:
+        values[0] = float(os.environ.get("AGRPO_TEST_BAD_VALUE", "inf"))
+    return values
+
+
+def hangs_on_x(prompts, completions, **columns):
+    """Never returns on a batch that holds a completion with the letter x (a parser stuck on pathological text)."""
+    import time
+
+    if any("x" in c for c in completions):
+        time.sleep(3600)
+    return [1.0 for _ in completions]
+
+
+def dies_on_x(prompts, completions, **columns):
+    """Kills its own process on a completion with the letter x (a C extension's crash)."""
+    import os
+    import signal
+
+    if any("x" in c for c in completions):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [1.0 for _ in completions]

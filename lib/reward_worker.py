@@ -1,0 +1,183 @@
+"""Reward functions in a worker process, each call with a time limit (docs/troubleshooting.md, "Faults").
+
+Reward functions are user code that parses model output: some hang on pathological text (a regular expression that
+backtracks, a symbolic simplification that never ends), some crash the interpreter (a C extension's segfault,
+`os._exit`). In the trainer's own process either would stop the run. Here they run in a child process that the
+trainer starts once and talks to over a pipe: a call that does not answer within `timeout` seconds is abandoned (the
+child is killed and started again on the next call) and one whose child dies is reported the same way; both raise
+`RewardCallFailed`, which `lib.rewards.score_completions` scores as a failure and counts, exactly as it does for a
+function that raises. The child resolves the reward specs itself (`resolve_reward_funcs`), so built-ins,
+`module:function` and `file.py:function` all work without pickling functions.
+
+    python -m lib.reward_worker      # started by RewardWorker, speaks pickled frames on the descriptor it is given
+
+The child ignores SIGINT, SIGTERM and SIGUSR1 (the trainer decides what a signal means: a checkpoint on preemption,
+lib/checkpoint.StopRequest) and is killed with SIGKILL by `close()`, or by the kernel when the trainer dies (Linux
+parent-death signal).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+
+
+class RewardCallFailed(Exception):
+    """A reward call that did not return: it raised in the worker, ran past the time limit, or killed the worker.
+    Its message is a predicate of the function ("raised ValueError: ...", "gave no answer within ..."), which
+    lib.rewards.score_completions puts after the function's name."""
+
+    predicate = True
+
+
+class RewardWorker:
+    """A child process that runs the reward functions `specs` (resolved there with `options`), one call at a time.
+
+    `call(index, prompts, completions, columns)` returns function `index`'s list of rewards, or raises
+    RewardCallFailed. The child starts on the first call (about a second: it imports lib.rewards) and again after
+    a call that killed it or ran out of time. `start_seconds` and `restarts` say what that cost.
+    """
+
+    def __init__(self, specs: list[str], options: dict, timeout: float):
+        self.specs, self.options, self.timeout = list(specs), dict(options), float(timeout)
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.restarts = 0  # children started after the first
+        self.start_seconds = 0.0  # from starting a child to its first answer, summed
+        self._ready, self._started_at = False, 0.0
+
+    # -------------------------------------------------------------------------------------------------- lifetime
+    def _start(self) -> None:
+        t0 = time.perf_counter()
+        if self.proc is not None:
+            self.restarts += 1
+        read_parent, write_child = os.pipe()  # child -> parent
+        read_child, write_parent = os.pipe()  # parent -> child
+        env = dict(os.environ)
+        # the child imports what the trainer can: the same module search path (file.py:function specs resolve
+        # against the same working directory)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.setdefault("OMP_NUM_THREADS", "1")  # reward code is Python; it must not compete with the trainer's threads
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lib.reward_worker", str(read_child), str(write_child)],
+            pass_fds=(read_child, write_child), env=env, stdin=subprocess.DEVNULL, start_new_session=False)
+        os.close(read_child)
+        os.close(write_child)
+        self.conn = _Duplex(Connection(read_parent, writable=False), Connection(write_parent, readable=False))
+        self.conn.send((self.specs, self.options))
+        self._started_at, self._ready = t0, False  # the child imports while the trainer goes on; call() waits
+
+    def start(self) -> None:
+        """Start the child now (it loads the reward functions while the caller loads its models)."""
+        if self.proc is None or self.proc.poll() is not None or self.conn is None:
+            self._start()
+
+    def _wait_ready(self) -> None:
+        ok, payload = self._receive(max(self.timeout, 60.0), " while starting")
+        if not ok:  # the specs did not resolve in the child: the trainer resolved them, so this is the environment
+            self.close()
+            raise RewardCallFailed(f"could not be loaded in the reward worker ({payload})")
+        self._ready = True
+        self.start_seconds += time.perf_counter() - self._started_at
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = None
+
+    def __del__(self):
+        with contextlib.suppress(Exception):  # interpreter shutdown: nothing left to report to
+            self.close()
+
+    # -------------------------------------------------------------------------------------------------- calls
+    def call(self, index: int, prompts: list[str], completions: list[str], columns: dict) -> list:
+        self.start()
+        if not self._ready:
+            self._wait_ready()
+        try:
+            self.conn.send((index, prompts, completions, columns))
+        except OSError:  # the child died between calls (BrokenPipeError)
+            self._start()
+            self._wait_ready()
+            self.conn.send((index, prompts, completions, columns))
+        ok, payload = self._receive(self.timeout, "")
+        if not ok:
+            raise RewardCallFailed(payload)
+        return payload
+
+    def _receive(self, timeout: float, doing: str):
+        """The child's next answer, or RewardCallFailed after killing it (no answer in time, or it died)."""
+        if not wait([self.conn.reader], timeout=timeout if timeout > 0 else None):
+            self.close()
+            raise RewardCallFailed(f"gave no answer within reward_timeout = {timeout:g} s{doing}; the call was "
+                                   "abandoned and the worker restarted")
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            code = self.proc.wait()
+            self.close()
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            raise RewardCallFailed(f"killed the reward worker ({how}){doing}; it was restarted") from None
+
+
+class _Duplex:
+    """Two one-way connections used as one."""
+
+    def __init__(self, reader: Connection, writer: Connection):
+        self.reader, self.writer = reader, writer
+
+    def send(self, obj) -> None:
+        self.writer.send(obj)
+
+    def recv(self):
+        return self.reader.recv()
+
+    def close(self) -> None:
+        self.reader.close()
+        self.writer.close()
+
+
+# ------------------------------------------------------------------------------------------------------ the child
+def _serve(read_fd: int, write_fd: int) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):  # die with the trainer, even when it is killed with SIGKILL
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    # the pipe's descriptors carry the frames; what reward code prints goes to stderr, never into a frame
+    os.dup2(2, 1)
+    reader, writer = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    from lib.rewards import resolve_reward_funcs
+
+    specs, options = reader.recv()
+    try:
+        funcs = [func for _, func in resolve_reward_funcs(specs, options)]
+    except Exception as error:  # noqa: BLE001 - reported to the trainer, which names it
+        writer.send((False, f"{type(error).__name__}: {error}"))
+        return
+    writer.send((True, None))
+    while True:
+        try:
+            index, prompts, completions, columns = reader.recv()
+        except EOFError:  # the trainer closed the pipe
+            return
+        try:
+            values = funcs[index](prompts, completions, **columns)
+            payload = (True, list(values) if isinstance(values, tuple) else values)
+            pickle.dumps(payload)  # an unpicklable result is the function's error, not the pipe's
+        except Exception as error:  # noqa: BLE001 - user code raises anything; the trainer scores it as a failure
+            payload = (False, f"raised {type(error).__name__}: {error}")
+        writer.send(payload)
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), int(sys.argv[2]))

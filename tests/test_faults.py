@@ -1,0 +1,260 @@
+"""Faults a long run meets, on the tiny random-weight model (tests/conftest.py::tiny_model): non-finite rewards and
+losses never reach the weights, preemption signals checkpoint and stop, rewards that hang or kill their worker are
+scored as failures, a full disk keeps the last checkpoint whole, and a run killed at random moments and resumed with
+`latest` each time ends exactly where an uninterrupted one does (docs/troubleshooting.md, "Faults")."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train_agrpo
+from conftest import REPO
+from lib import checkpoint as ckpt
+from test_loop import REWARDS, TINY, read_jsonl, steps_of, train, without_times
+
+BAD = ["--reward_funcs", f"{REWARDS}:has_x", f"{REWARDS}:bad_after_two", "--reward_weights", "1", "0.5"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def weights(folder) -> dict:
+    return load_file(Path(folder) / "model.safetensors")
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------------------------ non-finite values
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_a_non_finite_reward_skips_its_steps_and_stops_the_run_keeping_the_last_good_checkpoint(
+        tiny_model, tmp_path, monkeypatch, value):
+    monkeypatch.setenv("AGRPO_TEST_BAD_VALUE", value)  # read in the reward worker, started by the run
+    out = tmp_path / "run"
+    with pytest.raises(ckpt.RunStopped) as stopped:
+        train(tiny_model, out, *BAD, "--max_steps", "8", "--save_steps", "1", "--max_nonfinite_steps", "3")
+    message = str(stopped.value)
+    # the batches of steps 3, 4 and 5 scored one completion `value`: three skipped steps in a row stop the run
+    assert "step 5: 3 optimizer steps in a row skipped" in message and "'bad_after_two'" in message
+    assert f"1 x {value}" in message and "checkpoint-4" in message and "final/ was not written" in message
+    steps = steps_of(out)
+    assert [m["nonfinite_skipped"] for m in steps] == [0, 0, 1, 1, 1]
+    assert [m["nonfinite/rewards/bad_after_two"] for m in steps] == [0, 0, 1, 1, 1]
+    assert [m["grad_norm"] for m in steps][2:] == [0, 0, 0] and all(m["grad_norm"] > 0 for m in steps[:2])
+    assert not (out / "final").exists()
+    # the weights and the optimizer's state stayed those of step 2 through the skipped steps 3 and 4
+    assert not same_tensors(weights(out / "checkpoint-1"), weights(out / "checkpoint-2"))
+    assert same_tensors(weights(out / "checkpoint-2"), weights(out / "checkpoint-4"))
+    opt2, opt4 = (torch.load(out / f"checkpoint-{s}" / "optimizer.pt", weights_only=False) for s in (2, 4))
+    assert all(torch.equal(opt2["state"][i][k], opt4["state"][i][k]) for i in opt2["state"] for k in opt2["state"][i])
+    assert ckpt.read_trainer_state(out / "checkpoint-4")["nonfinite_streak"] == 2
+
+
+def test_a_non_finite_loss_skips_that_step_only_and_the_run_goes_on(tiny_model, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    aggregate = train_agrpo.aggregate_loss
+
+    def nan_at_step_two(*args, **kwargs):  # the loss of step 2 (one micro-batch a step) made non-finite
+        calls["n"] += 1
+        loss = aggregate(*args, **kwargs)
+        return loss * float("nan") if calls["n"] == 2 else loss
+
+    monkeypatch.setattr(train_agrpo, "aggregate_loss", nan_at_step_two)
+    out = tmp_path / "run"
+    steps = train(tiny_model, out, "--max_steps", "3", "--save_steps", "1")
+    assert [m["nonfinite_skipped"] for m in steps] == [0, 1, 0]
+    assert all(torch.isfinite(torch.tensor(m["grad_norm"])) for m in (steps[0], steps[2]))
+    assert same_tensors(weights(out / "checkpoint-1"), weights(out / "checkpoint-2"))  # step 2 moved nothing
+    assert not same_tensors(weights(out / "checkpoint-2"), weights(out / "final"))  # step 3 trained
+    assert all(torch.isfinite(t).all() for t in weights(out / "final").values())
+
+
+# ------------------------------------------------------------------------------------------------ preemption
+
+
+def signal_at(monkeypatch, where: str, when: int, sig=signal.SIGTERM):
+    """Send `sig` to this process from inside the trainer: at the `when`-th call of train_agrpo.aggregate_loss (in
+    the middle of a step) or of lib.checkpoint.write_rng (in the middle of a checkpoint write)."""
+    calls = {"n": 0}
+    target = train_agrpo if where == "step" else ckpt
+    name = "aggregate_loss" if where == "step" else "write_rng"
+    original = getattr(target, name)
+
+    def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == when:
+            os.kill(os.getpid(), sig)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, wrapped)
+
+
+@pytest.mark.parametrize(("where", "sig", "extra", "stop_step"), [
+    ("step", signal.SIGTERM, [], 2),  # inside step 2's loss: checkpoint-2, then stop
+    ("checkpoint", signal.SIGUSR1, ["--save_steps", "1"], 2),  # inside checkpoint-2's write: it completes, then stop
+    ("step", signal.SIGTERM, ["--num_iterations", "2"], 4),  # step 3 of a batch that serves steps 3-4: after step 4
+])
+def test_a_stop_signal_checkpoints_where_resuming_is_exact_and_the_resumed_run_equals_an_uninterrupted_one(
+        tiny_model, tmp_path, monkeypatch, where, sig, extra, stop_step):
+    args = ["--max_steps", "5", *extra]
+    whole = train(tiny_model, tmp_path / "whole", *args)
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        signal_at(patch, where, {2: 2, 4: 3}[stop_step] if where == "step" else 2, sig)
+        with pytest.raises(ckpt.RunStopped) as stopped:
+            train(tiny_model, out, *args, "--resume_from_checkpoint", "latest")
+    assert stopped.value.exit_code == 128 + sig
+    assert f"{sig.name} received: stopped at step {stop_step}" in str(stopped.value)
+    assert ckpt.latest_checkpoint(out).name == f"checkpoint-{stop_step}" and not (out / "final").exists()
+    assert signal.getsignal(sig) is signal.SIG_DFL  # the handlers are restored when the run stops
+    resumed = train(tiny_model, out, *args, "--resume_from_checkpoint", "latest")
+    assert [without_times(m) for m in resumed] == [without_times(m) for m in whole]
+    assert same_tensors(weights(out / "final"), weights(tmp_path / "whole" / "final"))
+
+
+def test_latest_with_no_checkpoint_starts_the_run_and_sets_aside_what_a_killed_run_logged(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    whole = train(tiny_model, tmp_path / "whole", "--max_steps", "2")
+    # what a run killed in its first step's save leaves: its log, a staging folder, no checkpoint
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n" + '{"step": 2, "rew')
+    (out / ".checkpoint-1.partial").mkdir()
+    (out / ".checkpoint-1.partial" / "optimizer.pt").write_bytes(b"cut short")
+    resumed = train(tiny_model, out, "--max_steps", "2", "--resume_from_checkpoint", "latest")
+    assert [without_times(m) for m in resumed] == [without_times(m) for m in whole]
+    assert not (out / ".checkpoint-1.partial").exists()
+    orphaned = (out / "metrics.orphaned.jsonl").read_text().splitlines()
+    assert orphaned == [json.dumps({"step": 1, "reward": 0.5}), '{"step": 2, "rew']  # set aside, not lost
+
+
+def test_recover_completes_or_undoes_a_save_killed_between_its_renames(tmp_path):
+    def folder(name, marker):
+        path = tmp_path / name
+        path.mkdir()
+        (path / ckpt.STATE_FILE).write_text(json.dumps({"global_step": 3, "marker": marker}))
+        return path
+
+    folder(".checkpoint-3.old", "old")
+    folder(".checkpoint-3.partial", "new")  # complete: its trainer_state.json is written before the renames
+    folder(".checkpoint-5.old", "old five")
+    (tmp_path / ".checkpoint-5.partial").mkdir()  # incomplete
+    (tmp_path / ".final.partial").mkdir()
+    done = ckpt.recover(tmp_path)
+    assert len(done) == 4  # two checkpoints recovered, two staging folders removed
+    assert json.loads((tmp_path / "checkpoint-3" / ckpt.STATE_FILE).read_text())["marker"] == "new"
+    assert json.loads((tmp_path / "checkpoint-5" / ckpt.STATE_FILE).read_text())["marker"] == "old five"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-5"]
+
+
+# ------------------------------------------------------------------------------------------------ rewards that hang
+
+
+def test_a_reward_that_hangs_or_kills_its_worker_is_scored_as_a_failure_and_the_run_goes_on(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    steps = train(tiny_model, out, "--reward_funcs", f"{REWARDS}:hangs_on_x", f"{REWARDS}:dies_on_x",
+                  f"{REWARDS}:characters", "--reward_weights", "1", "1", "1", "--correctness_reward", "characters",
+                  "--reward_timeout", "2", "--reward_error_value", "-1")
+    elapsed = time.perf_counter() - t0
+    completions_with_x = [sum(m[f"rewards/{f}/errors"] for m in steps) for f in ("hangs_on_x", "dies_on_x")]
+    # the two functions fail on the same completions (those with an x): the one that hangs after 2 s each time
+    assert completions_with_x[0] == completions_with_x[1] > 0
+    assert all(m["rewards/characters/errors"] == 0 for m in steps)
+    # a failed completion scored -1 and the others 1: the mean says how many failed
+    for m in steps:
+        assert m["rewards/hangs_on_x/mean"] == pytest.approx(1 - 2 * m["rewards/hangs_on_x/errors"] / 8)
+    assert (out / "final" / "model.safetensors").exists()
+    assert elapsed < 120  # each hang cost about reward_timeout, not an hour
+
+
+# ------------------------------------------------------------------------------------------------ a full disk
+
+
+def run_cli(args: list[str], timeout: int = 300, prefix: list[str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([*(prefix or []), sys.executable, str(REPO / "train_agrpo.py"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_whole_and_says_how_much_space_one_needs(tiny_model, tmp_path):
+    # a 60 MiB tmpfs mounted in a user and mount namespace of the trainer's own (no privileges needed where the kernel
+    # allows unprivileged user namespaces); a checkpoint of the tiny model is about 38 MiB: the first fits, the
+    # second does not
+    mount = tmp_path / "small"
+    mount.mkdir()
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs '{mount}'"],
+                           capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"this machine cannot mount a small filesystem for the test: {probe.stderr.strip()}")
+    out = mount / "run"
+    script = (f"mount -t tmpfs -o size=60m tmpfs '{mount}' && \"$@\"; status=$?; "
+              f"ls -a '{out}' > '{tmp_path}/listing'; cp '{out}/metrics.jsonl' '{tmp_path}/'; "
+              f"cp -r '{out}/checkpoint-1' '{tmp_path}/checkpoint-1' 2>/dev/null; exit $status")
+    proc = run_cli(["--model_name_or_path", tiny_model, *TINY, "--max_steps", "3", "--save_steps", "1",
+                    "--output_dir", str(out)], prefix=["unshare", "-rm", "sh", "-c", script, "sh"])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "training stopped: checkpoint-2 could not be written" in proc.stderr
+    assert "A checkpoint needs about" in proc.stderr and "checkpoint-1 is whole" in proc.stderr
+    listing = (tmp_path / "listing").read_text().split()
+    assert "checkpoint-1" in listing and not [n for n in listing if n.endswith(".partial")]
+    assert ckpt.read_trainer_state(tmp_path / "checkpoint-1")["global_step"] == 1
+    assert len(weights(tmp_path / "checkpoint-1")) > 0  # loads: whole
+    assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl") if "reward" in m] == [1, 2]
+
+
+# ------------------------------------------------------------------------------------------------ chaos
+
+
+@pytest.mark.slow
+def test_ten_random_kills_resumed_with_latest_end_exactly_where_an_uninterrupted_run_does(tiny_model, tmp_path):
+    args = ["--model_name_or_path", tiny_model, *TINY, "--max_steps", "12", "--save_steps", "1",
+            "--num_eval_samples", "4", "--eval_steps", "4", "--resume_from_checkpoint", "latest"]
+    t0 = time.perf_counter()
+    whole = run_cli([*args, "--output_dir", str(tmp_path / "whole")])
+    duration = time.perf_counter() - t0
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    out, rng, kills, starts = tmp_path / "run", random.Random(0), 0, 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    while True:
+        starts += 1
+        proc = subprocess.Popen([sys.executable, str(REPO / "train_agrpo.py"), *args, "--output_dir", str(out)],
+                                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if kills < 10:
+            # past the start-up (about 40% of a whole run here), then anywhere in the steps and their saves
+            time.sleep(rng.uniform(0.4, 0.8) * duration)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+        _, err = proc.communicate(timeout=600)
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == -signal.SIGKILL, err[-3000:]
+        assert starts < 40
+    assert kills == 10
+    mine, theirs = read_jsonl(out / "metrics.jsonl"), read_jsonl(tmp_path / "whole" / "metrics.jsonl")
+    keys = ("step", "num_tokens", "reward", "loss", "learning_rate", "kl", "grad_norm", "eval/accuracy")
+    assert [{k: m.get(k) for k in keys} for m in mine] == [{k: m.get(k) for k in keys} for m in theirs]
+    assert same_tensors(weights(out / "final"), weights(tmp_path / "whole" / "final"))
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out / "final")  # final/ loads
+    shutil.rmtree(out)
