@@ -35,8 +35,8 @@ def format_number(value: numbers.Real) -> str:
     if isinstance(value, numbers.Integral):
         return str(int(value))
     value = float(value)
-    if math.isnan(value):
-        raise ValueError("the answer is NaN")
+    if not math.isfinite(value):
+        raise ValueError(f"the answer is {'NaN' if math.isnan(value) else value}, not a finite number")
     # repr gives the shortest text that round-trips (1.84, not 1.8400000000000001)
     return str(int(value)) if value.is_integer() else repr(value)
 
@@ -134,37 +134,60 @@ def _to_record(row: dict, where: str, prompt: tuple[str | None, ...], answer: st
 # Reading rows
 
 
-def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
-    """Returns (location, row) pairs of a JSON Lines file; the location names the 1-based line."""
+def _decode(path: Path, data: bytes, line: int | None = None) -> str:
+    """UTF-8 text of a file's bytes (a leading byte-order mark dropped); ValueError names the file, the line where
+    known, and the byte."""
+    try:
+        return data.decode("utf-8-sig" if line in (None, 1) else "utf-8")
+    except UnicodeDecodeError as err:
+        where = f"{path}, line {line}" if line else str(path)
+        raise ValueError(f"{where}: not UTF-8 text (byte {err.start}{' of the line' if line else ''}: {err.reason}); "
+                         f"save the file as UTF-8") from None
+
+
+def _parse_json(text: str, where: str, layout: str):
+    """json.loads, with every way it fails (bad syntax, an integer too long to read, nesting too deep) as a
+    ValueError that names `where`."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        at = f"at column {err.colno}" if layout == "line" else f"at line {err.lineno}, column {err.colno}"
+        fix = ("each line must be one JSON object" if layout == "line" else
+               "a .json file holds a list of objects (one object a line is JSON Lines, .jsonl)")
+        raise ValueError(f"{where}: invalid JSON ({err.msg} {at}); {fix}") from None
+    except (ValueError, RecursionError) as err:
+        reason = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(";")[0]
+        raise ValueError(f"{where}: invalid JSON ({reason})") from None
+
+
+def _read_jsonl(path: Path, data: bytes) -> list[tuple[str, dict]]:
+    """Returns (location, row) pairs of a JSON Lines file's bytes; the location names the 1-based line."""
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {line_number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                message = f"invalid JSON ({err.msg} at column {err.colno}); each line must be one JSON object"
-                raise ValueError(f"{where}: {message}") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            rows.append((where, row))
+    for line_number, raw in enumerate(data.splitlines(), start=1):
+        line = _decode(path, raw, line_number)
+        if not line.strip():
+            continue
+        where = f"{path}, line {line_number}"
+        row = _parse_json(line, where, "line")
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        rows.append((where, row))
     return rows
 
 
-def _read_table(path: Path) -> list[tuple[str, dict]]:
-    """Returns (location, row) pairs of a Parquet file or of a .json file holding a list of objects."""
+def _read_table(path: Path, data: bytes | None = None) -> list[tuple[str, dict]]:
+    """Returns (location, row) pairs of a Parquet file or of a .json file's bytes holding a list of objects."""
     if path.suffix == ".parquet":
-        import pyarrow.parquet  # installed with `datasets`; imported here so plain JSONL runs stay light
+        import pyarrow  # installed with `datasets`; imported here so plain JSONL runs stay light
+        import pyarrow.parquet
 
-        rows = pyarrow.parquet.read_table(path).to_pylist()
+        try:
+            rows = pyarrow.parquet.read_table(path).to_pylist()
+        except (pyarrow.ArrowException, ValueError, OSError) as err:  # not Parquet, truncated, an unreadable type
+            reason = " ".join(str(err).split())[:200]
+            raise ValueError(f"{path}: not a readable Parquet file ({type(err).__name__}: {reason})") from None
     else:
-        with path.open(encoding="utf-8") as f:
-            try:
-                rows = json.load(f)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: invalid JSON ({err.msg} at line {err.lineno})") from None
+        rows = _parse_json(_decode(path, data), str(path), "file")
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a list of objects (or use JSON Lines, .jsonl)")
     for i, row in enumerate(rows, start=1):
@@ -215,9 +238,15 @@ def _read_rows(dataset_id_or_path: str, split: str) -> list[tuple[str, dict]]:
     if path.is_file():
         if path.suffix not in DATA_SUFFIXES:
             raise ValueError(f"dataset_id_or_path={dataset_id_or_path!r}: expected a file ending in {DATA_SUFFIXES}")
+        if path.suffix == ".parquet":
+            return _read_table(path)
+        try:
+            data = path.read_bytes()
+        except OSError as err:  # permission denied, a file that vanished
+            raise ValueError(f"{path}: cannot read the file ({err.strerror or err}); check its permissions") from None
         # a .json file may hold a list of objects or, as `datasets` writes it, one object a line
-        is_array = path.suffix == ".json" and path.read_text(encoding="utf-8").lstrip().startswith("[")
-        return _read_table(path) if path.suffix == ".parquet" or is_array else _read_jsonl(path)
+        is_array = path.suffix == ".json" and data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+        return _read_table(path, data) if is_array else _read_jsonl(path, data)
     if looks_local(dataset_id_or_path):
         raise FileNotFoundError(f"dataset_id_or_path={dataset_id_or_path!r}: no such file or folder")
     return _read_hub(dataset_id_or_path, split)
