@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -114,7 +115,12 @@ def model_label(name: str) -> str:
 
 
 def check_model(option: str, name: str) -> None:
-    problem = model_folder_problem(name)
+    try:
+        problem = model_folder_problem(name)
+    except (OSError, ValueError) as error:  # a name the OS refuses as a path: too long, a NUL byte
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise EvalConfigError(f"{option}: {name!r:.80} is not a usable path ({reason}); pass a model folder, "
+                              f"'embedded', or a hub id") from None
     if problem:
         raise EvalConfigError(f"{option}: {problem}")
     if name not in EMBEDDED_ALIASES and not Path(name).expanduser().exists():  # a hub id: is it reachable?
@@ -137,6 +143,13 @@ def validate(args: argparse.Namespace) -> None:
         raise EvalConfigError("--model_name_or_path: a model is listed twice; list each once")
     if args.num_samples < 1:
         raise EvalConfigError(f"--num_samples must be >= 1, got {args.num_samples}")
+    # NaN passes every range check below (each comparison is False); no setting here is infinite
+    for option in ("temperature", "top_p", "vllm_gpu_memory_utilization", "reward_weights"):
+        value = getattr(args, option)
+        if value is not None and not all(math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
+            raise EvalConfigError(f"--{option}: {value} is not a finite number; give a finite value")
+    if not 0 <= args.seed < 2**32:  # torch's and numpy's seed range, as the trainer's
+        raise EvalConfigError(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
     if args.temperature < 0:
         raise EvalConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.temperature == 0 and args.num_samples > 1:
@@ -176,10 +189,49 @@ def validate(args: argparse.Namespace) -> None:
             import matplotlib  # noqa: F401
         except ImportError as error:
             raise EvalConfigError("--plot needs matplotlib: `pip install -r requirements.txt`") from error
-    results_json = output_paths(args)["json"]
-    if results_json.exists() and not args.overwrite_output_dir:
-        raise EvalConfigError(f"--output_dir: {results_json} holds an earlier evaluation; pass another "
+    if args.dataset_id_or_path:
+        labels = [dataset_label(name) for name in args.dataset_id_or_path]
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        if twice:
+            raise EvalConfigError(f"--dataset_id_or_path: two data sets would both be reported as {twice[0]!r} (the "
+                                  f"file's folder and name); list each once, or copy one under another name")
+    check_output(args)
+
+
+def check_output(args: argparse.Namespace) -> None:
+    """The output folder and results file can be written, without creating anything yet (a run that fails later
+    leaves no empty folder), and an earlier evaluation is not overwritten unless asked."""
+    paths = output_paths(args)
+    for option, folder in (("--output_dir", Path(args.output_dir)), ("--output_json", paths["json"].parent)):
+        existing = folder
+        try:
+            while not existing.exists():  # the nearest folder that exists is where the new ones will be made
+                existing = existing.parent
+            usable = existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
+        except (OSError, ValueError) as error:  # a name the OS refuses: too long, a NUL byte
+            raise EvalConfigError(f"{option}: {str(folder)!r:.80} is not a usable path ({error}); pass a folder "
+                                  f"you can write to") from None
+        if not usable:
+            what = "is a file, not a folder" if existing.exists() and not existing.is_dir() else "is not writable"
+            raise EvalConfigError(f"{option}: cannot write {folder}: {existing} {what}; pass a folder you can "
+                                  f"write to")
+    if paths["json"].is_dir():
+        raise EvalConfigError(f"--output_json: {paths['json']} is a folder; pass a file name such as results.json")
+    if paths["json"].exists() and not args.overwrite_output_dir:
+        raise EvalConfigError(f"--output_dir: {paths['json']} holds an earlier evaluation; pass another "
                               f"--output_dir, or --overwrite_output_dir true to replace it")
+
+
+def make_output_folders(args: argparse.Namespace) -> None:
+    """Create the output folders now, after every other check and before any model loads, so that a folder the OS
+    refuses (a read-only or virtual file system) stops the run in seconds, not after the evaluation."""
+    folders = (("--output_dir", Path(args.output_dir)), ("--output_json", output_paths(args)["json"].parent))
+    for option, folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise EvalConfigError(f"{option}: cannot create {folder} ({error.strerror or error}); pass a folder you "
+                                  f"can write to") from None
 
 
 def output_paths(args: argparse.Namespace) -> dict[str, Path]:
@@ -318,6 +370,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     validate(args)
     sets = load_sets(args)
+    make_output_folders(args)
     hf_logging.disable_progress_bar()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = args.bf16 if args.bf16 is not None else native_bf16(device)

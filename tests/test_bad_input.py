@@ -6,6 +6,7 @@ The property tests are deterministic (derandomize=True: the same examples on eve
 on one thread; no model is loaded."""
 
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -85,19 +86,19 @@ def test_any_value_for_any_key_is_a_config_or_a_config_error_naming_the_key(chos
     recipe = folder / "recipe.yaml"
     for key, value in chosen.items():
         # as YAML or Python gives it
-        check_outcome(key, lambda: make_config({key: value}))
+        check_outcome(key, functools.partial(make_config, {key: value}))
         # as typed on the command line
         words = cli_words(value)
         argv = [f"--{key}={words[0]}"] if not isinstance(value, list) else [f"--{key}", *words]
         stderr = io.StringIO()
         try:
             with redirect_stderr(stderr):
-                check_outcome(key, lambda: parse_config(argv))
+                check_outcome(key, functools.partial(parse_config, argv))
         except SystemExit as stop:  # argparse's own one-line refusal ("expected at least one argument")
             assert stop.code == 2 and f"--{key}" in stderr.getvalue(), stderr.getvalue()
         # as written in a YAML recipe
         recipe.write_text(yaml.safe_dump({key: value}, allow_unicode=True), encoding="utf-8")
-        check_outcome(key, lambda: parse_config(["--config", str(recipe)]))
+        check_outcome(key, functools.partial(parse_config, ["--config", str(recipe)]))
 
 
 @examples(150)

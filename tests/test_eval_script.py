@@ -54,6 +54,13 @@ def model_folders(tmp_path, embedded_model):
     (["--reward_funcs", "accuracy", "nope"], "--reward_funcs"),
     (["--reward_funcs", "accuracy", "format", "--reward_weights", "1"], "one weight per function"),
     (["--model_name_or_path", "embedded", "embedded"], "listed twice"),
+    (["--model_name_or_path", "x" * 300 + "/model"], "is not a usable path (File name too long)"),
+    (["--num_samples", "0"], "--num_samples must be >= 1, got 0"),
+    (["--max_samples", "-3"], "--max_samples must be >= 1, got -3"),
+    (["--temperature", "nan"], "--temperature: nan is not a finite number"),
+    (["--reward_weights", "inf"], "--reward_weights: [inf] is not a finite number"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32 - 1], got -1"),
+    (["--dataset_id_or_path", "{run}/a.jsonl", "{run}/./a.jsonl"], "would both be reported as 'run/a'"),
 ])
 def test_bad_input_is_named_before_any_model_loads(args, message, model_folders, tmp_path, monkeypatch):
     import huggingface_hub.constants
@@ -72,6 +79,34 @@ def test_bad_data_file_is_named_with_its_row(tmp_path):
     bad.write_text('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"question": "Two?"}\n')
     with pytest.raises(EvalConfigError, match=r"--dataset_id_or_path: .*bad.jsonl, line 2: missing field 'answer'"):
         eval_agrpo.main(["--dataset_id_or_path", str(bad), "--output_dir", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"question": "1 + 1?", "answer": "#### 2"}\n{"question": "\xff"}\n', "bad.jsonl, line 2: not UTF-8 text"),
+    (b"PAR1 not parquet", "not a readable Parquet file"),
+    (b"[" * 100_000, "invalid JSON (nested too deeply)"),
+])
+def test_unreadable_data_file_is_named_before_any_model_loads(content, message, tmp_path):
+    bad = tmp_path / ("bad.parquet" if content.startswith(b"PAR1") else "bad.json" if content.startswith(b"[")
+                      else "bad.jsonl")
+    bad.write_bytes(content)
+    with pytest.raises(EvalConfigError, match=f"--dataset_id_or_path: .*{bad.name}.*") as error:
+        eval_agrpo.main(["--dataset_id_or_path", str(bad), "--output_dir", str(tmp_path / "out")])
+    assert message in str(error.value)
+
+
+def test_output_paths_that_cannot_be_written_are_named_before_any_model_loads(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    cases = [(["--output_dir", str(tmp_path / "a_file" / "out")], "a_file is a file, not a folder"),
+             (["--output_dir", str(tmp_path / "a_file")], "a_file is a file, not a folder"),
+             (["--output_json", str(tmp_path)], "is a folder; pass a file name such as results.json"),
+             (["--output_json", str(tmp_path / "a_file" / "r.json")], "--output_json: cannot write"),
+             # a folder no one may create: refused when checked (not writable) or when made (as root)
+             (["--output_dir", "/proc/agrpo-eval-test"], "--output_dir: cannot ")]
+    for args, message in cases:
+        with pytest.raises(EvalConfigError) as error:
+            eval_agrpo.main(["--max_samples", "4", *args])
+        assert message in str(error.value), args
 
 
 def test_earlier_results_are_kept_unless_overwrite_is_asked(tmp_path):
