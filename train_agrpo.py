@@ -620,7 +620,7 @@ def stop_if_nonfinite(run: Run, state: TrainerState, reason: str) -> None:
             f"step {step}: {state.nonfinite_streak} optimizer steps in a row skipped for non-finite values, the last "
             f"because {reason} was not finite (max_nonfinite_steps {cfg.max_nonfinite_steps}). No weight was "
             f"updated from them and final/ was not written; the last checkpoint is "
-            f"{latest.name if latest else 'none'}. Fix the cause (docs/troubleshooting.md) and resume with "
+            f"{latest.name if latest else 'none'}. Fix the cause (docs/faults.md) and resume with "
             f"--resume_from_checkpoint latest")
 
 

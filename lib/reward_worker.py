@@ -1,4 +1,4 @@
-"""Reward functions in a worker process, each call with a time limit (docs/troubleshooting.md, "Faults").
+"""Reward functions in a worker process, each call with a time limit (docs/faults.md).
 
 Reward functions are user code that parses model output: some hang on pathological text (a regular expression that
 backtracks, a symbolic simplification that never ends), some crash the interpreter (a C extension's segfault,

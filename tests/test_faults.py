@@ -1,7 +1,7 @@
 """Faults a long run meets, on the tiny random-weight model (tests/conftest.py::tiny_model): non-finite rewards and
 losses never reach the weights, preemption signals checkpoint and stop, rewards that hang or kill their worker are
 scored as failures, a full disk keeps the last checkpoint whole, and a run killed at random moments and resumed with
-`latest` each time ends exactly where an uninterrupted one does (docs/troubleshooting.md, "Faults")."""
+`latest` each time ends exactly where an uninterrupted one does (docs/faults.md)."""
 
 import json
 import os
@@ -323,3 +323,34 @@ def test_ten_random_kills_resumed_with_latest_end_exactly_where_an_uninterrupted
     AutoModelForCausalLM.from_pretrained(out / "final")  # final/ loads
     print(f"chaos: {kills} kills at logged steps {killed_at}, {starts} starts, {per_step:.2f} s a step; left behind "
           f"by kills inside saves and cleaned up at the next start: {recovered}")
+
+
+def test_the_reward_worker_answers_survives_a_hang_and_a_crash_and_keeps_prints_out_of_its_answers(tmp_path):
+    from lib.reward_worker import RewardCallFailed, RewardWorker
+
+    (tmp_path / "rewards.py").write_text(
+        "import os, time\n"
+        "def noisy(prompts, completions, **columns):\n"
+        "    print('a reward function that prints')\n"
+        "    return [float(len(c)) for c in completions]\n"
+        "def slow(prompts, completions, **columns):\n"
+        "    time.sleep(60)\n"
+        "def crash(prompts, completions, **columns):\n"
+        "    os._exit(3)\n"
+        "def wrong(prompts, completions, **columns):\n"
+        "    raise KeyError('answer')\n")
+    path = tmp_path / "rewards.py"
+    worker = RewardWorker([f"{path}:noisy", f"{path}:slow", f"{path}:crash", f"{path}:wrong"], {}, timeout=1)
+    try:
+        assert worker.call(0, ["p", "p"], ["ab", "abc"], {}) == [2.0, 3.0]
+        with pytest.raises(RewardCallFailed, match=r"gave no answer within reward_timeout = 1 s"):
+            worker.call(1, ["p"], ["a"], {})
+        with pytest.raises(RewardCallFailed, match=r"killed the reward worker \(exit code 3\)"):
+            worker.call(2, ["p"], ["a"], {})
+        with pytest.raises(RewardCallFailed, match=r"raised KeyError: 'answer'"):
+            worker.call(3, ["p"], ["a"], {})
+        assert worker.call(0, ["p"], ["abcd"], {}) == [4.0]  # a fresh worker after each of the two failures
+        assert worker.restarts == 2
+    finally:
+        worker.close()
+    assert worker.proc.poll() is not None
