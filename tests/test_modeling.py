@@ -21,7 +21,7 @@ def _rollout(policy, tokenizer, tokens=20):
 
 def test_shared_prefix_logps_and_gradients_equal_the_full_forward(embedded_model, tokenizer):
     policy = load_policy(embedded_model)
-    ro = _rollout(policy, tokenizer)
+    ro = _rollout(policy, tokenizer, tokens=12)
     args = (ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ro.completion_ids, ro.completion_mask, ro.temperatures)
     shared, ent_shared = completion_logps(policy, *args, share_prompt_prefix=True)
     full, ent_full = completion_logps(policy, *args, share_prompt_prefix=False)
@@ -59,9 +59,9 @@ def test_length_chunks_split_where_padding_costs_more_than_a_call():
 def test_length_chunked_logps_and_gradients_equal_one_padded_batch(embedded_model, tokenizer):
     policy = load_policy(embedded_model)
     ro = _rollout(policy, tokenizer, tokens=4)
-    ids = torch.randint(100, 40000, (6, 160), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(100, 40000, (6, 96), generator=torch.Generator().manual_seed(0))
     mask = torch.zeros_like(ids)
-    for row, n in enumerate([160, 3, 4, 2, 160, 5]):  # two long rows, four short: worth splitting
+    for row, n in enumerate([96, 3, 4, 2, 96, 5]):  # two long rows, four short: worth splitting
         mask[row, :n] = 1
     args = (ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ids, mask, torch.full((6,), 0.9))
     assert len(length_chunks(mask.sum(1).tolist(), ro.prompt_ids.shape[1] * 2 + 16)) > 1

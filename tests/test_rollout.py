@@ -94,7 +94,7 @@ def test_answer_phase_switches_each_sequence_after_its_marker(embedded_model, to
     # what this test needs: the switch itself, at the right token, per sequence
     phase = AnswerPhase.from_text(tokenizer, "is", temperature=0.3, top_p=0.9)
     backend = HFRollout(policy, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=0)
-    out = backend.generate(ids, mask, 2, 48, temperature=0.8, answer_phase=phase)
+    out = backend.generate(ids, mask, 2, 32, temperature=0.8, answer_phase=phase)
     switched = 0
     for row in range(out.completion_ids.shape[0]):
         n = int(out.completion_mask[row].sum())
