@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import assert_close_to_scale, rel_diff
 from lib.data import builtin_task, format_prompt, tokenize_prompts
 from lib.modeling import load_policy
 from lib.rollout import AnswerPhase, HFRollout, Rollout, replace_completions, sample_next_token
@@ -155,6 +156,45 @@ def test_policy_weights_of_a_lora_policy_equal_peft_merge(embedded_model):
     assert not torch.equal(sent[q], load_policy(embedded_model).state_dict()[q])  # the delta is in
     # exactly: both add the same get_delta_weight to the same fp32 weight, one elementwise add on the same CPU
     assert max(float((sent[k] - merged[k]).abs().max()) for k in sent) == 0.0
+
+
+@pytest.mark.parametrize("load_in_4bit", [False, True])
+def test_an_adapter_policy_samples_with_its_merged_weights_and_a_sync_refreshes_them(tiny_model, load_in_4bit):
+    """LoRA and QLoRA decode with a plain copy holding W + (alpha/r) B A (a 4-bit base dequantised): its log-probs
+    of fixed completions equal the policy's, before and after an update reaches it through sync_weights."""
+    from lib.modeling import CompletionScorer
+
+    policy = load_policy(tiny_model, use_peft=True, lora_r=4, lora_alpha=8, load_in_4bit=load_in_4bit)
+    with torch.no_grad():  # make the adapter do something
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
+    backend = HFRollout(policy, [2], 0, seed=0)
+    assert type(backend.copy).__name__ == "LlamaForCausalLM" and not hasattr(backend.copy, "peft_config")
+    assert len(backend.adapted) == 2 * 7  # every linear layer of both blocks (all-linear), not the tied head
+    unmerged = HFRollout(policy, [2], 0, seed=0, merge_adapter=False)
+    assert unmerged.copy is None
+    prompts = torch.randint(100, 5000, (2, 6), generator=torch.Generator().manual_seed(1))
+    roll = backend.generate(prompts, torch.ones_like(prompts), 3, 8, temperature=1.0)
+    args = (roll.prompt_ids, roll.prompt_mask, roll.prompt_index, roll.completion_ids, roll.completion_mask,
+            roll.temperatures)
+
+    def logps(model):
+        with torch.no_grad():
+            return CompletionScorer(model)(*args, with_entropy=False)[0]
+
+    policy.eval()
+    # two ways of summing the same products (merged weight, or base plus the adapter's two products): equal to
+    # float32 rounding (measured 1e-7 of the scale); an update that did not reach the copy moves them by 1e-2
+    assert_close_to_scale(logps(backend.copy), logps(policy), 1e-5, "merged sampler's log-probs")
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_A" in name:
+                p.add_(0.05)
+    stale = logps(backend.copy)
+    assert rel_diff(stale, logps(policy)) > 1e-3
+    backend.sync_weights(policy)
+    assert_close_to_scale(logps(backend.copy), logps(policy), 1e-5, "log-probs after the sync")
 
 
 VLLM_ANSWER_PHASE = r"""
