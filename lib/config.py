@@ -481,8 +481,9 @@ def load_yaml(path: str) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     """One flag per field (`--learning_rate 1e-5`), all defaulting to 'not given' so precedence stays explicit."""
+    # no abbreviations: argparse would read `--lr 1e-5` as --lr_scheduler_type 1e-5
     parser = argparse.ArgumentParser(description="GRPO and adaptive variants, one visible training loop.",
-                                     argument_default=argparse.SUPPRESS)
+                                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
     parser.add_argument("--config", help="YAML recipe; command-line flags override its values.")
     for name, f in FIELDS.items():
         typ, _ = _field_type(name)
@@ -501,7 +502,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """Defaults < algo preset < YAML < command line, then `validate`."""
-    args = vars(_parser().parse_args(argv))
+    args = vars(_parser().parse_args(argv))  # an unknown flag: argparse's one-line error and exit status 2
     values = load_yaml(args.pop("config")) if "config" in args else {}
     for key in values:
         if key not in FIELDS:
