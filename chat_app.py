@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -150,6 +151,117 @@ def generation_config(greedy: bool, temperature: float, top_p: float, max_new_to
     return config
 
 
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+AUTH_ENV = "AGRPO_CHAT_AUTH"
+MAX_UPLOAD_BYTES = 10 * 2**20  # a saved conversation of a few hundred turns is well under 1 MB
+
+
+class PageInputError(ValueError):
+    """Input the page refuses, with the message it shows."""
+
+
+def parse_auth(text: str | None, source: str) -> tuple[str, str] | None:
+    """(user, password) from 'USER:PASSWORD'; SystemExit names the source, never the password."""
+    if text is None:
+        return None
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password:
+        raise SystemExit(f"error: {source}: expected USER:PASSWORD with both parts non-empty; give e.g. "
+                         f"--auth alice:a-long-password (or set {AUTH_ENV})")
+    return user, password
+
+
+def exposure(args: argparse.Namespace) -> tuple[str, str] | None:
+    """The login the page needs, from --auth or $AGRPO_CHAT_AUTH; SystemExit when the page would be reachable
+    beyond this machine (another --host, or --share) with neither a login nor --no_auth_i_know."""
+    auth = parse_auth(args.auth, "--auth") if args.auth is not None else parse_auth(os.environ.get(AUTH_ENV),
+                                                                                     f"${AUTH_ENV}")
+    if (args.host not in LOCAL_HOSTS or args.share) and auth is None and not args.no_auth_i_know:
+        where = "--share (a public link)" if args.share else f"--host {args.host}"
+        raise SystemExit(f"error: {where}: the page would be open to other machines without a login, and it loads "
+                         f"and runs model folders; pass --auth USER:PASSWORD (or set {AUTH_ENV}=USER:PASSWORD), or "
+                         f"--no_auth_i_know to expose it anyway")
+    return auth
+
+
+def allowed_roots(args: argparse.Namespace, name: str, base: str | None, run_dir: Path | None) -> list[Path]:
+    """The folders whose models the page may list and load: the run folder, the model folders it was started with
+    (an adapter's base included), and --allow_dir; resolved (symlinks and '..')."""
+    roots = [run_dir] if run_dir else []
+    roots += [Path(n) for n in (name, base) if n and n not in EMBEDDED_ALIASES and Path(n).expanduser().is_dir()]
+    roots += [Path(d) for d in args.allow_dir or []]
+    resolved = []
+    for root in roots:
+        root = root.expanduser().resolve()
+        if root not in resolved:
+            resolved.append(root)
+    return resolved
+
+
+def check_inside(path: str, roots: list[Path], what: str) -> Path:
+    """`path` resolved, if it lies in one of `roots`; PageInputError otherwise (symlinks and '..' followed first)."""
+    try:
+        resolved = Path(path).expanduser().resolve()
+    except (OSError, ValueError, RuntimeError) as error:  # a NUL byte, a name too long, a symlink loop
+        raise PageInputError(f"{what} '{path:.80}' is not a usable path ({error})") from None
+    if any(resolved == root or root in resolved.parents for root in roots):
+        return resolved
+    allowed = ", ".join(str(r) for r in roots) or "none (the page was started on the embedded model)"
+    raise PageInputError(f"{what} '{path:.80}' is outside the folders this page may open ({allowed}); start the page "
+                         f"with --allow_dir FOLDER to add one")
+
+
+def loadable(name: str, roots: list[Path], started: set[str]) -> str:
+    """The name to load, if the page may load it: the embedded model, a name the page was started with, or a path
+    inside the allowed folders. A hub id typed in the page is refused (the page would download and run it)."""
+    name = name.strip()
+    if name in EMBEDDED_ALIASES or name in started:
+        return name
+    return str(check_inside(name, roots, "the model folder"))
+
+
+def read_conversation(file: str) -> dict:
+    """A saved conversation's data, its turns and settings checked; PageInputError says what is wrong with it."""
+    path = Path(file)
+    size = path.stat().st_size
+    if size > MAX_UPLOAD_BYTES:
+        raise PageInputError(f"the file is {size / 2**20:.1f} MB; a saved conversation is under "
+                             f"{MAX_UPLOAD_BYTES // 2**20} MB")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise PageInputError(f"the file is not UTF-8 text (byte {error.start}); choose a conversation .json saved "
+                             f"by this page") from None
+    except (ValueError, RecursionError) as error:  # bad syntax, nesting too deep, an integer too long to read
+        reason = error.msg if isinstance(error, json.JSONDecodeError) else "nested too deeply" \
+            if isinstance(error, RecursionError) else str(error).split(";")[0]
+        where = f" at line {error.lineno}, column {error.colno}" if isinstance(error, json.JSONDecodeError) else ""
+        raise PageInputError(f"the file is not valid JSON ({reason}{where})") from None
+    if not isinstance(data, dict) or data.get("format") != CONVERSATION_FORMAT or not isinstance(data.get("turns"),
+                                                                                                 list):
+        raise PageInputError(f"not a conversation saved by this page (format {CONVERSATION_FORMAT})")
+    turns = []
+    for i, turn in enumerate(data["turns"], start=1):
+        if not isinstance(turn, dict) or not isinstance(turn.get("prompt"), str):
+            raise PageInputError(f"turn {i} has no prompt text")
+        for key in ("checkpoint", "base", "reference"):
+            if turn.get(key) is not None and not isinstance(turn[key], str):
+                raise PageInputError(f"turn {i}: '{key}' must be text, got {type(turn[key]).__name__}")
+        turns.append({k: v for k, v in turn.items() if k != "streaming"})
+    saved = data.get("settings") if isinstance(data.get("settings"), dict) else {}
+
+    def number(key, low, high, default, kind=float):
+        value = saved.get(key, default)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+        return kind(value) if ok else default
+
+    settings = {"greedy": saved["greedy"] if isinstance(saved.get("greedy"), bool) else True,
+                "temperature": number("temperature", 0.05, 2.0, 0.7), "top_p": number("top_p", 0.05, 1.0, 1.0),
+                "max_new_tokens": number("max_new_tokens", 8, 2048, 256, int)}
+    instruction = data["instruction"] if isinstance(data.get("instruction"), str) else DEFAULT_INSTRUCTION
+    return {"turns": turns, "settings": settings, "instruction": instruction}
+
+
 # ---------------------------------------------------------------------------------------------- the models
 
 
@@ -204,8 +316,14 @@ class Slot:
 # ---------------------------------------------------------------------------------------------- the page
 
 
-def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: Path | None, settings: dict):
+def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: Path | None, settings: dict,
+              roots: list[Path] | None = None, started: set[str] | None = None):
+    """The page. `roots`: the folders whose models it may list and load (default: the run folder); `started`: the
+    names it was started with, which it may load again (hub ids included)."""
     import gradio as gr
+
+    roots = roots if roots is not None else ([run_dir.resolve()] if run_dir else [])
+    started = started or {name for name in (checkpoint.name, base.name) if name}
 
     reward_funcs = resolve_reward_funcs(args.reward_funcs)
 
@@ -229,7 +347,7 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
                                            end_token_ids(slot.model, slot.tokenizer), slot.tokenizer.pad_token_id)
                 messages = model_messages(turns, side, prompt.strip(), instruction, system_prompt or None)
                 streams[side] = slot.start(messages, config, args.seed)
-        except ValueError as error:
+        except (TypeError, ValueError) as error:  # TypeError: a setting sent as null through the API
             yield chat_view(turns, "checkpoint"), chat_view(turns, "base"), "", "", str(error), turns
             return
         turn = {"prompt": prompt.strip(), "reference": reference.strip(), "streaming": True,
@@ -253,19 +371,30 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
                f"answered in {turn['seconds']:.1f} s", turns)
 
     def switch(run_folder, choice, base_name):
+        """Load a checkpoint of the run folder (or any model folder inside the allowed folders) and the base."""
         messages = []
-        if choice:
-            target = str(Path(run_folder).expanduser() / choice) if run_folder and choice in \
-                checkpoint_choices(run_folder) else choice
-            messages.append(checkpoint.load(target))
-        if base_name and base_name != base.name:
-            messages.append(base.load(base_name))
+        try:
+            if choice:
+                target = choice
+                if run_folder and run_folder.strip():
+                    folder = check_inside(run_folder.strip(), roots, "the run folder")
+                    if choice in checkpoint_choices(str(folder)):
+                        target = str(folder / choice)
+                messages.append(checkpoint.load(loadable(target, roots, started)))
+            if base_name and base_name != base.name:
+                messages.append(base.load(loadable(base_name, roots, started)))
+        except PageInputError as error:
+            messages.append(str(error))
         return " · ".join(messages) or "nothing to load", title()
 
     def refresh(run_folder):
-        if not run_folder or not Path(run_folder).expanduser().is_dir():
+        try:
+            folder = check_inside(run_folder or "", roots, "the run folder") if run_folder else None
+        except PageInputError as error:
+            return gr.update(choices=[], value=None), str(error)
+        if folder is None or not folder.is_dir():
             return gr.update(choices=[], value=None), f"'{run_folder}' is not a folder; give a run's output_dir"
-        choices = checkpoint_choices(run_folder)
+        choices = checkpoint_choices(str(folder))
         if not choices:
             return gr.update(choices=[], value=None), f"no final/ or checkpoint-* in '{run_folder}' yet"
         return gr.update(choices=choices, value=choices[0]), f"{len(choices)} model folder(s) in {run_folder}"
@@ -289,24 +418,21 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
             return (*keep, gr.update(), gr.update(), gr.update(), gr.update(), gr.update(),
                     "choose a conversation .json file first", turns)
         try:
-            data = json.loads(Path(file).read_text())
-            if data.get("format") != CONVERSATION_FORMAT or not isinstance(data.get("turns"), list):
-                raise ValueError(f"not a conversation saved by this page (format {CONVERSATION_FORMAT})")
-            loaded = [t for t in data["turns"] if isinstance(t, dict) and isinstance(t.get("prompt"), str)]
-            s = data.get("settings", {})
-        except (OSError, ValueError) as error:
+            data = read_conversation(file)
+        except (OSError, PageInputError) as error:
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
             return (*keep, gr.update(), gr.update(), gr.update(), gr.update(), gr.update(),
-                    f"could not load the conversation: {error}", turns)
-        return (chat_view(loaded, "checkpoint"), chat_view(loaded, "base"), s.get("greedy", True),
-                s.get("temperature", 0.7), s.get("top_p", 1.0), s.get("max_new_tokens", 256),
-                data.get("instruction", DEFAULT_INSTRUCTION), f"loaded {len(loaded)} turn(s)", loaded)
+                    f"could not load the conversation: {reason}", turns)
+        loaded, s = data["turns"], data["settings"]
+        return (chat_view(loaded, "checkpoint"), chat_view(loaded, "base"), s["greedy"], s["temperature"],
+                s["top_p"], s["max_new_tokens"], data["instruction"], f"loaded {len(loaded)} turn(s)", loaded)
 
     def export(greedy, temperature, top_p, max_new_tokens):
         slot = checkpoint if checkpoint.model is not None else base
         try:
             config = generation_config(greedy, temperature, top_p, max_new_tokens,
                                        end_token_ids(slot.model, slot.tokenizer), slot.tokenizer.pad_token_id)
-        except ValueError as error:
+        except (TypeError, ValueError) as error:
             return None, f"these settings do not make a valid generation config: {error}"
         folder = Path(tempfile.mkdtemp(prefix="agrpo-generation-"))
         config.save_pretrained(folder)
@@ -392,6 +518,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (127.0.0.1: this machine only).")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--share", action="store_true", help="Ask Gradio for a public share link (off by default).")
+    parser.add_argument("--auth", default=None, metavar="USER:PASSWORD",
+                        help=f"Require this login (also from ${AUTH_ENV}, which keeps it off the command line). "
+                             f"Needed with --share or a --host other than this machine, unless --no_auth_i_know.")
+    parser.add_argument("--no_auth_i_know", action="store_true",
+                        help="Serve --share or another --host without a login: anyone who reaches the page can load "
+                             "and run the model folders it may open.")
+    parser.add_argument("--allow_dir", nargs="+", default=None, metavar="FOLDER",
+                        help="More folders whose models the page may list and load (default: only the run folder and "
+                             "the model folders it starts with).")
     return parser.parse_args(argv)
 
 
@@ -418,6 +553,10 @@ def resolve_models(args: argparse.Namespace) -> tuple[str, str | None, Path | No
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    auth = exposure(args)  # before anything loads
+    for folder in args.allow_dir or []:
+        if not Path(folder).expanduser().is_dir():
+            raise SystemExit(f"error: --allow_dir: '{folder}' is not a folder")
     if args.max_new_tokens < 1:
         raise SystemExit(f"error: --max_new_tokens must be >= 1, got {args.max_new_tokens}")
     unknown = [f for f in args.reward_funcs if f not in REWARD_FUNCS]
@@ -431,8 +570,17 @@ def main(argv: list[str] | None = None) -> None:
             message = slot.load(target)
             if slot.model is None:
                 raise SystemExit(f"error: {message}")
-    app = build_app(checkpoint, base, args, run_dir, settings)
-    app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True)
+    roots = allowed_roots(args, name, base_name, run_dir)
+    started = {n for n in (name, base_name) if n}
+    if args.host not in LOCAL_HOSTS or args.share:
+        login = f"login required (user '{auth[0]}')" if auth else "NO login (--no_auth_i_know)"
+        print(f"The page is reachable from other machines ({'a public --share link' if args.share else args.host}), "
+              f"{login}. Whoever reaches it can: chat with {name} and {base_name or '(no base)'}; list and load "
+              f"(and so run) any model folder inside {', '.join(map(str, roots)) or '(none)'}; save and load "
+              f"conversations.", flush=True)
+    app = build_app(checkpoint, base, args, run_dir, settings, roots, started)
+    app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True, auth=auth,
+                       max_file_size=MAX_UPLOAD_BYTES)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO))
-from chat_app import (checkpoint_choices, generation_config, model_messages, run_folder_of,  # noqa: E402
-                      split_reasoning)
+from chat_app import (MAX_UPLOAD_BYTES, PageInputError, allowed_roots, check_inside,  # noqa: E402
+                      checkpoint_choices, exposure, generation_config, loadable, model_messages, parse_args,
+                      read_conversation, run_folder_of, split_reasoning)
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -59,6 +60,134 @@ def test_generation_config_greedy_sampling_and_bad_values():
     assert sampled.do_sample and sampled.temperature == 0.7 and sampled.top_p == 0.9
     with pytest.raises(ValueError):
         generation_config(False, -1.0, 0.9, 64, [2], 2)
+
+
+# ---------------------------------------------------------------------------------------------- exposure and paths
+
+
+@pytest.mark.parametrize("argv, refused", [
+    ([], False), (["--host", "localhost"], False),
+    (["--host", "0.0.0.0"], True), (["--share"], True), (["--host", "192.168.1.5"], True),
+    (["--host", "0.0.0.0", "--auth", "ana:s3cret-pw"], False), (["--share", "--no_auth_i_know"], False),
+])
+def test_binding_beyond_this_machine_needs_a_login_or_the_explicit_flag(argv, refused, monkeypatch):
+    monkeypatch.delenv("AGRPO_CHAT_AUTH", raising=False)
+    if refused:
+        with pytest.raises(SystemExit, match="would be open to other machines without a login.*--auth USER:PASSWORD "
+                                             "\\(or set AGRPO_CHAT_AUTH=USER:PASSWORD\\), or --no_auth_i_know"):
+            exposure(parse_args(argv))
+    else:
+        exposure(parse_args(argv))
+    monkeypatch.setenv("AGRPO_CHAT_AUTH", "ana:from-the-env")
+    assert exposure(parse_args(["--host", "0.0.0.0"])) == ("ana", "from-the-env")
+
+
+@pytest.mark.parametrize("auth", ["nopassword", ":pw", "ana:"])
+def test_a_malformed_login_is_refused_without_echoing_it(auth, monkeypatch):
+    monkeypatch.delenv("AGRPO_CHAT_AUTH", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        exposure(parse_args(["--host", "0.0.0.0", "--auth", auth]))
+    assert "expected USER:PASSWORD" in str(stop.value) and (auth not in str(stop.value) or auth == "ana:")
+    monkeypatch.setenv("AGRPO_CHAT_AUTH", "secret-without-colon")
+    with pytest.raises(SystemExit, match="\\$AGRPO_CHAT_AUTH: expected USER:PASSWORD") as stop:
+        exposure(parse_args(["--share"]))
+    assert "secret-without-colon" not in str(stop.value)
+
+
+def test_typed_paths_cannot_leave_the_folders_the_page_started_with(tmp_path):
+    run = tmp_path / "runs" / "agrpo"
+    (run / "final").mkdir(parents=True)
+    (run / "config.yaml").write_text("model_name_or_path: embedded\n")
+    outside = tmp_path / "elsewhere"
+    (outside / "model").mkdir(parents=True)
+    (run / "link").symlink_to(outside)  # a symlink inside the run folder that points out of it
+    roots = allowed_roots(parse_args([]), str(run / "final"), "embedded", run)
+    assert roots == [run.resolve(), (run / "final").resolve()]
+    assert check_inside(str(run / "final"), roots, "x") == (run / "final").resolve()
+    assert loadable(str(run / "checkpoint-9"), roots, set()) == str((run / "checkpoint-9").resolve())
+    assert loadable("embedded", roots, set()) == "embedded"
+    assert loadable("some/hub-id", roots, {"some/hub-id"}) == "some/hub-id"  # named at start: allowed again
+    for typed in (str(outside / "model"), str(run / ".." / ".." / "elsewhere" / "model"), str(run / "link" / "model"),
+                  "/", "~", "other/hub-id"):
+        with pytest.raises(PageInputError, match="is outside the folders this page may open"):
+            loadable(typed, roots, set())
+    with pytest.raises(PageInputError, match="is not a usable path"):
+        check_inside("a\x00b", roots, "the run folder")
+    extra = allowed_roots(parse_args(["--allow_dir", str(outside)]), "embedded", "embedded", None)
+    assert extra == [outside.resolve()]
+
+
+def conversation(tmp_path, content) -> str:
+    path = tmp_path / "conversation.json"
+    path.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+    return str(path)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"{not json", "the file is not valid JSON (Expecting property name enclosed in double quotes at line 1, column 2)"),
+    (b"\xff\xfe{}", "the file is not UTF-8 text (byte 0)"),
+    (b"[" * 100_000, "the file is not valid JSON (nested too deeply)"),
+    ([1, 2], "not a conversation saved by this page"),
+    ({"format": "agrpo-chat/1", "turns": [{"prompt": 3}]}, "turn 1 has no prompt text"),
+    ({"format": "agrpo-chat/1", "turns": [{"prompt": "hi", "base": {"a": 1}}]}, "turn 1: 'base' must be text"),
+    ({"format": "agrpo-chat/1", "turns": "x"}, "not a conversation saved by this page"),
+])
+def test_a_bad_conversation_upload_gets_a_message(content, message, tmp_path):
+    with pytest.raises(PageInputError) as error:
+        read_conversation(conversation(tmp_path, content))
+    assert message in str(error.value)
+
+
+def test_a_huge_upload_is_refused_and_odd_settings_fall_back(tmp_path):
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(MAX_UPLOAD_BYTES + 1)
+    with pytest.raises(PageInputError, match="the file is 10.0 MB; a saved conversation is under 10 MB"):
+        read_conversation(str(big))
+    data = read_conversation(conversation(tmp_path, {
+        "format": "agrpo-chat/1", "instruction": 7, "turns": [{"prompt": "hi", "checkpoint": "4", "streaming": True}],
+        "settings": {"greedy": "yes", "temperature": float("nan"), "top_p": 5, "max_new_tokens": 100.0}}))
+    assert data["turns"] == [{"prompt": "hi", "checkpoint": "4"}]
+    assert data["settings"] == {"greedy": True, "temperature": 0.7, "top_p": 1.0, "max_new_tokens": 100}
+    assert isinstance(data["instruction"], str)
+
+
+def page_events(tmp_path):
+    """The page built on two empty slots (no model loads), and its event functions by api name."""
+    from chat_app import Slot, build_app
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    app = build_app(Slot("checkpoint"), Slot("base"), parse_args(["--reward_funcs", "accuracy"]), run, {})
+    return run, {d.api_name: d.fn for d in app.fns.values() if d.api_name}
+
+
+def test_the_page_refuses_folders_outside_its_roots_and_bad_uploads_in_its_status_line(tmp_path):
+    run, events = page_events(tmp_path)
+    picker, status = events["list_checkpoints"](str(tmp_path))
+    assert "is outside the folders this page may open" in status
+    picker, status = events["list_checkpoints"](str(run))
+    assert status == f"1 model folder(s) in {run}"
+    status, _ = events["load_checkpoint"](str(run), str(tmp_path / "other"), "")
+    assert "the model folder" in status and "is outside the folders this page may open" in status
+    status, _ = events["load_checkpoint"](str(tmp_path), "final", "")
+    assert "the run folder" in status and "is outside" in status
+    status, _ = events["load_checkpoint"](str(run), "", "/etc")
+    assert "is outside the folders this page may open" in status
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff")
+    *_, status, turns = events["load_conversation"](str(bad), [])
+    assert status.startswith("could not load the conversation: the file is not UTF-8 text") and turns == []
+
+
+def test_host_without_login_exits_with_one_line_before_loading_anything(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "AGRPO_CHAT_AUTH"}
+    proc = subprocess.run([sys.executable, str(REPO / "chat_app.py"), "--host", "0.0.0.0", "--model_name_or_path",
+                           str(tmp_path / "missing")], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("error: --host 0.0.0.0: the page would be open to other machines")
+    assert len(proc.stderr.strip().splitlines()) == 1  # checked before the model argument, before any load
 
 
 # ---------------------------------------------------------------------------------------------- the real page
