@@ -4,7 +4,9 @@
     python chat_app.py --model_name_or_path runs/agrpo/final    # base: the run's starting model (its config.yaml)
     python chat_app.py --model_name_or_path runs/lora/checkpoint-20 --base_model embedded --port 7861
 
-The page listens on 127.0.0.1 only (`--share` asks Gradio for a public link; never by default). One prompt goes to
+The page listens on 127.0.0.1 only. Another `--host` or `--share` (a public link) needs a login, `--auth USER:PASSWORD`
+or $AGRPO_CHAT_AUTH, or `--no_auth_i_know`; folders typed in the page must lie inside the run folder, the model
+folders it started with, or `--allow_dir` (docs/troubleshooting.md 3.3). One prompt goes to
 both models; their answers stream side by side, token by token, the reasoning apart from the final answer (the
 `<think>` block, or everything before the last `Answer:` line). With a reference answer, each answer is scored by the
 training reward functions. A run folder's `checkpoint-*` and `final/` are listed and switch the model in place; a PEFT

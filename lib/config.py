@@ -362,7 +362,8 @@ def _scalar(name: str, typ, value):
         raise ValueError(value)
     if isinstance(value, bool):
         quote = "; write it in quotes in YAML" if typ is str else ""
-        raise ConfigError(f"{name}: expected a {_type_name(typ)}, got the boolean {str(value).lower()}{quote}")
+        article = "an" if typ is int else "a"
+        raise ConfigError(f"{name}: expected {article} {_type_name(typ)}, got the boolean {str(value).lower()}{quote}")
     if typ is int:
         if isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
