@@ -110,7 +110,8 @@ def signal_at(monkeypatch, where: str, when: int, sig=signal.SIGTERM):
 @pytest.mark.parametrize(("where", "sig", "extra", "stop_step"), [
     ("step", signal.SIGTERM, [], 2),  # inside step 2's loss: checkpoint-2, then stop
     ("checkpoint", signal.SIGUSR1, ["--save_steps", "1"], 2),  # inside checkpoint-2's write: it completes, then stop
-    ("step", signal.SIGTERM, ["--num_iterations", "2"], 4),  # step 3 of a batch that serves steps 3-4: after step 4
+    pytest.param("step", signal.SIGTERM, ["--num_iterations", "2"], 4,  # step 3 of a batch for steps 3-4: after 4
+                 marks=pytest.mark.slow),
 ])
 def test_a_stop_signal_checkpoints_where_resuming_is_exact_and_the_resumed_run_equals_an_uninterrupted_one(
         tiny_model, tmp_path, monkeypatch, where, sig, extra, stop_step):
@@ -167,6 +168,7 @@ def test_recover_completes_or_undoes_a_save_killed_between_its_renames(tmp_path)
 # ------------------------------------------------------------------------------------------------ rewards that hang
 
 
+@pytest.mark.slow  # each hang costs reward_timeout: about 13 s in all
 def test_a_reward_that_hangs_or_kills_its_worker_is_scored_as_a_failure_and_the_run_goes_on(tiny_model, tmp_path):
     out = tmp_path / "run"
     t0 = time.perf_counter()
@@ -194,6 +196,7 @@ def run_cli(args: list[str], timeout: int = 300, prefix: list[str] | None = None
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
+@pytest.mark.slow  # a trainer in a subprocess: 13 s
 def test_a_full_disk_keeps_the_previous_checkpoint_whole_and_says_how_much_space_one_needs(tiny_model, tmp_path):
     # a 60 MiB tmpfs mounted in a user and mount namespace of the trainer's own (no privileges needed where the kernel
     # allows unprivileged user namespaces); a checkpoint of the tiny model is about 38 MiB: the first fits, the

@@ -156,6 +156,7 @@ def measured_steps():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a real training step in a fresh process: 13 s
 def test_estimate_against_a_measured_training_step(measured_steps):
     measured = measured_steps
     first = measured["steps"][0]["estimate"]

@@ -19,8 +19,8 @@ def _rollout(policy, tokenizer, tokens=20):
         ids, mask, 3, tokens, temperature=0.9)
 
 
-def test_shared_prefix_logps_and_gradients_equal_the_full_forward(embedded_model, tokenizer):
-    policy = load_policy(embedded_model)
+def test_shared_prefix_logps_and_gradients_equal_the_full_forward(tiny_model, tokenizer):
+    policy = load_policy(tiny_model)
     ro = _rollout(policy, tokenizer, tokens=12)
     args = (ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ro.completion_ids, ro.completion_mask, ro.temperatures)
     shared, ent_shared = completion_logps(policy, *args, share_prompt_prefix=True)
@@ -38,13 +38,14 @@ def test_shared_prefix_logps_and_gradients_equal_the_full_forward(embedded_model
     expected = torch.log_softmax(logits[:, lp - 1:-1].float() / 0.9, -1).gather(-1, ro.completion_ids[..., None])
     assert_close_to_scale(shared, expected.squeeze(-1) * ro.completion_mask, 1e-4, "log-probs against the logits")
 
-    weight = policy.model.layers[5].self_attn.k_proj.weight
+    weight = policy.model.layers[1].self_attn.k_proj.weight
     (shared * ro.completion_mask).sum().backward()
     g_shared = weight.grad.clone()
     policy.zero_grad()
     full, _ = completion_logps(policy, *args, share_prompt_prefix=False)
     (full * ro.completion_mask).sum().backward()
-    # relative norm of the whole gradient: up to 1.2e-6 measured; one completion token left out of the sum gives 0.18
+    # relative norm of the whole gradient: 3e-7 measured (1.2e-6 on the embedded model); one completion token left
+    # out of the sum gives 0.12
     assert_rel_close(g_shared, weight.grad, 1e-4, "k_proj gradient")
 
 
@@ -56,8 +57,8 @@ def test_length_chunks_split_where_padding_costs_more_than_a_call():
     assert length_chunks([10, 12], overhead=64) == [[0, 1]]  # too small to pay for a second call
 
 
-def test_length_chunked_logps_and_gradients_equal_one_padded_batch(embedded_model, tokenizer):
-    policy = load_policy(embedded_model)
+def test_length_chunked_logps_and_gradients_equal_one_padded_batch(tiny_model, tokenizer):
+    policy = load_policy(tiny_model)
     ro = _rollout(policy, tokenizer, tokens=4)
     ids = torch.randint(100, 40000, (6, 96), generator=torch.Generator().manual_seed(0))
     mask = torch.zeros_like(ids)
@@ -73,7 +74,8 @@ def test_length_chunked_logps_and_gradients_equal_one_padded_batch(embedded_mode
     (whole.sum() + ent_whole.sum()).backward()
     assert chunked.shape == whole.shape and torch.equal(chunked == 0, mask == 0)
     # other batch shapes sum in another order, and another CPU's kernels in another still (tests/conftest.py): per
-    # element the log-probs agree to 6e-7 of their scale (-27), entropies to 2e-6; a token masked wrongly is off by 0.9
+    # element the log-probs agree to 6e-7 of their scale, entropies to 2e-6 (measured on the embedded model, the same
+    # code path); a token masked wrongly is off by about the whole scale
     assert_close_to_scale(chunked, whole, 1e-4, "log-probs")
     assert_close_to_scale(ent_chunked, ent_whole, 1e-4, "entropies")
     # each parameter's gradient as a whole: relative norms up to 2e-6 measured (6.4e-7 on an AMX Xeon, where one
