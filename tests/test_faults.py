@@ -229,10 +229,13 @@ def test_a_full_disk_keeps_the_previous_checkpoint_whole_and_says_how_much_space
 
 @pytest.mark.slow
 def test_a_stop_signal_to_one_of_two_processes_stops_both_at_the_same_exact_point(tiny_model, tmp_path):
+    """SIGTERM to the second of two processes, first in the middle of a checkpoint write, then (after resuming) in the
+    middle of a step: both processes stop at the same step each time, and the twice-resumed run equals an
+    uninterrupted one."""
     import psutil
 
-    args = ["--model_name_or_path", tiny_model, *TINY, "--per_device_train_batch_size", "4", "--max_steps", "6",
-            "--resume_from_checkpoint", "latest"]
+    args = ["--model_name_or_path", tiny_model, *TINY, "--per_device_train_batch_size", "4", "--max_steps", "8",
+            "--save_steps", "1", "--resume_from_checkpoint", "latest"]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 str(REPO / "train_agrpo.py"), *args]
@@ -242,20 +245,26 @@ def test_a_stop_signal_to_one_of_two_processes_stops_both_at_the_same_exact_poin
         return subprocess.Popen([*launcher, "--output_dir", str(out)], cwd=tmp_path, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
+    def stop_second_process(out, ready) -> int:
+        proc = launch(out)
+        while proc.poll() is None and not ready():
+            time.sleep(0.001)
+        ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "train_agrpo.py" in " ".join(p.cmdline())}
+        ranks[1].send_signal(signal.SIGTERM)  # the first process learns it from the step's reduce
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode != 0 and "SIGTERM received: stopped at step" in err, err[-3000:]
+        step = ckpt.latest_checkpoint(out)
+        assert (step / "rng_state_0.pt").exists() and (step / "rng_state_1.pt").exists()
+        assert not (out / "final").exists() and not list(out.glob(".*.partial"))
+        return int(step.name.split("-")[1])
+
     whole = launch(tmp_path / "whole")
     assert whole.wait(timeout=600) == 0, whole.stderr.read()[-3000:]
     out = tmp_path / "run"
-    proc = launch(out)
-    while proc.poll() is None and training_lines(out / "metrics.jsonl") < 2:
-        time.sleep(0.01)
-    ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children(recursive=True)
-             if "train_agrpo.py" in " ".join(p.cmdline())}
-    ranks[1].send_signal(signal.SIGTERM)  # the second process only: the first learns it from the step's reduce
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode != 0 and "SIGTERM received: stopped at step" in err
-    step = ckpt.latest_checkpoint(out)
-    assert step is not None and (step / "rng_state_0.pt").exists() and (step / "rng_state_1.pt").exists()
-    assert int(step.name.split("-")[1]) < 6 and not (out / "final").exists()
+    first = stop_second_process(out, lambda: any(out.glob(".checkpoint-*.partial")))  # inside a save
+    second = stop_second_process(out, lambda: training_lines(out / "metrics.jsonl") > first)  # inside a step
+    assert 0 < first < second < 8
     resumed = launch(out)
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()[-3000:]
     assert [without_times(m) for m in steps_of(out)] == [without_times(m) for m in steps_of(tmp_path / "whole")]
