@@ -366,3 +366,13 @@ def test_the_reward_worker_answers_survives_a_hang_and_a_crash_and_keeps_prints_
     finally:
         worker.close()
     assert worker.proc.poll() is not None
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_any_model_loads(tmp_path, tiny_model):
+    from lib.config import ConfigError
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=r"output_dir: cannot create or write '.*a_file/run' \(Not a directory\); "
+                                          r"pass a folder you can write to"):
+        train_agrpo.main(["--model_name_or_path", tiny_model, "--output_dir",
+                          str(tmp_path / "a_file" / "run")])
