@@ -229,6 +229,7 @@ def test_yaml_recipe_that_is_missing_or_a_folder_is_named(tmp_path):
     assert load_yaml(str(tmp_path / "empty.yaml")) == {}
 
 
+@pytest.mark.slow  # the trainer in a subprocess: 7 s; load_yaml's messages are tested in this process above
 def test_trainer_prints_a_yaml_syntax_error_on_one_line_and_exits_1(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("learning_rate: [1, 2\n")

@@ -33,8 +33,8 @@ def test_greedy_rollout_equals_transformers_generate(embedded_model, tokenizer):
             assert rollout.completion_ids[row, n - 1].item() == tokenizer.eos_token_id
 
 
-def test_groups_counts_and_per_prompt_temperature(embedded_model, tokenizer):
-    policy = load_policy(embedded_model)
+def test_groups_counts_and_per_prompt_temperature(tiny_model, tokenizer):
+    policy = load_policy(tiny_model)  # mechanics: the small random model
     ids, mask = _prompts(tokenizer)
     backend = HFRollout(policy, [tokenizer.eos_token_id], tokenizer.pad_token_id, bf16=True, seed=3)
     assert backend.copy is not None and next(backend.copy.parameters()).dtype == torch.bfloat16
