@@ -22,8 +22,10 @@ def test_bad_arguments_are_named_before_any_run():
 def test_side_by_side_run_reports_both_trainers_ratios_and_our_phases(tmp_path):
     pytest.importorskip("trl", reason="TRL is installed by .ci/run (pip install -r requirements-bench.txt)")
     out = tmp_path / "bench.json"
-    proc = subprocess.run(BENCH + ["--steps", "2", "--rounds", "1", "--max_completion_length", "8",
-                                   "--trl_bf16", "true", "--output_json", str(out)],
+    # the script's mechanics on a random model of the Qwen2 family (--shape qwen2-tiny): 300 s -> under a minute
+    # against the embedded model, whose TRL run in bf16 crawls on a CPU without native bf16
+    proc = subprocess.run(BENCH + ["--shape", "qwen2-tiny", "--steps", "2", "--rounds", "1",
+                                   "--max_completion_length", "8", "--trl_bf16", "true", "--output_json", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| median step time (s) |" in proc.stdout and "ours / TRL" in proc.stdout

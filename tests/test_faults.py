@@ -6,7 +6,6 @@ scored as failures, a full disk keeps the last checkpoint whole, and a run kille
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -282,7 +281,8 @@ def training_lines(path: Path) -> int:
 def test_ten_random_kills_resumed_with_latest_end_exactly_where_an_uninterrupted_run_does(tiny_model, tmp_path):
     steps = 24
     args = ["--model_name_or_path", tiny_model, *TINY, "--max_steps", str(steps), "--save_steps", "1",
-            "--num_eval_samples", "4", "--eval_steps", "4", "--resume_from_checkpoint", "latest"]
+            "--num_eval_samples", "4", "--eval_steps", "4", "--lr_scheduler_type", "linear",
+            "--resume_from_checkpoint", "latest"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     whole = subprocess.Popen([sys.executable, str(REPO / "train_agrpo.py"), *args, "--output_dir",
                               str(tmp_path / "whole")], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
