@@ -311,12 +311,11 @@ def nonfinite_rewards(run: Run, sampled: Sampled, advantages: torch.Tensor) -> t
     counts = accelerator.reduce(torch.tensor([sampled.nonfinite.get(n, 0) for n in names], dtype=torch.float32,
                                              device=accelerator.device), reduction="sum").tolist()
     reasons = []
-    for k, (name, count) in enumerate(zip(names, counts)):
+    for column, name, count in zip(sampled.rewards.T, names, counts):
         if count:
-            column = sampled.rewards[:, k]
             kinds = {"inf": int(torch.isposinf(column).sum()), "-inf": int(torch.isneginf(column).sum())}
-            kinds["nan"] = max(int(count) - kinds["inf"] - kinds["-inf"], 0)
-            seen = ", ".join(f"{v} x {k}" for k, v in kinds.items() if v)
+            kinds["nan"] = max(int(count) - kinds["inf"] - kinds["-inf"], 0)  # NaN: the explicit ones, not None's
+            seen = ", ".join(f"{number} x {kind}" for kind, number in kinds.items() if number)
             reasons.append(f"reward function '{name}' returned {seen or 'non-finite values'}")
     if not reasons and not torch.isfinite(advantages).all():
         reasons.append("the advantages (from finite rewards: a reward too large for float32 arithmetic?)")

@@ -67,7 +67,7 @@ class RewardWorker:
         env.setdefault("OMP_NUM_THREADS", "1")  # reward code is Python; it must not compete with the trainer's threads
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lib.reward_worker", str(read_child), str(write_child)],
-            pass_fds=(read_child, write_child), env=env, stdin=subprocess.DEVNULL, start_new_session=False)
+            pass_fds=(read_child, write_child), env=env, stdin=subprocess.DEVNULL)
         os.close(read_child)
         os.close(write_child)
         self.conn = _Duplex(Connection(read_parent, writable=False), Connection(write_parent, readable=False))

@@ -204,7 +204,7 @@ class HFRollout:
         self.adapted: list[str] = []  # the copy's modules whose weights a sync recomputes (LoRA layers)
         lm = unwrap_causal_lm(policy)
         device = next(policy.parameters()).device
-        adapter = hasattr(policy, "peft_config") or any(_is_lora_layer(m) for m in lm.modules())
+        adapter = any(_is_lora_layer(m) for m in lm.modules())
         quantized = getattr(lm, "is_quantized", False) or getattr(policy, "is_quantized", False)
         if adapter and merge_adapter:
             dtype = torch.bfloat16 if bf16 else _compute_dtype(lm)
@@ -450,18 +450,13 @@ def policy_weights(policy: torch.nn.Module):
     """
     lm = unwrap_causal_lm(policy)
     tied = getattr(lm.config, "tie_word_embeddings", False)
-    deltas = {}
-    for module_name, module in lm.named_modules():
-        if not (hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")):
-            continue  # not a LoRA layer
-        adapters = [a for a in module.active_adapters if a in module.lora_A]
-        if adapters:
-            deltas[f"{module_name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in adapters)
+    merged = {f"{name}.base_layer.weight": merged_linear(module)[0] for name, module in lm.named_modules()
+              if _is_lora_layer(module)}
     for name, tensor in lm.state_dict().items():
         if "lora_" in name or (tied and name == "lm_head.weight"):
             continue
-        if name in deltas:
-            tensor = (tensor + deltas[name]).to(tensor.dtype)
+        if name in merged:
+            tensor = merged[name].to(tensor.dtype)
         yield name.replace(".base_layer.", "."), tensor
 
 
