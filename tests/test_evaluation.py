@@ -110,11 +110,11 @@ def test_answer_checking_on_real_records(data_dir, name):
         assert answers_match(extract_answer(text), golds[0]) is False
 
 
-def test_kl_of_a_model_to_itself_is_zero_and_entropy_positive(embedded_model, tokenizer):
+def test_kl_of_a_model_to_itself_is_zero_and_entropy_positive(tiny_model, tokenizer):
     from lib.data import format_prompt
     from lib.modeling import load_policy
 
-    model = load_policy(embedded_model).eval()
+    model = load_policy(tiny_model).eval()
     prompts = [format_prompt(tokenizer, "What is 2 + 3?"), format_prompt(tokenizer, "What is 7 - 4?")]
     ids = [tokenizer.encode(" The answer is 5.", add_special_tokens=False),
            tokenizer.encode("Answer: 3", add_special_tokens=False)]
@@ -122,7 +122,7 @@ def test_kl_of_a_model_to_itself_is_zero_and_entropy_positive(embedded_model, to
     # the reference as a second copy of the same weights, not the same object: completion_kl_entropy's
     # `reference is model` shortcut (eval_agrpo.py's reference row: one pass instead of two) is not taken, so both
     # forwards and the k3 math run
-    copy = load_policy(embedded_model).eval()
+    copy = load_policy(tiny_model).eval()
     kl, entropy = completion_kl_entropy(model, copy, tokenizer, prompts, results, temperature=0.0,
                                         max_prompt_length=128)
     # Two copies of the same weights on the same inputs run the same kernels in the same order: their log-probs are
@@ -138,9 +138,9 @@ def test_kl_of_a_model_to_itself_is_zero_and_entropy_positive(embedded_model, to
     # a perturbed copy is a different distribution: its KL to the reference at a sampling temperature is the k3 token
     # mean of the two models' per-token log-probs, computed here from plain forwards of each unpadded
     # [prompt; completion] (the function pads prompts and runs completions on a shared-prefix cache)
-    other = load_policy(embedded_model).eval()
+    other = load_policy(tiny_model).eval()
     with torch.no_grad():
-        other.model.norm.weight.mul_(1.1)  # KL ~0.2 at temperature 0.7 (1.5 gives ~100)
+        other.model.norm.weight.mul_(3)  # KL 0.18 at temperature 0.7 (x 4: 0.56, x 10: 2900)
     temperature = 0.7
     kl_other, entropy_other = completion_kl_entropy(other, model, tokenizer, prompts, results,
                                                     temperature=temperature, max_prompt_length=128)
@@ -160,8 +160,8 @@ def test_kl_of_a_model_to_itself_is_zero_and_entropy_positive(embedded_model, to
     kl_hand = sum(k3) / len(k3)
     assert kl_hand > 1e-2
     # Both sides are float32 forwards of the same weights that differ only in padding, the prefix cache and summation
-    # order. Measured on this CPU: KL 0.176164 by hand, 0.176166 by the function (relative gap 9e-6; the k3 of
-    # tokens where the reference is likelier amplifies log-prob noise by u - 1); entropies 1e-7 apart. The bounds
-    # leave 100x for other CPUs' kernels; a missing temperature (KL 0.05) or another estimator is far outside them.
+    # order. Measured on this CPU (the tiny random model): KL 0.1797377 by hand and by the function (relative gap
+    # 5e-7); entropies 1e-7 apart. The bounds leave 100x for other CPUs' kernels; a missing temperature (KL 0.070)
+    # or another estimator is far outside them.
     assert kl_other == pytest.approx(kl_hand, rel=1e-3)
     assert entropy_other == pytest.approx(sum(entropies) / len(entropies), rel=1e-5)
