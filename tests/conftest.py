@@ -16,6 +16,11 @@ def data_dir() -> Path:
 
 REPO = Path(__file__).resolve().parents[1]
 
+# vLLM on a CPU sizes its KV cache at about half of the machine's memory unless told otherwise, and touching 11 GB
+# took 21 of the 34 s an engine for the embedded model needed to start here; 1 GiB holds 46k tokens of that model
+# (91 sequences of 512), more than any test samples. Subprocesses inherit it.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
 
 # ---- comparing floats that went through different kernels ------------------------------------------------------------
 # Two computations of the same values that take different kernels (this CPU's AVX2, another's AVX-512 or AMX, ATen's

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -143,7 +144,9 @@ def test_table_shows_mean_and_spread_and_marks_differences_smaller_than_the_spre
 def test_a_grpo_readme_table_recipe_resolves_to_the_readme_training_settings(data_dir):
     proc = subprocess.run(["bash", str(REPO / "scripts" / "recipes" / "agrpo_readme_table.sh"), "--dry_run"],
                           capture_output=True, text=True, cwd=REPO, timeout=120,
-                          env={**os.environ, "DATA": str(data_dir / "gsm8k")})
+                          # the script calls `python`: the one running these tests, virtual environment or not
+                          env={**os.environ, "DATA": str(data_dir / "gsm8k"),
+                               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     settings = {}
     for line in proc.stdout.splitlines():
@@ -162,11 +165,13 @@ def test_a_grpo_readme_table_recipe_resolves_to_the_readme_training_settings(dat
 
 
 @pytest.mark.slow
-def test_tiny_ablation_runs_evaluates_writes_table_and_figures_and_resumes(tmp_path):
+def test_tiny_ablation_runs_evaluates_writes_table_and_figures_and_resumes(tmp_path, tiny_model):
     out = tmp_path / "ablate"
+    # on the tiny random model: the harness's mechanics (runs, evaluation, table, figures, resume), not its numbers
     command = ABLATE + ["--methods", "grpo", "--ablations", "full", "no_entropy", "--seeds", "3", "--max_steps", "3",
                         "--token_budget", "50", "--eval_samples", "6", "--eval_num_samples", "1",
-                        "--output_dir", str(out), "--", "--max_completion_length", "16"]
+                        "--output_dir", str(out), "--", "--max_completion_length", "16",
+                        "--model_name_or_path", tiny_model]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "2 configurations x seeds, 1 distinct runs" in proc.stdout
