@@ -4,7 +4,7 @@ reference is the base; QLoRA loads, samples and trains on the CPU for real."""
 import pytest
 import torch
 
-from conftest import assert_close_to_scale, assert_rel_close, rel_diff
+from conftest import assert_close_to_scale, assert_rel_close
 from lib.data import format_prompt, tokenize_prompts
 from lib.modeling import adapter_disabled, completion_logps, length_chunks, load_policy
 from lib.rollout import HFRollout
@@ -85,13 +85,13 @@ def test_length_chunked_logps_and_gradients_equal_one_padded_batch(tiny_model, t
         assert_rel_close(g, p.grad, 1e-4, name)
 
 
-def test_lora_reference_is_the_base_with_the_adapter_disabled(embedded_model, tokenizer):
-    base = load_policy(embedded_model)
+def test_lora_reference_is_the_base_with_the_adapter_disabled(tiny_model, tokenizer):
+    base = load_policy(tiny_model)
     ro = _rollout(base, tokenizer, tokens=8)
     args = (ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ro.completion_ids, ro.completion_mask, ro.temperatures)
     with torch.no_grad():
         base_logp, _ = completion_logps(base, *args)
-    lora = load_policy(embedded_model, use_peft=True, lora_r=4, lora_alpha=8)
+    lora = load_policy(tiny_model, use_peft=True, lora_r=4, lora_alpha=8)
     trainable = [n for n, p in lora.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     with torch.no_grad():  # make the adapter do something
@@ -102,13 +102,13 @@ def test_lora_reference_is_the_base_with_the_adapter_disabled(embedded_model, to
         with adapter_disabled(lora):
             reference, _ = completion_logps(lora, *args)
     # the disabled adapter runs the base layers: equal to rounding (bitwise here; tests/conftest.py for why not
-    # exact); the enabled one moves the log-probs by 0.12 in relative norm
+    # exact); the enabled one moves the tiny model's log-probs (about -11 a token) by up to 0.3 nats
     assert_close_to_scale(reference, base_logp, 1e-4, "reference log-probs")
-    assert rel_diff(adapted, base_logp) > 1e-2
+    assert (adapted - base_logp).abs().max() > 0.05
 
 
-def test_gradient_checkpointing_with_peft_keeps_lora_gradients(embedded_model, tokenizer):
-    lora = load_policy(embedded_model, use_peft=True, lora_r=4, gradient_checkpointing=True)
+def test_gradient_checkpointing_with_peft_keeps_lora_gradients(tiny_model, tokenizer):
+    lora = load_policy(tiny_model, use_peft=True, lora_r=4, gradient_checkpointing=True)
     ro = _rollout(lora, tokenizer, tokens=8)
     logp, _ = completion_logps(lora, ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ro.completion_ids,
                                ro.completion_mask, ro.temperatures)
@@ -118,9 +118,9 @@ def test_gradient_checkpointing_with_peft_keeps_lora_gradients(embedded_model, t
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
 
 
-def test_qlora_loads_in_4bit_samples_and_trains(embedded_model, tokenizer):
+def test_qlora_loads_in_4bit_samples_and_trains(tiny_model, tokenizer):
     pytest.importorskip("bitsandbytes")
-    qlora = load_policy(embedded_model, use_peft=True, load_in_4bit=True, lora_r=4, lora_dropout=0.0)
+    qlora = load_policy(tiny_model, use_peft=True, load_in_4bit=True, lora_r=4, lora_dropout=0.0)
     linear = qlora.get_base_model().model.layers[0].mlp.up_proj.base_layer
     assert type(linear).__name__ == "Linear4bit"
     with torch.no_grad():  # lora_B starts at 0; give it values so that every LoRA weight gets a gradient

@@ -135,7 +135,7 @@ def test_replace_completions_swaps_groups_and_pads_to_the_longer_width():
     assert short.completion_ids.shape == (4, 2)
 
 
-def test_policy_weights_of_a_lora_policy_equal_peft_merge(embedded_model):
+def test_policy_weights_of_a_lora_policy_equal_peft_merge(tiny_model):
     """The weights a vLLM engine receives: a LoRA policy's merged weights under the base names, equal to what
     peft's merge_and_unload computes, the tied lm_head left out, the policy itself unchanged."""
     from peft import LoraConfig, get_peft_model
@@ -143,7 +143,7 @@ def test_policy_weights_of_a_lora_policy_equal_peft_merge(embedded_model):
     from lib.modeling import load_policy
     from lib.rollout import policy_weights
 
-    lora = get_peft_model(load_policy(embedded_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    lora = get_peft_model(load_policy(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if "lora_B" in name:
@@ -153,7 +153,7 @@ def test_policy_weights_of_a_lora_policy_equal_peft_merge(embedded_model):
     merged = lora.merge_and_unload().state_dict()
     assert set(sent) == set(merged) - {"lm_head.weight"}
     q = "model.layers.0.self_attn.q_proj.weight"
-    assert not torch.equal(sent[q], load_policy(embedded_model).state_dict()[q])  # the delta is in
+    assert not torch.equal(sent[q], load_policy(tiny_model).state_dict()[q])  # the delta is in
     # exactly: both add the same get_delta_weight to the same fp32 weight, one elementwise add on the same CPU
     assert max(float((sent[k] - merged[k]).abs().max()) for k in sent) == 0.0
 
