@@ -1,12 +1,19 @@
-"""A Gradio page to read what a checkpoint says, next to its base model, while a run trains.
+"""A Gradio page to watch a run and read what its checkpoints say, next to their base model, while it trains.
 
     python chat_app.py                                          # runs/agrpo/final if it exists, else the embedded model
     python chat_app.py --model_name_or_path runs/agrpo/final    # base: the run's starting model (its config.yaml)
     python chat_app.py --model_name_or_path runs/lora/checkpoint-20 --base_model embedded --port 7861
+    python chat_app.py --run runs/agrpo                         # the Run tab first: curves, warnings, completions
+    python chat_app.py --run runs/grpo runs/dapo                # two runs overlaid (or a scripts/ablate.py output)
+
+The Run tab (docs/watching.md) redraws the curves of metrics.jsonl as the run writes them (a plot per quantity, the
+controllers' fields included; constant ones are listed, not drawn), by step or by generated tokens, several runs
+overlaid; it shows the warnings of lib/health.py with their numbers and what to try, and browses completions.jsonl
+(filters by step, reward and advantage sign; a row opens in the Chat tab with the nearest checkpoint).
 
 The page listens on 127.0.0.1 only. Another `--host` or `--share` (a public link) needs a login, `--auth USER:PASSWORD`
 or $AGRPO_CHAT_AUTH, or `--no_auth_i_know`; folders typed in the page must lie inside the run folder, the model
-folders it started with, or `--allow_dir` (docs/troubleshooting.md 3.3). One prompt goes to
+folders it started with, the `--run` folders, or `--allow_dir` (docs/troubleshooting.md 3.3). In the Chat tab one prompt goes to
 both models; their answers stream side by side, token by token, the reasoning apart from the final answer (the
 `<think>` block, or everything before the last `Answer:` line). With a reference answer, each answer is scored by the
 training reward functions. A run folder's `checkpoint-*` and `final/` are listed and switch the model in place; a PEFT
@@ -24,6 +31,8 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,6 +40,8 @@ import yaml
 from transformers import GenerationConfig, TextIteratorStreamer
 from transformers.utils import logging as hf_logging
 
+from lib import health
+from lib import runs as run_data
 from lib.checkpoint import list_checkpoints
 from lib.data import DEFAULT_INSTRUCTION
 from lib.modeling import EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference, \
@@ -186,10 +197,12 @@ def exposure(args: argparse.Namespace) -> tuple[str, str] | None:
     return auth
 
 
-def allowed_roots(args: argparse.Namespace, name: str, base: str | None, run_dir: Path | None) -> list[Path]:
-    """The folders whose models the page may list and load: the run folder, the model folders it was started with
-    (an adapter's base included), and --allow_dir; resolved (symlinks and '..')."""
+def allowed_roots(args: argparse.Namespace, name: str | None, base: str | None, run_dir: Path | None,
+                  watched: list[str] | None = None) -> list[Path]:
+    """The folders whose models and runs the page may list and load: the run folder, the model folders it was started
+    with (an adapter's base included), the run folders it watches, and --allow_dir; resolved (symlinks and '..')."""
     roots = [run_dir] if run_dir else []
+    roots += [Path(w) for w in watched or []]
     roots += [Path(n) for n in (name, base) if n and n not in EMBEDDED_ALIASES and Path(n).expanduser().is_dir()]
     roots += [Path(d) for d in args.allow_dir or []]
     resolved = []
@@ -264,6 +277,260 @@ def read_conversation(file: str) -> dict:
     return {"turns": turns, "settings": settings, "instruction": instruction}
 
 
+# ---------------------------------------------------------------------------------------------- run view helpers
+
+RUN_PLOTS = 30  # plot slots of the run view; a run logs fewer varying panels than this (docs/watching.md 2)
+TABLE_ROWS = 300  # completions shown at once, newest first
+X_AXES = {"step": "step", "generated tokens": "num_tokens"}
+
+
+def selected_runs(values: list[str] | None, roots: list[Path]) -> tuple[list[Path], list[str]]:
+    """The run folders of the run view's selection: each typed or picked folder must lie inside `roots`; a folder of
+    runs (a scripts/ablate.py output) stands for every run under it, and a folder that holds none yet stands for
+    itself (a run that has not started writing). Returns (folders, messages for the refused ones)."""
+    folders, messages = [], []
+    for value in values or []:
+        try:
+            folder = check_inside(str(value).strip(), roots, "the run folder")
+        except PageInputError as error:
+            messages.append(str(error))
+            continue
+        for run in run_data.find_runs(folder) or [folder]:
+            if run not in folders:
+                folders.append(run)
+    return folders, messages
+
+
+def run_labels(folders: list[Path]) -> list[str]:
+    """Names for the runs on the page: the last two parts of one run's path; the shortest distinct tails of several."""
+    if len(folders) == 1:
+        return ["/".join(folders[0].parts[-2:])]
+    return run_data.labels_for(folders)
+
+
+def warnings_markdown(run: run_data.Run) -> str:
+    """A run's warnings (lib/health.py): those that hold now, each with its numbers and what to try, then the
+    stretches of steps where one held earlier."""
+    lines = run.lines
+    now = health.check(lines, run.config)
+    last = run.train[-1]["step"] if run.train else 0
+    earlier = [w for w in health.episodes(lines, run.config) if w.step < last]
+    if not now and not earlier:
+        return ""
+    out = [f"**{run.label}**"]
+    out += [f"- ⚠ **{w.title}** ({w.steps}): {w.evidence}.  \n  _Try:_ {w.advice}." for w in now]
+    if earlier:
+        out.append("- earlier: " + "; ".join(f"{w.title} ({w.steps})" for w in earlier))
+    return "\n".join(out)
+
+
+def constants_markdown(constant: dict[str, str]) -> str:
+    if not constant:
+        return ""
+    return "Constant, not plotted: " + ", ".join(f"`{k}` {v}" for k, v in sorted(constant.items()))
+
+
+def completions_table(rows: list[dict], limit: int = TABLE_ROWS) -> tuple[list[str], list[list]]:
+    """(headers, rows) of the completions browser: the rewards per function appear when the run logs them."""
+    funcs = list(dict.fromkeys(name for row in rows[:limit] for name in row["rewards"]))
+    headers = ["step", "problem", "final answer", "gold", "reward", *funcs, "advantage", "temperature"]
+    table = [[row["step"], row["problem"][:120], row["final"][:60], row["answer"][:40], row["reward"],
+              *[row["rewards"].get(f) for f in funcs], row["advantage"], row["temperature"]] for row in rows[:limit]]
+    return headers, table
+
+
+def completion_detail(row: dict | None) -> tuple[list[dict], str]:
+    """The chat messages of one completion (its reasoning folded, as in the chat) and a line of its numbers."""
+    if row is None:
+        return [], "Pick a row of the table."
+    messages = [{"role": "user", "content": row["problem"]}, *assistant_messages(row["completion"])]
+    numbers = [f"step {row['step']}", f"gold answer {row['answer'] or '?'}",
+               f"reward {row['reward']:g}" if row["reward"] is not None else "reward ?",
+               *[f"{k} {v:g}" for k, v in row["rewards"].items() if v is not None],
+               f"advantage {row['advantage']:+.3f}" if row["advantage"] is not None else "advantage ?",
+               f"temperature {row['temperature']:.3g} ({row['temperature_of']})" if row["temperature"] is not None
+               else "temperature ?"]
+    return messages, " · ".join(numbers)
+
+
+# ---------------------------------------------------------------------------------------------- the run view
+
+
+def shown_path(path: Path) -> str:
+    """A folder as the page shows it: relative to the working directory when it lies inside it."""
+    try:
+        return str(path.relative_to(Path.cwd().resolve())) or "."
+    except ValueError:
+        return str(path)
+
+
+def run_choices(roots: list[Path], initial: list[str]) -> list[str]:
+    """The run folders the page offers: the ones it started with, then every run found under its folders."""
+    choices = list(initial)
+    for root in roots:
+        for folder in run_data.find_runs(root) if root.is_dir() else []:
+            if shown_path(folder) not in choices:
+                choices.append(shown_path(folder))
+    return choices
+
+
+def refresh_runs(selection, x_label, completions_run, last, *, roots):
+    """The run view's curves, warnings and status for the selected runs; nothing (gr.skip) when no file changed."""
+    import gradio as gr
+    import pandas as pd
+
+    folders, messages = selected_runs(selection, roots)
+    signature = (tuple(selection or ()), x_label, run_data.signature(folders))
+    if signature == last:
+        return [gr.skip()] * (5 + RUN_PLOTS)
+    runs = [run_data.load_run(f, label) for f, label in zip(folders, run_labels(folders))]
+    panels, constant = run_data.panels(runs, X_AXES.get(x_label, "step"))
+    status = [*messages, *(run_data.status(r, shown_path(r.folder)) for r in runs)]
+    if len(panels) > RUN_PLOTS:
+        status.append(f"{len(panels) - RUN_PLOTS} more plots not shown: {', '.join(p.title for p in panels[RUN_PLOTS:])}")
+    warnings = [w for w in map(warnings_markdown, runs) if w]
+    plots = [gr.update(value=pd.DataFrame(p.rows, columns=["x", "y", "series"]), title=p.title, y_title=p.unit,
+                       x_title=x_label, visible=True) for p in panels[:RUN_PLOTS]]
+    plots += [gr.update(visible=False)] * (RUN_PLOTS - len(plots))
+    choices = [shown_path(f) for f in folders]
+    picked = completions_run if completions_run in choices else (choices[0] if choices else None)
+    return [signature, "\n\n".join(status) or "Pick a run folder above, or start the page with --run FOLDER.",
+            "\n\n".join(warnings) or ("No warnings (docs/watching.md 3 lists the checks)." if panels else ""),
+            constants_markdown(constant), gr.update(choices=choices, value=picked), *plots]
+
+
+def refresh_table(run_shown, step_min, step_max, reward_min, reward_max, sign, last, *, roots):
+    """The completions browser's rows for one run and the filters; nothing (gr.skip) when neither changed."""
+    import gradio as gr
+    import pandas as pd
+
+    if not run_shown:
+        return None, None, "Pick a run.", []
+    try:
+        folder = check_inside(str(run_shown), roots, "the run folder")
+        limits = [bound(v, name) for v, name in ((step_min, "from step"), (step_max, "to step"),
+                                                 (reward_min, "reward at least"), (reward_max, "reward at most"))]
+    except PageInputError as error:
+        return None, gr.skip(), str(error), gr.skip()
+    kept_sign = sign if sign in run_data.SIGNS else "any"
+    signature = (run_shown, *limits, kept_sign, run_data.signature([folder]))
+    if signature == last:
+        return [gr.skip()] * 4
+    rows = run_data.completion_rows(run_data.load_run(folder), split_reasoning)
+    kept = run_data.filter_completions(rows, *limits, kept_sign)
+    headers, table = completions_table(kept)
+    if not rows:
+        note = f"no completions logged in {run_shown} yet (completions.jsonl, log_completions per step)"
+    else:
+        note = f"{len(kept)} of {len(rows)} logged completions match" + (
+            f"; the newest {TABLE_ROWS} are shown" if len(kept) > TABLE_ROWS else "")
+    return signature, pd.DataFrame(table, columns=headers), note, kept[:TABLE_ROWS]
+
+
+def bound(text, name: str) -> float | None:
+    """A filter's bound typed in the page: None when empty; PageInputError when it is not a number."""
+    text = "" if text is None else str(text).strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise PageInputError(f"{name}: '{text:.20}' is not a number; leave it empty for no bound") from None
+    if value != value:  # NaN
+        raise PageInputError(f"{name}: not a number; leave it empty for no bound")
+    return value
+
+
+def pick_completion(shown: list[dict], evt=None):
+    """The completion of the clicked table row: (row, its chat messages, its numbers)."""
+    index = evt.index[0] if evt is not None and isinstance(evt.index, (list, tuple)) else None
+    row = shown[index] if index is not None and 0 <= index < len(shown or []) else None
+    return (row, *completion_detail(row))
+
+
+def open_prompt(row, run_shown, *, roots):
+    """Chat tab outputs for a completion: the tab, its problem as the prompt, its gold answer as the reference, the
+    run folder and its checkpoint nearest the policy that sampled it (lib/runs.nearest_checkpoint), a status line."""
+    import gradio as gr
+
+    if row is None or not run_shown:
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Pick a completion in the table first."
+    try:
+        folder = check_inside(str(run_shown), roots, "the run folder")
+    except PageInputError as error:
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), str(error)
+    name = run_data.nearest_checkpoint(run_data.load_run(folder), row["step"])
+    message = (f"step {row['step']}'s prompt; loading {name}, the nearest checkpoint..." if name else
+               f"step {row['step']}'s prompt; {run_shown} has no checkpoint yet, so the loaded models answer it")
+    return (gr.Tabs(selected="chat"), row["problem"], row["answer"], shown_path(folder),
+            gr.update(choices=checkpoint_choices(str(folder)), value=name), message)
+
+
+@dataclass
+class OpenInChat:
+    """What the chat tab wires to the run view: the button, the picked row and the completions' run folder."""
+
+    button: object
+    row: object
+    run: object
+
+
+def build_run_view(gr, roots: list[Path], watched: list[str], refresh_seconds: float) -> OpenInChat:
+    """The Run tab: the runs to watch, their warnings and curves, and the completions browser (docs/watching.md)."""
+    with gr.Row():
+        selection = gr.Dropdown(choices=run_choices(roots, watched), value=watched, multiselect=True,
+                                allow_custom_value=True, scale=5, elem_id="run-select",
+                                label="Runs: run folders, or a folder of runs (a scripts/ablate.py output)")
+        x_axis = gr.Radio(list(X_AXES), value="step", label="x axis", elem_id="run-x", scale=2)
+        with gr.Column(scale=1, min_width=120):
+            live = gr.Checkbox(value=True, label=f"live (every {refresh_seconds:g} s)", elem_id="run-live")
+            rescan = gr.Button("Rescan folders", size="sm")
+    run_status = gr.Markdown("Loading the run...", elem_id="run-status")
+    run_warnings = gr.Markdown(elem_id="run-warnings")
+    with gr.Row():  # two plots a line on a wide screen; a hidden slot takes no room
+        plots = [gr.LinePlot(x="x", y="y", color="series", visible=False, height=260, min_width=480,
+                             elem_id=f"run-plot-{i}") for i in range(RUN_PLOTS)]
+    constants = gr.Markdown(elem_id="run-constants")
+    gr.Markdown("### Completions (completions.jsonl)")
+    with gr.Row():
+        completions_run = gr.Dropdown(choices=[], label="Run", scale=3, elem_id="completions-run")
+        bounds = [gr.Textbox(label=label, placeholder="any", elem_id=f"filter-{name}", min_width=90)
+                  for name, label in (("step-min", "from step"), ("step-max", "to step"),
+                                      ("reward-min", "reward at least"), ("reward-max", "reward at most"))]
+        step_min, step_max, reward_min, reward_max = bounds
+        sign = gr.Radio(list(run_data.SIGNS), value="any", label="advantage", elem_id="filter-sign", scale=2)
+    table_note = gr.Markdown(elem_id="completions-note")
+    table = gr.Dataframe(interactive=False, wrap=True, max_height=420, elem_id="completions")
+    with gr.Row():
+        detail = gr.Chatbot(height=320, label="completion (reasoning folded)", elem_id="completion-detail", scale=3)
+        with gr.Column(scale=2):
+            detail_info = gr.Markdown("Pick a row of the table.", elem_id="completion-info")
+            open_button = gr.Button("Open this prompt in the chat, with the nearest checkpoint",
+                                    elem_id="open-in-chat")
+    curves_seen, table_seen, shown, row = gr.State(None), gr.State(None), gr.State([]), gr.State(None)
+    timer = gr.Timer(refresh_seconds)
+
+    run_inputs = [selection, x_axis, completions_run, curves_seen]
+    run_outputs = [curves_seen, run_status, run_warnings, constants, completions_run, *plots]
+    table_inputs = [completions_run, step_min, step_max, reward_min, reward_max, sign, table_seen]
+    table_outputs = [table_seen, table, table_note, shown]
+    gr.on([timer.tick, selection.change, x_axis.change], partial(refresh_runs, roots=roots), run_inputs,
+          run_outputs, show_progress="hidden", api_name="run_curves")
+    gr.on([timer.tick, completions_run.change, step_min.submit, step_max.submit, reward_min.submit,
+           reward_max.submit, step_min.blur, step_max.blur, reward_min.blur, reward_max.blur, sign.change],
+          partial(refresh_table, roots=roots), table_inputs, table_outputs, show_progress="hidden",
+          api_name="run_completions")
+    def pick(rows, evt):
+        return pick_completion(rows, evt)
+
+    pick.__annotations__ = {"evt": gr.SelectData}  # the class itself: gradio finds the event by it (lazy import)
+    table.select(pick, [shown], [row, detail, detail_info], api_name=False)
+    live.change(lambda on: gr.Timer(active=on), live, timer, api_name=False)
+    rescan.click(lambda chosen: (gr.update(choices=run_choices(roots, list(chosen or []))), None), selection,
+                 [selection, curves_seen], api_name=False)
+    return OpenInChat(open_button, row, completions_run)
+
+
 # ---------------------------------------------------------------------------------------------- the models
 
 
@@ -319,9 +586,12 @@ class Slot:
 
 
 def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: Path | None, settings: dict,
-              roots: list[Path] | None = None, started: set[str] | None = None):
-    """The page. `roots`: the folders whose models it may list and load (default: the run folder); `started`: the
-    names it was started with, which it may load again (hub ids included)."""
+              roots: list[Path] | None = None, started: set[str] | None = None, watched: list[str] | None = None,
+              refresh_seconds: float = 2.0):
+    """The page: a Chat tab and a Run tab. `roots`: the folders whose models it may list and load and whose runs it
+    may show (default: the run folder); `started`: the names it was started with, which it may load again (hub ids
+    included); `watched`: the run folders the Run tab shows first; `refresh_seconds`: how often it looks for new
+    lines."""
     import gradio as gr
 
     roots = roots if roots is not None else ([run_dir.resolve()] if run_dir else [])
@@ -444,53 +714,58 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
         return f"### {checkpoint.name or '(no checkpoint)'}  vs  base {base.name or '(none)'}"
 
     with gr.Blocks(title="agrpo chat") as app:
-        heading = gr.Markdown(title())
-        with gr.Row():
-            with gr.Column():
-                gr.Markdown("**checkpoint**")
-                chat_a = gr.Chatbot(height=420, label="checkpoint", elem_id="chat-checkpoint")
-                reward_a = gr.Markdown(elem_id="reward-checkpoint")
-            with gr.Column():
-                gr.Markdown("**base**")
-                chat_b = gr.Chatbot(height=420, label="base", elem_id="chat-base")
-                reward_b = gr.Markdown(elem_id="reward-base")
-        with gr.Row():
-            prompt = gr.Textbox(label="Prompt", placeholder="Ask both models...", scale=4, elem_id="prompt")
-            reference = gr.Textbox(label="Reference answer (optional: scores both answers)", scale=1,
-                                   elem_id="reference")
-        with gr.Row():
-            send_button = gr.Button("Send", variant="primary", elem_id="send")
-            clear_button = gr.Button("Clear")
-        status = gr.Markdown(elem_id="status")
-        turns = gr.State([])
-        with gr.Accordion("Sampling", open=False):
-            with gr.Row():
-                greedy = gr.Checkbox(value=True, label="greedy")
-                temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="temperature")
-                top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top_p")
-                max_new_tokens = gr.Slider(8, 2048, value=args.max_new_tokens, step=8, label="max new tokens")
-            instruction = gr.Textbox(value=settings.get("instruction", DEFAULT_INSTRUCTION),
-                                     label="Instruction appended to each prompt (as in training)")
-            system_prompt = gr.Textbox(value=settings.get("system_prompt") or "", label="System prompt")
-            with gr.Row():
-                export_button = gr.Button("Export generation_config.json")
-                export_file = gr.File(label="generation_config.json")
-        with gr.Accordion("Checkpoint", open=False):
-            with gr.Row():
-                run_box = gr.Textbox(value=str(run_dir) if run_dir else "", label="Run folder (output_dir)")
-                choices = checkpoint_choices(str(run_dir)) if run_dir else []
-                picker = gr.Dropdown(choices=choices, value=choices[0] if choices else None, allow_custom_value=True,
-                                     label="Checkpoint (or any model folder)", elem_id="picker")
-                base_box = gr.Textbox(value=base.name or "", label="Base model")
-            with gr.Row():
-                refresh_button = gr.Button("List checkpoints")
-                load_button = gr.Button("Load")
-        with gr.Accordion("Conversation", open=False), gr.Row():
-            save_button = gr.Button("Save conversation")
-            saved_file = gr.File(label="conversation.json")
-            upload = gr.File(label="Load a conversation (.json)", file_types=[".json"])
-            load_conv_button = gr.Button("Load conversation")
+        with gr.Tabs(selected="run" if getattr(args, "run", None) else "chat") as tabs:
+            with gr.Tab("Chat", id="chat"):
+                heading = gr.Markdown(title())
+                with gr.Row():
+                    with gr.Column():
+                        gr.Markdown("**checkpoint**")
+                        chat_a = gr.Chatbot(height=420, label="checkpoint", elem_id="chat-checkpoint")
+                        reward_a = gr.Markdown(elem_id="reward-checkpoint")
+                    with gr.Column():
+                        gr.Markdown("**base**")
+                        chat_b = gr.Chatbot(height=420, label="base", elem_id="chat-base")
+                        reward_b = gr.Markdown(elem_id="reward-base")
+                with gr.Row():
+                    prompt = gr.Textbox(label="Prompt", placeholder="Ask both models...", scale=4, elem_id="prompt")
+                    reference = gr.Textbox(label="Reference answer (optional: scores both answers)", scale=1,
+                                           elem_id="reference")
+                with gr.Row():
+                    send_button = gr.Button("Send", variant="primary", elem_id="send")
+                    clear_button = gr.Button("Clear")
+                status = gr.Markdown(elem_id="status")
+                turns = gr.State([])
+                with gr.Accordion("Sampling", open=False):
+                    with gr.Row():
+                        greedy = gr.Checkbox(value=True, label="greedy")
+                        temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="temperature")
+                        top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top_p")
+                        max_new_tokens = gr.Slider(8, 2048, value=args.max_new_tokens, step=8, label="max new tokens")
+                    instruction = gr.Textbox(value=settings.get("instruction", DEFAULT_INSTRUCTION),
+                                             label="Instruction appended to each prompt (as in training)")
+                    system_prompt = gr.Textbox(value=settings.get("system_prompt") or "", label="System prompt")
+                    with gr.Row():
+                        export_button = gr.Button("Export generation_config.json")
+                        export_file = gr.File(label="generation_config.json")
+                with gr.Accordion("Checkpoint", open=False):
+                    with gr.Row():
+                        run_box = gr.Textbox(value=str(run_dir) if run_dir else "", label="Run folder (output_dir)")
+                        choices = checkpoint_choices(str(run_dir)) if run_dir else []
+                        picker = gr.Dropdown(choices=choices, value=choices[0] if choices else None,
+                                             allow_custom_value=True, label="Checkpoint (or any model folder)",
+                                             elem_id="picker")
+                        base_box = gr.Textbox(value=base.name or "", label="Base model")
+                    with gr.Row():
+                        refresh_button = gr.Button("List checkpoints")
+                        load_button = gr.Button("Load")
+                with gr.Accordion("Conversation", open=False), gr.Row():
+                    save_button = gr.Button("Save conversation")
+                    saved_file = gr.File(label="conversation.json")
+                    upload = gr.File(label="Load a conversation (.json)", file_types=[".json"])
+                    load_conv_button = gr.Button("Load conversation")
 
+            with gr.Tab("Run", id="run"):
+                open_in_chat = build_run_view(gr, roots, watched or [], refresh_seconds)
         sampling = [greedy, temperature, top_p, max_new_tokens]
         outputs = [chat_a, chat_b, reward_a, reward_b, status, turns]
         inputs = [prompt, reference, instruction, system_prompt, *sampling, turns]
@@ -504,6 +779,11 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
                           api_name="save_conversation")
         load_conv_button.click(load, [upload, turns], [chat_a, chat_b, *sampling, instruction, status, turns],
                                api_name="load_conversation")
+        # a row of the run view's completions browser: its prompt in the chat, with the nearest checkpoint loaded
+        open_in_chat.button.click(partial(open_prompt, roots=roots), [open_in_chat.row, open_in_chat.run],
+                                  [tabs, prompt, reference, run_box, picker, status], api_name="open_in_chat").then(
+            lambda *a: switch(*a) if a[1] else (gr.skip(), gr.skip()), [run_box, picker, base_box], [status, heading],
+            api_name=False)
     return app
 
 
@@ -529,24 +809,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--allow_dir", nargs="+", default=None, metavar="FOLDER",
                         help="More folders whose models the page may list and load (default: only the run folder and "
                              "the model folders it starts with).")
+    parser.add_argument("--run", nargs="+", default=None, metavar="FOLDER",
+                        help="Run folders to watch in the Run tab, which opens first: curves, warnings, completions "
+                             "(a folder of runs, such as a scripts/ablate.py output, stands for all of them). The chat "
+                             "loads the first run's final/ or newest checkpoint, if it has one yet.")
+    parser.add_argument("--refresh", type=float, default=2.0, metavar="SECONDS",
+                        help="How often the Run tab looks for new lines while 'live' is ticked.")
     return parser.parse_args(argv)
 
 
-def resolve_models(args: argparse.Namespace) -> tuple[str, str | None, Path | None, dict]:
-    """(checkpoint, base, run folder, run settings); raises SystemExit with the fix for a bad argument."""
-    name = args.model_name_or_path or (str(DEFAULT_RUN) if DEFAULT_RUN.is_dir() else "embedded")
-    problem = model_folder_problem(name)
-    if problem:
-        raise SystemExit(f"error: --model_name_or_path: {problem}")
-    run_dir = run_folder_of(name) if name not in EMBEDDED_ALIASES else None
+def run_model(folder: Path) -> str | None:
+    """The model folder of a run to chat with: final/, else its newest checkpoint, else None (none written yet)."""
+    if (folder / "final").is_dir():
+        return str(folder / "final")
+    latest = list_checkpoints(folder)
+    return str(latest[-1]) if latest else None
+
+
+def resolve_models(args: argparse.Namespace) -> tuple[str | None, str | None, Path | None, dict]:
+    """(checkpoint, base, run folder, run settings); raises SystemExit with the fix for a bad argument. With --run and
+    no --model_name_or_path, the checkpoint is the first run's model folder, or None while it has none."""
+    watched = []
+    if getattr(args, "run", None):
+        watched = run_data.find_runs(args.run[0]) or [Path(args.run[0]).expanduser()]
+    if args.model_name_or_path or not watched:
+        name = args.model_name_or_path or (str(DEFAULT_RUN) if DEFAULT_RUN.is_dir() else "embedded")
+        problem = model_folder_problem(name)
+        if problem:
+            raise SystemExit(f"error: --model_name_or_path: {problem}")
+        run_dir = run_folder_of(name) if name not in EMBEDDED_ALIASES else None
+    else:
+        name, run_dir = run_model(watched[0]), watched[0]
     settings = run_settings(run_dir)
     base = args.base_model
     if base is None:
-        path = Path(name).expanduser()
-        if path.is_dir() and is_adapter_folder(str(path)):
+        path = Path(name).expanduser() if name else None
+        if path is not None and path.is_dir() and is_adapter_folder(str(path)):
             base = adapter_base(str(path))
         else:
-            base = settings.get("model_name_or_path") or ("embedded" if name in EMBEDDED_ALIASES else None)
+            base = settings.get("model_name_or_path") or ("embedded" if name in EMBEDDED_ALIASES or name is None
+                                                          else None)
         base = "embedded" if base in EMBEDDED_ALIASES else base
     if base is not None and model_folder_problem(base):
         raise SystemExit(f"error: --base_model: {model_folder_problem(base)}")
@@ -561,6 +863,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"error: --allow_dir: '{folder}' is not a folder")
     if args.max_new_tokens < 1:
         raise SystemExit(f"error: --max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.refresh >= 0.5:  # also NaN
+        raise SystemExit(f"error: --refresh must be at least 0.5 seconds, got {args.refresh}")
     unknown = [f for f in args.reward_funcs if f not in REWARD_FUNCS]
     if unknown:
         raise SystemExit(f"error: --reward_funcs: unknown {unknown}; choose from {', '.join(REWARD_FUNCS)}")
@@ -572,7 +876,8 @@ def main(argv: list[str] | None = None) -> None:
             message = slot.load(target)
             if slot.model is None:
                 raise SystemExit(f"error: {message}")
-    roots = allowed_roots(args, name, base_name, run_dir)
+    watched = args.run or [shown_path(run_dir.resolve()) if run_dir else str(DEFAULT_RUN.parent)]
+    roots = allowed_roots(args, name, base_name, run_dir, watched)
     started = {n for n in (name, base_name) if n}
     if args.host not in LOCAL_HOSTS or args.share:
         login = f"login required (user '{auth[0]}')" if auth else "NO login (--no_auth_i_know)"
@@ -580,7 +885,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{login}. Whoever reaches it can: chat with {name} and {base_name or '(no base)'}; list and load "
               f"(and so run) any model folder inside {', '.join(map(str, roots)) or '(none)'}; save and load "
               f"conversations.", flush=True)
-    app = build_app(checkpoint, base, args, run_dir, settings, roots, started)
+    app = build_app(checkpoint, base, args, run_dir, settings, roots, started, watched, args.refresh)
     app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True, auth=auth,
                        max_file_size=MAX_UPLOAD_BYTES)
 

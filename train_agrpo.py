@@ -70,6 +70,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
+from lib import health
 from lib.config import Config, ConfigError, parse_config, reward_options, save_yaml, steps_per_rollout, to_dict, \
     validate
 from lib.data import builtin_task, load_records
@@ -503,11 +504,20 @@ def log_step(run: Run, step: int, metrics: dict, batch: Batch) -> None:
     run.accelerator.log(metrics, step=step)
     if run.accelerator.is_main_process:
         tqdm.write(dense_line(step, run.cfg.max_steps, metrics, run.ctx.reward_names))
+    watch_health(run, step, metrics)
     first = run.geometry.first
     append_jsonl(run, "completions.jsonl", [
         {"step": step, "prompt": batch.prompts[i], "completion": batch.texts[i], "answer": batch.answers[i],
          "reward": float(batch.total[first + i]), "advantage": float(batch.advantages[i])}
         for i in range(min(run.cfg.log_completions, len(batch.texts)))])
+
+
+def watch_health(run: Run, step: int, metrics: dict) -> None:
+    """Print each kind of lib/health.py warning (zero-spread groups, truncation, entropy collapse, reward hacking,
+    a KL above its target) once, at the first logged line where it holds, with its numbers and what to try."""
+    if run.accelerator.is_main_process:
+        for line in run.watch.add({"step": step, **metrics}):
+            tqdm.write(line)
 
 
 def append_jsonl(run: Run, name: str, records: list[dict]) -> None:
@@ -536,6 +546,7 @@ def evaluate(run: Run, step: int) -> dict:
     metrics["eval/num_problems"] = total
     append_jsonl(run, "metrics.jsonl", [{"step": step, **metrics}])
     accelerator.log(metrics, step=step)
+    watch_health(run, step, metrics)
     return metrics
 
 
@@ -721,6 +732,7 @@ class Run:
     eval_records: list[dict]
     geometry: Geometry
     stop: ckpt.StopRequest  # SIGTERM / SIGUSR1 received
+    watch: health.Watch  # the run's metric history, for the console warnings
 
 
 def setup(cfg: Config) -> tuple[Run, TrainerState]:
@@ -817,7 +829,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     ctx = RolloutContext(cfg, engine, tokenizer, reward_funcs, reward_weights, train_records, accelerator,
                          answer_phase, geometry.local_rollout, geometry.first, worker)
     return Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method, params, optimizer,
-               scheduler, eval_records, geometry, ckpt.StopRequest()), state
+               scheduler, eval_records, geometry, ckpt.StopRequest(),
+               health.Watch(to_dict(cfg), kept_lines(out / "metrics.jsonl") if resume is not None else None)), state
 
 
 def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, rank: int) -> HFRollout | VLLMRollout:
@@ -910,6 +923,17 @@ def prepare_output_dir(cfg: Config, accelerator: Accelerator) -> Path | None:
 
 # =====================================================================================================================
 # Small helpers
+
+
+def kept_lines(path: Path) -> list[dict]:
+    """The whole JSON lines of a metrics file a resumed run keeps (a line a kill cut short is left out)."""
+    lines = []
+    for text in path.read_text().splitlines() if path.exists() else []:
+        try:
+            lines.append(json.loads(text))
+        except ValueError:
+            continue
+    return lines
 
 
 def group_token_means(accelerator: Accelerator, values: torch.Tensor, mask: torch.Tensor,

@@ -3,13 +3,13 @@
 Pure functions over a list of metric dicts exactly as `metrics.jsonl` holds them: training lines (they have
 `reward`) and evaluation lines (`eval/accuracy`), in the order they were written, plus the run's configuration
 (config.yaml, or the trainer's Config as a dict) for the values the checks compare against (kl_target) and name in
-their advice. Nothing here reads files or keeps state.
+their advice. The checks read no files and keep no state; `Watch` keeps a trainer's history, and
+`python -m lib.health RUN_FOLDER...` prints the warnings of runs on disk.
 
     check(lines, config)      the warnings that hold at the end of the lines (what the run is doing now)
     episodes(lines, config)   every stretch of steps over which a warning held, with its worst numbers
-    unseen(warnings, seen)    the warnings whose kind is not in `seen`: a trainer that keeps the set of kinds it
-                              has printed calls check() on its history after each logged step and prints these once,
-                              with console_line()
+    unseen(warnings, seen)    the warnings whose kind is not in `seen`
+    Watch(config).add(line)   a trainer's history: the console lines of the warnings new at this line (once a kind)
 
 The checks, each over the last WINDOW logged training steps:
     reward_hacking     training reward rising while held-out accuracy falls by more than its noise
@@ -62,10 +62,29 @@ def unseen(warnings: list[HealthWarning], seen: set[str] | frozenset[str]) -> li
     return [w for w in warnings if w.kind not in seen]
 
 
+class Watch:
+    """A trainer's own metric history, checked after every line it logs: `add(line)` returns the console lines of
+    the warnings that hold now and were not printed before (each kind once per run). On resume, start it with the
+    lines the run kept (metrics.jsonl up to the checkpoint), so a warning printed before the stop is not repeated
+    and the windows span the restart."""
+
+    def __init__(self, config: dict, lines: list[dict] | None = None):
+        self.config = config
+        self.history = list(lines or [])
+        self.seen = {w.kind for w in episodes(self.history, config)} if self.history else set()
+
+    def add(self, line: dict) -> list[str]:
+        self.history.append(line)
+        fresh = unseen(check(self.history, self.config), self.seen)
+        self.seen.update(w.kind for w in fresh)
+        return [console_line(w) for w in fresh]
+
+
 def split_lines(lines: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(training lines, evaluation lines) of a metrics history; other lines are ignored."""
-    train = [m for m in lines if isinstance(m, dict) and _number(m.get("reward")) is not None]
-    evals = [m for m in lines if isinstance(m, dict) and _number(m.get("eval/accuracy")) is not None]
+    """(training lines, evaluation lines) of a metrics history; lines without a step or a finite value are ignored."""
+    lines = [m for m in lines if isinstance(m, dict) and isinstance(m.get("step"), int)]
+    train = [m for m in lines if _number(m.get("reward")) is not None]
+    evals = [m for m in lines if _number(m.get("eval/accuracy")) is not None]
     return train, evals
 
 
@@ -153,8 +172,9 @@ def _now(config: dict, name: str) -> str:
 
 def _reward_hacking(train: list[dict], evals: list[dict], config: dict) -> HealthWarning | None:
     """Held-out accuracy at the last evaluation below the best earlier one by more than ACCURACY_DROP_MIN and NOISE_Z
-    standard errors of the difference, while the training reward over the steps since that best evaluation is above
-    the reward over as many steps up to it."""
+    standard errors of the difference, while the training reward rose between them: its mean over the last steps
+    before the last evaluation above its mean over the first steps after the best one (WINDOW steps each, or half
+    of the steps between when there are fewer)."""
     if len(evals) < 2 or not train:
         return None
     last = evals[-1]
@@ -167,8 +187,11 @@ def _reward_hacking(train: list[dict], evals: list[dict], config: dict) -> Healt
     noise = NOISE_Z * math.sqrt(variance)
     if drop <= max(ACCURACY_DROP_MIN, noise):
         return None
-    after = [m for m in train if best["step"] < m["step"] <= last["step"]]
-    before = [m for m in train if m["step"] <= best["step"]][-max(len(after), 1):]
+    between = [m for m in train if best["step"] < m["step"] <= last["step"]]
+    k = min(WINDOW, len(between) // 2)
+    if k == 0:
+        return None
+    before, after = between[:k], between[-k:]
     r_before, r_after = _mean(before, "reward"), _mean(after, "reward")
     if r_before is None or r_after is None or r_after <= r_before:
         return None
@@ -176,13 +199,16 @@ def _reward_hacking(train: list[dict], evals: list[dict], config: dict) -> Healt
     evidence = (f"held-out accuracy {best['eval/accuracy']:.3f} at step {best['step']} -> {last['eval/accuracy']:.3f} "
                 f"at step {last['step']} ({-100 * drop:+.1f} points on {n} problems, noise +-{100 * noise:.1f}) while "
                 f"the training reward rose {r_before:.3f} -> {r_after:.3f} ({_steps(before)} against {_steps(after)})")
-    others = [f for f in config.get("reward_funcs") or [] if f != "accuracy"]
+    funcs = config.get("reward_funcs") or []
+    others = [f for f in funcs if f != "accuracy"]
     beta = _number(config.get("beta"))
+    better = "the starting model (step 0)" if best["step"] == 0 else f"the checkpoint nearest step {best['step']}"
     advice = (f"read the completions since step {best['step']} with reward above {r_before:.2f} (completions browser) "
               f"for answers that satisfy the reward without solving the task; "
-              + (f"lower --reward_weights on {', '.join(others)}; " if others else "")
+              + ("a reward that checks the answer (--reward_funcs accuracy ...); " if funcs and "accuracy" not in funcs
+                 else f"lower --reward_weights on {', '.join(others)}; " if others else "")
               + f"keep the policy nearer its reference (--beta {2 * beta if beta else 0.04:g}, or --algo agrpo for a "
-              f"KL held at a target); the checkpoint nearest step {best['step']} is the better model")
+              f"KL held at a target); {better} scored better")
     return HealthWarning("reward_hacking", "reward rising while held-out accuracy falls (reward hacking?)",
                          best["step"], train[-1]["step"], evidence, advice,
                          {"severity": drop, "best_step": best["step"], "best_accuracy": best["eval/accuracy"],
@@ -235,8 +261,8 @@ def _zero_spread(train: list[dict], config: dict) -> HealthWarning | None:
     group = _number(config.get("num_generations")) or _mean(recent, "num_generations")
     more = f"--num_generations {2 * int(group)} (now {int(group)})" if group else "more --num_generations"
     level = "" if reward is None else f"; mean reward {reward:.3f}" + (
-        ": mostly all-right groups, the prompts are easy for the model" if reward > 0.8 else
-        ": mostly all-wrong groups, the prompts are hard for the model" if reward < 0.2 else "")
+        ": the reward is nearly saturated (prompts easy for the model, or a reward easy to earn)" if reward > 0.8
+        else ": most completions score near 0 (prompts hard for the model)" if reward < 0.2 else "")
     return HealthWarning("zero_spread", "most groups have zero reward spread", recent[0]["step"], recent[-1]["step"],
                          f"{100 * share:.0f}% of groups over {_steps(recent)} gave all their completions the same "
                          f"reward, so their advantages are 0 and they teach nothing{level}",
@@ -269,3 +295,36 @@ def _kl_above_target(train: list[dict], config: dict) -> HealthWarning | None:
                          recent[-1]["step"], f"KL moving average {ema:.3f} over {_steps(recent)} is "
                          f"{ema / target:.1f}x kl_target {target:g}; {cause}", advice,
                          {"severity": ema / target, "kl_ema": ema, "kl_target": target, "beta": beta})
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m lib.health RUN_FOLDER...`: for each run folder (metrics.jsonl and config.yaml), the stretches of
+    steps where each warning held, and the warnings that hold at its last step with their numbers and advice."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("runs", nargs="+", type=Path)
+    for folder in parser.parse_args(argv).runs:
+        if not (folder / "metrics.jsonl").exists():
+            print(f"{folder}: no metrics.jsonl (not a run folder, or the run has not logged a step yet)")
+            continue
+        lines = []
+        for text in (folder / "metrics.jsonl").read_text().splitlines():
+            try:
+                lines.append(json.loads(text))
+            except ValueError:  # a line being written
+                continue
+        config = yaml.safe_load((folder / "config.yaml").read_text()) if (folder / "config.yaml").exists() else {}
+        spans = ", ".join(f"{w.kind} {w.steps.removeprefix('steps ').removeprefix('step ')}"
+                          for w in episodes(lines, config or {}))
+        print(f"{folder}: {len(split_lines(lines)[0])} training steps; held: {spans or 'none'}")
+        for warning in check(lines, config or {}):
+            print("  now: " + console_line(warning))
+
+
+if __name__ == "__main__":
+    main()
