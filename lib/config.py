@@ -34,6 +34,13 @@ class ConfigError(ValueError):
     """A configuration value a run cannot start with; the message names the field and the fix."""
 
 
+# Default learning rates. An adapter's update lives in a low-rank product whose effective step size is smaller than a
+# full weight's, and LoRA's best learning rate is about 10x full fine-tuning's across model sizes and for RL as well
+# (Schulman et al. 2025, "LoRA Without Regret"); the CPU demo: docs/methods.md 9.7.
+FULL_LEARNING_RATE = 2e-5
+LORA_LEARNING_RATE = 2e-4
+
+
 @dataclass
 class Config:
     # ---- method --------------------------------------------------------------------------------------------------
@@ -51,7 +58,10 @@ class Config:
     use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input (0 = off, PEFT's default). "
+                                "Off by default: in training mode it makes the scored distribution differ from the "
+                                "sampled one, and on a CPU it took 30% of a LoRA step's training pass "
+                                "(docs/performance.md 2.3)."})
     lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Module names to adapt. "
                                                   "Default: all linear layers except the output head."})
     load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: NF4-quantise the base with bitsandbytes "
@@ -115,7 +125,9 @@ class Config:
                                      "(default: the GPU's memory, or the RAM available on a CPU). Before training, "
                                      "the step's estimated peak is checked against it and a run that would not "
                                      "fit stops with the setting to lower."})
-    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate (AdamW)."})
+    learning_rate: float | None = field(default=None, metadata={"help": "Peak learning rate (AdamW). Default: 2e-5 "
+                                        "for full fine-tuning, 2e-4 with use_peft (an adapter learns at about 10x "
+                                        "the full rate: docs/methods.md 9.7)."})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "constant | constant_with_warmup | linear | "
                                    "cosine (transformers schedulers)."})
     warmup_ratio: float = field(default=0.0, metadata={"help": "Share of max_steps spent warming up."})
@@ -275,6 +287,10 @@ class Config:
 
     def resolved_epsilon_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def __post_init__(self):
+        if self.learning_rate is None:  # the default depends on what is trained
+            self.learning_rate = LORA_LEARNING_RATE if self.use_peft else FULL_LEARNING_RATE
 
 
 # Presets (docs/methods.md section 9): only method keys; the task, model, sampling temperature and optimiser stay the

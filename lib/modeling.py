@@ -147,7 +147,7 @@ def load_policy(
     use_peft: bool = False,
     lora_r: int = 16,
     lora_alpha: int = 32,
-    lora_dropout: float = 0.05,
+    lora_dropout: float = 0.0,
     lora_target_modules: list[str] | str | None = None,
     load_in_4bit: bool = False,
     gradient_checkpointing: bool = False,

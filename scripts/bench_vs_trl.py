@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto",
                    help="Our trainer's bf16 (auto: where the hardware runs it natively).")
     p.add_argument("--use_peft", action="store_true", help="LoRA (r 16, alpha 32, all linear layers) on both.")
-    p.add_argument("--load_in_4bit", action="store_true", help="QLoRA: NF4 base (needs --use_peft, a GPU).")
+    p.add_argument("--lora_dropout", type=float, default=0.0, help="LoRA dropout, both trainers (ours defaults to "
+                   "0; TRL's ModelConfig to 0.05).")
+    p.add_argument("--load_in_4bit", action="store_true", help="QLoRA: NF4 base (needs --use_peft; bitsandbytes runs it on a CPU too).")
     p.add_argument("--gradient_checkpointing", action="store_true", help="On both.")
     p.add_argument("--output_json", help="Also write every run's numbers and the summary here.")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one measured run in a child process
@@ -159,7 +161,8 @@ def run_ours(spec: dict) -> dict:
             "--builtin_num_train", "2000", "--loss_type", "grpo", "--log_completions", "0",
             "--output_dir", spec["output_dir"], "--overwrite_output_dir", "true", "--report_to", "none",
             "--use_peft", str(spec["use_peft"]).lower(), "--load_in_4bit", str(spec["load_in_4bit"]).lower(),
-            "--gradient_checkpointing", str(spec["gradient_checkpointing"]).lower()]
+            "--gradient_checkpointing", str(spec["gradient_checkpointing"]).lower(),
+            "--lora_dropout", str(spec["lora_dropout"])]
     if spec["bf16"] != "auto":
         argv += ["--bf16", spec["bf16"]]
     train_agrpo.main(argv)
@@ -203,7 +206,7 @@ def run_trl(spec: dict) -> dict:
     if spec["use_peft"]:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=spec["lora_dropout"], target_modules="all-linear",
                                  task_type="CAUSAL_LM")
     if spec["load_in_4bit"]:
         from transformers import BitsAndBytesConfig
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "max_completion_length": args.max_completion_length, "beta": args.beta,
                 "learning_rate": args.learning_rate, "temperature": args.temperature, "seed": args.seed,
                 "steps": args.steps, "bf16": args.bf16, "use_peft": args.use_peft, "load_in_4bit": args.load_in_4bit,
-                "gradient_checkpointing": args.gradient_checkpointing, "prompts": prompts, "answers": answers}
+                "lora_dropout": args.lora_dropout, "gradient_checkpointing": args.gradient_checkpointing, "prompts": prompts, "answers": answers}
         runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
         for r in range(args.rounds):
             order = configs if r % 2 == 0 else configs[::-1]  # alternate, so drift in the machine hits both

@@ -169,3 +169,18 @@ def test_every_recipe_parses_and_validates(recipe):
     cfg = parse_config(["--config", str(recipe)])
     validate(cfg, num_processes=1)
     assert recipe.name.startswith(cfg.algo + "_")  # the file says which method it runs
+
+
+def test_the_default_learning_rate_follows_what_is_trained(tmp_path):
+    """2e-5 for all weights, 10x that for a LoRA adapter (docs/methods.md 9.7); a rate the user gives always wins,
+    and config.yaml records the rate the run used, so the saved file trains the same."""
+    from lib.config import save_yaml
+
+    assert parse_config([]).learning_rate == 2e-5
+    lora = parse_config(["--use_peft", "true"])
+    assert lora.learning_rate == 2e-4
+    assert parse_config(["--use_peft", "true", "--load_in_4bit", "true"]).learning_rate == 2e-4
+    assert parse_config(["--use_peft", "true", "--learning_rate", "1e-5"]).learning_rate == 1e-5
+    save_yaml(lora, tmp_path / "config.yaml")
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["learning_rate"] == 2e-4
+    assert parse_config(["--config", str(tmp_path / "config.yaml"), "--use_peft", "false"]).learning_rate == 2e-4
