@@ -60,7 +60,7 @@ class Config:
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input (0 = off, PEFT's default). "
                                 "Off by default: in training mode it makes the scored distribution differ from the "
-                                "sampled one, and on a CPU it took 30% of a LoRA step's training pass "
+                                "sampled one, and on a CPU it took 0.3 of a LoRA step's training pass "
                                 "(docs/performance.md 2.3)."})
     lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Module names to adapt. "
                                                   "Default: all linear layers except the output head."})

@@ -371,8 +371,13 @@ def test_the_reward_worker_answers_survives_a_hang_and_a_crash_and_keeps_prints_
 def test_an_output_folder_that_cannot_be_written_is_refused_before_any_model_loads(tmp_path, tiny_model):
     from lib.config import ConfigError
 
+    from accelerate.state import AcceleratorState
+
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(ConfigError, match=r"output_dir: cannot create or write '.*a_file/run' \(Not a directory\); "
-                                          r"pass a folder you can write to"):
-        train_agrpo.main(["--model_name_or_path", tiny_model, "--output_dir",
-                          str(tmp_path / "a_file" / "run")])
+    try:
+        with pytest.raises(ConfigError, match=r"output_dir: cannot create or write '.*a_file/run' "
+                                              r"\(Not a directory\); pass a folder you can write to"):
+            train_agrpo.main(["--model_name_or_path", tiny_model, "--output_dir",
+                              str(tmp_path / "a_file" / "run")])
+    finally:  # the Accelerator it built (bf16 on a CPU that has it) must not outlive the test
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -166,8 +166,10 @@ def test_the_trainer_prints_a_warning_once_and_not_again_after_a_resume(tiny_mod
     spread, so the warning holds from the fifth step (WINDOW) on; printed there once, and not again by the same run
     resumed from its last checkpoint and run further (the kinds it printed come back from metrics.jsonl)."""
     import torch
+    from accelerate.state import AcceleratorState
     from test_loop import REWARDS, train
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # a state an earlier test left (its precision) goes
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
