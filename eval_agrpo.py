@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Generate in bf16 (default: where the hardware has it natively, as the trainer does).")
     models.add_argument("--use_vllm", **flag, help="Generate with a vLLM engine instead of Hugging Face.")
     models.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.5)
+    models.add_argument("--trust_remote_code", **flag, help="Run the Python code a hub model ships with (off unless "
+                        "asked).")
     data = parser.add_argument_group("data")
     data.add_argument("--dataset_id_or_path", nargs="+", default=None,
                       help="JSONL / Parquet files, folders holding <split>.jsonl, or hub ids (default: the built-in "
@@ -84,11 +86,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="Problems per data set: a seeded subset (the built-in task: 200 unless set).")
     data.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="Appended to each problem (as in training).")
     data.add_argument("--system_prompt", default=None)
+    data.add_argument("--chat_template_kwargs", type=json_mapping, default=None,
+                      help="Chat template variables as JSON, e.g. '{\"enable_thinking\": false}' (as in training).")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--num_samples", type=int, default=1, help="Completions per problem.")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy decoding.")
     sampling.add_argument("--top_p", type=float, default=1.0)
     sampling.add_argument("--top_k", type=int, default=0)
+    sampling.add_argument("--min_p", type=float, default=0.0, help="Min-p sampling (0 = off; docs/models.md 3).")
+    sampling.add_argument("--repetition_penalty", type=float, default=1.0,
+                          help="CTRL's repetition penalty (1 = off; applies to greedy decoding too).")
     sampling.add_argument("--max_prompt_length", type=int, default=512)
     sampling.add_argument("--max_completion_length", type=int, default=256)
     sampling.add_argument("--batch_size", type=int, default=64, help="Problems per generation batch.")
@@ -108,6 +115,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.pass_k is None:
         args.pass_k = sorted({1, args.num_samples} | {2**i for i in range(1, 12) if 2**i <= args.num_samples})
     return args
+
+
+def json_mapping(text: str) -> dict:
+    """A command-line JSON object (--chat_template_kwargs)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"enable_thinking\": false}}', got "
+                                         f"{text!r:.80}")
+    return value
+
+
+def eval_prompts(tokenizer, records: list[dict], args: argparse.Namespace) -> list[str]:
+    """Each record's prompt as the trainer renders it: instruction, system prompt, chat template variables."""
+    return [format_prompt(tokenizer, r["problem"], args.instruction, args.system_prompt, args.chat_template_kwargs)
+            for r in records]
 
 
 def model_label(name: str) -> str:
@@ -144,7 +169,8 @@ def validate(args: argparse.Namespace) -> None:
     if args.num_samples < 1:
         raise EvalConfigError(f"--num_samples must be >= 1, got {args.num_samples}")
     # NaN passes every range check below (each comparison is False); no setting here is infinite
-    for option in ("temperature", "top_p", "vllm_gpu_memory_utilization", "reward_weights"):
+    for option in ("temperature", "top_p", "min_p", "repetition_penalty", "vllm_gpu_memory_utilization",
+                   "reward_weights"):
         value = getattr(args, option)
         if value is not None and not all(math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
             raise EvalConfigError(f"--{option}: {value} is not a finite number; give a finite value")
@@ -159,6 +185,10 @@ def validate(args: argparse.Namespace) -> None:
         raise EvalConfigError(f"--top_p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
         raise EvalConfigError(f"--top_k must be >= 0 (0 = off), got {args.top_k}")
+    if not 0 <= args.min_p <= 1:
+        raise EvalConfigError(f"--min_p must be in [0, 1] (0 = off), got {args.min_p}")
+    if not 0 < args.repetition_penalty < math.inf:
+        raise EvalConfigError(f"--repetition_penalty must be > 0 (1 = off), got {args.repetition_penalty}")
     for option in ("max_prompt_length", "max_completion_length", "batch_size"):
         if getattr(args, option) < 1:
             raise EvalConfigError(f"--{option} must be >= 1, got {getattr(args, option)}")
@@ -384,7 +414,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     reference = reference_tokenizer = None
     if reference_label:  # loaded once: held for the KL of every model, and scored as a model itself
-        reference, reference_tokenizer = load_for_inference(args.reference_model, device)
+        reference, reference_tokenizer = load_for_inference(args.reference_model, device,
+                                                            trust_remote_code=args.trust_remote_code)
     engine, key = None, None
     rows: list[dict] = []
     kept: dict[tuple[str, str], tuple[list[dict], list[list[float]]]] = {}  # (model, set) -> (results, rewards)
@@ -393,7 +424,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in names:
         label = model_label(name)
         model, tokenizer = (reference, reference_tokenizer) if label == reference_label \
-            else load_for_inference(name, device)
+            else load_for_inference(name, device, trust_remote_code=args.trust_remote_code)
         if args.use_vllm:
             if engine is None or engine_key(model) != key:
                 engine = None
@@ -401,7 +432,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 engine = VLLMRollout(engine_folder(name), end_token_ids(model, tokenizer), tokenizer.pad_token_id,
                                      seed=args.seed, max_model_len=args.max_prompt_length + args.max_completion_length,
                                      gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                                     dtype="bfloat16" if bf16 else "float32")
+                                     dtype="bfloat16" if bf16 else "float32",
+                                     trust_remote_code=args.trust_remote_code)
                 key = engine_key(model)
             engine.sync_weights(model)
             backend = engine
@@ -410,7 +442,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 seed=args.seed)
         for set_label, records in sets.items():
             reseed(backend, args.seed)  # every model and data set samples from the same seed
-            prompts = [format_prompt(tokenizer, r["problem"], args.instruction, args.system_prompt) for r in records]
+            prompts = eval_prompts(tokenizer, records, args)
             bar = tqdm(total=len(records), desc=f"{label} | {set_label}", unit="problem", dynamic_ncols=True)
             tally = [0, 0]
 
@@ -425,7 +457,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                          max_new_tokens=args.max_completion_length,
                                          max_prompt_length=args.max_prompt_length, batch_size=args.batch_size,
                                          num_samples=args.num_samples, temperature=args.temperature,
-                                         top_p=args.top_p, top_k=args.top_k, device=device, on_batch=progress)
+                                         top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                         repetition_penalty=args.repetition_penalty, device=device,
+                                         on_batch=progress)
             seconds = time.perf_counter() - start
             bar.close()
             rewards = reward_totals(reward_funcs, weights, prompts, records, results)

@@ -772,17 +772,19 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     model_path = resolve_model_path(cfg.model_name_or_path)
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.trust_remote_code)
     policy = load_policy(str(resume) if resume else model_path, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
                          lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                          lora_target_modules=cfg.lora_target_modules, load_in_4bit=cfg.load_in_4bit,
                          gradient_checkpointing=cfg.gradient_checkpointing,
-                         attn_implementation=cfg.attn_implementation, device=device)
+                         attn_implementation=cfg.attn_implementation, device=device,
+                         trust_remote_code=cfg.trust_remote_code)
     lora = hasattr(policy, "peft_config")
     reference = None  # none when beta is 0; with LoRA the base with the adapter disabled, not a second copy
     if cfg.beta > 0 and not lora:
         # same dtype as the policy, so that under the same autocast the KL is exactly 0 before the first update
-        reference = CompletionScorer(load_reference(model_path, next(policy.parameters()).dtype, device))
+        reference = CompletionScorer(load_reference(model_path, next(policy.parameters()).dtype, device,
+                                                    trust_remote_code=cfg.trust_remote_code))
     engine = make_engine(cfg, policy, tokenizer, model_path, bf16, rank)
 
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -843,7 +845,8 @@ def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, ran
     engine = VLLMRollout(resolve_model_path(engine_path), end_token_ids(policy, tokenizer), tokenizer.pad_token_id,
                          seed=cfg.seed + rank, max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
                          gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                         dtype="bfloat16" if bf16 else "float32", enable_sleep_mode=cfg.vllm_enable_sleep_mode)
+                         dtype="bfloat16" if bf16 else "float32", enable_sleep_mode=cfg.vllm_enable_sleep_mode,
+                         sampling_kwargs=cfg.generation_kwargs, trust_remote_code=cfg.trust_remote_code)
     engine.sync_weights(policy)
     return engine
 

@@ -117,6 +117,21 @@ class Config:
                                                "per-sequence ratio, capped at the clip value or zeroed above it."})
     vllm_importance_sampling_clip_max: float = field(default=3.0, metadata={"help": "Cap C of the importance "
                                                      "ratio pi_train / pi_vllm (as TRL's default)."})
+    min_p: float | None = field(default=None, metadata={"help": "Min-p sampling: tokens below min_p x the top "
+                                "token's probability are not sampled (null or 0 = off; typical 0.01-0.2). As in TRL, "
+                                "training log-probs use the temperature only (docs/models.md 3)."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "CTRL's repetition penalty on every token "
+                                      "already in the prompt or the completion (> 1 repeats less; 1 = off). As in "
+                                      "TRL, training log-probs do not include it (docs/models.md 3)."})
+    generation_kwargs: dict | None = field(default=None, metadata={"help": "TRL's extra sampling keys: temperature, "
+                                           "top_p, top_k, min_p, repetition_penalty here override those keys; any "
+                                           "other key goes to vLLM's SamplingParams (use_vllm; the HF sampler "
+                                           "refuses it). A mapping (YAML, or JSON on the command line)."})
+    chat_template_kwargs: dict | None = field(default=None, metadata={"help": "Keyword arguments for the chat "
+                                              "template wherever prompts are rendered, e.g. {enable_thinking: "
+                                              "false} for Qwen3. A mapping (YAML, or JSON on the command line)."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Run the Python code a hub model ships with "
+                                    "(its own architecture or tokenizer). Off unless asked."})
     # ---- optimisation --------------------------------------------------------------------------------------------
     optim: str = field(default="adamw_torch", metadata={"help": "adamw_torch | adamw_8bit | paged_adamw_8bit | "
                        "paged_adamw_32bit (the last three from bitsandbytes: 8-bit states take 2 bytes a parameter "
@@ -398,6 +413,15 @@ def _coerce(name: str, value):
         raise ConfigError(f"{name} cannot be null; give a {_type_name(typ)}")
     origin = typing.get_origin(typ)
     try:
+        if typ is dict:  # a mapping (generation_kwargs, chat_template_kwargs): YAML, or JSON text on the command line
+            try:
+                mapping = yaml.safe_load(value) if isinstance(value, str) else value
+            except yaml.YAMLError:
+                mapping = None
+            if not isinstance(mapping, dict) or not all(isinstance(k, str) for k in mapping):
+                raise ConfigError(f"{name}: expected a mapping of names to values, got {value!r:.80}; give one in "
+                                  f"YAML, or as JSON on the command line ('{{\"key\": value}}')")
+            return dict(mapping)
         if origin is list and typing.get_args(typ)[0] is dict:  # structured (resample_schedule): YAML or JSON text
             try:
                 items = yaml.safe_load(value) if isinstance(value, str) else value
@@ -586,12 +610,7 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
             f"{cfg.steps_per_generation} = {global_batch} completions) must be a multiple of num_generations "
             f"({cfg.num_generations}); change per_device_train_batch_size, gradient_accumulation_steps or "
             f"steps_per_generation")
-    if cfg.temperature <= 0:
-        raise ConfigError("temperature must be > 0 for sampling (greedy is used only for evaluation)")
-    if not 0 < cfg.top_p <= 1:
-        raise ConfigError(f"top_p must be in (0, 1], got {cfg.top_p}")
-    if cfg.top_k < 0:
-        raise ConfigError(f"top_k must be >= 0, got {cfg.top_k}")
+    validate_sampling(cfg)
     if cfg.learning_rate <= 0:
         raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")
     if not 0 <= cfg.warmup_ratio < 1:
@@ -658,6 +677,39 @@ def validate_backend(cfg: Config) -> None:
         raise ConfigError(f"optim: '{cfg.optim}' needs bitsandbytes: pip install bitsandbytes (or --optim adamw_torch)")
     if cfg.max_memory is not None and cfg.max_memory <= 0:
         raise ConfigError(f"max_memory must be a positive number of GB or null, got {cfg.max_memory}")
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def validate_sampling(cfg: Config) -> None:
+    """The sampling keys, after moving those given in generation_kwargs into their own keys (TRL: they override
+    them); any other generation_kwargs key needs vLLM (lib/rollout.py `check_sampling_kwargs` checks it there)."""
+    extra = dict(cfg.generation_kwargs or {})
+    given = [key for key in SAMPLING_KEYS if key in extra]
+    try:
+        for key in given:
+            setattr(cfg, key, _coerce(key, extra.pop(key)))
+        if given:
+            cfg.generation_kwargs = extra or None
+        if not cfg.temperature > 0:
+            raise ConfigError("temperature must be > 0 for sampling (greedy is used only for evaluation)")
+        if not 0 < cfg.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {cfg.top_p}")
+        if cfg.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {cfg.top_k}")
+        if cfg.min_p is not None and not 0 <= cfg.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1] or null, got {cfg.min_p}")
+        if not 0 < cfg.repetition_penalty < math.inf:
+            raise ConfigError(f"repetition_penalty must be > 0 (1 = off), got {cfg.repetition_penalty}")
+    except ConfigError as error:
+        if given:
+            raise ConfigError(f"generation_kwargs ({', '.join(given)}): {error}") from None
+        raise
+    if extra and not cfg.use_vllm:
+        raise ConfigError(f"generation_kwargs: {', '.join(map(repr, extra))} cannot be applied by the HF sampler, "
+                          f"which implements {', '.join(SAMPLING_KEYS)}; set use_vllm true to pass other keys to "
+                          f"vLLM's SamplingParams, or remove them")
 
 
 def reachable_group_sizes(cfg: Config) -> list[int]:

@@ -402,19 +402,22 @@ def prompts_for_step(position: int, count: int, num_records: int, seed: int) -> 
 
 
 def format_prompt(
-    tokenizer: Any, problem: str, instruction: str = DEFAULT_INSTRUCTION, system_prompt: str | None = None
+    tokenizer: Any, problem: str, instruction: str = DEFAULT_INSTRUCTION, system_prompt: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> str:
     """Returns the prompt text for one problem: the tokenizer's chat template with the generation prompt opened.
 
     The user message is `problem + "\\n" + instruction`. A tokenizer without a chat template (a base model)
     gets the plain text `problem + "\\n" + instruction + "\\n"`, preceded by the system prompt's line if one is given.
+    `chat_template_kwargs` are the template's own variables (Qwen3's `enable_thinking`).
     """
     content = f"{problem}\n{instruction}" if instruction else problem
     if getattr(tokenizer, "chat_template", None) is None:
         return f"{system_prompt}\n{content}\n" if system_prompt else f"{content}\n"
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": content})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **(chat_template_kwargs or {}))
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int, device="cpu"):

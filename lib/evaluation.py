@@ -32,6 +32,8 @@ def generate_and_score(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
     device: torch.device | str = "cpu",
     on_batch: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
@@ -49,7 +51,7 @@ def generate_and_score(
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [prompts[i] for i in index], max_prompt_length, device)
         rollout = backend.generate(prompt_ids, prompt_mask, num_generations=num_samples, max_new_tokens=max_new_tokens,
                                    temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
-                                   greedy=temperature <= 0)
+                                   greedy=temperature <= 0, min_p=min_p, repetition_penalty=repetition_penalty)
         texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         lengths = rollout.completion_mask.sum(-1).tolist()
         truncated = rollout.is_truncated.tolist()

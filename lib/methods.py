@@ -108,7 +108,8 @@ class RolloutContext:
         self.nonfinite = dict.fromkeys(self.reward_names, 0)
 
     def prompt_text(self, record: dict) -> str:
-        return format_prompt(self.tokenizer, record["problem"], self.cfg.instruction, self.cfg.system_prompt)
+        return format_prompt(self.tokenizer, record["problem"], self.cfg.instruction, self.cfg.system_prompt,
+                             self.cfg.chat_template_kwargs)
 
     def next_slots(self, position: int, count: int) -> list[int]:
         return prompts_for_step(position, count, len(self.train_records), self.cfg.seed)
@@ -130,7 +131,8 @@ class RolloutContext:
             ids, mask, counts = ids[rows], mask[rows], counts[rows]
         return self.engine.generate(ids, mask, counts, self.cfg.max_completion_length, temperature=temperature,
                                     top_p=top_p, top_k=self.cfg.top_k,
-                                    answer_phase=self.answer_phase if answer_phase else None)
+                                    answer_phase=self.answer_phase if answer_phase else None,
+                                    min_p=self.cfg.min_p or 0.0, repetition_penalty=self.cfg.repetition_penalty)
 
     def score(self, rollout: Rollout, records: list[dict]) -> tuple[torch.Tensor, dict[str, int], list[str]]:
         """Every reward function on a rollout's completions: (B, K) rewards, error counts, decoded texts."""

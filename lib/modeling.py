@@ -21,7 +21,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lib.config import EMBEDDED_MODEL
+from lib.config import EMBEDDED_MODEL, ConfigError
 from lib.data import looks_local
 from lib.losses import token_logps_and_entropy
 
@@ -119,9 +119,10 @@ def resolve_model_path(model_name_or_path: str) -> str:
     return model_name_or_path
 
 
-def load_tokenizer(model_path: str, padding_side: str = "left"):
-    """The tokenizer with left padding (prompts are left-padded for batched decoding) and a pad token."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+def load_tokenizer(model_path: str, padding_side: str = "left", trust_remote_code: bool = False):
+    """The tokenizer with left padding (prompts are left-padded for batched decoding) and a pad token. Code shipped
+    with a hub model runs only with `trust_remote_code`."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -153,14 +154,18 @@ def load_policy(
     gradient_checkpointing: bool = False,
     attn_implementation: str | None = None,
     device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
 ) -> torch.nn.Module:
     """The trainable policy: full model, or a base with a fresh LoRA adapter (optionally on a 4-bit base).
 
     With `load_in_4bit` the base is quantised to NF4 by bitsandbytes (QLoRA, Dettmers et al. 2023) and prepared
     for k-bit training; LoRA is then required (a 4-bit base cannot be trained directly).
     A PEFT adapter folder (`final/` of a LoRA run) is loaded on its base and stays trainable.
+    The loaded model must pass `check_scoring_path` (ConfigError otherwise); code shipped with a hub model runs only
+    with `trust_remote_code`.
     """
-    kwargs: dict = {"dtype": dtype, "attn_implementation": attn_implementation or default_attn_implementation(device)}
+    kwargs: dict = {"dtype": dtype, "attn_implementation": attn_implementation or default_attn_implementation(device),
+                    "trust_remote_code": trust_remote_code}
     if load_in_4bit:
         from transformers import BitsAndBytesConfig
 
@@ -188,8 +193,9 @@ def load_policy(
                 module.support_avx512bf16_for_cpu = False
     else:
         model = model.to(device)
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    check_scoring_path(model)  # after the 4-bit kernel choice above: its first no-grad forward would repack
+    if gradient_checkpointing and not load_in_4bit:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if gradient_checkpointing and (use_peft or adapter_path):
         # with frozen embeddings the checkpointed blocks would see inputs without grad and drop the LoRA grads
         model.enable_input_require_grads()
@@ -246,21 +252,25 @@ def adapter_base(path: str) -> str:
     return resolve_model_path(EMBEDDED_MODEL if base in EMBEDDED_ALIASES else base)
 
 
-def load_for_inference(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+def load_for_inference(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                       trust_remote_code: bool = False):
     """(model in eval mode without grad, tokenizer) for any name `model_folder_problem` accepts; an adapter is
     loaded on its base and takes the tokenizer saved with it, or its base's."""
     path = resolve_model_path(EMBEDDED_MODEL if name in EMBEDDED_ALIASES else name)
     tokenizer_path = path
     if is_adapter_folder(path) and not Path(path, "tokenizer_config.json").exists():
         tokenizer_path = adapter_base(path)
-    tokenizer = load_tokenizer(tokenizer_path)
-    model = load_policy(path, dtype=dtype, device=device).eval().requires_grad_(False)
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
+    model = load_policy(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    model = model.eval().requires_grad_(False)
     return model, tokenizer
 
 
-def load_reference(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.nn.Module:
+def load_reference(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+                   trust_remote_code: bool = False) -> torch.nn.Module:
     """A frozen copy of the starting model (only for full fine-tuning with beta > 0; LoRA uses the base)."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = model.to(device)
     return model.eval().requires_grad_(False)
 
 
@@ -281,6 +291,105 @@ def adapter_disabled(model: torch.nn.Module):
     """Context in which a PEFT model computes as its base (the LoRA reference); a no-op context otherwise."""
     inner = getattr(model, "module", model)
     return inner.disable_adapter() if hasattr(inner, "disable_adapter") else nullcontext()
+
+
+def logit_transform(config) -> tuple[float, float | None]:
+    """(scale, cap): how a model's forward turns its output layer's values z into logits, read from its (text)
+    config: logits = cap * tanh(scale * z / cap), or scale * z where there is no cap. The table (docs/models.md 2):
+      - final_logit_softcapping c (Gemma-2, Gemma-3, Gemma-3n, VaultGemma, ...): c * tanh(z / c), the soft cap of
+        the Gemma 2 report (Gemma Team 2024, section 2.2, "Logit soft-capping");
+      - logits_scaling s: z / s (Granite family, MiniCPM3; muP's output multiplier, Yang et al. 2022), z * s in
+        HyperCLOVA X; logit_scale (Cohere, Command R), lm_head_multiplier (Falcon-H1), output_multiplier (applied
+        before the cap): z * s.
+    `check_scoring_path` verifies the result against each model's own forward when it loads, so an architecture that
+    does something else is refused rather than trained on the wrong distribution.
+    """
+    text = config.get_text_config()
+    scale = 1.0
+    logits_scaling = getattr(text, "logits_scaling", None)
+    if logits_scaling is not None:
+        scale = logits_scaling if text.model_type == "hyperclovax" else 1.0 / logits_scaling
+    for name in ("logit_scale", "lm_head_multiplier", "output_multiplier"):
+        if getattr(text, name, None) is not None:
+            scale *= getattr(text, name)
+    return float(scale), getattr(text, "final_logit_softcapping", None)
+
+
+class OutputHead:
+    """A causal LM's output layer followed by its logit post-processing (`logit_transform`): the logits its forward
+    computes, at positions we choose (the scorer's completion tokens, the sampler's first token). Values in float32.
+    `out_features`: the vocabulary size, for `lib.losses.token_logps_and_entropy`'s chunking."""
+
+    def __init__(self, lm: torch.nn.Module):
+        self.head = lm.get_output_embeddings()
+        self.scale, self.cap = logit_transform(lm.config)
+        self.out_features = getattr(self.head, "out_features", None)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden).float()
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.cap:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        return logits
+
+
+_CHECKED: set = set()
+
+
+@torch.no_grad()
+def check_scoring_path(model: torch.nn.Module) -> None:
+    """Refuse (ConfigError naming the architecture) a causal LM whose own forward the package does not reproduce.
+
+    The scorer and the sampler's first token run the decoder and `OutputHead` instead of the model's forward
+    (docs/performance.md 2.1), the prompt prefix cached and shared. Here both are run on a tiny fixed input (two
+    left-padded prompts of 5 tokens, 4 completion tokens each) and the per-token log-probs compared with
+    log_softmax of the forward's logits: an architecture that post-processes its logits in a way `logit_transform`
+    does not know, whose decoder is not what the head reads, or whose cache cannot be shared, fails here at load time
+    (three forwards of 9 tokens) instead of training on another distribution. Tolerance: 1e-3 of the log-probs'
+    scale in float32 (a missed post-processing moved them by 0.16 to 0.5 nats on small random models, 38 to 47 with
+    trained-size logits: docs/models.md 2), 3e-2 in lower precision.
+    """
+    lm = unwrap_causal_lm(model)
+    name = type(lm).__name__
+    device = next(lm.parameters()).device
+    # what is checked is the code path, which the class, the config and the weights' dtype decide (not the weights'
+    # values): once per process for each (a reference model, another checkpoint of the same model, pass at once)
+    key = (type(lm), lm.config.to_json_string(use_diff=False), str(next(lm.parameters()).dtype), str(device))
+    if key in _CHECKED:
+        return
+    vocab = lm.get_output_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (2, 5), generator=generator).to(device)
+    completion = torch.randint(0, vocab, (2, 4), generator=generator).to(device)
+    prompt_mask = torch.ones_like(prompt)
+    prompt_mask[1, :2] = 0
+    completion_mask = torch.ones_like(completion)
+    ids, mask = torch.cat([prompt, completion], 1), torch.cat([prompt_mask, completion_mask], 1)
+    was_training = lm.training
+    lm.eval()
+    try:
+        logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+        expected = torch.log_softmax(logits[:, 4:-1].float(), -1).gather(-1, completion[..., None]).squeeze(-1)
+        gaps = []
+        for shared in (True, False):
+            ours, _ = completion_logps(lm, prompt, prompt_mask, torch.arange(2, device=device), completion,
+                                       completion_mask, torch.ones(2, device=device), share_prompt_prefix=shared,
+                                       with_entropy=False)
+            gaps.append(float((ours - expected).abs().max()))
+    except Exception as error:  # noqa: BLE001  (any failure of our path on this architecture is a refusal)
+        raise ConfigError(f"model_name_or_path: {name} cannot be scored by agrpo's log-prob path "
+                          f"({type(error).__name__}: {error}); supported architectures: docs/models.md") from error
+    finally:
+        lm.train(was_training)
+    precise = next(p for p in lm.parameters() if p.is_floating_point()).dtype == torch.float32
+    limit = (1e-3 if precise else 3e-2) * max(1.0, float(expected.abs().max()))
+    if not max(gaps) <= limit:  # also refuses NaN
+        raise ConfigError(f"model_name_or_path: {name} computes its logits in a way agrpo does not reproduce "
+                          f"(log-probs {max(gaps):.3g} nats from the model's own forward on a test input, allowed "
+                          f"{limit:.2g}), so it would train on another distribution than it samples from; supported "
+                          f"architectures and how to add one: docs/models.md")
+    _CHECKED.add(key)
 
 
 def completion_logps(
@@ -340,15 +449,15 @@ def completion_logps(
         return assemble([p[0] for p in parts]), assemble([p[1] for p in parts]) if with_entropy else None
     lm = unwrap_causal_lm(model)
     decoder = lm.get_decoder()
-    lm_head = lm.get_output_embeddings()
+    lm_head = OutputHead(lm)  # the output layer with the model's logit post-processing (soft cap, scaling)
     if share_prompt_prefix and not getattr(lm, "is_gradient_checkpointing", False):
         used, inverse = torch.unique(prompt_index, return_inverse=True)
-        cache = DynamicCache()
+        cache = DynamicCache(config=lm.config)  # the layer kinds of the model: sliding, linear attention
         prompt_out = decoder(input_ids=prompt_ids[used], attention_mask=prompt_mask[used],
                              position_ids=positions_from_mask(prompt_mask[used]), past_key_values=cache,
                              use_cache=True)
         cache = prompt_out.past_key_values
-        cache.batch_select_indices(inverse)
+        cache.reorder_cache(inverse)  # every layer kind: keys and values, linear-attention states
         first_hidden = prompt_out.last_hidden_state[:, -1][inverse]  # (B, H): predicts completion token 0
         hidden = first_hidden[:, None]
         if width > 1:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import DynamicCache
 
-from lib.modeling import positions_from_mask, unwrap_causal_lm
+from lib.modeling import OutputHead, positions_from_mask, unwrap_causal_lm
 
 
 @dataclass
@@ -102,39 +102,83 @@ def replace_completions(batch: Rollout, rows: torch.Tensor, new: Rollout, pad_to
     return replace(batch, completion_ids=ids[:, :used], completion_mask=mask[:, :used], temperatures=temps[:, :used],
                    is_truncated=truncated, sampling_logps=logps)
 
+def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The repetition penalty of CTRL (Keskar et al. 2019, section 4.1, "penalized sampling"): the logit of each token
+    already in the prompt or the completion (`seen`, (B, V) bool) is divided by the penalty theta. A negative logit
+    is multiplied by theta instead, as transformers' RepetitionPenaltyLogitsProcessor and vLLM do, so that theta > 1
+    lowers a seen token's probability whatever its sign. Applied to the model's logits, before the temperature."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def sampling_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: float | torch.Tensor = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """The distribution a token is drawn from, (B, V): logits (B, V) float; temperature (B,) (rows with 0 are
+    computed at temperature 1, the caller takes their argmax); top_p a float or (B,) per row.
+
+    In vLLM's order (docs/models.md 3), so that both backends sample the same distribution: temperature, then min-p
+    (Nguyen et al. 2024: drop tokens below min_p x the top token's probability), top-k, and top-p (nucleus, Holtzman
+    et al. 2020: the smallest prefix, by probability, whose mass reaches top_p, over what min-p and top-k kept; the
+    top token is always kept). Min-p and top-k commute (each keeps a prefix of the sorted tokens), so top-k goes first
+    here, where it is cheaper. `normalize` False leaves the kept mass unnormalised (the sampler's draw scales by it).
+    """
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
+        nucleus = torch.as_tensor(top_p, dtype=probs.dtype, device=probs.device).reshape(-1, 1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass = sorted_probs.sum(-1, keepdim=True) if min_p > 0 else 1.0  # what min-p kept, before renormalising
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= nucleus * mass
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return probs / probs.sum(-1, keepdim=True) if normalize else probs
+
+
 def sample_next_token(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_p: float | torch.Tensor,
     top_k: int,
     generator: torch.Generator | None,
+    min_p: float = 0.0,
 ) -> torch.Tensor:
-    """Draw one token per row. logits: (B, V) float; temperature: (B,), rows with 0 are greedy; top_p: a float or
-    (B,) per row. Returns (B,).
+    """Draw one token per row from `sampling_probs` (logits: (B, V) float, a repetition penalty already applied;
+    temperature: (B,), rows with 0 are greedy). Returns (B,).
 
-    Order of warpers as in transformers: temperature, then top-k, then top-p (nucleus, Holtzman et al. 2020).
     The draw is inverse-CDF with one uniform per row: cumsum of the probabilities, count entries below u.
     """
     greedy = temperature <= 0
     next_greedy = logits.argmax(-1)
     if bool(greedy.all()):
         return next_greedy
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    if 0 < top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
-        nucleus = torch.as_tensor(top_p, dtype=probs.dtype, device=probs.device).reshape(-1, 1)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the top token is always kept)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= nucleus
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    probs = sampling_probs(logits, temperature, top_p, top_k, min_p, normalize=False)
     cdf = probs.cumsum(-1)
     u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
     sampled = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
     return torch.where(greedy, next_greedy, sampled)
+
+
+def prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """Run left-padded prompts (P, L) through the model once: (the logits of each prompt's next token (P, V) in
+    float32, as the model's forward computes them, and the KV cache). The output layer is applied to a contiguous
+    (P, H) slice only: on a CPU, a bf16 linear on a strided 3-D slice expands the [V x H] weight per row (13 s for
+    100 prompts, measured); `OutputHead` adds the model's logit post-processing (soft cap, scaling)."""
+    lm = unwrap_causal_lm(model)
+    out = lm.get_decoder()(input_ids=prompt_ids, attention_mask=prompt_mask,
+                           position_ids=positions_from_mask(prompt_mask), past_key_values=DynamicCache(config=lm.config),
+                           use_cache=True)
+    return OutputHead(lm)(out.last_hidden_state[:, -1].contiguous()), out.past_key_values
 
 
 def can_prepack() -> bool:
@@ -269,10 +313,14 @@ class HFRollout:
         top_k: int = 0,
         greedy: bool = False,
         answer_phase: AnswerPhase | None = None,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
     ) -> Rollout:
         """Sample completions for P prompts: `num_generations` each (an int, or a (P,) tensor of counts, for a
         process that holds part of a group). temperature, top_p: floats or (P,) tensors. answer_phase: switch each
-        sequence to the phase's parameters after its answer marker (ignored when greedy)."""
+        sequence to the phase's parameters after its answer marker (ignored when greedy). min_p, top_k, top_p:
+        `sampling_probs`; repetition_penalty: `penalize_repetitions` over each row's prompt and completion so far
+        (greedy rows too, as in transformers and vLLM)."""
         model = self.model
         was_training = model.training
         model.eval()
@@ -295,18 +343,17 @@ class HFRollout:
         in_answer = torch.zeros(batch, dtype=torch.bool, device=device)
 
         with self.autocast():
-            # prefill each prompt once, then share its cache across its completions; the head is applied to a
-            # contiguous (P, H) slice: on a CPU, a bf16 linear on a strided 3-D slice expands the [V x H] weight
-            # per row (13 s for 100 prompts, measured)
-            lm = unwrap_causal_lm(model)
-            out = lm.get_decoder()(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                   position_ids=positions_from_mask(prompt_mask), past_key_values=DynamicCache(),
-                                   use_cache=True)
-            logits = lm.get_output_embeddings()(out.last_hidden_state[:, -1].contiguous()).float()[prompt_index]
-            cache = out.past_key_values
+            # prefill each prompt once, then share its cache across its completions
+            logits, cache = prefill(model, prompt_ids, prompt_mask)
+            logits = logits[prompt_index]
+            seen = None
+            if repetition_penalty != 1.0:  # the tokens each row has seen: its prompt's, then its own
+                seen = torch.zeros(batch, logits.shape[-1], dtype=torch.bool, device=device)
+                rows, cols = prompt_mask[prompt_index].nonzero(as_tuple=True)
+                seen[rows, prompt_ids[prompt_index][rows, cols]] = True
             # gathering rows also makes the keys/values contiguous, which spares the decode attention a copy of
             # the whole cache at every step
-            cache.batch_select_indices(prompt_index)
+            cache.reorder_cache(prompt_index)  # every layer kind (linear-attention states too)
             attention = prompt_mask[prompt_index]
             next_pos = prompt_mask.long().sum(-1)[prompt_index]
 
@@ -327,9 +374,13 @@ class HFRollout:
                     step_temps = torch.where(in_answer[live], phase.temperature, live_temps)
                     step_top_p = live_nucleus if plain_nucleus else torch.where(in_answer[live], phase.top_p,
                                                                                 live_nucleus)
-                token = sample_next_token(logits, step_temps, step_top_p, top_k, self.generator)
+                if seen is not None:
+                    logits = penalize_repetitions(logits, seen[live], repetition_penalty)
+                token = sample_next_token(logits, step_temps, step_top_p, top_k, self.generator, min_p)
                 token = torch.where(finished[live], torch.full_like(token, self.pad_token_id), token)
                 tokens[live, step] = token
+                if seen is not None:
+                    seen[live, token] = True
                 token_temps[live, step] = step_temps
                 for marker in markers:  # sticky: once the marker is written, the rest is the answer
                     k = marker.numel()
@@ -344,7 +395,7 @@ class HFRollout:
                     break
                 if done * 4 >= live.numel():  # compact: keep the unfinished rows only
                     keep = (~finished[live]).nonzero().squeeze(1)
-                    cache.batch_select_indices(keep)
+                    cache.reorder_cache(keep)
                     live, token, attention, next_pos = live[keep], token[keep], attention[keep], next_pos[keep]
                     live_temps = live_temps[keep]
                     live_nucleus = live_nucleus if plain_nucleus else live_nucleus[keep]
@@ -413,14 +464,14 @@ def _load_linear(target: torch.nn.Module, weight: torch.Tensor, bias: torch.Tens
 def merged_copy(lm: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.nn.Module, list[str]]:
     """A plain causal LM with `lm`'s weights as it computes them (adapters merged, 4-bit weights dequantised), in
     `dtype`, for sampling; and the names of its layers that come from LoRA layers (the ones a sync recomputes)."""
-    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     config = copy.deepcopy(lm.config)
     config.__dict__.pop("quantization_config", None)
     device = next(lm.parameters()).device
     with no_init_weights(), torch.device(device):  # every weight is overwritten below: no random init
-        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # the policy's own class (also one from a hub model's code, loaded with trust_remote_code)
+        plain = type(lm)._from_config(config, dtype=dtype)
     plain.eval().requires_grad_(False)
     adapted = []
     for name, module in plain.named_modules():
@@ -475,7 +526,8 @@ class VLLMRollout:
 
     def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, *, seed: int = 0,
                  max_model_len: int, gpu_memory_utilization: float = 0.5, dtype: str = "auto",
-                 enable_sleep_mode: bool = False, enforce_eager: bool | None = None):
+                 enable_sleep_mode: bool = False, enforce_eager: bool | None = None,
+                 sampling_kwargs: dict | None = None, trust_remote_code: bool = False):
         # the engine runs in this process: weight sync reaches its model runner directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -487,6 +539,7 @@ class VLLMRollout:
         self.pad_token_id = pad_token_id
         self.seed = seed
         self.calls = 0
+        self.sampling_kwargs = check_sampling_kwargs(sampling_kwargs or {})
         kwargs = {"enable_sleep_mode": True} if enable_sleep_mode else {}
         if enforce_eager is None:
             # on a CPU, compiling the model costs about 60 s at start-up (2 cores, 135M) and gains little when
@@ -497,7 +550,8 @@ class VLLMRollout:
         # trainer's importance-sampling correction
         self.llm = LLM(model=model_path, seed=seed, max_model_len=max_model_len, dtype=dtype,
                        gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", **kwargs)
+                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
+                       trust_remote_code=trust_remote_code, **kwargs)
         self.enable_sleep_mode = enable_sleep_mode
         self.dtype = self.llm.llm_engine.model_config.dtype  # the engine's weights; the sync casts to it
 
@@ -536,13 +590,15 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
 
     def _params(self, count: int, temperature: float, top_p: float, top_k: int, max_tokens: int, seed: int,
-                stop: list[str] | None = None):
+                stop: list[str] | None = None, min_p: float = 0.0, repetition_penalty: float = 1.0):
         from vllm import SamplingParams
 
         return SamplingParams(n=count, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
+                              min_p=min_p, repetition_penalty=repetition_penalty,
                               max_tokens=max_tokens, seed=seed, stop_token_ids=self.eos_token_ids, stop=stop,
                               include_stop_str_in_output=True, skip_special_tokens=False, detokenize=stop is not None,
-                              logprobs=0 if temperature > 0 else None)  # 0: the sampled token's own log-prob
+                              logprobs=0 if temperature > 0 else None,  # 0: the sampled token's own log-prob
+                              **self.sampling_kwargs)
 
     @torch.no_grad()
     def generate(
@@ -556,9 +612,12 @@ class VLLMRollout:
         top_k: int = 0,
         greedy: bool = False,
         answer_phase: AnswerPhase | None = None,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
     ) -> Rollout:
         """As `HFRollout.generate`. The engine stops on the answer phase's marker text (`AnswerPhase.marker`, which
-        `AnswerPhase.from_text` sets), then continues those sequences with the phase's parameters."""
+        `AnswerPhase.from_text` sets), then continues those sequences with the phase's parameters. The second stage
+        gets the first stage's tokens as prompt, so its repetition penalty still counts them."""
         from vllm.inputs import TokensPrompt
 
         if self.sleeping:
@@ -575,8 +634,9 @@ class VLLMRollout:
         base_seed = (self.seed * 1_000_003 + self.calls) * 10_007
         self.calls += 1
         active = [(p, c) for p, c in enumerate(counts) if c > 0]
+        options = {"min_p": min_p, "repetition_penalty": repetition_penalty}
         params = [self._params(c, temps[p], nucleus[p], top_k, max_new_tokens, base_seed + p,
-                               [phase.marker] if phase else None) for p, c in active]
+                               [phase.marker] if phase else None, **options) for p, c in active]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[p]) for p, _ in active], params,
                                     use_tqdm=False)
         # per completion: token ids, the temperature of each token, its sampling log-prob, how it stopped ("end"
@@ -587,7 +647,7 @@ class VLLMRollout:
                 tokens = list(sample.token_ids)
                 rows.append((tokens, [temps[p]] * len(tokens), token_logps(sample), stop_kind(sample)))
         if phase is not None:
-            rows = self._answer_phase(rows, active, ids, phase, top_k, max_new_tokens, base_seed)
+            rows = self._answer_phase(rows, active, ids, phase, top_k, max_new_tokens, base_seed, options)
         prompt_index = torch.repeat_interleave(torch.arange(num_prompts), torch.tensor(counts))
         width = max((len(row[0]) for row in rows), default=0)
         tokens = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -605,7 +665,8 @@ class VLLMRollout:
                        temperatures=token_temps.to(device), prompt_index=prompt_index.to(device),
                        sampling_logps=None if greedy else logps.to(device))
 
-    def _answer_phase(self, rows, active, ids, phase: AnswerPhase, top_k: int, max_new_tokens: int, base_seed: int):
+    def _answer_phase(self, rows, active, ids, phase: AnswerPhase, top_k: int, max_new_tokens: int, base_seed: int,
+                      options: dict):
         """Continue the completions that stopped on the marker text with the answer-phase parameters."""
         from vllm.inputs import TokensPrompt
 
@@ -615,7 +676,7 @@ class VLLMRollout:
             return rows
         prompts = [TokensPrompt(prompt_token_ids=ids[owners[i]] + rows[i][0]) for i in todo]
         params = [self._params(1, phase.temperature, phase.top_p, top_k, max_new_tokens - len(rows[i][0]),
-                               base_seed + 5_003 + i) for i in todo]
+                               base_seed + 5_003 + i, **options) for i in todo]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         rows = list(rows)
         for i, output in zip(todo, outputs):
@@ -624,6 +685,30 @@ class VLLMRollout:
             rows[i] = (tokens + more, temps + [phase.temperature] * len(more), logps + token_logps(output.outputs[0]),
                        stop_kind(output.outputs[0]))
         return rows
+
+
+# SamplingParams keys the engine sets itself, and the configuration key that controls each
+VLLM_OWNED_KEYS = {"n": "num_generations", "max_tokens": "max_completion_length", "seed": "seed",
+                   "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty", "stop_token_ids": "the model's end tokens",
+                   "stop": "answer_marker", "logprobs": "vllm_importance_sampling_correction",
+                   "detokenize": "(internal)", "include_stop_str_in_output": "(internal)",
+                   "skip_special_tokens": "(internal)"}
+
+
+def check_sampling_kwargs(kwargs: dict) -> dict:
+    """The extra vLLM SamplingParams keys of `generation_kwargs` (presence_penalty, bad_words, ...), checked by building
+    SamplingParams with them: ValueError naming the key for one the engine sets itself or one vLLM refuses."""
+    from vllm import SamplingParams
+
+    for key in kwargs:
+        if key in VLLM_OWNED_KEYS:
+            raise ValueError(f"generation_kwargs: '{key}' is set by the trainer ({VLLM_OWNED_KEYS[key]}); remove it")
+    try:
+        SamplingParams(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"generation_kwargs: vLLM's SamplingParams refuses {kwargs!r:.200} ({error})") from None
+    return dict(kwargs)
 
 
 def token_logps(sample) -> list[float]:
