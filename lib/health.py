@@ -9,7 +9,7 @@ their advice. The checks read no files and keep no state; `Watch` keeps a traine
     check(lines, config)      the warnings that hold at the end of the lines (what the run is doing now)
     episodes(lines, config)   every stretch of steps over which a warning held, with its worst numbers
     unseen(warnings, seen)    the warnings whose kind is not in `seen`
-    Watch(config).add(line)   a trainer's history: the console lines of the warnings new at this line (once a kind)
+    Watch(config).add(line)   a trainer's history: the warnings new at this line (each kind once)
 
 The checks, each over the last WINDOW logged training steps:
     reward_hacking     training reward rising while held-out accuracy falls by more than its noise
@@ -63,8 +63,8 @@ def unseen(warnings: list[HealthWarning], seen: set[str] | frozenset[str]) -> li
 
 
 class Watch:
-    """A trainer's own metric history, checked after every line it logs: `add(line)` returns the console lines of
-    the warnings that hold now and were not printed before (each kind once per run). On resume, start it with the
+    """A trainer's own metric history, checked after every line it logs: `add(line)` returns the warnings that hold
+    now and were not reported before (each kind once per run). On resume, start it with the
     lines the run kept (metrics.jsonl up to the checkpoint), so a warning printed before the stop is not repeated
     and the windows span the restart."""
 
@@ -73,11 +73,11 @@ class Watch:
         self.history = list(lines or [])
         self.seen = {w.kind for w in episodes(self.history, config)} if self.history else set()
 
-    def add(self, line: dict) -> list[str]:
+    def add(self, line: dict) -> list[HealthWarning]:
         self.history.append(line)
         fresh = unseen(check(self.history, self.config), self.seen)
         self.seen.update(w.kind for w in fresh)
-        return [console_line(w) for w in fresh]
+        return fresh
 
 
 def split_lines(lines: list[dict]) -> tuple[list[dict], list[dict]]:
