@@ -811,7 +811,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
         tqdm.write(f"memory: a step is estimated at {estimate.total / 2**30:.1f} GB (in GB: {estimate.describe()})")
     # the scheduler is stepped by us once per optimizer step (Accelerate's wrapper would step it once per process)
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
-                                num_warmup_steps=math.ceil(cfg.warmup_ratio * cfg.max_steps))
+                                num_warmup_steps=math.ceil(cfg.warmup_ratio * cfg.max_steps),
+                                kwargs=cfg.lr_scheduler_kwargs)
     scorer = accelerator.prepare(CompletionScorer(policy))
 
     geometry = Geometry.of(cfg, rank, accelerator.num_processes)

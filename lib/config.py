@@ -26,6 +26,7 @@ import yaml
 from lib.controllers import ADAGRPO_SCHEDULE, parse_resample_schedule
 from lib.data import looks_local
 from lib.losses import DISPERSIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES, SCALE_REWARDS
+from lib.schedule import schedule_options
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 
@@ -144,7 +145,10 @@ class Config:
                                         "for full fine-tuning, 2e-4 with use_peft (an adapter learns at about 10x "
                                         "the full rate: docs/methods.md 9.7)."})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "constant | constant_with_warmup | linear | "
-                                   "cosine (transformers schedulers)."})
+                                   "cosine | cosine_with_min_lr (transformers' schedules, lib/schedule.py)."})
+    lr_scheduler_kwargs: dict | None = field(default=None, metadata={"help": "The schedule's options, as in "
+                                             "transformers: num_cycles (cosine, cosine_with_min_lr), min_lr_rate or "
+                                             "min_lr (cosine_with_min_lr; open-r1 uses {min_lr_rate: 0.1})."})
     warmup_ratio: float = field(default=0.0, metadata={"help": "Share of max_steps spent warming up."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
@@ -349,7 +353,7 @@ CHOICES = {
     "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
     "kl_estimator": KL_ESTIMATORS,
     "reward_dispersion": DISPERSIONS,
-    "lr_scheduler_type": ("constant", "constant_with_warmup", "linear", "cosine"),
+    "lr_scheduler_type": ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"),
     "report_to": ("none", "tensorboard", "wandb"),
     "optim": ("adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"),
     "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
@@ -615,6 +619,10 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
         raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")
     if not 0 <= cfg.warmup_ratio < 1:
         raise ConfigError(f"warmup_ratio must be in [0, 1), got {cfg.warmup_ratio}")
+    try:
+        schedule_options(cfg.lr_scheduler_type, cfg.lr_scheduler_kwargs, cfg.learning_rate)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(str(error)) from None
     if cfg.beta < 0:
         raise ConfigError(f"beta must be >= 0, got {cfg.beta}")
     if cfg.epsilon < 0 or cfg.resolved_epsilon_high() < 0:

@@ -1,12 +1,16 @@
 """The learning-rate schedule: a multiplier of the peak rate per optimizer step, as a torch `LambdaLR`.
 
-The four schedules of `lr_scheduler_type`, with linear warmup from 0 over `num_warmup_steps` where the schedule has
+The schedules of `lr_scheduler_type`, with linear warmup from 0 over `num_warmup_steps` where the schedule has
 one, then (Loshchilov and Hutter, SGDR, 2017, for the cosine):
 
     constant               1                                  (no warmup, whatever warmup_ratio says)
     constant_with_warmup   1
     linear                 (T - t) / (T - W)                  down to 0 at step T
-    cosine                 (1 + cos(pi * (t - W) / (T - W))) / 2
+    cosine                 c(t) = (1 + cos(2 pi n (t - W) / (T - W))) / 2, n = num_cycles (0.5: one half cosine)
+    cosine_with_min_lr     r + (1 - r) c(t), r = min_lr_rate (or min_lr / the peak rate): open-r1's recipes' schedule
+
+`lr_scheduler_kwargs` (a mapping, as in transformers' TrainingArguments) carries num_cycles for both cosines and
+min_lr_rate or min_lr for the second.
 
 These are the values of transformers' `get_scheduler` for the same names, step for step (tests/test_schedule.py
 compares them). We write them here rather than import that function because importing `transformers.optimization`
@@ -21,10 +25,12 @@ from functools import partial
 
 import torch
 
-SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
+SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr")
+KWARGS = {"cosine": ("num_cycles",), "cosine_with_min_lr": ("num_cycles", "min_lr_rate", "min_lr")}
 
 
-def lr_multiplier(step: int, kind: str, num_warmup_steps: int, num_training_steps: int) -> float:
+def lr_multiplier(step: int, kind: str, num_warmup_steps: int, num_training_steps: int, num_cycles: float = 0.5,
+                  min_lr_rate: float = 0.0) -> float:
     """The share of the peak learning rate that optimizer step `step` (0-based) uses."""
     if kind == "constant":
         return 1.0
@@ -35,15 +41,44 @@ def lr_multiplier(step: int, kind: str, num_warmup_steps: int, num_training_step
     remaining = max(1, num_training_steps - num_warmup_steps)
     if kind == "linear":
         return max(0.0, (num_training_steps - step) / remaining)
-    if kind == "cosine":
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * (step - num_warmup_steps) / remaining)))
+    if kind in ("cosine", "cosine_with_min_lr"):
+        progress = (step - num_warmup_steps) / remaining
+        factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
+        if kind == "cosine_with_min_lr":
+            factor = min_lr_rate + (1.0 - min_lr_rate) * factor
+        return max(0.0, factor)
     raise ValueError(f"lr_scheduler_type must be one of {', '.join(SCHEDULES)}, got {kind!r}")
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, num_warmup_steps: int,
-                    num_training_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def schedule_options(kind: str, kwargs: dict | None, peak_lr: float) -> dict:
+    """`lr_scheduler_kwargs` checked against the schedule, as `lr_multiplier`'s keyword arguments (min_lr becomes
+    min_lr_rate = min_lr / peak_lr). ValueError naming the key and the fix."""
     if kind not in SCHEDULES:
         raise ValueError(f"lr_scheduler_type must be one of {', '.join(SCHEDULES)}, got {kind!r}")
+    kwargs = dict(kwargs or {})
+    allowed = KWARGS.get(kind, ())
+    for key in kwargs:
+        if key not in allowed:
+            raise ValueError(f"lr_scheduler_kwargs: '{key}' does not apply to lr_scheduler_type {kind}"
+                             + (f" (it takes {', '.join(allowed)})" if allowed else " (it takes none)"))
+    options = {}
+    if "num_cycles" in kwargs:
+        options["num_cycles"] = float(kwargs["num_cycles"])
+    if kind == "cosine_with_min_lr":
+        if ("min_lr_rate" in kwargs) == ("min_lr" in kwargs):
+            raise ValueError("lr_scheduler_kwargs: cosine_with_min_lr needs exactly one of min_lr_rate (a share of "
+                             "the peak rate, e.g. {min_lr_rate: 0.1}) or min_lr (an absolute rate)")
+        rate = float(kwargs["min_lr_rate"]) if "min_lr_rate" in kwargs else float(kwargs["min_lr"]) / peak_lr
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"lr_scheduler_kwargs: the floor must be between 0 and the peak rate, got a share of "
+                             f"{rate:g}")
+        options["min_lr_rate"] = rate
+    return options
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, num_warmup_steps: int, num_training_steps: int,
+                    kwargs: dict | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    options = schedule_options(kind, kwargs, optimizer.defaults["lr"])
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_multiplier, kind=kind,
                                                                 num_warmup_steps=num_warmup_steps,
-                                                                num_training_steps=num_training_steps))
+                                                                num_training_steps=num_training_steps, **options))
