@@ -13,8 +13,8 @@ overlaid; it shows the warnings of lib/health.py with their numbers and what to 
 
 The page listens on 127.0.0.1 only. Another `--host` or `--share` (a public link) needs a login, `--auth USER:PASSWORD`
 or $AGRPO_CHAT_AUTH, or `--no_auth_i_know`; folders typed in the page must lie inside the run folder, the model
-folders it started with, the `--run` folders, or `--allow_dir` (docs/troubleshooting.md 3.3). In the Chat tab one prompt goes to
-both models; their answers stream side by side, token by token, the reasoning apart from the final answer (the
+folders it started with, the `--run` folders, or `--allow_dir` (docs/troubleshooting.md 3.3). In the Chat tab one
+prompt goes to both models; their answers stream side by side, token by token, the reasoning apart from the final answer (the
 `<think>` block, or everything before the last `Answer:` line). With a reference answer, each answer is scored by the
 training reward functions. A run folder's `checkpoint-*` and `final/` are listed and switch the model in place; a PEFT
 adapter loads on its base. Conversations save to and load from JSON, and the sampling settings export as a
@@ -387,7 +387,8 @@ def refresh_runs(selection, x_label, completions_run, last, *, roots):
     panels, constant = run_data.panels(runs, X_AXES.get(x_label, "step"))
     status = [*messages, *(run_data.status(r, shown_path(r.folder)) for r in runs)]
     if len(panels) > RUN_PLOTS:
-        status.append(f"{len(panels) - RUN_PLOTS} more plots not shown: {', '.join(p.title for p in panels[RUN_PLOTS:])}")
+        hidden = ", ".join(p.title for p in panels[RUN_PLOTS:])
+        status.append(f"{len(panels) - RUN_PLOTS} more plots not shown: {hidden}")
     warnings = [w for w in map(warnings_markdown, runs) if w]
     plots = [gr.update(value=pd.DataFrame(p.rows, columns=["x", "y", "series"]), title=p.title, y_title=p.unit,
                        x_title=x_label, visible=True) for p in panels[:RUN_PLOTS]]

@@ -84,6 +84,7 @@ from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_
 from lib.reward_worker import RewardWorker
 from lib.rewards import resolve_reward_funcs
 from lib.rollout import AnswerPhase, HFRollout, Rollout, VLLMRollout
+from lib.runs import read_jsonl
 from lib.schedule import build_scheduler
 
 
@@ -840,7 +841,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
                          answer_phase, geometry.local_rollout, geometry.first, worker)
     return Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method, params, optimizer,
                scheduler, eval_records, geometry, ckpt.StopRequest(),
-               health.Watch(to_dict(cfg), kept_lines(out / "metrics.jsonl") if resume is not None else None)), state
+               health.Watch(to_dict(cfg), read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None)), state
 
 
 def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, rank: int) -> HFRollout | VLLMRollout:
@@ -885,6 +886,9 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     if not train:
         raise ConfigError(f"dataset_id_or_path: '{cfg.dataset_id_or_path}' holds no training rows")
     return train, evals
+
+
+RUN_LOGS = ("metrics.jsonl", "completions.jsonl", "warnings.jsonl")  # the run's JSON-lines logs, trimmed on resume
 
 
 def prepare_output_dir(cfg: Config, accelerator: Accelerator) -> Path | None:
@@ -934,20 +938,6 @@ def prepare_output_dir(cfg: Config, accelerator: Accelerator) -> Path | None:
 
 # =====================================================================================================================
 # Small helpers
-
-
-RUN_LOGS = ("metrics.jsonl", "completions.jsonl", "warnings.jsonl")  # the run's JSON-lines logs, trimmed on resume
-
-
-def kept_lines(path: Path) -> list[dict]:
-    """The whole JSON lines of a metrics file a resumed run keeps (a line a kill cut short is left out)."""
-    lines = []
-    for text in path.read_text().splitlines() if path.exists() else []:
-        try:
-            lines.append(json.loads(text))
-        except ValueError:
-            continue
-    return lines
 
 
 def group_token_means(accelerator: Accelerator, values: torch.Tensor, mask: torch.Tensor,

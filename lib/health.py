@@ -301,28 +301,22 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m lib.health RUN_FOLDER...`: for each run folder (metrics.jsonl and config.yaml), the stretches of
     steps where each warning held, and the warnings that hold at its last step with their numbers and advice."""
     import argparse
-    import json
     from pathlib import Path
 
-    import yaml
+    from lib.runs import METRICS, read_config, read_jsonl
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("runs", nargs="+", type=Path)
     for folder in parser.parse_args(argv).runs:
-        if not (folder / "metrics.jsonl").exists():
+        if not (folder / METRICS).exists():
             print(f"{folder}: no metrics.jsonl (not a run folder, or the run has not logged a step yet)")
             continue
-        lines = []
-        for text in (folder / "metrics.jsonl").read_text().splitlines():
-            try:
-                lines.append(json.loads(text))
-            except ValueError:  # a line being written
-                continue
-        config = yaml.safe_load((folder / "config.yaml").read_text()) if (folder / "config.yaml").exists() else {}
+        lines, _ = read_jsonl(folder / METRICS)  # a line being written is skipped
+        config = read_config(folder)
         spans = ", ".join(f"{w.kind} {w.steps.removeprefix('steps ').removeprefix('step ')}"
-                          for w in episodes(lines, config or {}))
+                          for w in episodes(lines, config))
         print(f"{folder}: {len(split_lines(lines)[0])} training steps; held: {spans or 'none'}")
-        for warning in check(lines, config or {}):
+        for warning in check(lines, config):
             print("  now: " + console_line(warning))
 
 

@@ -176,8 +176,8 @@ def prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
     100 prompts, measured); `OutputHead` adds the model's logit post-processing (soft cap, scaling)."""
     lm = unwrap_causal_lm(model)
     out = lm.get_decoder()(input_ids=prompt_ids, attention_mask=prompt_mask,
-                           position_ids=positions_from_mask(prompt_mask), past_key_values=DynamicCache(config=lm.config),
-                           use_cache=True)
+                           position_ids=positions_from_mask(prompt_mask),
+                           past_key_values=DynamicCache(config=lm.config), use_cache=True)
     return OutputHead(lm)(out.last_hidden_state[:, -1].contiguous()), out.past_key_values
 
 

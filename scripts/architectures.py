@@ -66,7 +66,8 @@ def gaps(model: torch.nn.Module) -> tuple[str, str]:
     prompt_mask[1, :2] = 0
     index = torch.tensor([0, 0, 1])
     completion = torch.randint(3, vocab, (3, 6), generator=g)
-    ids, mask = torch.cat([prompt[index], completion], 1), torch.cat([prompt_mask[index], torch.ones_like(completion)], 1)
+    ids = torch.cat([prompt[index], completion], 1)
+    mask = torch.cat([prompt_mask[index], torch.ones_like(completion)], 1)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits[:, 6:-1]
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask,

@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--use_peft", action="store_true", help="LoRA (r 16, alpha 32, all linear layers) on both.")
     p.add_argument("--lora_dropout", type=float, default=0.0, help="LoRA dropout, both trainers (ours defaults to "
                    "0; TRL's ModelConfig to 0.05).")
-    p.add_argument("--load_in_4bit", action="store_true", help="QLoRA: NF4 base (needs --use_peft; bitsandbytes runs it on a CPU too).")
+    p.add_argument("--load_in_4bit", action="store_true",
+                   help="QLoRA: NF4 base (needs --use_peft; bitsandbytes runs it on a CPU too).")
     p.add_argument("--gradient_checkpointing", action="store_true", help="On both.")
     p.add_argument("--output_json", help="Also write every run's numbers and the summary here.")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one measured run in a child process
@@ -271,7 +272,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "max_completion_length": args.max_completion_length, "beta": args.beta,
                 "learning_rate": args.learning_rate, "temperature": args.temperature, "seed": args.seed,
                 "steps": args.steps, "bf16": args.bf16, "use_peft": args.use_peft, "load_in_4bit": args.load_in_4bit,
-                "lora_dropout": args.lora_dropout, "gradient_checkpointing": args.gradient_checkpointing, "prompts": prompts, "answers": answers}
+                "lora_dropout": args.lora_dropout, "gradient_checkpointing": args.gradient_checkpointing,
+                "prompts": prompts, "answers": answers}
         runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
         for r in range(args.rounds):
             order = configs if r % 2 == 0 else configs[::-1]  # alternate, so drift in the machine hits both

@@ -1,4 +1,8 @@
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +139,31 @@ def tiny_model(tmp_path_factory, embedded_model) -> str:
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def start_page(args: list[str], cwd: Path, log: Path) -> tuple[subprocess.Popen, int]:
+    """chat_app.py started as a user starts it, on a free port, its output in `log`; (process, port) at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "chat_app.py"), *args, "--port", str(port)], cwd=cwd,
+                                stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False",
+                                     "TOKENIZERS_PARALLELISM": "false"})
+    return proc, port
+
+
+def wait_for_page(proc: subprocess.Popen, port: int, log: Path, timeout_s: float = 120) -> str:
+    """The page's URL once it listens; AssertionError with the end of its log if it exits or does not start."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the page exited: {log.read_text()[-3000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return f"http://127.0.0.1:{port}/"
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise AssertionError(f"the page did not start: {log.read_text()[-3000:]}")

@@ -4,15 +4,13 @@ Chromium (Playwright)."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, start_page, wait_for_page
 
 sys.path.insert(0, str(REPO))
 from chat_app import (MAX_UPLOAD_BYTES, PageInputError, allowed_roots, check_inside,  # noqa: E402
@@ -193,12 +191,6 @@ def test_host_without_login_exits_with_one_line_before_loading_anything(tmp_path
 # ---------------------------------------------------------------------------------------------- the real page
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def run_folder(tmp_path_factory, trained_like):
     """A run folder as the trainer leaves it: config.yaml, final/ (a full model whose weights moved) and
@@ -216,27 +208,10 @@ def run_folder(tmp_path_factory, trained_like):
 @pytest.fixture(scope="module")
 def page(run_folder, tmp_path_factory):
     """The app started as a user starts it, on a free port; yields its URL."""
-    port = free_port()
     log = tmp_path_factory.mktemp("log") / "app.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(REPO / "chat_app.py"), "--model_name_or_path",
-                                 str(run_folder / "final"), "--port", str(port), "--max_new_tokens", "48"],
-                                cwd=run_folder, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False",
-                                     "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the app exited: {log.read_text()[-3000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            time.sleep(1)
-    else:
-        proc.kill()
-        raise AssertionError(f"the app did not start: {log.read_text()[-3000:]}")
+    proc, port = start_page(["--model_name_or_path", str(run_folder / "final"), "--max_new_tokens", "48"],
+                            run_folder, log)
+    url = wait_for_page(proc, port, log, timeout_s=300)
     yield url
     proc.terminate()
     proc.wait(timeout=30)

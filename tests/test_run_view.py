@@ -3,18 +3,12 @@ runs in tests/fixtures/, see tests/fixtures/README.md), then the page in headles
 are appended to its files (slow)."""
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from conftest import REPO
+from conftest import REPO, start_page, wait_for_page
 from lib import runs
 
 PRESETS = REPO / "docs" / "results" / "presets_embedded"
@@ -182,34 +176,6 @@ def tiny_run(out: Path, tiny_model: str) -> Path:
     return out
 
 
-def start_page(args: list[str], cwd: Path, log: Path) -> tuple[subprocess.Popen, int]:
-    """chat_app.py started as a user starts it, on a free port; (process, port) at once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(REPO / "chat_app.py"), *args, "--port", str(port)], cwd=cwd,
-                                stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False",
-                                     "TOKENIZERS_PARALLELISM": "false"})
-    return proc, port
-
-
-def wait_for_page(proc: subprocess.Popen, port: int, log: Path) -> str:
-    """The page's URL once it listens."""
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the page exited: {log.read_text()[-3000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return f"http://127.0.0.1:{port}/"
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise AssertionError(f"the page did not start: {log.read_text()[-3000:]}")
-
-
 # vertices of the lines a gr.LinePlot drew (vega's SVG: one path per series, "M x,y L x,y ...")
 CURVE_POINTS = """id => [...document.querySelectorAll(`#${id} .mark-line path`)]
     .reduce((n, p) => n + ((p.getAttribute('d') || '').match(/[ML]/g) || []).length, 0)"""
@@ -281,7 +247,7 @@ def test_browser_watches_a_run_being_written(tiny_model, tmp_path):
             assert view.evaluate(CURVE_POINTS, "run-plot-0") == reward_points(metrics) == 3 * 6
             assert "Traceback" not in view.content()
             # the completions browser: every logged completion, then filters
-            note = wait_for_text(view, "#completions-note", f"{len(logged)} of {len(logged)} logged completions")
+            wait_for_text(view, "#completions-note", f"{len(logged)} of {len(logged)} logged completions")
             view.locator("#filter-sign").get_by_text("> 0", exact=True).click()
             positive = sum(r["advantage"] > 0 for r in logged)
             assert 0 < positive < len(logged)
