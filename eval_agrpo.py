@@ -2,7 +2,7 @@
 
     python eval_agrpo.py                      # the embedded model, greedy, on the built-in task's held-out problems
     python eval_agrpo.py --model_name_or_path runs/demo/final embedded \
-        --dataset_id_or_path ../shared/data/mawps/singleop.jsonl ../shared/data/svamp/test.jsonl --plot
+        --dataset_name ../shared/data/mawps/singleop.jsonl ../shared/data/svamp/test.jsonl --plot
     python eval_agrpo.py --model_name_or_path runs/demo/final --num_samples 8 --temperature 0.7 --pass_k 1 4 8
     python eval_agrpo.py --model_name_or_path runs/a/final runs/b/final --reference_model embedded \
         --num_samples 4 --temperature 0.7         # + win rate, reward, KL and entropy against the starting model
@@ -37,12 +37,13 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from lib.config import EMBEDDED_MODEL
-from lib.data import DEFAULT_INSTRUCTION, builtin_task, format_prompt, load_records
+from lib.data import ANSWER_COLUMNS, DEFAULT_INSTRUCTION, builtin_task, load_records, render_prompt
 from lib.evaluation import completion_kl_entropy, generate_and_score, score_problems, win_rate
 from lib.modeling import (EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference,
                           model_folder_problem, native_bf16, resolve_model_path)
 from lib.losses import weighted_rewards
-from lib.rewards import resolve_reward_funcs, score_completions
+from lib.reward_models import load_reward_models
+from lib.rewards import resolve_reward_funcs, reward_arguments, score_completions
 from lib.rollout import HFRollout, VLLMRollout
 
 BUILTIN = "builtin"
@@ -75,10 +76,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     models.add_argument("--trust_remote_code", **flag, help="Run the Python code a hub model ships with (off unless "
                         "asked).")
     data = parser.add_argument_group("data")
-    data.add_argument("--dataset_id_or_path", nargs="+", default=None,
+    data.add_argument("--dataset_name", "--dataset_id_or_path", dest="dataset_name", nargs="+", default=None,
                       help="JSONL / Parquet files, folders holding <split>.jsonl, or hub ids (default: the built-in "
                            "task's held-out problems, drawn from --seed as the trainer draws them).")
-    data.add_argument("--split", default="test", help="Split for folders and hub ids.")
+    data.add_argument("--split", "--dataset_test_split", dest="split", default="test",
+                      help="Split for folders and hub ids.")
+    data.add_argument("--dataset_config", default=None,
+                      help="Configuration of the hub data sets and folders that have several (main for openai/gsm8k, "
+                           "taken by default).")
     data.add_argument("--prompt_column", default=None)
     data.add_argument("--answer_column", default=None)
     data.add_argument("--skip_invalid_rows", **flag)
@@ -131,7 +136,7 @@ def json_mapping(text: str) -> dict:
 
 def eval_prompts(tokenizer, records: list[dict], args: argparse.Namespace) -> list[str]:
     """Each record's prompt as the trainer renders it: instruction, system prompt, chat template variables."""
-    return [format_prompt(tokenizer, r["problem"], args.instruction, args.system_prompt, args.chat_template_kwargs)
+    return [render_prompt(tokenizer, r, args.instruction, args.system_prompt, args.chat_template_kwargs)
             for r in records]
 
 
@@ -219,11 +224,11 @@ def validate(args: argparse.Namespace) -> None:
             import matplotlib  # noqa: F401
         except ImportError as error:
             raise EvalConfigError("--plot needs matplotlib: `pip install -r requirements.txt`") from error
-    if args.dataset_id_or_path:
-        labels = [dataset_label(name) for name in args.dataset_id_or_path]
+    if args.dataset_name:
+        labels = [dataset_label(name) for name in args.dataset_name]
         twice = sorted({label for label in labels if labels.count(label) > 1})
         if twice:
-            raise EvalConfigError(f"--dataset_id_or_path: two data sets would both be reported as {twice[0]!r} (the "
+            raise EvalConfigError(f"--dataset_name: two data sets would both be reported as {twice[0]!r} (the "
                                   f"file's folder and name); list each once, or copy one under another name")
     check_output(args)
 
@@ -280,17 +285,21 @@ def dataset_label(name: str) -> str:
 
 def load_sets(args: argparse.Namespace) -> dict[str, list[dict]]:
     """{label: records}; data errors name the file, the row, the field and the fix."""
-    if not args.dataset_id_or_path:
+    if not args.dataset_name:
         _, held_out = builtin_task(seed=args.seed, num_train=1, num_eval=args.max_samples or 200)
         return {BUILTIN: held_out}
     sets = {}
-    for name in args.dataset_id_or_path:
+    for name in args.dataset_name:
         try:
             records = load_records(name, split=args.split, prompt_column=args.prompt_column,
                                    answer_column=args.answer_column, max_samples=args.max_samples, seed=args.seed,
-                                   skip_invalid_rows=args.skip_invalid_rows)
+                                   skip_invalid_rows=args.skip_invalid_rows, config=args.dataset_config)
         except (ValueError, FileNotFoundError) as error:
-            raise EvalConfigError(f"--dataset_id_or_path: {error}") from error
+            raise EvalConfigError(f"--dataset_name: {error}") from error
+        if "answer" not in records[0]:  # accuracy, pass@k and maj@k all compare with the gold answer
+            raise EvalConfigError(f"--dataset_name: '{name}' has no gold answer column (looked for "
+                                  f"{', '.join(ANSWER_COLUMNS)}; columns found: {sorted(records[0])}); name it with "
+                                  f"--answer_column NAME")
         sets[dataset_label(name)] = records
     return sets
 
@@ -317,13 +326,17 @@ def reseed(backend, seed: int) -> None:
 
 
 def reward_totals(reward_funcs, weights: list[float], prompts: list[str], records: list[dict],
-                  results: list[dict]) -> list[list[float]]:
-    """Weighted total reward of every completion, per problem (the trainer's `reward`)."""
+                  results: list[dict], args: argparse.Namespace) -> list[list[float]]:
+    """Weighted total reward of every completion, per problem (the trainer's `reward`), the functions called as the
+    trainer calls them (lib/rewards.py), without a trainer_state: there is no run."""
     owners = [i for i, r in enumerate(results) for _ in r["completions"]]
     texts = [c for r in results for c in r["completions"]]
-    columns = {key: [records[i].get(key) for i in owners] for key in records[0] if key != "problem"}
+    call_prompts, completions, columns, model_prompts = reward_arguments(
+        [records[i] for i in owners], [prompts[i] for i in owners], texts, instruction=args.instruction,
+        system_prompt=args.system_prompt)
     columns["completion_length"] = [n for r in results for n in r["lengths"]]
-    per_func, _ = score_completions(reward_funcs, [prompts[i] for i in owners], texts, columns)
+    per_func, _ = score_completions(reward_funcs, call_prompts, completions, columns, model_prompts=model_prompts,
+                                    completion_ids=[ids for r in results for ids in r["token_ids"]])
     # the trainer's sum (NaN skipped, all skipped: 0), in float64 as the rewards came
     totals = weighted_rewards(torch.tensor(per_func, dtype=torch.float64).T,
                               torch.tensor(weights, dtype=torch.float64)).tolist()
@@ -404,7 +417,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hf_logging.disable_progress_bar()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = args.bf16 if args.bf16 is not None else native_bf16(device)
-    reward_funcs = resolve_reward_funcs(args.reward_funcs)
+    # reward models (a folder or hub id in --reward_funcs) load once, onto the device (lib/reward_models.py)
+    try:
+        reward_funcs = load_reward_models(resolve_reward_funcs(args.reward_funcs), device, args.batch_size,
+                                          trust_remote_code=args.trust_remote_code,
+                                          chat_template_kwargs=args.chat_template_kwargs)
+    except ValueError as error:
+        raise EvalConfigError(f"--reward_funcs: {error}") from error
     weights = args.reward_weights or [1.0] * len(reward_funcs)
     names = list(args.model_name_or_path)
     reference_label = model_label(args.reference_model) if args.reference_model else None
@@ -462,7 +481,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                          on_batch=progress)
             seconds = time.perf_counter() - start
             bar.close()
-            rewards = reward_totals(reward_funcs, weights, prompts, records, results)
+            rewards = reward_totals(reward_funcs, weights, prompts, records, results, args)
             row = {"model": label, "dataset": set_label, **score_problems(results, args.pass_k, seed=args.seed),
                    "reward": sum(map(sum, rewards)) / max(sum(map(len, rewards)), 1), "seconds": seconds}
             if reference is not None:
@@ -474,10 +493,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for i, (record, result) in enumerate(zip(records, results)):
                 for j, completion in enumerate(result["completions"]):
                     lines.append(json.dumps({
-                        "model": label, "dataset": set_label, "index": i, "sample": j, "problem": record["problem"],
-                        "gold": result["gold"], "completion": completion, "answer": result["answers"][j],
-                        "correct": result["correct"][j], "reward": rewards[i][j], "tokens": result["lengths"][j],
-                        "truncated": result["truncated"][j]}))
+                        "model": label, "dataset": set_label, "index": i, "sample": j,
+                        "problem": record.get("problem", record.get("prompt")), "gold": result["gold"],
+                        "completion": completion, "answer": result["answers"][j], "correct": result["correct"][j],
+                        "reward": rewards[i][j], "tokens": result["lengths"][j], "truncated": result["truncated"][j]}))
         del model, backend
         gc.collect()
 

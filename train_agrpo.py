@@ -25,7 +25,7 @@ The algorithm, step by step (`train` below calls one function per phase, in this
      range per prompt group from AGPO-DSF's statistics.
   5. policy update: per token, -min(rho A, clip(rho, 1-eps, 1+eps_high) A) (+ dual clip) + beta KL(pi || pi_ref)
      - eta H(pi), averaged as `loss_type` says over the global batch; one optimizer step on this step's slice of the
-     generation batch (steps_per_generation slices, each used num_iterations times).
+     generation batch (steps_per_generation / gradient_accumulation_steps slices, each used num_iterations times).
   6. controller update: state = update(state, what this step measured); saved in every checkpoint.
   7. log: one dense line per step, metrics.jsonl and the tracker.
   8. evaluate and save.
@@ -71,16 +71,17 @@ from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
 from lib import health
-from lib.config import Config, ConfigError, parse_config, reward_options, save_yaml, steps_per_rollout, to_dict, \
-    validate
-from lib.data import builtin_task, load_records
+from lib.config import Config, ConfigError, parse_config, resolve_epochs, reward_options, save_yaml, \
+    steps_per_rollout, to_dict, validate, warmup_steps, weights_dtype
+from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
 from lib.evaluation import generate_and_score, summarize
-from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, truncated_importance_weights
+from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, policy_ratio, truncated_importance_weights
 from lib.memory import (build_optimizer, check_step_memory, estimate_step_memory, memory_budget, resident_bytes,
                         step_token_counts)
 from lib.methods import Method, RolloutContext, Sampled, TrainValues, choose_method
 from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_token_ids, is_adapter_folder,
                           load_policy, load_reference, load_tokenizer, native_bf16, resolve_model_path)
+from lib.reward_models import load_reward_models
 from lib.reward_worker import RewardWorker
 from lib.rewards import resolve_reward_funcs
 from lib.rollout import AnswerPhase, HFRollout, Rollout, VLLMRollout
@@ -137,7 +138,7 @@ def train(run: Run, state: TrainerState) -> dict:
 
         # ---------------------------------------------------------------------------------- 5. policy update
         # one optimizer step on this step's slice of the generation batch
-        part = state.global_step % geo.steps_per_rollout % cfg.steps_per_generation
+        part = state.global_step % geo.steps_per_rollout % cfg.optimizer_steps_per_generation
         update, nonfinite = update_policy(run, batch, part, values)
         state.global_step += 1
         step = state.global_step
@@ -182,7 +183,8 @@ def train(run: Run, state: TrainerState) -> dict:
     bar.close()
 
     end_eval = evaluate(run, state.global_step)
-    save_checkpoint(run, state)
+    if cfg.save_strategy != "no":  # TRL's `no`: final/ only
+        save_checkpoint(run, state)
     save_final(run, end_eval, state.global_step)
     return {"eval": end_eval, "global_step": state.global_step}
 
@@ -213,7 +215,7 @@ class Batch:
     rollout: this process's completions (B_local of them). rewards (B_global, K) and total (B_global,): every
     process's, in global completion order. prompt_of_row: (B_local,) the global prompt index of each completion.
     advantages: (B_local,). loss_mask: (B_local, T), the tokens that count in the loss. slice_tokens:
-    (steps_per_generation,) the loss tokens of each step's slice over all processes. skip_updates: per slice, True
+    (optimizer_steps_per_generation,) the loss tokens of each step's slice over all processes. skip_updates: per slice, True
     when skip_zero_signal_updates is on and no completion of the slice has an advantage. ref_logp / old_logp /
     old_entropy: (B_local, T) or None. num_tokens: tokens generated for the batch on all processes (probes and
     discarded rounds included). counters: the sampling's events, logged once. texts / prompts / answers: of the
@@ -248,9 +250,9 @@ def sample_batch(run: Run, data_position: int, step: int) -> Sampled:
     method's refill. Returns the batch and the data position after it."""
     cfg, ctx, controllers = run.cfg, run.ctx, run.method.controllers
     t0 = time.perf_counter()
-    ctx.start_batch()
+    ctx.start_batch(step, data_position)
     group_size = controllers.group_size(cfg.num_generations)
-    num_prompts = run.geometry.global_completions * cfg.steps_per_generation // group_size
+    num_prompts = run.geometry.global_completions * cfg.optimizer_steps_per_generation // group_size
     prompts = ctx.prompts(ctx.next_slots(data_position, num_prompts), group_size)
     run.policy.eval()  # sampling with the policy itself (LoRA, 4-bit): no dropout
     temperatures, counters = controllers.prompt_temperatures(
@@ -278,7 +280,8 @@ def prepare_batch(run: Run, sampled: Sampled) -> Batch:
     advantages_all, adv_stats = run.method.advantages(sampled.total, group_size, correct=correct, pooled=pooled)
     advantages = advantages_all[geo.first: geo.first + geo.local_rollout]
     # a step's slice with no advantage on any process has no policy-gradient signal (the same answer everywhere)
-    signal = (advantages_all.view(geo.world, cfg.steps_per_generation, geo.local_completions) != 0).any(2).any(0)
+    signal = (advantages_all.view(geo.world, cfg.optimizer_steps_per_generation, geo.local_completions) != 0
+              ).any(2).any(0)
     nonfinite, nonfinite_counts = nonfinite_rewards(run, sampled, advantages_all)
     loss_mask = roll.completion_mask.float()
     if cfg.mask_truncated_completions:
@@ -296,7 +299,8 @@ def prepare_batch(run: Run, sampled: Sampled) -> Batch:
         rollout=roll, rewards=sampled.rewards, total=sampled.total, errors=sampled.errors, group_size=group_size,
         prompt_of_row=(torch.arange(geo.first, geo.first + geo.local_rollout) // group_size).to(accelerator.device),
         advantages=advantages, adv_stats=adv_stats, loss_mask=loss_mask,
-        slice_tokens=accelerator.reduce(loss_mask.view(cfg.steps_per_generation, -1).sum(1), reduction="sum"),
+        slice_tokens=accelerator.reduce(loss_mask.view(cfg.optimizer_steps_per_generation, -1).sum(1),
+                                        reduction="sum"),
         skip_updates=[bool(nonfinite) or (cfg.skip_zero_signal_updates and not bool(has)) for has in signal],
         ref_logp=ref_logp, old_logp=old_logp, old_entropy=old_entropy,
         num_tokens=generated + int(sum(v for k, v in counters.items() if k.startswith("num_tokens/"))),
@@ -396,7 +400,11 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                 tis_highs["neg_min"] = torch.maximum(tis_highs["neg_min"], -weight.masked_fill(off, math.inf).min())
             if values.beta > 0:
                 kl = kl_penalty(logp, batch.ref_logp[rows, :width], cfg.kl_estimator)
-                per_token = per_token + values.beta * kl
+                if cfg.use_bias_correction_kl:  # the term weighted by pi / pi_old (lib/losses.policy_ratio)
+                    per_token = per_token + values.beta * kl * policy_ratio(logp, old, mask,
+                                                                            cfg.importance_sampling_level)
+                else:
+                    per_token = per_token + values.beta * kl
                 sums["kl"] += (kl.detach() * mask).sum()
             if cfg.eta > 0:  # A-GRPO entropy bonus: the gradient raises the full distribution's entropy
                 per_token = per_token - cfg.eta * entropy
@@ -510,7 +518,7 @@ def log_step(run: Run, step: int, metrics: dict, batch: Batch) -> None:
     append_jsonl(run, "completions.jsonl", [
         {"step": step, "prompt": batch.prompts[i], "completion": batch.texts[i], "answer": batch.answers[i],
          "reward": float(batch.total[first + i]), "advantage": float(batch.advantages[i])}
-        for i in range(min(run.cfg.log_completions, len(batch.texts)))])
+        for i in range(min(run.cfg.num_completions_to_print if run.cfg.log_completions else 0, len(batch.texts)))])
 
 
 def watch_health(run: Run, step: int, metrics: dict) -> None:
@@ -543,7 +551,7 @@ def evaluate(run: Run, step: int) -> dict:
     shard = run.eval_records[accelerator.process_index::accelerator.num_processes]
     results = generate_and_score(run.engine, run.tokenizer, shard, [run.ctx.prompt_text(r) for r in shard],
                                  max_new_tokens=cfg.max_completion_length, max_prompt_length=cfg.max_prompt_length,
-                                 batch_size=cfg.eval_batch_size, device=accelerator.device)
+                                 batch_size=cfg.per_device_eval_batch_size, device=accelerator.device)
     local = summarize(results)
     keys = ("accuracy", "mean_length", "truncated_ratio", "format")
     n = local["num_problems"]
@@ -700,7 +708,7 @@ class TrainerState:
 class Geometry:
     """Batch geometry, TRL semantics: per_device_train_batch_size counts completions; the group size may change from
     one generation batch to the next (adaptive_group_size), the batch size never does. A generation batch serves
-    steps_per_generation optimizer steps (times num_iterations): each process samples a contiguous share of it, and
+    steps_per_generation / gradient_accumulation_steps optimizer steps (times num_iterations): each process samples a contiguous share of it, and
     step s of the batch trains on the s-th slice of every process's share."""
 
     world: int
@@ -714,7 +722,7 @@ class Geometry:
     @classmethod
     def of(cls, cfg: Config, rank: int, world: int) -> Geometry:
         local = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-        local_rollout = local * cfg.steps_per_generation
+        local_rollout = local * cfg.optimizer_steps_per_generation
         micro = [slice(i, i + cfg.per_device_train_batch_size)
                  for i in range(0, local_rollout, cfg.per_device_train_batch_size)]
         return cls(world, local, local * world, local_rollout, rank * local_rollout, steps_per_rollout(cfg), micro)
@@ -750,26 +758,30 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16("cuda" if torch.cuda.is_available() else "cpu")
     # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU) when launched
     # with several processes, instead of running each process alone
-    accelerator = Accelerator(cpu=torch.accelerator.current_accelerator() is None,
+    accelerator = Accelerator(cpu=cfg.use_cpu or torch.accelerator.current_accelerator() is None,
                               mixed_precision="bf16" if bf16 else "no",
                               log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=cfg.output_dir)
     validate(cfg, accelerator.num_processes)
     rank, device = accelerator.process_index, accelerator.device
+    # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
+    # (lib/rewards.py). Bad names stop here; reward models load below, onto this process's device.
+    reward_specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
     try:
-        reward_funcs = resolve_reward_funcs(cfg.reward_funcs, reward_options(cfg))
+        reward_funcs = resolve_reward_funcs(reward_specs, reward_options(cfg))
     except ValueError as error:
-        raise ConfigError(str(error)) from error
+        raise ConfigError(f"reward_funcs: {error}") from error
     if cfg.correctness_reward not in [name for name, _ in reward_funcs] and (
             cfg.homogeneous_advantage > 0 or cfg.resample_schedule or cfg.dynamic_sampling_rounds):
         raise ConfigError(f"correctness_reward: '{cfg.correctness_reward}' is not among reward_funcs "
                           f"{[name for name, _ in reward_funcs]}; homogeneous_advantage, resample_schedule and "
                           f"dynamic_sampling_rounds judge correctness with it. Add it to reward_funcs or name another "
                           f"function")
-    train_records, eval_records = load_data(cfg)
+    train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print)
+    resolve_epochs(cfg, len(train_records), accelerator.num_processes)  # max_steps -1, and the epoch strategies
     resume = prepare_output_dir(cfg, accelerator)
     # reward functions run in a worker process with a time limit per call (lib/reward_worker.py); it starts now and
     # loads them while the models load
-    worker = RewardWorker(cfg.reward_funcs, reward_options(cfg), cfg.reward_timeout) if cfg.reward_timeout else None
+    worker = RewardWorker(reward_specs, reward_options(cfg), cfg.reward_timeout) if cfg.reward_timeout else None
     if worker is not None:
         worker.start()
     out = Path(cfg.output_dir)
@@ -780,24 +792,48 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     model_path = resolve_model_path(cfg.model_name_or_path)
-    tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.trust_remote_code)
-    policy = load_policy(str(resume) if resume else model_path, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
+    tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.trust_remote_code, revision=cfg.model_revision)
+    if cfg.chat_template is not None:
+        tokenizer.chat_template = cfg.chat_template
+    try:  # a conversation needs a chat template: say so before the model loads
+        for record in train_records[:1] + eval_records[:1]:
+            render_prompt(tokenizer, record, cfg.instruction, cfg.system_prompt, cfg.chat_template_kwargs)
+    except ValueError as error:
+        raise ConfigError(f"dataset_name: {error}") from error
+    policy = load_policy(str(resume) if resume else model_path, dtype=weights_dtype(cfg.dtype),
+                         revision=cfg.model_revision, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
                          lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                         lora_target_modules=cfg.lora_target_modules, load_in_4bit=cfg.load_in_4bit,
+                         lora_target_modules=cfg.lora_target_modules, use_rslora=cfg.use_rslora,
+                         load_in_4bit=cfg.load_in_4bit, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
+                         use_bnb_nested_quant=cfg.use_bnb_nested_quant,
                          gradient_checkpointing=cfg.gradient_checkpointing,
+                         gradient_checkpointing_kwargs=cfg.gradient_checkpointing_kwargs,
                          attn_implementation=cfg.attn_implementation, device=device,
                          trust_remote_code=cfg.trust_remote_code)
+    if cfg.disable_dropout:  # TRL's disable_dropout: the scored distribution is then the sampled one
+        for module in policy.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     lora = hasattr(policy, "peft_config")
     reference = None  # none when beta is 0; with LoRA the base with the adapter disabled, not a second copy
     if cfg.beta > 0 and not lora:
         # same dtype as the policy, so that under the same autocast the KL is exactly 0 before the first update
         reference = CompletionScorer(load_reference(model_path, next(policy.parameters()).dtype, device,
-                                                    trust_remote_code=cfg.trust_remote_code))
+                                                    trust_remote_code=cfg.trust_remote_code,
+                                                    revision=cfg.model_revision))
     engine = make_engine(cfg, policy, tokenizer, model_path, bf16, rank)
+    # reward models score in this process, on its device, a micro-batch at a time (lib/reward_models.py); loaded
+    # before the memory check, which counts them as resident
+    try:
+        reward_funcs = load_reward_models(reward_funcs, device, cfg.per_device_train_batch_size,
+                                          trust_remote_code=cfg.trust_remote_code,
+                                          chat_template_kwargs=cfg.chat_template_kwargs)
+    except ValueError as error:
+        raise ConfigError(f"reward_funcs: {error}") from error
 
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.optim, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
-                                cfg.weight_decay)
+                                cfg.weight_decay, eps=cfg.adam_epsilon)
     # memory guard: the step's estimated peak (on top of what loading left resident) against the budget, before any
     # sampling or training; a run that would not fit stops here with the setting to lower
     estimate = estimate_step_memory(policy, resident=resident_bytes(device), optim=cfg.optim, bf16=bf16,
@@ -812,7 +848,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
         tqdm.write(f"memory: a step is estimated at {estimate.total / 2**30:.1f} GB (in GB: {estimate.describe()})")
     # the scheduler is stepped by us once per optimizer step (Accelerate's wrapper would step it once per process)
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
-                                num_warmup_steps=math.ceil(cfg.warmup_ratio * cfg.max_steps),
+                                num_warmup_steps=warmup_steps(cfg),
                                 kwargs=cfg.lr_scheduler_kwargs)
     scorer = accelerator.prepare(CompletionScorer(policy))
 
@@ -852,7 +888,8 @@ def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, ran
                          seed=cfg.seed + rank)
     engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
     engine = VLLMRollout(resolve_model_path(engine_path), end_token_ids(policy, tokenizer), tokenizer.pad_token_id,
-                         seed=cfg.seed + rank, max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
+                         seed=cfg.seed + rank,
+                         max_model_len=cfg.vllm_max_model_length or cfg.max_prompt_length + cfg.max_completion_length,
                          gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                          dtype="bfloat16" if bf16 else "float32", enable_sleep_mode=cfg.vllm_enable_sleep_mode,
                          sampling_kwargs=cfg.generation_kwargs, trust_remote_code=cfg.trust_remote_code)
@@ -860,21 +897,34 @@ def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, ran
     return engine
 
 
-def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(train records, eval records). Errors in the data surface here, before any model is loaded."""
+def load_data(cfg: Config, reward_funcs: list = (), say=print) -> tuple[list[dict], list[dict]]:
+    """(train records, eval records). Errors in the data surface here, before any model is loaded; so does a data set
+    with no gold answer trained with a reward function that needs one (lib/data.check_answers).
+
+    The held-out set is eval_dataset_name; else dataset_name's dataset_test_split where it has one (a folder or a hub
+    data set, as TRL evaluates on it); else, for a single file, a seeded share of its rows. Held-out data with no gold
+    answer cannot be scored: the evaluation is left out, and `say` says so in one line."""
     try:
-        if cfg.dataset_id_or_path is None:
+        if cfg.dataset_name is None:
             return builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train, num_eval=cfg.num_eval_samples)
         columns = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column,
                        skip_invalid_rows=cfg.skip_invalid_rows)
-        train = load_records(cfg.dataset_id_or_path, split=cfg.dataset_split, max_samples=cfg.max_train_samples,
-                             seed=cfg.seed, **columns)
+        train = load_records(cfg.dataset_name, split=cfg.dataset_train_split, max_samples=cfg.max_train_samples,
+                             seed=cfg.seed, config=cfg.dataset_config, **columns)
+        check_answers(train, reward_funcs, "dataset_name", cfg.dataset_name)
+        evals, source = [], cfg.eval_dataset_name or cfg.dataset_name
         if cfg.num_eval_samples == 0:
-            evals = []
-        elif cfg.eval_dataset_id_or_path:
-            evals = load_records(cfg.eval_dataset_id_or_path, split=cfg.eval_split, max_samples=cfg.num_eval_samples,
+            source = None  # no evaluation asked for
+        elif cfg.eval_dataset_name:
+            # dataset_config names a configuration of dataset_name (TRL's ScriptArguments); this set is read with its
+            # default one
+            evals = load_records(cfg.eval_dataset_name, split=cfg.dataset_test_split, max_samples=cfg.num_eval_samples,
                                  seed=cfg.seed, **columns)
-        else:
+        elif cfg.dataset_test_split != cfg.dataset_train_split and cfg.dataset_test_split in (
+                split_names(cfg.dataset_name, cfg.dataset_config) or ()):
+            evals = load_records(cfg.dataset_name, split=cfg.dataset_test_split, max_samples=cfg.num_eval_samples,
+                                 seed=cfg.seed, config=cfg.dataset_config, **columns)
+        elif "answer" in train[0]:
             # a single file has no test split: hold out a seeded share of it, disjoint from what we train on
             order = list(range(len(train)))
             random.Random(cfg.seed).shuffle(order)
@@ -884,7 +934,11 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     except (ValueError, FileNotFoundError) as error:  # the loaders name the file, row and field
         raise ConfigError(str(error)) from error
     if not train:
-        raise ConfigError(f"dataset_id_or_path: '{cfg.dataset_id_or_path}' holds no training rows")
+        raise ConfigError(f"dataset_name: '{cfg.dataset_name}' holds no training rows")
+    if source is not None and (not evals or "answer" not in evals[0]):
+        say(f"evaluation skipped: '{source}' has no gold answer column (answer, solution, Answer or target; "
+            f"--answer_column names another), so held-out accuracy cannot be scored")
+        evals = []
     return train, evals
 
 

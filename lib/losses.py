@@ -223,6 +223,19 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
+def policy_ratio(logp: torch.Tensor, old_logp: torch.Tensor, completion_mask: torch.Tensor,
+                 importance_sampling_level: str = "token") -> torch.Tensor:
+    """The differentiable ratio pi / pi_old the surrogate uses, (B, T): per token, or GSPO's per-sequence ratio
+    broadcast over the tokens. The KL's bias correction multiplies the per-token KL by it (DeepSeek-V3.2, arXiv
+    2512.02556: weighting the k3 term by the ratio makes its gradient the unbiased reverse-KL gradient; TRL's
+    use_bias_correction_kl). In value it is 1 on-policy; its gradient is not 0."""
+    log_ratio = logp - old_logp
+    if importance_sampling_level == "sequence":
+        mask = completion_mask.to(logp.dtype)
+        log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1.0)).unsqueeze(1).expand_as(logp)
+    return torch.exp(log_ratio)
+
+
 def clipped_surrogate(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -32,22 +32,25 @@ GB = 2**30
 CHUNK_ELEMENTS = 2**26  # lib/losses.token_logps_and_entropy's default
 
 
-def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float):
+def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float,
+                    eps: float = 1e-8):
     """AdamW by `optim` name: torch's, or bitsandbytes' 8-bit / paged states (Dettmers et al. 2022, "8-bit
     optimizers via block-wise quantization"): 2 bytes of state per parameter instead of 8; paged states are moved
     to host memory by the CUDA driver when the GPU runs short instead of failing."""
-    if name == "adamw_torch":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if name in ("adamw_torch", "adamw_torch_fused"):  # fused: one kernel for all tensors on CUDA, the same update
+        fused = name == "adamw_torch_fused" and all(p.is_cuda for p in params)
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None)
     import bitsandbytes as bnb
 
     cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
            "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[name]
-    return cls(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def optimizer_state_bytes(optim: str) -> int:
     """Bytes of optimizer state per trainable parameter."""
-    return {"adamw_torch": 8, "paged_adamw_32bit": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2}[optim]
+    return {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_32bit": 8, "adamw_8bit": 2,
+            "paged_adamw_8bit": 2}[optim]
 
 
 @dataclass

@@ -28,9 +28,9 @@ import torch
 from accelerate.utils import gather_object
 
 from lib import controllers
-from lib.data import format_prompt, prompts_for_step, tokenize_prompts
+from lib.data import prompts_for_step, render_prompt, tokenize_prompts
 from lib.losses import dispersion, group_advantages, group_skewness, weighted_rewards
-from lib.rewards import extract_answer, score_completions
+from lib.rewards import RewardState, extract_answer, is_conversational, reward_arguments, score_completions
 from lib.rollout import Rollout, replace_completions
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -101,18 +101,24 @@ class RolloutContext:
         self.reward_seconds = 0.0  # time spent in reward functions, reported apart from generation
         self.worker = worker  # lib.reward_worker.RewardWorker (reward_timeout > 0), or None: called in this process
         self.nonfinite = dict.fromkeys(self.reward_names, 0)  # completions scored inf / -inf / NaN, this batch
+        self.trainer_state = RewardState(0, cfg.max_steps, 0.0)  # the reward functions' `trainer_state`
 
-    def start_batch(self) -> None:
-        """Reset the per-batch tallies (reward time, non-finite rewards)."""
+    def start_batch(self, step: int = 0, data_position: int = 0) -> None:
+        """Reset the per-batch tallies (reward time, non-finite rewards). `step` (optimizer steps done) and
+        `data_position` (prompts drawn so far) are the progress the reward functions get as `trainer_state`."""
         self.reward_seconds = 0.0
         self.nonfinite = dict.fromkeys(self.reward_names, 0)
+        self.trainer_state = RewardState(step, self.cfg.max_steps, data_position / len(self.train_records))
 
     def prompt_text(self, record: dict) -> str:
-        return format_prompt(self.tokenizer, record["problem"], self.cfg.instruction, self.cfg.system_prompt,
+        """The text the model is prompted with (lib/data.render_prompt: TRL's prompt as it is or through the chat
+        template, or a math problem with the instruction)."""
+        return render_prompt(self.tokenizer, record, self.cfg.instruction, self.cfg.system_prompt,
                              self.cfg.chat_template_kwargs)
 
     def next_slots(self, position: int, count: int) -> list[int]:
-        return prompts_for_step(position, count, len(self.train_records), self.cfg.seed)
+        seed = self.cfg.seed if self.cfg.data_seed is None else self.cfg.data_seed
+        return prompts_for_step(position, count, len(self.train_records), seed, self.cfg.shuffle_dataset)
 
     def prompts(self, slots: list[int], group_size: int) -> Prompts:
         local_slots = torch.arange(self.first, self.first + self.local_rollout) // group_size  # global prompt of each
@@ -135,17 +141,27 @@ class RolloutContext:
                                     min_p=self.cfg.min_p or 0.0, repetition_penalty=self.cfg.repetition_penalty)
 
     def score(self, rollout: Rollout, records: list[dict]) -> tuple[torch.Tensor, dict[str, int], list[str]]:
-        """Every reward function on a rollout's completions: (B, K) rewards, error counts, decoded texts."""
+        """Every reward function on a rollout's completions, called as TRL calls them (lib/rewards.py; prompts and
+        completions as messages for a conversational record, as text otherwise): (B, K) rewards, error counts,
+        decoded texts."""
         t0 = time.perf_counter()
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        owners = [records[i] for i in rollout.prompt_index.tolist()]
-        columns = {key: [r.get(key) for r in owners] for key in owners[0] if key != "problem"}
-        columns["completion_length"] = rollout.completion_mask.sum(1).tolist()  # tokens, for length-based rewards
+        index = rollout.prompt_index.tolist()
+        owners = [records[i] for i in index]
+        # the rendered prompt of each plain-text record, once per prompt (a conversational one is passed as messages)
+        rendered = {i: self.prompt_text(records[i]) for i in set(index) if not is_conversational(records[i])}
+        prompts, completions, columns, model_prompts = reward_arguments(
+            owners, [rendered.get(i) for i in index], texts, instruction=self.cfg.instruction,
+            system_prompt=self.cfg.system_prompt)
+        lengths = rollout.completion_mask.sum(1).tolist()
+        columns["completion_length"] = lengths  # tokens, for length-based rewards
+        ids = [row[:n].tolist() for row, n in zip(rollout.completion_ids.cpu(), lengths)]  # the mask is a prefix
         nonfinite = {}
-        per_func, errors = score_completions(self.reward_funcs, [self.prompt_text(r) for r in owners], texts,
-                                             columns, error_value=self.cfg.reward_error_value,
-                                             call=self.worker.call if self.worker is not None else None,
-                                             nonfinite=nonfinite)
+        per_func, errors = score_completions(self.reward_funcs, prompts, completions, columns,
+                                             error_value=self.cfg.reward_error_value,
+                                             call=self.worker.run if self.worker is not None else None,
+                                             nonfinite=nonfinite, completion_ids=ids,
+                                             trainer_state=self.trainer_state, model_prompts=model_prompts)
         self.nonfinite = {n: self.nonfinite[n] + nonfinite[n] for n in self.reward_names}
         self.reward_seconds += time.perf_counter() - t0
         return torch.tensor(per_func, dtype=torch.float32, device=self.device).T, errors, texts

@@ -119,10 +119,11 @@ def resolve_model_path(model_name_or_path: str) -> str:
     return model_name_or_path
 
 
-def load_tokenizer(model_path: str, padding_side: str = "left", trust_remote_code: bool = False):
+def load_tokenizer(model_path: str, padding_side: str = "left", trust_remote_code: bool = False,
+                   revision: str | None = None):
     """The tokenizer with left padding (prompts are left-padded for batched decoding) and a pad token. Code shipped
-    with a hub model runs only with `trust_remote_code`."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    with a hub model runs only with `trust_remote_code`; `revision` picks a hub model's branch, tag or commit."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code, revision=revision)
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -144,14 +145,19 @@ def is_adapter_folder(path: str) -> bool:
 def load_policy(
     model_path: str,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
+    revision: str | None = None,
     use_peft: bool = False,
     lora_r: int = 16,
     lora_alpha: int = 32,
     lora_dropout: float = 0.0,
     lora_target_modules: list[str] | str | None = None,
+    use_rslora: bool = False,
     load_in_4bit: bool = False,
+    bnb_4bit_quant_type: str = "nf4",
+    use_bnb_nested_quant: bool = True,
     gradient_checkpointing: bool = False,
+    gradient_checkpointing_kwargs: dict | None = None,
     attn_implementation: str | None = None,
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
@@ -164,14 +170,18 @@ def load_policy(
     The loaded model must pass `check_scoring_path` (ConfigError otherwise); code shipped with a hub model runs only
     with `trust_remote_code`.
     """
+    # non-reentrant by default: reentrant checkpointing drops the gradient of inputs that need none (a frozen
+    # embedding under LoRA) and, with it, every LoRA gradient inside the checkpointed blocks
+    checkpointing_kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
     kwargs: dict = {"dtype": dtype, "attn_implementation": attn_implementation or default_attn_implementation(device),
-                    "trust_remote_code": trust_remote_code}
+                    "trust_remote_code": trust_remote_code, "revision": revision}
     if load_in_4bit:
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_use_double_quant=True,
+            load_in_4bit=True, bnb_4bit_quant_type=bnb_4bit_quant_type,
+            bnb_4bit_compute_dtype=torch.float32 if dtype == "auto" else dtype,
+            bnb_4bit_use_double_quant=use_bnb_nested_quant,
         )
         kwargs["device_map"] = {"": device}
     adapter_path = None
@@ -184,7 +194,8 @@ def load_policy(
     if load_in_4bit:
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                                gradient_checkpointing_kwargs=checkpointing_kwargs)
         # bitsandbytes 0.50 repacks a 4-bit weight for its AVX512-BF16 CPU kernel at the first eval-mode forward
         # without grad (our sampling), and that kernel has no backward: every later training forward would drop
         # the gradient through the base layers. Keep the differentiable path.
@@ -195,7 +206,7 @@ def load_policy(
         model = model.to(device)
     check_scoring_path(model)  # after the 4-bit kernel choice above: its first no-grad forward would repack
     if gradient_checkpointing and not load_in_4bit:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
     if gradient_checkpointing and (use_peft or adapter_path):
         # with frozen embeddings the checkpointed blocks would see inputs without grad and drop the LoRA grads
         model.enable_input_require_grads()
@@ -206,7 +217,7 @@ def load_policy(
     if use_peft:
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+        config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_rslora=use_rslora,
                             target_modules=lora_target_modules or "all-linear", task_type="CAUSAL_LM")
         model = get_peft_model(model, config)
     return model
@@ -267,9 +278,10 @@ def load_for_inference(name: str, device: torch.device | str = "cpu", dtype: tor
 
 
 def load_reference(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
-                   trust_remote_code: bool = False) -> torch.nn.Module:
+                   trust_remote_code: bool = False, revision: str | None = None) -> torch.nn.Module:
     """A frozen copy of the starting model (only for full fine-tuning with beta > 0; LoRA uses the base)."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                 revision=revision)
     model = model.to(device)
     return model.eval().requires_grad_(False)
 

@@ -180,10 +180,10 @@ def plan(methods: list[str], ablations: list[str], seeds: list[int], extra: list
                     validate_methods(cfg, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps)
                 except ConfigError as error:
                     raise AblateError(f"{method} / {ablation} / seed {seed}: {error}") from None
-                data = cfg.dataset_id_or_path
-                if data and not cfg.eval_dataset_id_or_path and Path(data).is_file():
-                    raise AblateError(f"dataset_id_or_path '{data}' is one file, with no held-out "
-                                      f"split to evaluate on: pass --eval_dataset_id_or_path <file> after --")
+                data = cfg.dataset_name
+                if data and not cfg.eval_dataset_name and Path(data).is_file():
+                    raise AblateError(f"dataset_name '{data}' is one file, with no held-out "
+                                      f"split to evaluate on: pass --eval_dataset_name <file> after --")
                 identity = json.dumps(run_identity(cfg), sort_keys=True, default=str)
                 job = Job(method, ablation, seed, flags, root / "runs" / method / ablation / f"seed{seed}", cfg)
                 if identity in first_with:  # the same settings as a configuration already planned: reuse its run
@@ -216,9 +216,9 @@ def eval_command(job: Job, eval_samples: int, eval_num_samples: int, temperature
         command += ["--system_prompt", cfg.system_prompt]
     if cfg.use_vllm:  # the run's backend
         command += ["--use_vllm", "true", "--vllm_gpu_memory_utilization", str(cfg.vllm_gpu_memory_utilization)]
-    data = cfg.eval_dataset_id_or_path or cfg.dataset_id_or_path
+    data = cfg.eval_dataset_name or cfg.dataset_name
     if data:
-        command += ["--dataset_id_or_path", data, "--split", cfg.eval_split]
+        command += ["--dataset_name", data, "--split", cfg.dataset_test_split]
     return command
 
 

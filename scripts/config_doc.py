@@ -4,8 +4,8 @@
     python scripts/config_doc.py --write         # write it to docs/configuration.md
     python scripts/config_doc.py --check         # exit 1 if docs/configuration.md is out of date
 
-Every field of `lib.config.Config` becomes a row (key, type, default, its help string), grouped as the dataclass
-groups them with its `# ---- group ----` comments, in the dataclass's order; then one table of the keys each
+Every field of `lib.config.Config` becomes a row (key, type, default, its help string), grouped as the section
+dataclasses group them with their `# ---- group ----` comments, in their order; then one table of the keys each
 `--algo` preset sets (`lib.config.PRESETS`). tests/test_config_doc.py fails when the page differs from this output.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lib.config import FIELDS, PRESETS, Config  # noqa: E402  (the repository root is put on the path just above)
+from lib.config import FIELDS, PRESETS, SECTIONS  # noqa: E402  (the repository root is put on the path just above)
 from lib.controllers import ADAGRPO_SCHEDULE  # noqa: E402
 
 PAGE = REPO / "docs" / "configuration.md"
@@ -50,7 +50,7 @@ run directory. `python train_agrpo.py --help` prints the same help strings.
 def groups() -> list[tuple[str, list[str]]]:
     """(group title, field names) in the dataclass's order, read from its `# ---- group ----` comments."""
     result: list[tuple[str, list[str]]] = []
-    for line in inspect.getsource(Config).splitlines():
+    for line in "\n".join(inspect.getsource(section) for section in SECTIONS).splitlines():
         heading = GROUP.match(line)
         if heading:
             result.append((heading.group(1).strip(), []))

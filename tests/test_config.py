@@ -32,7 +32,8 @@ def test_unknown_key_names_the_closest_field(tmp_path):
     recipe.write_text("learning_rte: 1e-5\n")
     with pytest.raises(ConfigError, match="unknown configuration key 'learning_rte'.*learning_rate"):
         parse_config(["--config", str(recipe)])
-    with pytest.raises(SystemExit):  # argparse rejects an unknown flag itself
+    # on the command line too, with the same hint (argparse alone said only "unrecognized arguments")
+    with pytest.raises(ConfigError, match="unknown configuration key 'learning_rte' \\(the command line\\).*learning_rate"):
         parse_config(["--learning_rte", "1e-5"])
 
 
@@ -46,7 +47,7 @@ def test_unknown_key_names_the_closest_field(tmp_path):
     ({"temperature": 0}, "temperature must be > 0"),
     ({"load_in_4bit": True}, "set use_peft true"),
     ({"reward_weights": [1.0, 2.0]}, "one weight per function"),
-    ({"dataset_id_or_path": "./no/such/file.jsonl"}, "dataset_id_or_path: the path './no/such/file.jsonl' does not"),
+    ({"dataset_name": "./no/such/file.jsonl"}, "dataset_name: the path './no/such/file.jsonl' does not"),
     ({"model_name_or_path": "/no/such/model"}, "model_name_or_path: the folder '/no/such/model' does not exist"),
     ({"resume_from_checkpoint": "/tmp"}, "not a checkpoint folder"),
     ({"use_peft": "maybe"}, "use_peft: cannot read 'maybe' as bool"),
@@ -80,7 +81,7 @@ def test_global_batch_counts_processes_and_accumulation():
                   "dsf_tau_min": 0.5, "dsf_tau_max": 1.5, "dsf_lambda_temp": 0.15, "dsf_eps_min": 0.05,
                   "dsf_eps_max": 0.4, "dsf_w_k": 0.0, "dsf_zeta_skew": 0.0}),
     ("grpo", {"adaptive_kl": False, "dsf": False, "resample_schedule": None, "eta": 0.0, "homogeneous_advantage": 0.0,
-              "steps_per_generation": 1}),
+              "steps_per_generation": None}),
     ("dapo", {"beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dapo",
               "mask_truncated_completions": True, "dynamic_sampling_rounds": 10}),
     ("gspo", {"beta": 0.0, "importance_sampling_level": "sequence", "loss_type": "grpo", "epsilon": 3e-4,
@@ -120,10 +121,12 @@ def test_user_keys_override_a_preset_and_config_yaml_records_the_resolved_values
     ({"resample_schedule": "not a list"}, "resample_schedule: cannot read"),
     ({"answer_marker": "Answer:", "answer_temperature": 0}, "answer_temperature must be > 0"),
     ({"dsf": True, "dsf_tau_min": 2.0}, "dsf_tau_min .* must be > 0 and <= dsf_tau_max"),
-    ({"algo": "agpo_dsf", "save_steps": 6}, r"save_steps .6. must be a multiple of num_iterations x "
-     r"steps_per_generation .4 x 1 = 4."),
+    ({"algo": "agpo_dsf", "save_steps": 6}, r"save_steps .6. must be a multiple of the optimizer steps one "
+     r"generation batch serves, num_iterations x steps_per_generation / gradient_accumulation_steps .4 x 1 = 4."),
     ({"algo": "gspo", "num_iterations": 2, "save_steps": 4}, r"\(2 x 4 = 8\)"),
-    ({"steps_per_generation": 0}, "steps_per_generation must be at least 1, got 0"),
+    ({"steps_per_generation": 0}, r"steps_per_generation \(0\) counts micro-batches \(TRL's meaning\) and must be a "
+     r"positive multiple of gradient_accumulation_steps \(1\)"),
+    ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, r"steps_per_generation \(3\) counts micro"),
     ({"dynamic_sampling_rounds": -1}, r"dynamic_sampling_rounds must be >= 0 \(0 = off\), got -1"),
     ({"algo": "dapo", "dsf": True}, "cannot be combined with resample_schedule .* or dsf"),
     ({"algo": "adagrpo", "dynamic_sampling_rounds": 2}, "set dynamic_sampling_rounds 0 or turn those off"),

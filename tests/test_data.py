@@ -5,8 +5,10 @@ import re
 
 import pytest
 
+from conftest import REPO
 from lib import data
-from lib.data import DEFAULT_INSTRUCTION, builtin_task, format_number, format_prompt, last_boxed, load_records
+from lib.data import (DEFAULT_INSTRUCTION, builtin_task, format_number, format_prompt, last_boxed, load_records,
+                      render_prompt)
 
 # (file, record count from shared/data/README.md, gold of row 1, gold of row 2), read off the files by hand
 REAL_FILES = [
@@ -175,7 +177,7 @@ def test_solution_without_boxed(tmp_path):
 @pytest.mark.parametrize("name", ["missing/gsm8k.jsonl", "test.parquet", "./nowhere", "/no/such/folder"])
 def test_nonexistent_path(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FileNotFoundError, match=rf"dataset_id_or_path='{re.escape(name)}'"):
+    with pytest.raises(FileNotFoundError, match=rf"dataset_name='{re.escape(name)}'"):
         load_records(name)
 
 
@@ -215,32 +217,6 @@ def test_parquet_row_number_in_error(tmp_path):
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "t.parquet")
     with pytest.raises(ValueError, match=r"t\.parquet, row 3: field 'problem'"):
         load_records(str(tmp_path / "t.parquet"))
-
-
-def test_hub_id_offline_gives_clear_error(monkeypatch):
-    datasets = pytest.importorskip("datasets")
-
-    def offline(*args, **kwargs):
-        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub")
-
-    # the real call retries for ~25 s with no network; the wrapping is what is tested here
-    monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(ValueError, match=r"'openai/gsm8k'.*hub was not reachable or the id is unknown.*\.jsonl"):
-        load_records("openai/gsm8k")
-
-
-def test_hub_id_rows_and_config(monkeypatch):
-    datasets = pytest.importorskip("datasets")
-    calls = []
-
-    def fake_load(name, config, split):
-        calls.append((name, config, split))
-        rows = [{"question": "q1", "answer": "#### 3"}, {"question": "q2", "answer": "#### 4"}]
-        return datasets.Dataset.from_list(rows)
-
-    monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    assert [r["answer"] for r in load_records("openai/gsm8k", split="test")] == ["3", "4"]
-    assert calls == [("openai/gsm8k", "main", "test")]
 
 
 # --- max_samples ----------------------------------------------------------------------------------------------
@@ -341,3 +317,138 @@ def test_format_prompt_with_chat_template():
 def test_format_prompt_without_chat_template():
     assert format_prompt(PlainTokenizer(), "What is 2 + 3?") == f"What is 2 + 3?\n{DEFAULT_INSTRUCTION}\n"
     assert format_prompt(PlainTokenizer(), "Q", instruction="") == "Q\n"
+
+
+# --- TRL's prompt format (docs/troubleshooting.md 3.1) ----------------------------------------------------------
+
+# The sha256 of the 2,200 prompts of the default run (Config's defaults: the built-in task, seed 42, SmolLM2's chat
+# template, the default instruction, no system prompt), each joined by a NUL byte, as format_prompt rendered them
+# before render_prompt existed (commit b6aa7b7): the default run's prompts must not change by a byte.
+DEFAULT_RUN_PROMPTS_SHA256 = "2b4ed4e84363462323c1d90826799a58935d1cea2348ecacd8f982e35ac68ba6"
+
+
+def test_the_default_run_prompts_are_byte_for_byte_what_they_were(tokenizer):
+    import hashlib
+    from types import SimpleNamespace
+
+    from lib.config import Config
+    from lib.methods import RolloutContext
+
+    cfg = Config()
+    train, held_out = builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train, num_eval=cfg.num_eval_samples)
+    # the trainer's own method (sampling, rewards and evaluation all call it), on just what it reads
+    context = SimpleNamespace(tokenizer=tokenizer, cfg=cfg)
+    texts = [RolloutContext.prompt_text(context, r) for r in train + held_out]
+    assert hashlib.sha256("\x00".join(texts).encode()).hexdigest() == DEFAULT_RUN_PROMPTS_SHA256
+    assert texts[0] == render_prompt(tokenizer, train[0]) == format_prompt(tokenizer, train[0]["problem"])
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2 + 3?"}]
+
+
+def test_a_conversation_goes_through_the_chat_template_as_it_is(tokenizer):
+    record = {"prompt": MESSAGES, "level": 1}
+    text = render_prompt(tokenizer, record, instruction="Think.", system_prompt="Ignored: the messages have one.")
+    assert text == tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert "Think." not in text and "Ignored" not in text and text.endswith("<|im_start|>assistant\n")
+    # no system turn: system_prompt becomes the first one (instead of the template's default)
+    user_only = {"prompt": MESSAGES[1:]}
+    assert render_prompt(tokenizer, user_only, system_prompt="Be brief.") == tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, MESSAGES[1]], tokenize=False, add_generation_prompt=True)
+    assert user_only == {"prompt": MESSAGES[1:]}  # the record is not changed
+    # an assistant turn last is continued, not closed (TRL's continue_final_message)
+    started = render_prompt(tokenizer, {"prompt": [*MESSAGES, {"role": "assistant", "content": "It is"}]})
+    assert started.endswith("<|im_start|>assistant\nIt is")
+
+
+def test_a_text_prompt_is_used_as_it_is(tokenizer):
+    record = {"prompt": "Q: What is 2 + 3?\nA:", "answer": "5"}
+    assert render_prompt(tokenizer, record, instruction="Think.", system_prompt="Be brief.") == record["prompt"]
+
+
+def test_chat_template_kwargs_reach_the_template_and_a_missing_template_is_named(tokenizer):
+    import copy
+
+    own = copy.deepcopy(tokenizer)
+    own.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% if not thinking %} /no_think{% endif %}{% endif %}")
+    record = {"prompt": MESSAGES}
+    assert render_prompt(own, record, chat_template_kwargs={"thinking": False}) == (
+        "system: You are terse.\nuser: What is 2 + 3?\nassistant: /no_think")
+    assert render_prompt(own, record, chat_template_kwargs={"thinking": True}).endswith("assistant:")
+    # the math formats take the same variables
+    assert render_prompt(own, {"problem": "Q", "answer": "1"}, instruction="I.",
+                         chat_template_kwargs={"thinking": False}) == "user: Q\nI.\nassistant: /no_think"
+    own.chat_template = None
+    with pytest.raises(ValueError, match="conversations .* no chat template .* set chat_template"):
+        render_prompt(own, record)
+    assert render_prompt(own, {"prompt": "as is"}) == "as is"
+
+
+def test_trl_prompt_column_keeps_every_column_and_reads_an_answer_if_there_is_one(tmp_path):
+    rows = [{"prompt": MESSAGES, "level": 1, "source": "a"}, {"prompt": MESSAGES[1:], "level": 2, "source": "b"}]
+    records = load_records(write_jsonl(tmp_path / "chat.jsonl", rows))
+    assert records == rows  # no gold, no `problem`: the rows as they are
+    with_gold = [{**r, "solution": gold} for r, gold in zip(rows, ["so \\boxed{5}", "7"])]
+    assert [r["answer"] for r in load_records(write_jsonl(tmp_path / "gold.jsonl", with_gold))] == ["5", "7"]
+    text = [{"prompt": "2 + 3 =", "answer": "#### 5"}, {"prompt": "3 + 4 =", "answer": 7}]
+    records = load_records(write_jsonl(tmp_path / "text.jsonl", text))
+    assert [(r["prompt"], r["answer"]) for r in records] == [("2 + 3 =", "5"), ("3 + 4 =", "7")]
+    # `prompt` wins over the math columns, as it does in TRL; --prompt_column prompt says the same
+    both = [{"prompt": "P", "question": "Q", "answer": "1"}]
+    for columns in ({}, {"prompt_column": "prompt"}):
+        assert load_records(write_jsonl(tmp_path / "both.jsonl", both), **columns) == [
+            {"prompt": "P", "question": "Q", "answer": "1"}]
+
+
+def test_a_data_set_without_an_answer_column_loads_without_gold(data_dir, tmp_path):
+    # GSM8K's questions without their answers: read as before, no `answer` key
+    questions = [{"question": json.loads(line)["question"]}
+                 for line in (data_dir / "gsm8k" / "test.jsonl").read_text().splitlines()[:3]]
+    records = load_records(write_jsonl(tmp_path / "questions.jsonl", questions))
+    assert [r["problem"] for r in records] == [q["question"] for q in questions]
+    assert not any("answer" in r for r in records)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("  ", r"line 1: field 'prompt' is empty"),
+    (3, r"line 1: field 'prompt' must be text \(used as it is\) or a list of messages"),
+    ([], r"line 1: field 'prompt' must be text"),
+    ([{"role": "user"}], r"line 1: field 'prompt', message 1: expected \{'role': str, 'content': str\}"),
+    ([{"role": "user", "content": "hi"}, "bye"], r"line 1: field 'prompt', message 2"),
+    ([{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}],
+     r"line 1: field 'prompt': the conversation ends with a 'system' message; end it with a user turn"),
+])
+def test_a_bad_prompt_names_the_file_the_row_and_the_field(tmp_path, prompt, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": prompt}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl, " + message):
+        load_records(path)
+
+
+def test_messages_outside_the_prompt_column_and_a_prompt_column_left_aside_are_refused(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", [{"question": MESSAGES, "answer": "#### 5"}])
+    with pytest.raises(ValueError, match=r"m\.jsonl, line 1: field 'question' holds messages; .* named 'prompt'"):
+        load_records(path)
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "P", "question": "Q", "answer": "#### 5"}])
+    with pytest.raises(ValueError, match=r"p\.jsonl, line 1: the data set has a 'prompt' column.*--prompt_column "
+                                         r"names 'question'. Leave --prompt_column unset"):
+        load_records(path, prompt_column="question")
+
+
+def test_reward_functions_that_need_the_gold_answer_are_named_with_the_fix():
+    from lib.data import answer_needed, check_answers
+    from lib.rewards import resolve_reward_funcs
+
+    tiny = f"{REPO / 'tests' / 'tiny_rewards.py'}:characters"
+    funcs = resolve_reward_funcs(["accuracy", "format", "length", "cosine", "repetition", tiny])
+    assert answer_needed(funcs) == ["accuracy", "length", "cosine"]
+    no_gold = [{"prompt": MESSAGES, "level": 1}]
+    with pytest.raises(ValueError) as error:
+        check_answers(no_gold, funcs, "dataset_name", "chat.jsonl")
+    message = str(error.value)
+    for part in ["reward_funcs: accuracy, length, cosine need the gold answer", "dataset_name 'chat.jsonl' has no "
+                 "answer column", "answer, solution, Answer, target", "['level', 'prompt']", "--answer_column NAME", "format",
+                 "module:function without an `answer` parameter"]:
+        assert part in message, part
+    check_answers(no_gold, resolve_reward_funcs(["format", tiny]), "dataset_name", "chat.jsonl")  # nothing to say
+    check_answers([{"problem": "p", "answer": "1"}], funcs, "dataset_name", "gold.jsonl")

@@ -60,7 +60,7 @@ def model_folders(tmp_path, embedded_model):
     (["--temperature", "nan"], "--temperature: nan is not a finite number"),
     (["--reward_weights", "inf"], "--reward_weights: [inf] is not a finite number"),
     (["--seed", "-1"], "--seed must be in [0, 2**32 - 1], got -1"),
-    (["--dataset_id_or_path", "{run}/a.jsonl", "{run}/./a.jsonl"], "would both be reported as 'run/a'"),
+    (["--dataset_name", "{run}/a.jsonl", "{run}/./a.jsonl"], "would both be reported as 'run/a'"),
 ])
 def test_bad_input_is_named_before_any_model_loads(args, message, model_folders, tmp_path, monkeypatch):
     import huggingface_hub.constants
@@ -77,8 +77,8 @@ def test_bad_input_is_named_before_any_model_loads(args, message, model_folders,
 def test_bad_data_file_is_named_with_its_row(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"question": "Two?"}\n')
-    with pytest.raises(EvalConfigError, match=r"--dataset_id_or_path: .*bad.jsonl, line 2: missing field 'answer'"):
-        eval_agrpo.main(["--dataset_id_or_path", str(bad), "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(EvalConfigError, match=r"--dataset_name: .*bad.jsonl, line 2: missing field 'answer'"):
+        eval_agrpo.main(["--dataset_name", str(bad), "--output_dir", str(tmp_path / "out")])
 
 
 @pytest.mark.parametrize("content, message", [
@@ -90,8 +90,8 @@ def test_unreadable_data_file_is_named_before_any_model_loads(content, message, 
     bad = tmp_path / ("bad.parquet" if content.startswith(b"PAR1") else "bad.json" if content.startswith(b"[")
                       else "bad.jsonl")
     bad.write_bytes(content)
-    with pytest.raises(EvalConfigError, match=f"--dataset_id_or_path: .*{bad.name}.*") as error:
-        eval_agrpo.main(["--dataset_id_or_path", str(bad), "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(EvalConfigError, match=f"--dataset_name: .*{bad.name}.*") as error:
+        eval_agrpo.main(["--dataset_name", str(bad), "--output_dir", str(tmp_path / "out")])
     assert message in str(error.value)
 
 
@@ -131,7 +131,7 @@ def test_command_line_error_exits_with_the_message_and_no_traceback(tmp_path):
 def test_embedded_default_on_builtin_and_a_real_file_writes_every_output(tmp_path, data_dir):
     out = tmp_path / "out"
     mawps = str(data_dir / "mawps/singleop.jsonl")
-    rows = eval_agrpo.main(["--max_samples", "16", *SMALL, "--dataset_id_or_path", mawps, "--output_dir", str(out),
+    rows = eval_agrpo.main(["--max_samples", "16", *SMALL, "--dataset_name", mawps, "--output_dir", str(out),
                             "--plot"])
     rows += eval_agrpo.main(["--max_samples", "16", *SMALL, "--output_dir", str(tmp_path / "builtin"),
                              "--output_json", str(tmp_path / "elsewhere" / "builtin.json")])

@@ -143,8 +143,9 @@ def test_bad_configuration_fails_before_loading_and_keeps_an_existing_run(tmp_pa
 
     for args, message in [
         (["--per_device_train_batch_size", "6", "--num_generations", "4"], "multiple of num_generations"),
-        (["--learning_rte", "1"], "unrecognized arguments: --learning_rte"),
-        (["--dataset_id_or_path", "missing.jsonl"], "dataset_id_or_path: the path 'missing.jsonl' does not exist"),
+        (["--learning_rte", "1"], "unknown configuration key 'learning_rte' (the command line). Did you mean "
+                                   "'learning_rate'?"),
+        (["--dataset_name", "missing.jsonl"], "dataset_name: the path 'missing.jsonl' does not exist"),
         (["--reward_funcs", "no_such_module:f"], "no_such_module"),
     ]:
         start = time.time()
@@ -158,13 +159,13 @@ def test_bad_configuration_fails_before_loading_and_keeps_an_existing_run(tmp_pa
 def test_real_gsm8k_file_trains_and_a_malformed_file_is_named(tmp_path, data_dir, tiny_model):
     out = tmp_path / "gsm8k"
     run(TINY + ["--model_name_or_path", tiny_model, "--output_dir", str(out), "--max_steps", "1",
-                "--dataset_id_or_path", str(data_dir / "gsm8k" / "train.jsonl"), "--eval_dataset_id_or_path",
+                "--dataset_name", str(data_dir / "gsm8k" / "train.jsonl"), "--eval_dataset_name",
                 str(data_dir / "gsm8k" / "test.jsonl"), "--max_prompt_length", "192"], tmp_path)
     sample = read_jsonl(out / "completions.jsonl")[0]
     assert "####" not in sample["answer"] and sample["answer"].lstrip("-").replace(".", "").isdigit()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?"}\n')
-    proc = run(["--dataset_id_or_path", str(bad), "--output_dir", str(tmp_path / "bad_run")], tmp_path, check=False)
+    proc = run(["--dataset_name", str(bad), "--output_dir", str(tmp_path / "bad_run")], tmp_path, check=False)
     assert proc.returncode != 0
     assert "bad.jsonl" in proc.stderr and "line 2" in proc.stderr and "answer" in proc.stderr
 

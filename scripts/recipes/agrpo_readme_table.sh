@@ -31,5 +31,5 @@ DEVICES=${DEVICES:-0}
 python scripts/ablate.py --methods grpo agrpo --ablations full --seeds $SEEDS --devices $DEVICES \
     --eval_samples 1319 --eval_num_samples 1 --eval_temperature 0 --output_dir "$OUT" "$@" \
     -- --config scripts/recipes/agrpo_gsm8k_qwen05b.yaml \
-       --dataset_id_or_path "$DATA/train.jsonl" --eval_dataset_id_or_path "$DATA/test.jsonl" \
+       --dataset_name "$DATA/train.jsonl" --eval_dataset_name "$DATA/test.jsonl" \
        --per_device_train_batch_size 4 --gradient_accumulation_steps 4

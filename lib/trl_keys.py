@@ -1,0 +1,126 @@
+"""The keys of TRL's GRPO configuration (GRPOConfig on top of transformers' TrainingArguments, ModelConfig, the GRPO
+script's arguments) and of open-r1's recipes that are not fields of lib.config.Config, and what this package does
+with each, so that a recipe written for TRL or open-r1 runs here as it is (docs/configuration.md, "Recipes written
+for TRL or open-r1").
+
+Every such key is in exactly one table:
+- RENAMED: an old name of ours, or another project's name for one of our keys; the value goes to the new key (with
+  a deprecation note for our old names).
+- IGNORED: keys that cannot change what is trained (logging, launching, data-loader and hub plumbing); one warning
+  line each.
+- UNSUPPORTED: keys that would change what is trained and are not implemented; accepted only at TRL's default value
+  (the recipe then asks for what this package does), refused otherwise with the reason.
+tests/test_trl_keys.py checks the tables against TRL's own dataclasses when TRL is installed: every key of theirs is
+a field here or in one table, and every UNSUPPORTED default is TRL's.
+"""
+
+from __future__ import annotations
+
+# old or foreign name -> (our key, deprecation note or None). A note is printed once when the old name is used.
+RENAMED: dict[str, tuple[str, str | None]] = {
+    # our names before TRL's were adopted (kept working, with a note)
+    "dataset_id_or_path": ("dataset_name", "renamed to dataset_name (TRL's name)"),
+    "eval_dataset_id_or_path": ("eval_dataset_name", "renamed to eval_dataset_name"),
+    "dataset_split": ("dataset_train_split", "renamed to dataset_train_split (TRL's name)"),
+    "eval_split": ("dataset_test_split", "renamed to dataset_test_split (TRL's name)"),
+    "eval_batch_size": ("per_device_eval_batch_size", "renamed to per_device_eval_batch_size (TRL's name)"),
+    # other projects' names for the same setting
+    "torch_dtype": ("dtype", None),  # ModelConfig before TRL 1.0 (open-r1's recipes)
+    "dataset_prompt_column": ("prompt_column", None),  # open-r1's ScriptArguments
+    "entropy_coef": ("eta", None),  # TRL's entropy bonus: the loss subtracts entropy_coef x the token entropy
+    "vllm_importance_sampling_cap": ("vllm_importance_sampling_clip_max", None),  # TRL's older name
+}
+
+# key -> why ignoring it cannot change what is trained (printed in the warning line)
+IGNORED: dict[str, str] = {}
+for _names, _why in [
+    (("log_level", "log_level_replica", "log_on_each_node", "logging_first_step", "logging_nan_inf_filter",
+      "logging_strategy", "logging_dir", "disable_tqdm", "include_num_input_tokens_seen", "skip_memory_metrics",
+      "log_multimodal", "log_unique_prompts", "log_completions_hub_repo", "debug", "wandb_entity",
+      "wandb_run_group", "wandb_log_unique_prompts", "trackio_space_id", "trackio_bucket_id",
+      "trackio_static_space_id"),
+     "logging only: metrics.jsonl gets every logging_steps line"),
+    (("dataloader_drop_last", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
+      "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order",
+      "remove_unused_columns", "label_names", "length_column_name", "train_sampling_strategy", "pad_to_multiple_of",
+      "dataset_streaming", "streaming", "auto_find_batch_size"),
+     "data-loader plumbing: prompts are drawn by the trainer's own seeded order"),
+    (("ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend",
+      "ddp_timeout", "local_rank", "num_processes", "vllm_device", "accelerator_config", "parallelism_config",
+      "ds3_gather_for_generation", "torch_empty_cache_steps", "ignore_bias_buffers"),
+     "launch and device plumbing: `accelerate launch` sets the processes"),
+    (("do_train", "do_eval", "do_predict", "prediction_loss_only", "eval_delay", "eval_on_start",
+      "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps", "include_for_metrics",
+      "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval", "num_generations_eval", "benchmarks"),
+     "evaluation only: the held-out evaluation is set by eval_strategy, eval_steps and num_eval_samples"),
+    (("save_safetensors", "save_on_each_node", "save_only_model", "enable_jit_checkpoint",
+      "restore_callback_states_from_checkpoint", "hub_always_push", "callbacks", "hub_model_revision",
+      "overwrite_hub_revision", "push_to_hub_revision"),
+     "saving and hub plumbing: checkpoints hold everything an exact resume needs"),
+    (("use_cache", "cache_implementation", "use_transformers_continuous_batching",
+      "transformers_continuous_batching_config", "use_transformers_paged", "vllm_server_host", "vllm_server_port",
+      "vllm_server_timeout", "vllm_server_base_url", "vllm_group_port"),
+     "sampling implementation only (or the server mode, which is refused): the sampled distribution is the same"),
+    (("sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+      "vespo_lambda_neg", "ref_model_mixup_alpha", "ref_model_sync_steps", "entropy_coef_min", "entropy_coef_max",
+      "entropy_coef_delta", "entropy_target", "torch_compile_backend", "torch_compile_mode", "liger_kernel_config",
+      "optim_target_modules", "metric_for_best_model", "greater_is_better"),
+     "an option of a feature that is off (its own key is refused unless at TRL's default)"),
+]:
+    IGNORED.update(dict.fromkeys(_names, _why))
+del _names, _why
+
+# key -> (TRL's default, why it is not implemented and what to do instead). At the default the key is accepted.
+UNSUPPORTED: dict[str, tuple[object, str]] = {
+    "fp16": (False, "fp16 mixed precision is not implemented; use bf16 (or dtype float16 for the weights)"),
+    "tf32": (None, "TF32 matmuls are not switched by this key here; leave it unset"),
+    "torch_compile": (False, "torch.compile of the policy is not implemented"),
+    "use_liger_kernel": (False, "Liger kernels are not used; the log-probs are computed in chunks instead "
+                                "(docs/performance.md)"),
+    "use_liger_loss": (False, "the Liger GRPO loss is not used; lib/losses.py computes the loss"),
+    "neftune_noise_alpha": (None, "NEFTune embedding noise is not implemented"),
+    "label_smoothing_factor": (0.0, "label smoothing does not apply to a policy-gradient loss"),
+    "optim_args": (None, "optimizer arguments beyond adam_beta1/2, adam_epsilon and weight_decay are not read"),
+    "average_tokens_across_devices": (True, "the loss is always normalised over the global batch "
+                                            "(lib/losses.aggregate_loss)"),
+    "load_best_model_at_end": (False, "final/ is the last step's model; pick a checkpoint-<step>/ folder instead"),
+    "ignore_data_skip": (False, "a resumed run always continues the data order where its checkpoint was"),
+    "full_determinism": (False, "deterministic algorithms are not switched on; runs are seeded"),
+    "fsdp": (None, "FSDP is not implemented yet; use DDP (accelerate launch) or LoRA / QLoRA"),
+    "fsdp_config": (None, "FSDP is not implemented yet"),
+    "deepspeed": (None, "DeepSpeed is not implemented yet; use DDP (accelerate launch) or LoRA / QLoRA"),
+    "model_init_kwargs": (None, "give the loading keys directly: dtype, attn_implementation, model_revision, "
+                                "trust_remote_code"),
+    "router_aux_loss_coef": (None, "the MoE router's auxiliary loss is not added"),
+    "cast_lm_head_to_fp32": (False, "the output layer runs in the policy's dtype (log-probs are computed in fp32)"),
+    "vllm_mode": ("colocate", "only the colocated engine is implemented (a generation server is planned); use "
+                              "colocate"),
+    "vllm_model_impl": ("vllm", "only vLLM's own model implementations are used"),
+    "vllm_tensor_parallel_size": (1, "the colocated engine runs on one GPU per process"),
+    "vllm_structured_outputs_regex": (None, "structured outputs are not implemented"),
+    "vllm_importance_sampling_clip_min": (None, "the importance ratio is capped only from above "
+                                                "(vllm_importance_sampling_clip_max)"),
+    "delta": (None, "two-sided clipping (delta) is not implemented; see dual_clip for a cap on negative advantages"),
+    "multi_objective_aggregation": ("sum_then_normalize", "rewards are summed with reward_weights, then normalised"),
+    "sync_ref_model": (False, "the reference model is not refreshed during training"),
+    "top_entropy_quantile": (1.0, "every completion token is trained, not only the highest-entropy ones"),
+    "use_adaptive_entropy": (False, "an adaptive entropy coefficient is not implemented; eta is fixed"),
+    "off_policy_mask_threshold": (None, "off-policy sequence masking is not implemented"),
+    "max_tool_calling_iterations": (None, "tool calling is not implemented"),
+    "lora_target_parameters": (None, "adapting parameters (MoE experts) directly is not implemented; use "
+                                     "lora_target_modules"),
+    "lora_modules_to_save": (None, "training whole modules beside the adapter is not implemented"),
+    "lora_task_type": ("CAUSAL_LM", "the policy is a causal LM"),
+    "use_dora": (False, "DoRA adapters are not implemented (the sampler merges plain LoRA)"),
+    "load_in_8bit": (False, "8-bit bases are not implemented; use load_in_4bit (QLoRA)"),
+    "bnb_4bit_quant_storage": (None, "the 4-bit storage dtype is bitsandbytes' default"),
+    "datasets": ([], "data-set mixtures are not implemented; give one dataset_name"),
+    "test_split_size": (None, "a held-out share of the training split is num_eval_samples rows (a single file) or "
+                              "the data set's test split"),
+    "dataset_mixture": (None, "data-set mixtures are not implemented; give one dataset_name"),
+}
+
+
+def all_known() -> set[str]:
+    """Every key these tables handle."""
+    return set(RENAMED) | set(IGNORED) | set(UNSUPPORTED)
