@@ -124,3 +124,35 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
 def all_known() -> set[str]:
     """Every key these tables handle."""
     return set(RENAMED) | set(IGNORED) | set(UNSUPPORTED)
+
+
+# Keys whose meaning is TRL's but whose default here is not: key -> (TRL's default, why ours). A TRL recipe that
+# leaves one of these out trains with ours; write the key to get TRL's (docs/configuration.md lists them).
+DIFFERENT_DEFAULTS: dict[str, tuple[object, str]] = {
+    "beta": (0.0, "DeepSeekMath's k3 KL at 0.04, as TRL had before 0.19"),
+    "loss_type": ("dapo", "DeepSeekMath's per-sequence mean (grpo); the presets set their own"),
+    "temperature": (1.0, "samples the 135M demo model's answers without drifting off (docs/results.md 1.2)"),
+    "learning_rate": (1e-06, "2e-5 for full fine-tuning, 2e-4 with use_peft (null picks), sized for the 40-step demo"),
+    "max_completion_length": (512, "the demo's answers are one line"),
+    "per_device_train_batch_size": (8, "2 prompts x 8 completions a step in the demo"),
+    "max_steps": (-1, "the demo's length; -1 with num_train_epochs trains by epochs as in TRL"),
+    "lr_scheduler_type": ("linear", "for the short demo"),
+    "logging_steps": (10, "a line every step"),
+    "save_steps": (500, "only at the end unless asked"),
+    "gradient_checkpointing": (True, "the demo fits in memory and runs faster without"),
+    "optim": ("adamw_torch_fused", "the same update; fused only pays on CUDA"),
+    "eval_strategy": ("no", "evaluate before and after training (the demo's before/after accuracy)"),
+    "log_completions": (False, "completions.jsonl feeds the run view (docs/watching.md)"),
+    "lora_dropout": (0.05, "dropout makes the scored distribution differ from the sampled one "
+                           "(docs/performance.md 2.3)"),
+    "use_bnb_nested_quant": (False, "QLoRA's double quantisation saves about 0.4 bits a parameter"),
+    "vllm_importance_sampling_mode": ("sequence_mask", "Yao et al. 2025's truncated importance sampling per token"),
+    "use_bias_correction_kl": (True, "the k3 term as DeepSeekMath writes it; the demo's figures were measured with it"),
+    "output_dir": (None, "a run folder under runs/"),
+    "model_name_or_path": (None, "the embedded SmolLM2-135M-Instruct, so that no argument is needed"),
+    "reward_funcs": (None, "answer accuracy, the demo's reward"),
+    "dtype": ("float32", "null loads float32 master weights, as TRL's float32 does"),
+    "num_train_epochs": (3.0, "read only with max_steps -1; give it then"),
+    "num_completions_to_print": (None, "a few a step keep completions.jsonl small"),
+    "per_device_eval_batch_size": (8, "greedy evaluation decodes 64 prompts at a time"),
+}

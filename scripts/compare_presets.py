@@ -80,7 +80,15 @@ def summarize_run(out: Path) -> dict:
             "kl": mean("kl") if config["beta"] > 0 else None, "estimator": config["kl_estimator"],
             "entropy": mean("entropy"), "length": mean("completions/mean_length"),
             "tokens": train[-1]["num_tokens"], "steps": train[-1]["step"],
-            "batches": train[-1]["step"] // (config["num_iterations"] * config.get("steps_per_generation", 1))}
+            "batches": train[-1]["step"] // (config["num_iterations"] * slices_per_generation(config))}
+
+
+def slices_per_generation(config: dict) -> int:
+    """Optimizer steps a generation batch is split into: steps_per_generation counts micro-batches (TRL's meaning)
+    over gradient_accumulation_steps each; runs older than that change wrote it in optimizer steps with 1 micro-batch
+    a step, where both readings agree."""
+    accumulation = config.get("gradient_accumulation_steps", 1)
+    return max(1, (config.get("steps_per_generation") or accumulation) // accumulation)
 
 
 def table(rows: dict[str, dict]) -> str:

@@ -16,12 +16,15 @@ import dataclasses
 import inspect
 import re
 import sys
+import typing
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lib.config import FIELDS, PRESETS, SECTIONS  # noqa: E402  (the repository root is put on the path just above)
+from lib import trl_keys  # noqa: E402
+from lib.config import FIELDS, PRESETS, SECTIONS  # noqa: E402
+from lib.config import _type_hints as type_hints  # noqa: E402  (the repository root is put on the path just above)
 from lib.controllers import ADAGRPO_SCHEDULE  # noqa: E402
 
 PAGE = REPO / "docs" / "configuration.md"
@@ -101,6 +104,12 @@ def title_case(text: str) -> str:
     return text[0].upper() + text[1:]
 
 
+def type_text(annotation) -> str:
+    """A field's type as written in lib/config.py ("int | None"), from its resolved annotation (not `Field.type`,
+    which HfArgumentParser rewrites in place, Optional removed, when it builds the parser)."""
+    return annotation.__name__ if isinstance(annotation, type) and not typing.get_args(annotation) else str(annotation)
+
+
 def default_of(f: dataclasses.Field):
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
@@ -113,18 +122,49 @@ def render() -> str:
         heading = split_title(name)[0]
         anchor = f"{i}-" + re.sub(r"[^a-z0-9 _-]", "", heading.lower()).replace(" ", "-")
         parts[-1] += f"\n| [{i}. {cell(heading)}](#{anchor}) | {len(names)} |"
-    parts[-1] += f"\n| [{len(sections) + 1}. Presets](#{len(sections) + 1}-presets) | the keys each `--algo` sets |\n"
+    parts[-1] += f"\n| [{len(sections) + 1}. Presets](#{len(sections) + 1}-presets) | the keys each `--algo` sets |"
+    parts[-1] += (f"\n| [{len(sections) + 2}. Recipes written for TRL or open-r1](#{len(sections) + 2}-recipes-written-"
+                  f"for-trl-or-open-r1) | TRL's other keys: renamed, ignored or refused |\n")
     for i, (name, names) in enumerate(sections, start=1):
         rows = ["| key | type | default | what it does |", "|---|---|---|---|"]
         for key in names:
             f = FIELDS[key]
-            rows.append(f"| `{key}` | `{cell(str(f.type))}` | `{cell(value_text(default_of(f)))}` | "
+            rows.append(f"| `{key}` | `{cell(type_text(type_hints()[key]))}` | `{cell(value_text(default_of(f)))}` | "
                         f"{cell(linked(f.metadata.get('help', '')))} |")
         heading, note = split_title(name)
         note = f"{title_case(linked(note))}.\n\n" if note else ""
         parts.append(f"## {i}. {heading}\n\n{note}" + "\n".join(rows) + "\n")
     parts.append(presets_section(len(sections) + 1))
+    parts.append(trl_section(len(sections) + 2))
     return "\n".join(parts)
+
+
+def trl_section(number: int) -> str:
+    """lib/trl_keys.py's tables: what a recipe written for TRL or open-r1 gets for each key that is not a field."""
+    renamed = ["| key | read as | note |", "|---|---|---|"] + [
+        f"| `{k}` | `{target}` | {cell(note or 'the same setting')} |" for k, (target, note) in trl_keys.RENAMED.items()]
+    renamed.append("| `dataset_configs` | `dataset_config` | open-r1's list form; one configuration |")
+    ignored: dict[str, list[str]] = {}
+    for key, why in trl_keys.IGNORED.items():
+        ignored.setdefault(why, []).append(f"`{key}`")
+    ignored_rows = ["| keys | why ignoring them cannot change what is trained |", "|---|---|"] + [
+        f"| {', '.join(keys)} | {cell(why)} |" for why, keys in ignored.items()]
+    refused = ["| key | accepted at (TRL's default) | otherwise refused because |", "|---|---|---|"] + [
+        f"| `{k}` | `{cell(value_text(default))}` | {cell(why)} |" for k, (default, why) in trl_keys.UNSUPPORTED.items()]
+    differ = ["| key | TRL's default | ours, and why |", "|---|---|---|"] + [
+        f"| `{k}` | `{cell(value_text(trl))}` | `{cell(value_text(default_of(FIELDS[k])))}`: {cell(linked(why))} |"
+        for k, (trl, why) in trl_keys.DIFFERENT_DEFAULTS.items()]
+    return (f"## {number}. Recipes written for TRL or open-r1\n\n"
+            "A YAML recipe or command line written for TRL's `GRPOConfig` + `ModelConfig` + `ScriptArguments` (what\n"
+            "`trl/scripts/grpo.py` and open-r1 parse) runs here as it is: every key above has TRL's meaning where TRL\n"
+            "has the key, and each other key of theirs is handled as the tables below say (`lib/trl_keys.py`;\n"
+            "`tests/test_trl_keys.py` checks them against TRL's own dataclasses). `--flag` alone means true.\n\n"
+            "Renamed: the value goes to our key (a note is printed for our own old names).\n\n"
+            + "\n".join(renamed) + "\n\nIgnored, with one warning line each:\n\n" + "\n".join(ignored_rows)
+            + "\n\nNot implemented: accepted at TRL's default (the recipe then asks for what this trainer does), "
+            "refused with this reason otherwise:\n\n" + "\n".join(refused)
+            + "\n\nSame meaning, another default: a TRL recipe that leaves these out trains with ours; write the key "
+            "to get TRL's.\n\n" + "\n".join(differ) + "\n")
 
 
 def presets_section(number: int) -> str:

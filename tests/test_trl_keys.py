@@ -46,6 +46,12 @@ def test_every_key_of_trls_grpo_script_is_a_field_or_handled_in_exactly_one_tabl
     assert not uncovered, f"TRL keys this package neither implements nor handles: {uncovered}"
     wrong = {k: (d, fields[k]) for k, (d, _) in trl_keys.UNSUPPORTED.items() if k in fields and d != fields[k]}
     assert not wrong, f"UNSUPPORTED defaults that are not TRL's: {wrong}"
+    # the table of defaults that differ is complete and right: every field TRL also has, at another default, is in it
+    ours = {k: FIELDS[k].default if FIELDS[k].default is not dataclasses.MISSING else FIELDS[k].default_factory()
+            for k in FIELDS}
+    differ = {k for k in fields if k in ours and ours[k] != fields[k]}
+    assert differ == set(trl_keys.DIFFERENT_DEFAULTS), (differ ^ set(trl_keys.DIFFERENT_DEFAULTS))
+    assert all(fields[k] == trl for k, (trl, _) in trl_keys.DIFFERENT_DEFAULTS.items())
 
 
 # the keys of open-r1's recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml (40 keys), with values of our own: what
