@@ -148,7 +148,7 @@ class RolloutContext:
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         index = rollout.prompt_index.tolist()
         owners = [records[i] for i in index]
-        # the rendered prompt of each plain-text record, once per prompt (a conversational one is passed as messages)
+        # each text prompt as rendered for the policy, once per prompt (a conversation is passed as its messages)
         rendered = {i: self.prompt_text(records[i]) for i in set(index) if not is_conversational(records[i])}
         prompts, completions, columns, model_prompts = reward_arguments(
             owners, [rendered.get(i) for i in index], texts, instruction=self.cfg.instruction,

@@ -7,7 +7,13 @@ trainer starts once and talks to over a pipe: a call that does not answer within
 child is killed and started again on the next call) and one whose child dies is reported the same way; both raise
 `RewardCallFailed`, which `lib.rewards.score_completions` scores as a failure and counts, exactly as it does for a
 function that raises. The child resolves the reward specs itself (`resolve_reward_funcs`), so built-ins,
-`module:function` and `file.py:function` all work without pickling functions.
+`module:function` and `file.py:function` all work without pickling functions; reward models (a folder or hub id in
+the specs) stay in the trainer, on its device, and are never sent here.
+
+A request is a list of jobs, (function index, TRL's keyword arguments): one call of a synchronous function, or
+several calls of `async def` functions, which the child runs at once on its event loop (lib.rewards.run_jobs), each
+cancelled at `timeout`; the trainer waits `timeout` plus ASYNC_GRACE_S for those (a coroutine that blocks instead of
+awaiting cannot be cancelled, and then the child is killed like any hung call).
 
     python -m lib.reward_worker      # started by RewardWorker, speaks pickled frames on the descriptor it is given
 
@@ -28,6 +34,10 @@ import sys
 import time
 from multiprocessing.connection import Connection, wait
 
+# Extra seconds the trainer waits for a request of async calls, past the child's own cancellation at `timeout`, so that
+# a call that is cancelled in time reports itself instead of having the child killed under it.
+ASYNC_GRACE_S = 1.0
+
 
 class RewardCallFailed(Exception):
     """A reward call that did not return: it raised in the worker, ran past the time limit, or killed the worker.
@@ -38,11 +48,12 @@ class RewardCallFailed(Exception):
 
 
 class RewardWorker:
-    """A child process that runs the reward functions `specs` (resolved there with `options`), one call at a time.
+    """A child process that runs the reward functions `specs` (resolved there with `options`), one request at a time.
 
-    `call(index, prompts, completions, columns)` returns function `index`'s list of rewards, or raises
-    RewardCallFailed. The child starts on the first call (about a second: it imports lib.rewards) and again after
-    a call that killed it or ran out of time. `start_seconds` and `restarts` say what that cost.
+    `run(jobs, concurrent)` returns each job's list of rewards or a RewardCallFailed (lib.rewards.score_completions'
+    `call`); `call(index, prompts, completions, columns)` runs one and raises. The child starts on the first request
+    (about a second: it imports lib.rewards) and again after a request that killed it or ran out of time.
+    `start_seconds` and `restarts` say what that cost.
     """
 
     def __init__(self, specs: list[str], options: dict, timeout: float):
@@ -71,7 +82,7 @@ class RewardWorker:
         os.close(read_child)
         os.close(write_child)
         self.conn = _Duplex(Connection(read_parent, writable=False), Connection(write_parent, readable=False))
-        self.conn.send((self.specs, self.options))
+        self.conn.send((self.specs, self.options, self.timeout))
         self._started_at, self._ready = t0, False  # the child imports while the trainer goes on; call() waits
 
     def start(self) -> None:
@@ -100,26 +111,37 @@ class RewardWorker:
             self.close()
 
     # -------------------------------------------------------------------------------------------------- calls
-    def call(self, index: int, prompts: list[str], completions: list[str], columns: dict) -> list:
-        self.start()
-        if not self._ready:
-            self._wait_ready()
+    def run(self, jobs: list[tuple[int, dict]], concurrent: bool = False) -> list:
+        """Each job's output, or the RewardCallFailed that stands for it: what the function raised, or, for every job
+        of the request, a time limit passed or a dead worker. `concurrent`: the jobs are async calls, run at once."""
         try:
-            self.conn.send((index, prompts, completions, columns))
-        except OSError:  # the child died between calls (BrokenPipeError)
-            self._start()
-            self._wait_ready()
-            self.conn.send((index, prompts, completions, columns))
-        ok, payload = self._receive(self.timeout, "")
-        if not ok:
-            raise RewardCallFailed(payload)
-        return payload
+            self.start()
+            if not self._ready:
+                self._wait_ready()
+            try:
+                self.conn.send(jobs)
+            except OSError:  # the child died between calls (BrokenPipeError)
+                self._start()
+                self._wait_ready()
+                self.conn.send(jobs)
+            _, answers = self._receive(self.timeout + ASYNC_GRACE_S * concurrent if self.timeout else 0, "")
+        except RewardCallFailed as failed:
+            return [failed] * len(jobs)
+        return [payload if ok else RewardCallFailed(payload) for ok, payload in answers]
+
+    def call(self, index: int, prompts: list, completions: list, columns: dict) -> list:
+        """Function `index`'s rewards of one batch; raises RewardCallFailed."""
+        [out] = self.run([(index, {**columns, "prompts": prompts, "completions": completions})])
+        if isinstance(out, RewardCallFailed):
+            raise out
+        return out
 
     def _receive(self, timeout: float, doing: str):
         """The child's next answer, or RewardCallFailed after killing it (no answer in time, or it died)."""
         if not wait([self.conn.reader], timeout=timeout if timeout > 0 else None):
             self.close()
-            raise RewardCallFailed(f"gave no answer within reward_timeout = {timeout:g} s{doing}; the call was "
+            limit = timeout if doing else self.timeout  # a request of async calls had a grace second on top
+            raise RewardCallFailed(f"gave no answer within reward_timeout = {limit:g} s{doing}; the call was "
                                    "abandoned and the worker restarted")
         try:
             return self.conn.recv()
@@ -156,9 +178,9 @@ def _serve(read_fd: int, write_fd: int) -> None:
     # the pipe's descriptors carry the frames; what reward code prints goes to stderr, never into a frame
     os.dup2(2, 1)
     reader, writer = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-    from lib.rewards import resolve_reward_funcs
+    from lib.rewards import describe_failure, resolve_reward_funcs, run_jobs
 
-    specs, options = reader.recv()
+    specs, options, timeout = reader.recv()
     try:
         funcs = [func for _, func in resolve_reward_funcs(specs, options)]
     except Exception as error:  # noqa: BLE001 - reported to the trainer, which names it
@@ -167,16 +189,21 @@ def _serve(read_fd: int, write_fd: int) -> None:
     writer.send((True, None))
     while True:
         try:
-            index, prompts, completions, columns = reader.recv()
+            jobs = reader.recv()
         except EOFError:  # the trainer closed the pipe
             return
-        try:
-            values = funcs[index](prompts, completions, **columns)
-            payload = (True, list(values) if isinstance(values, tuple) else values)
-            pickle.dumps(payload)  # an unpicklable result is the function's error, not the pipe's
-        except Exception as error:  # noqa: BLE001 - user code raises anything; the trainer scores it as a failure
-            payload = (False, f"raised {type(error).__name__}: {error}")
-        writer.send(payload)
+        answers = []
+        for out in run_jobs(funcs, jobs, timeout):
+            if isinstance(out, Exception):
+                answers.append((False, describe_failure(out)))
+                continue
+            answer = (True, list(out) if isinstance(out, tuple) else out)
+            try:
+                pickle.dumps(answer)  # an unpicklable result is the function's error, not the pipe's
+            except Exception as error:  # noqa: BLE001
+                answer = (False, f"raised {type(error).__name__}: {error}")
+            answers.append(answer)
+        writer.send((True, answers))
 
 
 if __name__ == "__main__":

@@ -4,13 +4,16 @@ malformed ones included, plus gold answers from the real data sets."""
 import json
 import math
 import os
+import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from lib.rewards import (
     REWARD_FUNCS,
+    RewardState,
     accuracy_reward,
     answers_match,
     cosine_reward,
@@ -20,6 +23,7 @@ from lib.rewards import (
     reasoning_steps_reward,
     repetition_reward,
     resolve_reward_funcs,
+    reward_arguments,
     score_completions,
     soft_overlong_reward,
     tag_count_reward,
@@ -494,3 +498,166 @@ def test_score_completions_rejects_malformed_output():
         score_completions([("text", text)], ["q", "q"], ["a", "b"], {})
     with pytest.raises(ValueError, match="column 'answer' has 1 values for 2 completions"):
         score_completions([("format", format_reward)], ["q", "q"], ["a", "b"], {"answer": ["1"]})
+
+
+# --- TRL's calling convention (docs/methods.md 2.5) -----------------------------------------------------------------
+
+TRL_STYLE = Path(__file__).resolve().parent / "trl_style_rewards.py"
+
+
+def conversation(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def test_every_builtin_scores_a_conversational_completion_as_its_text():
+    texts = [EMMA, THINK, RIGHT, "First, 2.\nSecond, 3.\n- a a a a a a", ""]
+    n = len(texts)
+    options = {"max_len": 40, "max_completion_length": 40, "overlong_buffer_length": 20}
+    funcs = resolve_reward_funcs(list(REWARD_FUNCS), options)
+    columns = {"answer": ["52", "42", "52", "5", "52"], "completion_length": [10, 25, 30, 35, 0]}
+    messages = [[{"role": "user", "content": "q"}]] * n
+    as_text, _ = score_completions(funcs, ["q"] * n, texts, columns)
+    as_messages, _ = score_completions(funcs, messages, [conversation(t) for t in texts], columns)
+    assert as_messages == as_text
+    # the texts give every function some non-zero score, so equal lists are not equal zeros
+    assert all(any(v != 0 for v in row) for row in as_text)
+
+
+def test_reward_arguments_pass_prompts_and_completions_in_the_records_form():
+    # lib/data.py's three forms: a conversation under `prompt`, a text `prompt` (TRL's standard form), `problem`
+    chat = {"prompt": [{"role": "user", "content": "2+2?"}], "problem": "2+2?", "solution": "\\boxed{4}",
+            "answer": "4"}
+    text = {"prompt": "Q: 5+5?\nA:", "answer": "10"}
+    math = {"problem": "3+3?", "answer": "6", "operation": "+"}
+    prompts, completions, columns, model_prompts = reward_arguments(
+        [chat, chat], [None, None], ["\\boxed{4}", "5"], instruction="Answer briefly.", system_prompt="Be brief.")
+    assert prompts == [chat["prompt"]] * 2 and completions == [conversation("\\boxed{4}"), conversation("5")]
+    # every column but the prompt, as TRL passes them (`problem` is a column here: the prompt is `prompt`)
+    assert columns == {"problem": ["2+2?"] * 2, "solution": ["\\boxed{4}"] * 2, "answer": ["4"] * 2}
+    # a reward model reads the conversation as the policy's prompt was rendered: the system prompt first
+    assert model_prompts == [[{"role": "system", "content": "Be brief."}, *chat["prompt"]]] * 2
+    prompts, completions, columns, model_prompts = reward_arguments([text], ["Q: 5+5?\nA:"], [" 10"])
+    assert prompts == model_prompts == ["Q: 5+5?\nA:"] and completions == [" 10"] and columns == {"answer": ["10"]}
+    prompts, completions, columns, model_prompts = reward_arguments(
+        [math], ["<rendered>3+3?"], ["6"], instruction="Answer briefly.", system_prompt="Be brief.")
+    assert prompts == ["<rendered>3+3?"] and completions == ["6"]
+    assert columns == {"answer": ["6"], "operation": ["+"]}  # not `problem`: it reaches the function as the prompt
+    assert model_prompts == [[{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": "3+3?\nAnswer briefly."}]]
+
+
+def test_functions_written_for_trl_and_open_r1_run_unchanged():
+    specs = [f"{TRL_STYLE}:{name}" for name in
+             ("boxed_equals_solution", "opens_with_think", "token_count", "prompt_turns", "progress")]
+    specs.append("trl_style_rewards.steps_done")  # TRL's dotted form (tests/ is on sys.path)
+    funcs = resolve_reward_funcs(specs)
+    assert [name for name, _ in funcs] == ["boxed_equals_solution", "opens_with_think", "token_count",
+                                           "prompt_turns", "progress", "steps_done"]
+    texts = ["<think>\nfour\n</think>\nSo \\boxed{4}", "\\boxed{5}"]
+    messages = [[{"role": "user", "content": "2+2?"}]] * 2
+    rewards, errors = score_completions(
+        funcs, messages, [conversation(t) for t in texts], {"solution": ["\\boxed{4}"] * 2, "answer": ["4"] * 2},
+        completion_ids=[[5, 6, 7], [8]], trainer_state=RewardState(global_step=3, max_steps=10, epoch=0.25))
+    assert errors == dict.fromkeys(errors, 0)
+    assert rewards[:4] == [[1.0, 0.0], [1.0, 0.0], [3.0, 1.0], [1.0, 1.0]]
+    assert rewards[4] == pytest.approx([3.01000025] * 2, abs=1e-9) and rewards[5] == [3.0, 3.0]
+    # without a trainer_state (a direct call, the evaluator), a function that needs one fails like any other
+    with pytest.warns(RuntimeWarning, match="'steps_done' raised TypeError"):
+        _, errors = score_completions(funcs[5:], messages, [conversation(t) for t in texts], {})
+    assert errors == {"steps_done": 2}
+
+
+def test_trl_names_map_to_ours_or_are_refused_with_what_to_use():
+    options = {"max_completion_length": 40, "overlong_buffer_length": 20}
+    funcs = resolve_reward_funcs(["accuracy_reward", "get_soft_overlong_punishment"], options)
+    assert [name for name, _ in funcs] == ["accuracy", "soft_overlong"]
+    assert funcs[0][1] is accuracy_reward
+    # TRL's soft overlong punishment counts completion_ids; ours does too when completion_length is absent
+    assert funcs[1][1](prompts=["q"] * 3, completions=["a"] * 3, completion_ids=[[1] * 10, [1] * 30, [1] * 50]) \
+        == pytest.approx([0.0, -0.5, -1.0])
+    with pytest.raises(ValueError, match=r"'think_format_reward': TRL's think_format_reward .* also requires an "
+                                         r"<answer>.*Pass think_format"):
+        resolve_reward_funcs(["think_format_reward"])
+    with pytest.raises(ValueError, match=r"'reasoning_accuracy_reward': .* after the last </think>.*Pass accuracy"):
+        resolve_reward_funcs(["reasoning_accuracy_reward"])
+
+
+def test_reward_model_specs_are_told_apart_from_functions_before_anything_loads(tmp_path, monkeypatch):
+    from lib.rewards import RewardModelSpec
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rm").mkdir()
+    (tmp_path / "my_rm" / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"]}))
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "empty").mkdir()
+    resolved = resolve_reward_funcs(["my_rm", f"{tmp_path / 'my_rm'}/", "org/rm-v1.5"][::2])
+    assert resolved == [("my_rm", RewardModelSpec("my_rm")), ("rm-v1.5", RewardModelSpec("org/rm-v1.5"))]
+    assert resolve_reward_funcs([f"{tmp_path / 'my_rm'}/"])[0][0] == "my_rm"
+    for spec, problem in [("policy", "holds a LlamaForCausalLM, not a sequence-classification model"),
+                          ("empty", "a folder without config.json"),
+                          ("rewards.py", "name the function in the file: 'rewards.py:function'"),
+                          ("./no_such_rm", "no such folder")]:
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            resolve_reward_funcs([spec])
+    with pytest.raises(ValueError, match=r"reward model\(s\) \['my_rm'\] not loaded"):
+        score_completions(resolved[:1], ["q"], ["a"], {})
+
+
+def test_async_functions_run_concurrently_in_this_process():
+    funcs = resolve_reward_funcs([f"{TRL_STYLE}:slow_length", f"{TRL_STYLE}:slow_words", "format"])
+    texts = ["two words", "Answer: 3"]
+    t0 = time.perf_counter()
+    rewards, errors = score_completions(funcs, ["q", "q"], [conversation(t) for t in texts], {})
+    elapsed = time.perf_counter() - t0
+    assert rewards == [[9.0, 9.0], [2.0, 2.0], [0.0, 1.0]] and errors == dict.fromkeys(errors, 0)
+    assert 1.0 <= elapsed < 1.8, elapsed  # two one-second functions together, not 2 s one after the other
+
+
+def test_async_functions_run_concurrently_in_the_reward_worker_and_get_the_run_state():
+    from lib.reward_worker import RewardWorker
+
+    specs = [f"{TRL_STYLE}:slow_length", f"{TRL_STYLE}:slow_words", f"{TRL_STYLE}:progress"]
+    worker = RewardWorker(specs, {}, timeout=5)
+    try:
+        funcs = resolve_reward_funcs(specs)
+        worker.call(2, ["q"], [conversation("x")], {"trainer_state": RewardState(0, 1, 0.0)})  # started, warm
+        t0 = time.perf_counter()
+        rewards, errors = score_completions(funcs, ["q", "q"], [conversation("a b"), conversation("abc")], {},
+                                            call=worker.run, trainer_state=RewardState(7, 20, 0.5))
+        elapsed = time.perf_counter() - t0
+    finally:
+        worker.close()
+    assert rewards[:2] == [[3.0, 3.0], [2.0, 1.0]] and errors == dict.fromkeys(errors, 0)
+    assert rewards[2] == pytest.approx([7.0200005] * 2)  # trainer_state crossed into the worker, pickled
+    assert 1.0 <= elapsed < 1.8, elapsed
+
+
+def test_the_time_limit_cancels_an_async_call_and_kills_a_worker_whose_loop_is_blocked():
+    from lib.reward_worker import RewardCallFailed, RewardWorker
+
+    specs = [f"{TRL_STYLE}:waits_forever", "format", f"{TRL_STYLE}:blocks_the_loop"]
+    worker = RewardWorker(specs, {}, timeout=1)
+    try:
+        funcs = resolve_reward_funcs(specs)
+        worker.start()
+        t0 = time.perf_counter()
+        with pytest.warns(RuntimeWarning, match=r"'waits_forever' gave no answer within reward_timeout = 1 s; the "
+                                                r"call was cancelled; scored -1.0"):
+            rewards, errors = score_completions(funcs[:2], ["q"] * 3, ["a", "b", "Answer: 1"], {}, error_value=-1,
+                                                call=worker.run)
+        elapsed = time.perf_counter() - t0
+        assert rewards == [[-1.0] * 3, [0.0, 0.0, 1.0]] and errors == {"waits_forever": 3, "format": 0}
+        # the batch's call and then the three single-completion calls together: about 2 limits, not 4
+        assert elapsed < 3.5, elapsed
+        assert worker.restarts == 0  # cancelled where it awaited: the worker lived on
+        t0 = time.perf_counter()
+        out = worker.run([(2, {"prompts": ["q"], "completions": ["a"]}), (0, {"prompts": ["q"], "completions": ["b"]})],
+                         concurrent=True)
+        assert 1.0 <= time.perf_counter() - t0 < 2.5  # the limit and the grace second, then the kill
+        assert [type(o) for o in out] == [RewardCallFailed] * 2
+        assert "gave no answer within reward_timeout = 1 s; the call was abandoned and the worker restarted" \
+            in str(out[0])
+        assert worker.call(1, ["q"], ["Answer: 2"], {}) == [1.0] and worker.restarts == 1
+    finally:
+        worker.close()
