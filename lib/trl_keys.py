@@ -43,7 +43,7 @@ for _names, _why in [
     (("dataloader_drop_last", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
       "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order",
       "remove_unused_columns", "label_names", "length_column_name", "train_sampling_strategy", "pad_to_multiple_of",
-      "dataset_streaming", "streaming", "auto_find_batch_size"),
+      "dataset_streaming", "streaming"),
      "data-loader plumbing: prompts are drawn by the trainer's own seeded order"),
     (("ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend",
       "ddp_timeout", "local_rank", "num_processes", "vllm_device", "accelerator_config", "parallelism_config",
@@ -72,6 +72,7 @@ del _names, _why
 
 # key -> (TRL's default, why it is not implemented and what to do instead). At the default the key is accepted.
 UNSUPPORTED: dict[str, tuple[object, str]] = {
+    "auto_find_batch_size": (False, "a batch that does not fit is refused before training (max_memory), not shrunk"),
     "fp16": (False, "fp16 mixed precision is not implemented; use bf16 (or dtype float16 for the weights)"),
     "tf32": (None, "TF32 matmuls are not switched by this key here; leave it unset"),
     "torch_compile": (False, "torch.compile of the policy is not implemented"),
