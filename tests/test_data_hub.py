@@ -11,7 +11,6 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
-from conftest import REPO  # noqa: E402
 from lib.config import ConfigError, parse_config  # noqa: E402
 from lib.data import load_records, split_names  # noqa: E402
 
