@@ -771,6 +771,10 @@ def resolve_keys(values: dict, where: str) -> dict:
             raise ConfigError(f"unknown configuration key '{key}' ({where}).{hint}")
         if target in resolved and target != key:
             raise ConfigError(f"{key} and {target} are the same setting, given twice in {where}; keep {target}")
+        if target == "scale_rewards" and str(value).lower() in ("true", "false"):  # TRL's older boolean form
+            value = "group" if str(value).lower() == "true" else "none"
+        if target == "resume_from_checkpoint" and str(value).lower() == "true":  # transformers': the newest one
+            value = "latest"
         if target == "log_completions" and not isinstance(value, bool) and str(value).strip().isdigit():
             # before TRL's names, log_completions was the count now called num_completions_to_print
             count = int(str(value).strip())

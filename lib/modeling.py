@@ -218,9 +218,17 @@ def load_policy(
         from peft import LoraConfig, get_peft_model
 
         config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_rslora=use_rslora,
-                            target_modules=lora_target_modules or "all-linear", task_type="CAUSAL_LM")
+                            target_modules=_lora_targets(lora_target_modules), task_type="CAUSAL_LM")
         model = get_peft_model(model, config)
     return model
+
+
+def _lora_targets(names: list[str] | str | None) -> list[str] | str:
+    """PEFT's target_modules: the names given, or "all-linear" (every linear layer but the output head) when none
+    are, or when TRL's spelling of it arrives as a one-item list from the command line or a YAML list."""
+    if not names or names == "all-linear" or list(names) == ["all-linear"]:
+        return "all-linear"
+    return names
 
 
 EMBEDDED_ALIASES = ("embedded", EMBEDDED_MODEL)

@@ -166,6 +166,9 @@ def test_our_old_names_still_work_with_a_note_and_a_count_becomes_trls_pair(capl
     with pytest.raises(ConfigError, match="dataset_id_or_path and dataset_name are the same setting"):
         make_config({"dataset_name": "a/b", "dataset_id_or_path": "c/d"})
     assert make_config({"entropy_coef": 0.01}).eta == 0.01  # TRL's name of the entropy bonus
+    # TRL's older boolean scale_rewards, and transformers' resume_from_checkpoint true (the newest checkpoint)
+    assert (make_config({"scale_rewards": True}).scale_rewards, make_config({"scale_rewards": "false"}).scale_rewards,
+            make_config({"resume_from_checkpoint": True}).resume_from_checkpoint) == ("group", "none", "latest")
 
 
 def test_steps_per_generation_counts_micro_batches_as_in_trl():
