@@ -39,7 +39,7 @@ def test_unknown_key_names_the_closest_field(tmp_path):
 
 @pytest.mark.parametrize("values, message", [
     ({"loss_type": "token"}, "loss_type: 'token' is not one of"),
-    ({"scale_rewards": "True"}, "scale_rewards"),
+    ({"scale_rewards": "yes"}, "scale_rewards: .yes. is not one of"),  # true / false are TRL's group / none
     ({"algo": "ppo"}, "algo: 'ppo' is not a preset"),
     ({"num_generations": 1, "per_device_train_batch_size": 1}, "num_generations must be at least 2"),
     ({"learning_rate": "fast"}, "learning_rate: cannot read 'fast' as float"),
