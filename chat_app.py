@@ -190,7 +190,9 @@ def exposure(args: argparse.Namespace) -> tuple[str, str] | None:
     auth = parse_auth(args.auth, "--auth") if args.auth is not None else parse_auth(os.environ.get(AUTH_ENV),
                                                                                      f"${AUTH_ENV}")
     if (args.host not in LOCAL_HOSTS or args.share) and auth is None and not args.no_auth_i_know:
-        where = "--share (a public link)" if args.share else f"--host {args.host}"
+        where = "--share (a public link)" if args.share else (
+            f"--host {args.host}" if getattr(args, "host_source", "--host") == "--host"
+            else f"{args.host_source}={args.host}")
         raise SystemExit(f"error: {where}: the page would be open to other machines without a login, and it loads "
                          f"and runs model folders; pass --auth USER:PASSWORD (or set {AUTH_ENV}=USER:PASSWORD), or "
                          f"--no_auth_i_know to expose it anyway")
@@ -798,8 +800,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"Reward functions scored against the reference answer ({', '.join(REWARD_FUNCS)}).")
     parser.add_argument("--max_new_tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0, help="Sampling seed, the same for both sides.")
-    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (127.0.0.1: this machine only).")
-    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--host", default=None, help="Address to listen on (default: $GRADIO_SERVER_NAME, else "
+                        "127.0.0.1: this machine only).")
+    parser.add_argument("--port", type=int, default=None, help="Port (default: $GRADIO_SERVER_PORT, else 7860).")
     parser.add_argument("--share", action="store_true", help="Ask Gradio for a public share link (off by default).")
     parser.add_argument("--auth", default=None, metavar="USER:PASSWORD",
                         help=f"Require this login (also from ${AUTH_ENV}, which keeps it off the command line). "
@@ -816,7 +819,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "loads the first run's final/ or newest checkpoint, if it has one yet.")
     parser.add_argument("--refresh", type=float, default=2.0, metavar="SECONDS",
                         help="How often the Run tab looks for new lines while 'live' is ticked.")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    listen_address(args, os.environ)
+    return args
+
+
+def listen_address(args: argparse.Namespace, environ) -> None:
+    """args.host and args.port as Gradio's own launch reads them: the flag, else GRADIO_SERVER_NAME /
+    GRADIO_SERVER_PORT, else 127.0.0.1:7860. args.host_source names where the host came from, for the login rule's
+    message (`exposure` applies it to a host from the environment as to a flag)."""
+    args.host_source = "--host"
+    if args.host is None and environ.get("GRADIO_SERVER_NAME", "").strip():
+        args.host, args.host_source = environ["GRADIO_SERVER_NAME"].strip(), "GRADIO_SERVER_NAME"
+    args.host = args.host or "127.0.0.1"
+    if args.port is None and environ.get("GRADIO_SERVER_PORT", "").strip():
+        text = environ["GRADIO_SERVER_PORT"].strip()
+        if not text.isdigit() or not 0 < int(text) < 65536:
+            raise SystemExit(f"error: GRADIO_SERVER_PORT: {text!r} is not a port number (1-65535); set it to one, "
+                             f"unset it, or pass --port")
+        args.port = int(text)
+    args.port = 7860 if args.port is None else args.port
 
 
 def run_model(folder: Path) -> str | None:

@@ -71,6 +71,7 @@ from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
 from lib import health
+from lib import hub
 from lib.config import Config, ConfigError, parse_config, resolve_epochs, reward_options, save_yaml, \
     steps_per_rollout, to_dict, validate, warmup_steps, weights_dtype
 from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
@@ -195,6 +196,8 @@ def close(run: Run) -> None:
     run.engine.close()
     if run.ctx.worker is not None:
         run.ctx.worker.close()
+    if run.hub is not None:  # says which pushes an early stop abandons (docs/hub.md 3)
+        run.hub.close()
     run.accelerator.end_training()
 
 
@@ -515,10 +518,14 @@ def log_step(run: Run, step: int, metrics: dict, batch: Batch) -> None:
         tqdm.write(dense_line(step, run.cfg.max_steps, metrics, run.ctx.reward_names))
     watch_health(run, step, metrics)
     first = run.geometry.first
-    append_jsonl(run, "completions.jsonl", [
-        {"step": step, "prompt": batch.prompts[i], "completion": batch.texts[i], "answer": batch.answers[i],
-         "reward": float(batch.total[first + i]), "advantage": float(batch.advantages[i])}
-        for i in range(min(run.cfg.num_completions_to_print if run.cfg.log_completions else 0, len(batch.texts)))])
+    rows = [{"step": step, "prompt": batch.prompts[i], "completion": batch.texts[i], "answer": batch.answers[i],
+             "reward": float(batch.total[first + i]), "advantage": float(batch.advantages[i])}
+            for i in range(min(run.cfg.num_completions_to_print if run.cfg.log_completions else 0, len(batch.texts)))]
+    append_jsonl(run, "completions.jsonl", rows)
+    if rows and run.accelerator.is_main_process:  # a table per tracker: wandb / trackio Tables, TensorBoard text
+        for name in run.cfg.report_to:
+            run.accelerator.get_tracker(name, unwrap=False).log({"completions": hub.completions_value(name, rows)},
+                                                                 step=step)
 
 
 def watch_health(run: Run, step: int, metrics: dict) -> None:
@@ -600,6 +607,8 @@ def save_checkpoint(run: Run, state: TrainerState) -> None:
         if main_process:
             shutil.rmtree(staging, ignore_errors=True)
         raise ckpt.RunStopped(save_failed_message(run, f"checkpoint-{step}", error))
+    if run.hub is not None:  # main process; in the background, never waited on here (docs/hub.md 3)
+        run.hub.push_checkpoint(run.out / f"checkpoint-{step}", step)
 
 
 def first_error(run: Run, error: str | None) -> str | None:
@@ -677,8 +686,17 @@ def save_final(run: Run, end_eval: dict, step: int) -> None:
         final, staging = run.out / "final", run.out / ".final.partial"
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            run.accelerator.unwrap_model(run.scorer).model.save_pretrained(staging)
+            model = run.accelerator.unwrap_model(run.scorer).model
+            model.save_pretrained(staging)
             run.tokenizer.save_pretrained(staging)
+            # the model card and the sampling the run trained with go in before the rename, so that final/ never
+            # exists without them (docs/hub.md 2)
+            hub.write_final_files(staging, run.cfg, end_ids=end_token_ids(run.policy, run.tokenizer),
+                                  generation_config=getattr(run.policy, "generation_config", None),
+                                  adapter=hasattr(model, "peft_config"), metrics_path=run.out / "metrics.jsonl",
+                                  after=end_eval, step=step, argv=sys.argv,
+                                  num_processes=run.accelerator.num_processes,
+                                  repo_id=run.hub.target.repo_id if run.hub else None)
         except (OSError, RuntimeError) as exc:  # a full disk (safetensors raises either): the checkpoint is whole
             shutil.rmtree(staging, ignore_errors=True)
             raise ckpt.RunStopped(save_failed_message(run, "final/", f"{type(exc).__name__}: {exc}")) from exc
@@ -687,6 +705,10 @@ def save_final(run: Run, end_eval: dict, step: int) -> None:
         score_text = f"accuracy {end_eval['eval/accuracy']:.3f}; " if end_eval else ""
         tqdm.write(f"eval step {step}: {score_text}final model in {final}")
     run.accelerator.wait_for_everyone()
+    if run.hub is not None:  # main process, after the barrier: the others do not wait on the upload
+        error = run.hub.push_final(run.out / "final", step)
+        if error is not None:
+            raise ckpt.RunStopped(error)
 
 
 # =====================================================================================================================
@@ -749,6 +771,7 @@ class Run:
     geometry: Geometry
     stop: ckpt.StopRequest  # SIGTERM / SIGUSR1 received
     watch: health.Watch  # the run's metric history, for the console warnings
+    hub: hub.HubPusher | None = None  # push_to_hub's uploads, on the main process (lib/hub.py)
 
 
 def setup(cfg: Config) -> tuple[Run, TrainerState]:
@@ -760,8 +783,10 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     # with several processes, instead of running each process alone
     accelerator = Accelerator(cpu=cfg.use_cpu or torch.accelerator.current_accelerator() is None,
                               mixed_precision="bf16" if bf16 else "no",
-                              log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=cfg.output_dir)
+                              log_with=cfg.report_to or None, project_dir=cfg.output_dir)
     validate(cfg, accelerator.num_processes)
+    # push_to_hub: the hub reachable, a write token, the repository ready, before any data or model loads
+    hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
     rank, device = accelerator.process_index, accelerator.device
     # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
     # (lib/rewards.py). Bad names stop here; reward models load below, onto this process's device.
@@ -865,11 +890,13 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
             ckpt.set_rng_state(rng)
             engine.load_state_dict(rng["rollout"])
         method.controllers.load_state_dict(state.controller_state)
-    if cfg.report_to != "none":
-        # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists and None)
+    if cfg.report_to:
+        # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists and None);
+        # to_dict leaves the token out, and so does the command line wandb records
         hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in to_dict(cfg).items()}
-        accelerator.init_trackers("agrpo", config=hparams, init_kwargs={
-            "wandb": {"name": cfg.run_name or out.name}} if cfg.report_to == "wandb" else {})
+        with hub.argv_without_secrets():
+            accelerator.init_trackers(cfg.project, config=hparams, init_kwargs=hub.tracker_init_kwargs(
+                cfg.report_to, cfg.run_name or out.name, str(out)))
     answer_phase = AnswerPhase.from_text(tokenizer, cfg.answer_marker, cfg.answer_temperature, cfg.answer_top_p) \
         if cfg.answer_marker else None
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
@@ -877,7 +904,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
                          answer_phase, geometry.local_rollout, geometry.first, worker)
     return Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method, params, optimizer,
                scheduler, eval_records, geometry, ckpt.StopRequest(),
-               health.Watch(to_dict(cfg), read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None)), state
+               health.Watch(to_dict(cfg), read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None),
+               hub.HubPusher(hub_target, tqdm.write) if hub_target else None), state
 
 
 def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, rank: int) -> HFRollout | VLLMRollout:

@@ -29,6 +29,7 @@ from transformers import HfArgumentParser
 from lib.controllers import ADAGRPO_SCHEDULE, parse_resample_schedule
 from lib import trl_keys
 from lib.data import looks_local
+from lib.hub import HUB_STRATEGIES, SECRET_KEYS, resolve_report_to
 from lib.losses import DISPERSIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES, SCALE_REWARDS
 from lib.schedule import schedule_options
 
@@ -420,8 +421,28 @@ class RunArguments:
                                   "and advantages to completions.jsonl (and the tracker) every logged step."})
     num_completions_to_print: int = field(default=2, metadata={"help": "log_completions: completions per step."})
     per_device_eval_batch_size: int = field(default=64, metadata={"help": "Prompts per batch during evaluation."})
-    report_to: str = field(default="none", metadata={"help": "none | tensorboard | wandb (through Accelerate)."})
+    report_to: list[str] | None = field(default="none", metadata={"help": "Trackers, through Accelerate (TRL's key): "
+                                        "none | all | tensorboard | wandb | trackio, one or a list (`--report_to "
+                                        "tensorboard wandb`); all: those installed. What each gets: docs/hub.md."})
     run_name: str | None = field(default=None, metadata={"help": "Tracker run name (default: output_dir's name)."})
+    project: str = field(default="agrpo", metadata={"help": "Tracker project name (TRL's key; its default is "
+                         "huggingface): wandb's and trackio's project, TensorBoard's folder under output_dir."})
+    push_to_hub: bool = field(default=False, metadata={"help": "Push the model to the Hugging Face Hub as "
+                              "hub_strategy says, from the main process (docs/hub.md). Checked at start-up: the hub "
+                              "reachable, a write token, the repository created."})
+    hub_model_id: str | None = field(default=None, metadata={"help": "push_to_hub: the repository, 'name' (in the "
+                                     "token's namespace) or 'namespace/name'. Default: output_dir's name."})
+    hub_strategy: str = field(default="every_save", metadata={"help": "push_to_hub: end (final/ only) | every_save "
+                              "(each checkpoint's model files, then final/) | checkpoint (also the checkpoint in "
+                              "last-checkpoint/) | all_checkpoints (also each in checkpoint-N/) (TRL's values)."})
+    hub_private_repo: bool | None = field(default=None, metadata={"help": "push_to_hub: create the repository "
+                                          "private (null: the namespace's default; an existing one is left as it "
+                                          "is)."})
+    hub_token: str | None = field(default=None, metadata={"help": "push_to_hub: a write token (default: HF_TOKEN, "
+                                  "or `hf auth login`'s). Never written to config.yaml, checkpoints, trackers or the "
+                                  "model card."})
+    hub_revision: str | None = field(default=None, metadata={"help": "push_to_hub: the branch to push to (created "
+                                     "if missing; default: main)."})
 
 
 @dataclass
@@ -486,7 +507,6 @@ CHOICES = {
     "kl_estimator": KL_ESTIMATORS,
     "reward_dispersion": DISPERSIONS,
     "lr_scheduler_type": ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr"),
-    "report_to": ("none", "tensorboard", "wandb"),
     "optim": ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"),
     "eval_strategy": ("steps", "epoch", "no"),
     "save_strategy": ("steps", "epoch", "no"),
@@ -889,9 +909,7 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
     if cfg.load_in_4bit and not cfg.use_peft:
         raise ConfigError("load_in_4bit trains a LoRA adapter on a 4-bit base: set use_peft true as well")
     validate_backend(cfg)
-    if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
-        raise ConfigError(f"report_to: '{cfg.report_to}' needs its package: pip install {cfg.report_to} "
-                          f"(or --report_to none)")
+    validate_hub_and_trackers(cfg)
     num_rewards = len(cfg.reward_funcs) + bool(cfg.reward_model_name_or_path)  # the reward model counts first
     if not num_rewards:
         raise ConfigError("reward_funcs is empty: give at least one (e.g. accuracy)")
@@ -922,6 +940,32 @@ def _exists(name: str, path: str) -> bool:
     except (OSError, ValueError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
         raise ConfigError(f"{name}: {path!r:.80} is not a usable path ({reason}); give an existing path") from None
+
+
+def validate_hub_and_trackers(cfg: Config) -> None:
+    """report_to resolved to the list of trackers to start (TRL takes a name or a list; docs/hub.md), project and
+    run_name, push_to_hub's keys. The hub itself is asked at start-up, before any model loads (lib/hub.connect)."""
+    try:
+        cfg.report_to = resolve_report_to(cfg.report_to, lambda name: importlib.util.find_spec(name) is not None)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if not cfg.project.strip():
+        raise ConfigError("project is empty; give the tracker project's name (default agrpo)")
+    for name in ("run_name", "hub_model_id", "hub_token", "hub_revision"):
+        value = getattr(cfg, name)
+        if value is not None and not value.strip():
+            raise ConfigError(f"{name} is empty; give a value or leave it out (null)")
+    if cfg.hub_strategy not in HUB_STRATEGIES:
+        raise ConfigError(f"hub_strategy: '{cfg.hub_strategy}' is not one of {', '.join(HUB_STRATEGIES)} (TRL's "
+                          f"values)")
+    if cfg.hub_model_id is not None:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(cfg.hub_model_id)
+        except HFValidationError as error:
+            raise ConfigError(f"hub_model_id: '{cfg.hub_model_id}' is not a repository id ({error}); give 'name' or "
+                              f"'namespace/name'") from None
 
 
 def validate_backend(cfg: Config) -> None:
@@ -1170,7 +1214,9 @@ def reward_options(cfg: Config) -> dict:
 
 
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    """The configuration as plain values, for config.yaml, checkpoints and trackers: secrets (hub_token) are null
+    here, so that no file or tracker holds them (docs/hub.md)."""
+    return {**dataclasses.asdict(cfg), **dict.fromkeys(SECRET_KEYS, None)}
 
 
 def save_yaml(cfg: Config, path: Path) -> None:

@@ -156,4 +156,5 @@ DIFFERENT_DEFAULTS: dict[str, tuple[object, str]] = {
     "num_train_epochs": (3.0, "read only with max_steps -1; give it then"),
     "num_completions_to_print": (None, "a few a step keep completions.jsonl small"),
     "per_device_eval_batch_size": (8, "greedy evaluation decodes 64 prompts at a time"),
+    "project": ("huggingface", "the tracker project is named after this package"),
 }
