@@ -11,7 +11,8 @@ controllers' fields included; constant ones are listed, not drawn), by step or b
 overlaid; it shows the warnings of lib/health.py with their numbers and what to try, and browses completions.jsonl
 (filters by step, reward and advantage sign; a row opens in the Chat tab with the nearest checkpoint).
 
-The page listens on 127.0.0.1 only. Another `--host` or `--share` (a public link) needs a login, `--auth USER:PASSWORD`
+The page listens on 127.0.0.1:7860 unless --host / --port (else Gradio's GRADIO_SERVER_NAME / GRADIO_SERVER_PORT)
+say otherwise. Another host or `--share` (a public link) needs a login, `--auth USER:PASSWORD`
 or $AGRPO_CHAT_AUTH, or `--no_auth_i_know`; folders typed in the page must lie inside the run folder, the model
 folders it started with, the `--run` folders, or `--allow_dir` (docs/troubleshooting.md 3.3). In the Chat tab one
 prompt goes to both models; their answers stream side by side, token by token, the reasoning apart from the final answer (the

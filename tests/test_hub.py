@@ -368,11 +368,11 @@ def test_a_run_pushes_its_checkpoint_and_final_model_as_the_hub_receives_them(fa
 
 def test_a_hub_that_fails_the_push_leaves_every_file_whole_and_says_how_to_push(tmp_path, tiny_model):
     server = FakeHub(fail_commits=True)
-    try:
+    try:  # a LoRA run: final/ is an adapter folder, with its own card
         out = tmp_path / "run"
         proc = train(["--model_name_or_path", tiny_model, "--max_steps", "1", *TINY, "--output_dir", str(out),
-                      "--push_to_hub", "true", "--hub_strategy", "all_checkpoints"], tmp_path,
-                     hub_env(server.url, tmp_path))
+                      "--use_peft", "true", "--lora_r", "4", "--push_to_hub", "true", "--hub_strategy",
+                      "all_checkpoints"], tmp_path, hub_env(server.url, tmp_path))
     finally:
         server.close()
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -382,10 +382,14 @@ def test_a_hub_that_fails_the_push_leaves_every_file_whole_and_says_how_to_push(
     assert last.startswith(f"training stopped: final/ is written and whole in {out / 'final'}, but push_to_hub could "
                            f"not push it to tester/run: HfHubHTTPError: Server error '500"), last
     assert f"Push it by hand with `hf upload tester/run {out / 'final'} .`" in last
-    # nothing on disk was touched by the failed pushes: final/ and the checkpoint load and resume as written
-    from transformers import AutoModelForCausalLM
+    # nothing on disk was touched by the failed pushes: final/ loads, and the checkpoint is whole
+    from peft import AutoPeftModelForCausalLM
+    from transformers import GenerationConfig
 
-    AutoModelForCausalLM.from_pretrained(out / "final")
+    AutoPeftModelForCausalLM.from_pretrained(out / "final")
+    assert GenerationConfig.from_pretrained(out / "final").top_k == 0
+    readme = (out / "final" / "README.md").read_text()  # ours, over PEFT's template
+    assert front_matter(readme)["library_name"] == "peft" and "AutoPeftModelForCausalLM" in readme
     assert json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())["global_step"] == 1
     assert (out / "checkpoint-1" / "optimizer.pt").stat().st_size > 0
 
