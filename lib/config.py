@@ -945,8 +945,11 @@ def _exists(name: str, path: str) -> bool:
 def validate_hub_and_trackers(cfg: Config) -> None:
     """report_to resolved to the list of trackers to start (TRL takes a name or a list; docs/hub.md), project and
     run_name, push_to_hub's keys. The hub itself is asked at start-up, before any model loads (lib/hub.connect)."""
+    from accelerate.tracking import get_available_trackers  # the packages Accelerate will start trackers with
+
+    available = {str(getattr(tracker, "value", tracker)) for tracker in get_available_trackers()}
     try:
-        cfg.report_to = resolve_report_to(cfg.report_to, lambda name: importlib.util.find_spec(name) is not None)
+        cfg.report_to = resolve_report_to(cfg.report_to, available.__contains__)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if not cfg.project.strip():

@@ -304,10 +304,13 @@ def write_final_files(folder: Path, cfg, *, end_ids: list[int], generation_confi
 def default_settings(num_processes: int) -> dict:
     """The defaults as a run resolves them (validate fills the keys it derives, such as steps_per_generation), so
     that the card lists only what a run changed."""
-    from lib.config import Config, to_dict, validate
+    from lib.config import Config, ConfigError, to_dict, validate
 
     defaults = Config()
-    validate(defaults, num_processes)
+    try:
+        validate(defaults, num_processes)
+    except ConfigError:  # never expected; the card then lists the derived keys too, and final/ is still written
+        pass
     return to_dict(defaults)
 
 
@@ -448,7 +451,10 @@ def connect(cfg, timeout: float = CHECK_TIMEOUT_S) -> HubTarget:
                           f"(https://huggingface.co/settings/tokens) and give it with hub_token, HF_TOKEN or `hf auth "
                           f"login`, {fix}")
     name = cfg.hub_model_id or Path(cfg.output_dir).resolve().name
-    repo_id = name if "/" in name else f"{who.get('name')}/{name}"
+    if "/" not in name and not who.get("name"):
+        raise ConfigError(f"hub_model_id: the hub did not say whose token this is, so '{name}' has no namespace; give "
+                          f"hub_model_id as 'namespace/name'")
+    repo_id = name if "/" in name else f"{who['name']}/{name}"
     ask(f"creating the repository {repo_id}", "hub_model_id",
         lambda: api.create_repo(repo_id, private=cfg.hub_private_repo, exist_ok=True))
     if cfg.hub_revision:

@@ -127,14 +127,17 @@ def closed_port() -> int:
         return s.getsockname()[1]  # closed again: nothing listens there
 
 
+SILENT_SOCKETS = []  # open until the process exits: a call left waiting on one stays quiet instead of retrying
+
+
 @pytest.fixture(scope="session")
 def silent_hub():
-    """A port that accepts connections and never answers (the kernel completes them into the backlog); open for the
-    session, so that the calls left waiting on it stay quiet instead of retrying while later tests run."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(16)
-        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+    """A port that accepts connections and never answers (the kernel completes them into the backlog)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    SILENT_SOCKETS.append(s)
+    return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture
