@@ -29,6 +29,7 @@ RENAMED: dict[str, tuple[str, str | None]] = {
     "dataset_prompt_column": ("prompt_column", None),  # open-r1's ScriptArguments
     "entropy_coef": ("eta", None),  # TRL's entropy bonus: the loss subtracts entropy_coef x the token entropy
     "vllm_importance_sampling_cap": ("vllm_importance_sampling_clip_max", None),  # TRL's older name
+    "wandb_project": ("project", None),  # open-r1's GRPOConfig
 }
 
 # key -> why ignoring it cannot change what is trained (printed in the warning line)

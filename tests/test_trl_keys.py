@@ -118,10 +118,11 @@ def test_an_open_r1_recipe_parses_with_each_key_read_or_said_ignored(tmp_path, c
     said = [r.getMessage() for r in caplog.records]
     ignored = sorted(m.split("'")[1] for m in said if m.startswith("config: ignored"))
     assert ignored == ["do_eval", "log_level", "logging_first_step", "logging_strategy", "vllm_device"], said
+    assert (cfg.hub_model_id, cfg.hub_strategy, cfg.report_to) == ("my-model", "every_save", [])
     assert all(m.count("\n") == 0 for m in said)
-    # each epoch's end is a checkpoint; a training set of 640 prompts and 16 x 16 x 4 completions a step: 40 steps
-    cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps = 16, 4
-    assert resolve_epochs(cfg, 640, num_processes=1) == 40 and cfg.max_steps == 40 and cfg.save_steps == 40
+    # each epoch's end is a checkpoint; 16 x 4 completions a step are 4 prompts of 16: 160 prompts take 40 steps
+    assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) == (16, 4)
+    assert resolve_epochs(cfg, 160, num_processes=1) == 40 and cfg.max_steps == 40 and cfg.save_steps == 40
 
 
 def test_a_trl_command_line_reads_flags_alone_as_true_and_trls_names():
