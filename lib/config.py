@@ -713,7 +713,7 @@ def _parser() -> HfArgumentParser:
     return build_parser()
 
 
-def _leftover_values(words: list[str], argv: list[str]) -> dict:
+def _leftover_values(words: list[str], argv: list[str], follows: dict[str, str]) -> dict:
     """The flags argparse did not know, as {key: value}: `--key value`, `--key=value`, `--key v1 v2`, or `--key`
     alone (true). They are TRL keys, our old names, or mistakes; `resolve_keys` tells which. A word after a known
     flag that takes one value is named with that flag."""
@@ -723,6 +723,10 @@ def _leftover_values(words: list[str], argv: list[str]) -> dict:
         if word.startswith("--") and len(word) > 2:
             key, eq, value = word[2:].partition("=")
             values[key] = [value] if eq else []
+            at = argv.index(word) if word in argv else 0
+            if at >= 2 and not argv[at - 1].startswith("-") and argv[at - 2].startswith("--") and \
+                    argv[at - 2][2:].split("=")[0] in FIELDS:
+                follows[key] = argv[at - 2]  # `--run_name x --lr`: a value meant for run_name, or a flag of its own
         elif key is None:
             at = argv.index(word) if word in argv else 0
             flag = next((w for w in reversed(argv[:at]) if w.startswith("--")), None)
@@ -757,7 +761,7 @@ def _same_value(value, default) -> bool:
     return str(value) == str(default)
 
 
-def resolve_keys(values: dict, where: str) -> dict:
+def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None) -> dict:
     """The values of our fields, from a mapping that may use TRL's or open-r1's keys (lib/trl_keys.py): renamed keys
     moved to ours (a note for our old names), ignored keys dropped with one warning line each, unimplemented keys
     accepted at TRL's default and refused otherwise, anything else an error with the closest field."""
@@ -788,7 +792,8 @@ def resolve_keys(values: dict, where: str) -> dict:
         else:
             close = difflib.get_close_matches(key, [*FIELDS, *trl_keys.all_known()], n=1)
             hint = f" Did you mean '{close[0]}'?" if close else " See `python train_agrpo.py --help` for the keys."
-            raise ConfigError(f"unknown configuration key '{key}' ({where}).{hint}")
+            after = f", after {follows[key]}, which takes one value" if follows and key in follows else ""
+            raise ConfigError(f"unknown configuration key '{key}' ({where}{after}).{hint}")
         if target in resolved and target != key:
             raise ConfigError(f"{key} and {target} are the same setting, given twice in {where}; keep {target}")
         if target == "scale_rewards" and str(value).lower() in ("true", "false"):  # TRL's older boolean form
@@ -813,7 +818,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
     known, rest = _parser().parse_known_args(argv)  # a malformed flag: argparse's one-line error and exit status 2
     args = vars(known)
     values = resolve_keys(load_yaml(args.pop("config")), "the YAML config") if "config" in args else {}
-    command_line = resolve_keys({**args, **_leftover_values(rest, argv)}, "the command line")
+    follows: dict[str, str] = {}  # an unknown flag -> the known flag and value just before it
+    command_line = resolve_keys({**args, **_leftover_values(rest, argv, follows)}, "the command line", follows)
     return make_config({**values, **command_line})  # command line wins
 
 
@@ -823,7 +829,7 @@ def make_config(values: dict) -> Config:
     values = resolve_keys(values, "the configuration")
     algo = str(values.get("algo", "grpo"))
     if algo not in PRESETS:
-        raise ConfigError(f"algo: '{algo}' is not a preset; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(f"algo: {algo!r:.80} is not a preset; choose one of {', '.join(PRESETS)}")
     merged = {**PRESETS[algo], **values}
     cfg = Config(**{k: _coerce(k, v) for k, v in merged.items()})
     validate(cfg)
