@@ -66,6 +66,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
@@ -91,7 +92,14 @@ from lib.schedule import build_scheduler
 
 
 def main(argv: list[str] | None = None) -> dict:
-    run, state = setup(parse_config(argv))
+    cfg = parse_config(argv)
+    try:
+        run, state = setup(cfg)
+    except BaseException:
+        # a run refused during set-up leaves no Accelerate state behind, so that the same process (a notebook, a
+        # test) can start another run, with another precision too (Accelerate keeps one state per process)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        raise
     try:
         return train(run, state)
     finally:

@@ -257,3 +257,20 @@ def test_two_processes_split_groups_and_agree_on_the_adaptive_sampling(tmp_path,
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["data_position"] == 2  # one prompt per generation batch, across both processes
     assert (out / "checkpoint-8" / "rng_state_1.pt").exists() and not (out / "checkpoint-8" / "rng_state_2.pt").exists()
+
+
+def test_a_run_refused_in_set_up_leaves_no_accelerate_state(tmp_path):
+    """Accelerate keeps one state per process: a run refused after its Accelerator was made (here by the batch check,
+    in bf16) made every later run in the same process with another precision fail to start."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from lib.config import ConfigError
+
+    with pytest.raises(ConfigError, match="multiple of num_generations"):
+        train_agrpo.main(["--per_device_train_batch_size", "6", "--num_generations", "4", "--bf16", "true",
+                          "--output_dir", str(tmp_path / "refused")])
+    try:
+        assert Accelerator(cpu=True, mixed_precision="no").mixed_precision == "no"
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
