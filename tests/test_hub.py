@@ -333,6 +333,7 @@ def test_a_run_with_push_to_hub_and_no_hub_stops_at_start_up_before_any_model_lo
 
 # ---- pushes ---------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a whole tiny-model run (about 8 s): the whole suite runs it, the fast one stays fast
 def test_a_run_pushes_its_checkpoint_and_final_model_as_the_hub_receives_them(fake_hub, tmp_path, tiny_model):
     out = tmp_path / "run"
     proc = train(["--model_name_or_path", tiny_model, "--max_steps", "1", *TINY, "--output_dir", str(out),
@@ -369,6 +370,7 @@ def test_a_run_pushes_its_checkpoint_and_final_model_as_the_hub_receives_them(fa
     assert generation.max_new_tokens == 8
 
 
+@pytest.mark.slow  # a whole tiny-model run (about 8 s): the whole suite runs it, the fast one stays fast
 def test_a_hub_that_fails_the_push_leaves_every_file_whole_and_says_how_to_push(tmp_path, tiny_model):
     server = FakeHub(fail_commits=True)
     try:  # a LoRA run: final/ is an adapter folder, with its own card

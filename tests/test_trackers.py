@@ -83,6 +83,7 @@ def wandb_records(run_folder: Path) -> list:
     return records
 
 
+@pytest.mark.slow  # a whole tiny-model run (about 8 s): the whole suite runs it, the fast one stays fast
 @pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("tensorboard", "wandb", "trackio")),
                     reason="pip install -r requirements-test.txt (tensorboard, wandb, trackio)")
 def test_every_tracker_gets_the_metrics_and_the_completions(tmp_path, tiny_model):
