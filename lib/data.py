@@ -263,7 +263,7 @@ def _read_table(path: Path, data: bytes | None = None) -> list[tuple[str, dict]]
     return [(f"{path}, row {i}", row) for i, row in enumerate(rows, start=1)]
 
 
-def _compact(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
     """An exception on one line: its type and the first 300 characters of its message, whitespace folded."""
     return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
 
@@ -312,19 +312,19 @@ def _from_hub(name: str, call: Callable):
                              f"local file or folder") from None
         # no route, a refused connection, a timeout, a proxy or a server error: the hub cannot be asked now
         except Exception as err:  # noqa: BLE001
-            unreachable = f"the hub was not reachable within {HUB_TIMEOUT_S} s ({_compact(err)})"
+            unreachable = f"the hub was not reachable within {HUB_TIMEOUT_S} s ({one_line(err)})"
     try:
         with _hub_offline(unreachable is not None):
             return call()
     except (ConnectionError, FileNotFoundError) as err:  # datasets' "couldn't reach" and "not cached"
         if unreachable is None:
-            raise ValueError(f"dataset_name={name!r}: {_compact(err)}") from err
+            raise ValueError(f"dataset_name={name!r}: {one_line(err)}") from err
         raise ValueError(f"dataset_name={name!r}: {unreachable}, and the datasets cache holds no copy of it. Pass a "
                          f"local file or folder as dataset_name (laid out as the hub lays it out, or written by "
                          f"save_to_disk), or load it once where the hub is reachable") from err
     # datasets' own refusals: an unknown split or configuration, a file it cannot read
     except Exception as err:  # noqa: BLE001
-        raise ValueError(f"dataset_name={name!r}: {_compact(err)}. {SPLIT_FIX}") from err
+        raise ValueError(f"dataset_name={name!r}: {one_line(err)}. {SPLIT_FIX}") from err
 
 
 def _dataset_rows(dataset, label: str) -> list[tuple[str, dict]]:
@@ -345,7 +345,7 @@ def _load_saved(path: Path, name: str):
         return datasets.load_from_disk(str(path))
     except Exception as err:  # noqa: BLE001  (missing Arrow files, damaged JSON: load_from_disk's many errors)
         raise ValueError(f"dataset_name={name!r}: a folder save_to_disk wrote, but load_from_disk cannot read it "
-                         f"({_compact(err)})") from err
+                         f"({one_line(err)})") from err
 
 
 def _read_saved(path: Path, name: str, split: str) -> list[tuple[str, dict]]:
@@ -408,7 +408,7 @@ def _read_folder(path: Path, name: str, split: str, config: str | None) -> list[
     try:
         dataset = datasets.load_dataset(str(path), config_name, data_dir=data_dir, split=split)
     except Exception as err:  # noqa: BLE001  (a file datasets cannot read, columns that differ between shards)
-        raise ValueError(f"dataset_name={name!r} (split {split!r}): datasets cannot read it ({_compact(err)})") from err
+        raise ValueError(f"dataset_name={name!r} (split {split!r}): datasets cannot read it ({one_line(err)})") from err
     return _dataset_rows(dataset, f"{name} (split {split})")
 
 
@@ -655,10 +655,23 @@ def format_prompt(
     content = f"{problem}\n{instruction}" if instruction else problem
     if getattr(tokenizer, "chat_template", None) is None:
         return f"{system_prompt}\n{content}\n" if system_prompt else f"{content}\n"
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": content})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         **(chat_template_kwargs or {}))
+    return _render_conversation(tokenizer, [{"role": "user", "content": content}], system_prompt,
+                                chat_template_kwargs)
+
+
+def _render_conversation(tokenizer: Any, messages: list[dict], system_prompt: str | None,
+                         chat_template_kwargs: dict | None) -> str:
+    """Messages through the chat template: `system_prompt` first when they have no system turn, then the generation
+    prompt opened after a user or tool turn, or the last assistant turn continued (TRL's rule)."""
+    messages = list(messages)
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    options = dict(chat_template_kwargs or {})
+    if messages[-1]["role"] == "assistant":  # the model goes on with the last turn instead of opening a new one
+        options["continue_final_message"] = True
+    else:
+        options["add_generation_prompt"] = True
+    return tokenizer.apply_chat_template(messages, tokenize=False, **options)
 
 
 def render_prompt(
@@ -685,15 +698,7 @@ def render_prompt(
         raise ValueError("the data set's prompts are conversations (lists of messages), and the tokenizer has no "
                          "chat template to render them: set chat_template (a Jinja template), use a model that has "
                          "one, or give the prompts as text")
-    messages = list(prompt)
-    if system_prompt and not any(m["role"] == "system" for m in messages):
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    options = dict(chat_template_kwargs or {})
-    if messages[-1]["role"] == "assistant":  # the model goes on with the last turn instead of opening a new one
-        options["continue_final_message"] = True
-    else:
-        options["add_generation_prompt"] = True
-    return tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    return _render_conversation(tokenizer, prompt, system_prompt, chat_template_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------

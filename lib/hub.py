@@ -23,7 +23,7 @@ from typing import Callable
 
 import yaml
 
-from lib.data import looks_local
+from lib.data import looks_local, one_line
 
 # ---- trackers --------------------------------------------------------------------------------------------------------
 
@@ -381,7 +381,7 @@ class HubTarget:
 
 def compact(error: BaseException, token: str | None = None) -> str:
     """An exception on one line (type and the first 300 characters), with the token, if it appears, hidden."""
-    text = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    text = one_line(error)
     return text.replace(token, "***") if token else text
 
 

@@ -225,14 +225,19 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
 
 def policy_ratio(logp: torch.Tensor, old_logp: torch.Tensor, completion_mask: torch.Tensor,
                  importance_sampling_level: str = "token") -> torch.Tensor:
-    """The differentiable ratio pi / pi_old the surrogate uses, (B, T): per token, or GSPO's per-sequence ratio
-    broadcast over the tokens. The KL's bias correction multiplies the per-token KL by it (DeepSeek-V3.2, arXiv
-    2512.02556: weighting the k3 term by the ratio makes its gradient the unbiased reverse-KL gradient; TRL's
-    use_bias_correction_kl). In value it is 1 on-policy; its gradient is not 0."""
+    """The differentiable ratio pi / pi_old: per token (GRPO), (B, T), or GSPO's one ratio per sequence, (B, 1), which
+    broadcasts over the tokens (its gradient flows through the mean). `clipped_surrogate` clips it; the KL's bias
+    correction multiplies the per-token KL by it (DeepSeek-V3.2, arXiv 2512.02556: weighting the k3 term by the
+    ratio makes its gradient the unbiased reverse-KL gradient; TRL's use_bias_correction_kl). In value it is 1
+    on-policy; its gradient is not 0."""
     log_ratio = logp - old_logp
     if importance_sampling_level == "sequence":
         mask = completion_mask.to(logp.dtype)
-        log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1.0)).unsqueeze(1).expand_as(logp)
+        log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1.0)).unsqueeze(1)
+    elif importance_sampling_level != "token":
+        raise ValueError(
+            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {importance_sampling_level!r}"
+        )
     return torch.exp(log_ratio)
 
 
@@ -262,14 +267,7 @@ def clipped_surrogate(
     the gradient is then exactly -A grad log pi (DeepSeekMath's mu = 1 case).
     """
     mask = completion_mask.to(logp.dtype)
-    log_ratio = logp - old_logp
-    if importance_sampling_level == "sequence":
-        log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1.0)).unsqueeze(1)
-    elif importance_sampling_level != "token":
-        raise ValueError(
-            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {importance_sampling_level!r}"
-        )
-    ratio = torch.exp(log_ratio)
+    ratio = policy_ratio(logp, old_logp, completion_mask, importance_sampling_level)  # (B, T) or (B, 1)
     # (B, 1) bounds when the clip range is per completion, scalars otherwise
     low_bound = 1.0 - torch.as_tensor(epsilon_low, dtype=ratio.dtype, device=ratio.device).reshape(-1, 1)
     high_bound = 1.0 + torch.as_tensor(epsilon_high, dtype=ratio.dtype, device=ratio.device).reshape(-1, 1)

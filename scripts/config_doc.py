@@ -4,8 +4,8 @@
     python scripts/config_doc.py --write         # write it to docs/configuration.md
     python scripts/config_doc.py --check         # exit 1 if docs/configuration.md is out of date
 
-Every field of `lib.config.Config` becomes a row (key, type, default, its help string), grouped as the section
-dataclasses group them with their `# ---- group ----` comments, in their order; then one table of the keys each
+Every field of `lib.config.Config` becomes a row (key, type, default, its help string), one section per section
+dataclass of lib/config.py (its --help title and docstring), in their order; then one table of the keys each
 `--algo` preset sets (`lib.config.PRESETS`). tests/test_config_doc.py fails when the page differs from this output.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import re
 import sys
 import typing
@@ -29,8 +28,6 @@ from lib.controllers import ADAGRPO_SCHEDULE  # noqa: E402
 
 PAGE = REPO / "docs" / "configuration.md"
 COMMAND = "python scripts/config_doc.py --write"
-GROUP = re.compile(r"^\s*# ---- (.+?) -*$")
-FIELD = re.compile(r"^    (\w+)\s*:")
 DOC_MENTION = re.compile(r"docs/(\w+)\.md")
 
 HEADER = f"""# Configuration: every key
@@ -50,23 +47,14 @@ run directory. `python train_agrpo.py --help` prints the same help strings.
 """
 
 
-def groups() -> list[tuple[str, list[str]]]:
-    """(group title, field names) in the dataclass's order, read from its `# ---- group ----` comments."""
-    result: list[tuple[str, list[str]]] = []
-    for line in "\n".join(inspect.getsource(section) for section in SECTIONS).splitlines():
-        heading = GROUP.match(line)
-        if heading:
-            result.append((heading.group(1).strip(), []))
-            continue
-        name = FIELD.match(line)
-        if name and name.group(1) in FIELDS:
-            if not result:
-                raise ValueError(f"field {name.group(1)} comes before any '# ---- group ----' comment")
-            result[-1][1].append(name.group(1))
-    listed = [n for _, names in result for n in names]
-    missing = [n for n in FIELDS if n not in listed]
-    if missing or len(listed) != len(FIELDS):
-        raise ValueError(f"fields not placed in exactly one group: {missing or listed}")
+def groups() -> list[tuple[str, str, list[str]]]:
+    """(section title, its introduction, field names) per section dataclass of lib/config.py, in their order: the
+    title HfArgumentParser gives its --help section (`_argument_group_name`), the class's docstring, its fields."""
+    result = [(section._argument_group_name, " ".join(section.__doc__.split()),
+               [f.name for f in dataclasses.fields(section)]) for section in SECTIONS]
+    listed = [n for *_, names in result for n in names]
+    if sorted(listed) != sorted(FIELDS):
+        raise ValueError(f"fields not placed in exactly one section: {sorted(set(FIELDS) ^ set(listed)) or listed}")
     return result
 
 
@@ -93,13 +81,6 @@ def linked(text: str) -> str:
     return DOC_MENTION.sub(r"[docs/\1.md](\1.md)", text)
 
 
-def split_title(text: str) -> tuple[str, str]:
-    """A group comment such as 'adaptive methods (docs/methods.md sections 2-5; presets set these)' -> the heading
-    'Adaptive methods' and the note in brackets."""
-    name, _, note = text.partition(" (")
-    return name[0].upper() + name[1:], note.rstrip(")")
-
-
 def title_case(text: str) -> str:
     return text[0].upper() + text[1:]
 
@@ -118,22 +99,20 @@ def render() -> str:
     parts = [HEADER]
     sections = groups()
     parts.append("| section | keys |\n|---|---|")
-    for i, (name, names) in enumerate(sections, start=1):
-        heading = split_title(name)[0]
+    for i, (name, _, names) in enumerate(sections, start=1):
+        heading = title_case(name)
         anchor = f"{i}-" + re.sub(r"[^a-z0-9 _-]", "", heading.lower()).replace(" ", "-")
         parts[-1] += f"\n| [{i}. {cell(heading)}](#{anchor}) | {len(names)} |"
     parts[-1] += f"\n| [{len(sections) + 1}. Presets](#{len(sections) + 1}-presets) | the keys each `--algo` sets |"
     parts[-1] += (f"\n| [{len(sections) + 2}. Recipes written for TRL or open-r1](#{len(sections) + 2}-recipes-written-"
                   f"for-trl-or-open-r1) | TRL's other keys: renamed, ignored or refused |\n")
-    for i, (name, names) in enumerate(sections, start=1):
+    for i, (name, intro, names) in enumerate(sections, start=1):
         rows = ["| key | type | default | what it does |", "|---|---|---|---|"]
         for key in names:
             f = FIELDS[key]
             rows.append(f"| `{key}` | `{cell(type_text(type_hints()[key]))}` | `{cell(value_text(default_of(f)))}` | "
                         f"{cell(linked(f.metadata.get('help', '')))} |")
-        heading, note = split_title(name)
-        note = f"{title_case(linked(note))}.\n\n" if note else ""
-        parts.append(f"## {i}. {heading}\n\n{note}" + "\n".join(rows) + "\n")
+        parts.append(f"## {i}. {title_case(name)}\n\n{linked(intro)}\n\n" + "\n".join(rows) + "\n")
     parts.append(presets_section(len(sections) + 1))
     parts.append(trl_section(len(sections) + 2))
     return "\n".join(parts)
@@ -142,7 +121,8 @@ def render() -> str:
 def trl_section(number: int) -> str:
     """lib/trl_keys.py's tables: what a recipe written for TRL or open-r1 gets for each key that is not a field."""
     renamed = ["| key | read as | note |", "|---|---|---|"] + [
-        f"| `{k}` | `{target}` | {cell(note or 'the same setting')} |" for k, (target, note) in trl_keys.RENAMED.items()]
+        f"| `{k}` | `{target}` | {cell(note or 'the same setting')} |"
+        for k, (target, note) in trl_keys.RENAMED.items()]
     renamed.append("| `dataset_configs` | `dataset_config` | open-r1's list form; one configuration |")
     ignored: dict[str, list[str]] = {}
     for key, why in trl_keys.IGNORED.items():
@@ -150,7 +130,8 @@ def trl_section(number: int) -> str:
     ignored_rows = ["| keys | why ignoring them cannot change what is trained |", "|---|---|"] + [
         f"| {', '.join(keys)} | {cell(why)} |" for why, keys in ignored.items()]
     refused = ["| key | accepted at (TRL's default) | otherwise refused because |", "|---|---|---|"] + [
-        f"| `{k}` | `{cell(value_text(default))}` | {cell(why)} |" for k, (default, why) in trl_keys.UNSUPPORTED.items()]
+        f"| `{k}` | `{cell(value_text(default))}` | {cell(why)} |"
+        for k, (default, why) in trl_keys.UNSUPPORTED.items()]
     differ = ["| key | TRL's default | ours, and why |", "|---|---|---|"] + [
         f"| `{k}` | `{cell(value_text(trl))}` | `{cell(value_text(default_of(FIELDS[k])))}`: {cell(linked(why))} |"
         for k, (trl, why) in trl_keys.DIFFERENT_DEFAULTS.items()]

@@ -33,7 +33,8 @@ def test_unknown_key_names_the_closest_field(tmp_path):
     with pytest.raises(ConfigError, match="unknown configuration key 'learning_rte'.*learning_rate"):
         parse_config(["--config", str(recipe)])
     # on the command line too, with the same hint (argparse alone said only "unrecognized arguments")
-    with pytest.raises(ConfigError, match="unknown configuration key 'learning_rte' \\(the command line\\).*learning_rate"):
+    with pytest.raises(ConfigError,
+                       match="unknown configuration key 'learning_rte' \\(the command line\\).*learning_rate"):
         parse_config(["--learning_rte", "1e-5"])
 
 
