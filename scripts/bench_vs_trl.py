@@ -159,7 +159,7 @@ def run_ours(spec: dict) -> dict:
             "--max_completion_length", str(spec["max_completion_length"]), "--beta", str(spec["beta"]),
             "--learning_rate", str(spec["learning_rate"]), "--temperature", str(spec["temperature"]),
             "--max_steps", str(spec["steps"]), "--seed", str(spec["seed"]), "--num_eval_samples", "0",
-            "--builtin_num_train", "2000", "--loss_type", "grpo", "--log_completions", "0",
+            "--builtin_num_train", "2000", "--loss_type", "grpo", "--log_completions", "false",
             "--output_dir", spec["output_dir"], "--overwrite_output_dir", "true", "--report_to", "none",
             "--use_peft", str(spec["use_peft"]).lower(), "--load_in_4bit", str(spec["load_in_4bit"]).lower(),
             "--gradient_checkpointing", str(spec["gradient_checkpointing"]).lower(),
