@@ -833,7 +833,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
             render_prompt(tokenizer, record, cfg.instruction, cfg.system_prompt, cfg.chat_template_kwargs)
     except ValueError as error:
         raise ConfigError(f"dataset_name: {error}") from error
-    policy = load_policy(str(resume) if resume else model_path, dtype=weights_dtype(cfg.dtype),
+    policy = load_policy(str(resume) if resume else model_path, dtype=weights_dtype(
+                             cfg.dtype, lora=cfg.use_peft, device=device.type, bf16=bf16),
                          revision=cfg.model_revision, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
                          lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                          lora_target_modules=cfg.lora_target_modules, use_rslora=cfg.use_rslora,

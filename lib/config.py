@@ -72,7 +72,8 @@ class ModelArguments:
                                 "ModelConfig)."})
     dtype: str | None = field(default=None, metadata={"help": "auto | bfloat16 | float16 | float32: the dtype the "
                               "weights load in (TRL's ModelConfig; torch_dtype is its older name). Default: float32 "
-                              "master weights, with bf16 autocast where `bf16` is on; bfloat16 / float16 train the "
+                              "master weights, with bf16 autocast where `bf16` is on, except a LoRA / QLoRA base on a "
+                              "GPU with bf16, frozen in bfloat16 (the adapter stays float32); bfloat16 / float16 train the "
                               "weights and the optimizer states in that dtype, as TRL does; auto takes the "
                               "checkpoint's."})
     attn_implementation: str | None = field(default=None, metadata={"help": "sdpa, eager, flash_attention_2, ... "
@@ -1187,9 +1188,14 @@ def warmup_steps(cfg: Config) -> int:
     return math.ceil((cfg.warmup_steps or cfg.warmup_ratio) * cfg.max_steps)
 
 
-def weights_dtype(name: str | None) -> torch.dtype | str:
-    """The dtype the weights load in: `dtype` as TRL's ModelConfig reads it (auto: the checkpoint's); unset: float32
-    master weights (bf16 autocast, where on, computes in bf16)."""
+def weights_dtype(name: str | None, *, lora: bool = False, device: str = "cpu", bf16: bool = False) -> torch.dtype | str:
+    """The dtype the weights load in: `dtype` as TRL's ModelConfig reads it (auto: the checkpoint's). Unset: a LoRA
+    base on a GPU with bf16 is frozen in bf16 (half the memory; the adapter stays fp32, PEFT keeps it so, and a 4-bit
+    base computes in bf16), anything else float32 master weights (bf16 autocast, where on, computes in bf16). A GPU
+    without bf16 keeps fp32: an fp16 base would need loss scaling, which the loop does not do (docs/performance.md
+    3.3)."""
+    if name is None and lora and device == "cuda" and bf16:
+        return torch.bfloat16
     return "auto" if name == "auto" else getattr(torch, name or "float32")
 
 

@@ -153,7 +153,8 @@ DIFFERENT_DEFAULTS: dict[str, tuple[object, str]] = {
     "output_dir": (None, "a run folder under runs/"),
     "model_name_or_path": (None, "the embedded SmolLM2-135M-Instruct, so that no argument is needed"),
     "reward_funcs": (None, "answer accuracy, the demo's reward"),
-    "dtype": ("float32", "null loads float32 master weights, as TRL's float32 does"),
+    "dtype": ("float32", "null loads float32 master weights, as TRL's float32 does, and a LoRA base on a bf16 GPU "
+                         "in bfloat16 (frozen; the adapter float32)"),
     "num_train_epochs": (3.0, "read only with max_steps -1; give it then"),
     "num_completions_to_print": (None, "a few a step keep completions.jsonl small"),
     "per_device_eval_batch_size": (8, "greedy evaluation decodes 64 prompts at a time"),
