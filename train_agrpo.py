@@ -79,8 +79,8 @@ from lib.config import Config, ConfigError, hf_sampler_note, parse_config, resol
 from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
 from lib.evaluation import generate_and_score, summarize
 from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, policy_ratio, truncated_importance_weights
-from lib.memory import (build_optimizer, check_step_memory, estimate_step_memory, memory_budget, resident_bytes,
-                        step_token_counts)
+from lib.memory import (GB, build_optimizer, check_step_memory, describe_recipe, estimate_step_memory, memory_budget,
+                        recipe_memory, resident_bytes, step_token_counts)
 from lib.methods import Method, RolloutContext, Sampled, TrainValues, choose_method
 from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_token_ids, is_adapter_folder,
                           load_policy, load_reference, load_tokenizer, native_bf16, resolve_model_path)
@@ -94,6 +94,14 @@ from lib.schedule import build_scheduler
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(argv)
+    if cfg.estimate_memory_only:  # arithmetic on the model's configuration: no weights, no accelerator
+        budget = int(cfg.max_memory * GB) if cfg.max_memory else None
+        try:
+            parts, step = recipe_memory(cfg, gpu_bytes=budget)
+        except ValueError as error:
+            raise ConfigError(f"estimate_memory_only: {error}") from None
+        print(describe_recipe(parts, step, budget))
+        return {"estimated_peak_bytes": step.total}
     try:
         run, state = setup(cfg)
     except BaseException:

@@ -404,6 +404,10 @@ class RunArguments:
 
     _argument_group_name = "run"
 
+    estimate_memory_only: bool = field(default=False, metadata={"help": "Print the per-GPU memory estimate of this "
+                                       "configuration (weights, sampler, gradients, optimizer, activations, KV "
+                                       "cache) from the model's configuration alone, without loading weights, and "
+                                       "exit; max_memory gives the budget (docs/performance.md 3.4)."})
     output_dir: str = field(default="runs/agrpo", metadata={"help": "Run directory (config, metrics, "
                             "checkpoints, final model)."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow writing into a run directory that "

@@ -172,3 +172,138 @@ def check_step_memory(estimate: StepMemory, budget: int, source: str, **settings
         f"a training step would need about {estimate.total / GB:.1f} GB ({estimate.describe()}, in GB) but "
         f"{source} is {budget / GB:.1f} GB. To fit: {fit_advice(estimate, **settings)}. (max_memory sets the "
         f"budget, in GB)")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A recipe's estimate without loading weights (--estimate_memory_only)
+
+# The shapes of the models the recipes name, from their published config.json files, so that a machine that cannot
+# reach the hub still gets an estimate (a local folder or a cached config is read first).
+_QWEN25 = dict(model_type="qwen2", vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
+               rope_theta=1_000_000.0, max_position_embeddings=32768)
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
+              rope_theta=1_000_000.0, max_position_embeddings=40960, head_dim=128)
+PUBLISHED_SHAPES = {
+    "Qwen/Qwen2.5-0.5B": dict(_QWEN25, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                              num_attention_heads=14, num_key_value_heads=2),
+    "Qwen/Qwen2.5-1.5B": dict(_QWEN25, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                              num_attention_heads=12, num_key_value_heads=2),
+    "Qwen/Qwen2.5-3B": dict(_QWEN25, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                            num_attention_heads=16, num_key_value_heads=2),
+    "Qwen/Qwen2.5-7B": dict(_QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                            num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                            tie_word_embeddings=False),
+    "Qwen/Qwen3-0.6B": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                            num_attention_heads=16, num_key_value_heads=8),
+    "Qwen/Qwen3-1.7B": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                            num_attention_heads=16, num_key_value_heads=8),
+}
+# what a GPU process holds besides tensors: the CUDA context and kernels (about 0.5 GB), cuBLAS workspaces and the
+# caching allocator's slack (fragmentation); an allowance, not a measurement
+GPU_OVERHEAD = int(1.0 * GB)
+
+
+def model_config(name: str, revision: str | None = None, trust_remote_code: bool = False):
+    """A model's configuration without its weights: a local folder or the hub cache first, then the published
+    shapes above (no network needed), then the hub. ValueError when none has it."""
+    from transformers import AutoConfig
+
+    from lib.modeling import adapter_base, is_adapter_folder, resolve_model_path
+
+    path = resolve_model_path(name)
+    if is_adapter_folder(path):
+        path = adapter_base(path)
+    try:
+        return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code,
+                                          local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    shape = PUBLISHED_SHAPES.get(name.removesuffix("-Instruct"))
+    if shape is not None:
+        shape = dict(shape)
+        return AutoConfig.for_model(shape.pop("model_type"), **shape)
+    from huggingface_hub import HfApi
+
+    from lib.data import HUB_TIMEOUT_S
+
+    try:  # asked with a time limit first: an unreachable hub fails in seconds, not after the library's retries
+        HfApi().model_info(name, revision=revision, timeout=HUB_TIMEOUT_S)
+        return AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception as error:  # noqa: BLE001  (no route, unknown id, gated, a config transformers cannot read)
+        raise ValueError(f"no configuration for '{name}' here or on the hub ({str(error)[:200]}); give a local "
+                         f"model folder") from None
+
+
+def quantized_bytes(numel: int, nested: bool) -> float:
+    """Bytes of a bitsandbytes 4-bit weight: half a byte a value, plus one absmax per 64-value block (fp32, or with
+    nested quantisation 8-bit with an fp32 absmax per 256 of those; Dettmers et al. 2023, QLoRA, section 3)."""
+    blocks = numel / 64
+    return numel / 2 + (blocks + blocks / 256 * 4 if nested else blocks * 4)
+
+
+def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dict[str, int], StepMemory]:
+    """(what is resident before a step, by part; the step's StepMemory) for a configuration on one GPU, from the
+    model's configuration alone: the model is built on the meta device (shapes, no memory), with the run's LoRA
+    adapter, and its bytes are counted as the trainer would hold them. `gpu_bytes`: the GPU's memory, for vLLM's
+    reservation (its share of it, gpu_memory_utilization)."""
+    from transformers import AutoModelForCausalLM
+
+    from lib.config import weights_dtype
+    from lib.modeling import _lora_targets
+
+    config = model_config(cfg.model_name_or_path, cfg.model_revision, cfg.trust_remote_code)
+    lora = bool(cfg.use_peft)
+    dtype = weights_dtype(cfg.dtype, lora=lora, device="cuda", bf16=bf16)
+    if dtype == "auto":  # the checkpoint's
+        dtype = getattr(config, "dtype", None) or torch.bfloat16
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                                                 target_modules=_lora_targets(cfg.lora_target_modules),
+                                                 task_type="CAUSAL_LM"))
+    size = torch.finfo(dtype).bits // 8
+    total = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    weights = 0.0
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            weights += p.numel() * 4  # the adapter is fp32 (PEFT upcasts it on a 16-bit base)
+        elif cfg.load_in_4bit and name.rsplit(".", 1)[0].replace("base_model.model.", "").replace(
+                ".base_layer", "") in names:
+            weights += quantized_bytes(p.numel(), cfg.use_bnb_nested_quant)
+        else:  # prepare_model_for_kbit_training keeps a 4-bit model's other weights in fp32
+            weights += p.numel() * (4 if cfg.load_in_4bit else size)
+    parts = {"policy weights": int(weights)}
+    if cfg.beta > 0 and not lora:
+        parts["reference model"] = total * size
+    if cfg.use_vllm:
+        if gpu_bytes is None:
+            raise ValueError("use_vllm reserves a share of the GPU's memory: give max_memory (the GPU's GB)")
+        parts["vLLM engine (its share of the GPU)"] = int(cfg.vllm_gpu_memory_utilization * gpu_bytes)
+    elif lora or (bf16 and size == 4):  # the HF sampler's merged bf16 copy (lib/rollout.HFRollout)
+        parts["sampler's bf16 copy"] = total * 2
+    parts["CUDA context, workspaces, allocator slack (allowance)"] = GPU_OVERHEAD
+    step = estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16,
+                                vllm=bool(cfg.use_vllm), gradient_checkpointing=cfg.gradient_checkpointing,
+                                **step_token_counts(cfg))
+    return parts, step
+
+
+def describe_recipe(parts: dict[str, int], step: StepMemory, budget: int | None) -> str:
+    """The estimate as a table, per GPU, in GB."""
+    lines = [f"{'part':<58}{'GB':>8}"]
+    lines += [f"{name:<58}{value / GB:>8.2f}" for name, value in parts.items()]
+    for name, value in (("gradients", step.gradients), ("optimizer states", step.optimizer),
+                        ("activations (training micro-batch)", step.activations),
+                        ("logits chunk", step.logits), ("sampling KV cache (HF sampler)", step.kv_cache)):
+        lines.append(f"{name:<58}{value / GB:>8.2f}")
+    lines.append(f"{'peak (sampling and training do not overlap)':<58}{step.total / GB:>8.2f}")
+    if budget is not None:
+        verdict = "fits" if step.total <= budget else "does NOT fit"
+        lines.append(f"{verdict} in {budget / GB:.1f} GB (max_memory)")
+    lines.append("an estimate by arithmetic (lib/memory.py, docs/performance.md 3), not a GPU measurement")
+    return "\n".join(lines)

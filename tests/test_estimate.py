@@ -1,0 +1,52 @@
+"""--estimate_memory_only: a configuration's per-GPU memory from the model's configuration, without its weights."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from lib.config import make_config
+from lib.memory import GB, model_config, recipe_memory
+from lib.modeling import load_policy
+
+
+def _tensor_bytes(model: torch.nn.Module) -> int:
+    """What a loaded model holds: every parameter and persistent buffer once (a tied output layer is the embedding),
+    a 4-bit weight's quantisation statistics included."""
+    seen, total = set(), 0
+    for tensor in model.state_dict().values():
+        if isinstance(tensor, torch.Tensor) and tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+@pytest.mark.parametrize("options", [{}, {"use_peft": True}, {"use_peft": True, "load_in_4bit": True},
+                                     {"use_peft": True, "load_in_4bit": True, "use_bnb_nested_quant": True}],
+                         ids=["full", "lora", "qlora", "qlora-nested"])
+def test_the_meta_device_count_equals_the_loaded_models_bytes(tiny_model, options):
+    cfg = make_config({"model_name_or_path": tiny_model, "beta": 0.0, "use_vllm": False, **options})
+    parts, _ = recipe_memory(cfg, gpu_bytes=None, bf16=False)
+    policy = load_policy(tiny_model, use_peft=cfg.use_peft, load_in_4bit=cfg.load_in_4bit,
+                         use_bnb_nested_quant=cfg.use_bnb_nested_quant)
+    measured = _tensor_bytes(policy)
+    assert abs(parts["policy weights"] - measured) <= 0.02 * measured, (parts, measured)
+
+
+def test_a_recipe_is_estimated_without_its_weights_and_without_the_hub():
+    # the hub is out of reach here: the published shape of the recipe's model is used
+    assert model_config("Qwen/Qwen2.5-1.5B-Instruct").num_hidden_layers == 28
+    proc = subprocess.run([sys.executable, str(REPO / "train_agrpo.py"), "--config",
+                           str(REPO / "scripts" / "recipes" / "grpo_gsm8k_qlora_16gb.yaml"), "--estimate_memory_only",
+                           "--max_memory", "16", "--use_vllm", "false"], capture_output=True, text=True, timeout=300,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "policy weights" in proc.stdout and "fits in 16.0 GB" in proc.stdout and "estimate" in proc.stdout
+    cfg = make_config({"model_name_or_path": "Qwen/Qwen2.5-7B-Instruct", "max_completion_length": 1024})
+    parts, step = recipe_memory(cfg, gpu_bytes=80 * GB)
+    # full fine-tuning of 7.6B parameters in fp32 with AdamW: 16 bytes a parameter before activations
+    assert 7.0e9 * 16 < step.resident + step.gradients + step.optimizer < 8.5e9 * 24
+    with pytest.raises(ValueError, match="local model folder"):
+        model_config("no-such-org/no-such-model-xyz")
