@@ -6,14 +6,41 @@ reference, the sampler and vLLM's reservation are measured, not estimated):
 
     gradients     trainable parameters x their bytes
     optimizer     AdamW's two moments: 8 bytes a trainable fp32 parameter, 2 with 8-bit states (bitsandbytes)
-    activations   kept for backward, per token of a micro-batch and per layer. A Llama-style block under bf16
-                  autocast keeps about 34 h + 8 i bytes (norm inputs in fp32, q/k/v/o and MLP inputs in bf16,
-                  SDPA's output and log-sum-exp; Korthikanti et al. 2022, "Reducing activation recomputation",
-                  section 4, adapted to a gated MLP and fused attention). With gradient checkpointing only the block
-                  inputs (4 h bytes) stay, plus one block's full set during its recomputation.
+    activations   kept for backward, per token of a micro-batch; the accounting below, checked against the bytes
+                  autograd saves for one block in seven settings (tests/test_memory.py: 0.99 to 1.12 of them) and
+                  against whole steps of the 16 GB recipe at Qwen2.5-1.5B and 3B shapes (docs/performance.md 3.5).
+                  With gradient checkpointing every block's input stays (h x s bytes a block), plus one block's set
+                  while it is recomputed and run backward, plus that block's working set; without, every block's
+                  input and set stay. A Llama-style block (h hidden, i MLP, q = heads x head size, kv = key-value
+                  heads x head size) keeps
+                      2 h x 4            the two RMSNorms' inputs (they compute in fp32)
+                      (2 q + 2 kv) x c   SDPA's query, key, value and output (the output is o_proj's input)
+                      3 i x o            the gated MLP's gate and up outputs and the activation's output
+                  and, by what trains:
+                      full fine-tuning   each weight's gradient reads its layer's input: under autocast a bf16 copy
+                                         each (q, k, v, gate, up: h; o: q; down: i, x 2), else the shared inputs
+                                         (2 h + i) x s; and the norms' normalised inputs, 2 h x s
+                      LoRA               lora_A's gradient reads each adapted layer's input: under autocast a bf16
+                                         copy each (inputs x 2; autocast casts the input PEFT gave the fp32
+                                         adapter), with dropout its own dropped-out copy (inputs x the adapter's
+                                         bytes), else the shared inputs; with dropout its mask too, in the adapter's
+                                         dtype on a CPU (torch's CPU dropout multiplies by a float mask) and one
+                                         byte on CUDA (native_dropout's bool mask)
+                  where s is the residual stream's bytes (the embedding's dtype; 4 for a 4-bit model, whose other
+                  weights prepare_model_for_kbit_training keeps in fp32, whatever its compute dtype), c = 2 under bf16
+                  autocast else s, and o = s for a 4-bit model (a bitsandbytes layer returns its input's dtype, the
+                  fp32 stream), c otherwise. The block being run also holds about 3 i x o of temporaries (the MLP's
+                  product and its gradients: 2.3 i x 4 measured at 1.5B). Under autocast an fp32 weight's bf16 copy is
+                  kept for backward too (per block, not per token). Why this and not the former 34 h + 8 i bytes (x 2
+                  in fp32), after Korthikanti et al. 2022 ("Reducing activation recomputation", section 4) for a bf16
+                  block: the 16 GB recipe's QLoRA block keeps 1.9x that on a CPU, 1.5x on CUDA (its MLP tensors are
+                  fp32, its seven adapted layers each keep a bf16 copy and a mask of their input), and that estimate
+                  was 0.51 of the activations' measured peak at Qwen2.5-1.5B; full fine-tuning in fp32 keeps 0.69x of
+                  it.
     logits        four fp32 buffers of one vocabulary chunk (lib/losses.token_logps_and_entropy: at most 2^26
                   floats): the logits, their log-softmax and the entropy's p and p log p are live at once, and the
-                  backward's buffers take their place
+                  backward's buffers take their place; under bf16 autocast an fp32 output layer's bf16 copy too (a
+                  4-bit model's, tied to its fp32 embedding: 0.43 GB at Qwen2.5-1.5B's 151,936 x 1,536)
     KV cache      sampling: 2 x layers x kv_heads x head_dim x (prompt + completion) tokens x batch x 2 bytes
                   (4 in fp32; HF decode loop; vLLM's cache is inside its measured reservation)
 
@@ -63,12 +90,23 @@ class StepMemory:
     activations: int
     logits: int
     kv_cache: int
+    # the activations alive while the logits chunks run: with gradient checkpointing only the block inputs (the
+    # recomputed block's set comes later, in backward: measured apart at Qwen2.5-1.5B, docs/performance.md 3.5);
+    # None: all of them (without checkpointing every block's set is kept through the forward)
+    kept: int | None = None
+
+    @property
+    def training(self) -> int:
+        """The training pass's peak over the gradients and states: activations, and the logits chunk on top of what
+        is kept while it runs."""
+        kept = self.activations if self.kept is None else self.kept
+        return max(self.activations, kept + self.logits)
 
     @property
     def total(self) -> int:
         # sampling (KV cache) and training (activations, logits) do not overlap; gradients and optimizer states
         # live through the training pass
-        return self.resident + self.gradients + self.optimizer + max(self.kv_cache, self.activations + self.logits)
+        return self.resident + self.gradients + self.optimizer + max(self.kv_cache, self.training)
 
     def describe(self) -> str:
         parts = [("already resident (models loaded)", self.resident), ("gradients", self.gradients),
@@ -77,15 +115,83 @@ class StepMemory:
         return ", ".join(f"{name} {value / GB:.2f}" for name, value in parts)
 
 
+def _is_4bit(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "Linear4bit" or type(getattr(module, "weight", None)).__name__ == "Params4bit"
+
+
+def _adapted_layers(model: torch.nn.Module) -> list[tuple[int, float, int]]:
+    """(input features, dropout p, the adapter's bytes a value) of each PEFT LoRA layer."""
+    out = []
+    for module in model.modules():
+        lora_a = getattr(module, "lora_A", None)
+        if isinstance(lora_a, torch.nn.ModuleDict) and len(lora_a):
+            name = next(iter(lora_a))
+            dropouts = getattr(module, "lora_dropout", {})
+            p = getattr(dropouts[name], "p", 0.0) if name in dropouts else 0.0
+            out.append((lora_a[name].in_features, float(p), lora_a[name].weight.element_size()))
+    return out
+
+
+def activation_bytes(model: torch.nn.Module, *, bf16: bool, load_in_4bit: bool | None = None,
+                     device_type: str | None = None) -> dict[str, int]:
+    """What one decoder block keeps for backward, by the module docstring's accounting: bytes per token of the
+    block's own set ("block"), of the block input a checkpointed model keeps ("input"), of the working set of the
+    block being run ("working"), and the bytes per block that do not grow with tokens ("fixed": bf16 copies of fp32
+    weights under autocast). `load_in_4bit` and `device_type` say what the model will be when it is a stand-in
+    (the meta-device model of `recipe_memory`): read from the model otherwise."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    h = config.hidden_size
+    i = getattr(config, "intermediate_size", 4 * h)
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, getattr(config, "num_key_value_heads", heads) * head_dim
+    linears = [m for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and "lora_" not in n
+               and m is not base.get_output_embeddings()]
+    quantized = any(_is_4bit(m) for m in base.modules()) if load_in_4bit is None else load_in_4bit
+    if device_type is None:
+        device_type = next(model.parameters()).device.type
+    # the residual stream's dtype: the embedding's; prepare_model_for_kbit_training keeps a 4-bit model's other
+    # weights (embeddings, norms) in fp32
+    s = 4 if quantized else base.get_input_embeddings().weight.element_size()
+    cast = bf16 and s > 2  # autocast makes bf16 copies of the fp32 tensors a product reads
+    c = 2 if bf16 else s  # SDPA and plain linear layers compute (and return) in this
+    o = s if quantized else c  # a bitsandbytes 4-bit layer returns its input's dtype: the fp32 stream
+    block = 2 * h * 4 + (2 * q + 2 * kv) * c + 3 * i * o
+    shared_inputs = (2 * h + i) * s  # q/k/v's and gate/up's normalised inputs, down's input; o's is SDPA's output
+    trainable = [m for m in linears if m.weight.requires_grad]
+    if trainable:  # full fine-tuning: each weight's gradient reads its layer's input; the norms' their own
+        block += (sum(m.in_features for m in trainable) * 2 // layers if cast else shared_inputs) + 2 * h * s
+    adapted = _adapted_layers(model)
+    if adapted:
+        inputs = sum(n for n, _, _ in adapted) // layers
+        dropout = any(p > 0 for _, p, _ in adapted)
+        adapter = adapted[0][2]
+        if bf16:  # autocast hands lora_A (an fp32 adapter) a bf16 copy of each adapted layer's input, and keeps it
+            block += inputs * 2
+        elif dropout or adapter != s:  # each adapted layer's own dropped-out (or cast) copy
+            block += inputs * adapter
+        else:
+            block += shared_inputs
+        if dropout:  # the mask: a float tensor on a CPU (torch's dropout there multiplies by one), bool on CUDA
+            block += inputs * (adapter if device_type == "cpu" else 1)
+    fixed = 0
+    if cast and not quantized:  # the bf16 copy of each fp32 weight that its product (and its backward) reads
+        fixed = sum(m.weight.numel() for m in linears) * 2 // layers
+    return {"block": block, "input": h * s, "working": 3 * i * o, "fixed": fixed, "layers": layers}
+
+
 def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, tokens_per_micro_batch: int,
                          sampling_tokens: int, gradient_checkpointing: bool, bf16: bool,
-                         vllm: bool = False) -> StepMemory:
-    """StepMemory for `model` (the policy, PEFT or not) with the step's shapes; see the module docstring."""
+                         vllm: bool = False, load_in_4bit: bool | None = None,
+                         device_type: str | None = None) -> StepMemory:
+    """StepMemory for `model` (the policy, PEFT or not) with the step's shapes; see the module docstring.
+    `load_in_4bit`, `device_type`: for a stand-in model (`activation_bytes`)."""
     config = getattr(model, "config", None)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", config)
     hidden = config.hidden_size
-    inner = getattr(config, "intermediate_size", 4 * hidden)
     layers = config.num_hidden_layers
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", heads)
@@ -94,22 +200,31 @@ def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, t
     trainable = [p for p in model.parameters() if p.requires_grad]
     grads = sum(p.numel() * p.element_size() for p in trainable)
     optimizer = sum(p.numel() for p in trainable) * optimizer_state_bytes(optim)
-    scale = 1.0 if bf16 else 2.0  # fp32 activations take twice the bf16 ones
-    per_block = int((34 * hidden + 8 * inner) * scale)
-    if gradient_checkpointing:
-        activations = tokens_per_micro_batch * (4 * hidden * layers + per_block)
+    act = activation_bytes(model, bf16=bf16, load_in_4bit=load_in_4bit, device_type=device_type)
+    tokens = tokens_per_micro_batch
+    kept = None
+    if gradient_checkpointing:  # every block's input, and one block's set while it is recomputed and run backward
+        kept = tokens * layers * act["input"]
+        activations = kept + tokens * (act["block"] + act["working"]) + act["fixed"]
     else:
-        activations = tokens_per_micro_batch * per_block * layers
+        activations = tokens * (layers * (act["input"] + act["block"]) + act["working"]) + layers * act["fixed"]
     rows = min(tokens_per_micro_batch, max(1, CHUNK_ELEMENTS // vocab))
     # four buffers: measured on a CPU (token_logps_and_entropy, vocabulary 49152, 170 to 512 rows a chunk, with and
     # without the chunk recomputation) the peak is 4.0 to 4.6 buffers in the forward and 3.6 to 4.0 in backward, and
     # tests/test_memory.py measures 3.99; three (logits, softmax, gradient) missed the entropy's temporaries. Rows
     # count the prompt tokens too, although logits are formed at completion positions only: an over-count while a
-    # micro-batch is under one chunk.
+    # micro-batch is under one chunk. Under bf16 autocast an fp32 output layer (a 4-bit model's, whose embedding
+    # prepare_model_for_kbit_training keeps in fp32, and tied) is copied to bf16 for each chunk's product: 0.43 GB at
+    # Qwen2.5-1.5B's 151,936 x 1,536, measured with the chunk (scripts/bench_memory.py, docs/performance.md 3.5).
     logits = 4 * rows * vocab * 4
+    head = base.get_output_embeddings()
+    head_bytes = 4 if (load_in_4bit or any(_is_4bit(m) for m in base.modules())) else \
+        (head.weight.element_size() if head is not None else 2)
+    if bf16 and head_bytes > 2 and head is not None:
+        logits += head.weight.numel() * 2
     kv_cache = 0 if vllm else 2 * layers * kv_heads * head_dim * sampling_tokens * (2 if bf16 else 4)
     return StepMemory(resident=resident, gradients=grads, optimizer=optimizer, activations=activations,
-                      logits=logits, kv_cache=kv_cache)
+                      logits=logits, kv_cache=kv_cache, kept=kept)
 
 
 def step_token_counts(cfg) -> dict[str, int]:
@@ -147,7 +262,7 @@ def memory_budget(device: torch.device, max_memory_gb: float | None) -> tuple[in
 
 def fit_advice(estimate: StepMemory, *, use_peft: bool, gradient_checkpointing: bool, optim: str) -> str:
     """The settings to lower, biggest part first."""
-    activations = estimate.activations + estimate.logits
+    activations = estimate.training
     states = estimate.gradients + estimate.optimizer
     advice = []
     if max(activations, estimate.kv_cache) >= states:
@@ -264,6 +379,7 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                                                 lora_dropout=cfg.lora_dropout,  # its masks are activations
                                                  target_modules=_lora_targets(cfg.lora_target_modules),
                                                  task_type="CAUSAL_LM"))
     size = torch.finfo(dtype).bits // 8
@@ -289,7 +405,7 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
     parts["CUDA context, workspaces, allocator slack (allowance)"] = GPU_OVERHEAD
     step = estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16,
                                 vllm=bool(cfg.use_vllm), gradient_checkpointing=cfg.gradient_checkpointing,
-                                **step_token_counts(cfg))
+                                load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda", **step_token_counts(cfg))
     return parts, step
 
 

@@ -72,7 +72,7 @@ ROWS = [
     ("activations", "activations: peak of the decoder's forward / backward"),
     ("logits", "logits chunk (in the step)"),
     ("logits_alone", "logits chunk (alone)"),
-    ("activations_logits", "activations + logits: the step's forward+backward peak"),
+    ("activations_logits", "training pass: activations and logits chunk, the forward+backward peak"),
     ("reference", "reference pass (no grad): peak"),
     ("kv_cache", "sampling KV cache (held)"),
 ]
@@ -89,12 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", default=str(RECIPE), help="The YAML recipe whose settings are measured.")
     p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto",
                    help="bf16 autocast (auto: where lib/modeling.native_bf16 says the CPU runs bf16 natively).")
+    p.add_argument("--dtype", choices=["gpu", "cpu", "bfloat16", "float32"], default="gpu",
+                   help="The dtype load_policy gets, which is the 4-bit layers' compute dtype: gpu (default) the "
+                   "trainer's choice on a bf16 GPU (lib/config.weights_dtype: bfloat16 for a LoRA base where bf16 is "
+                   "on), cpu the trainer's choice on a CPU (float32), or one named.")
     p.add_argument("--no_kv", action="store_true", help="Leave out the KV-cache prefill (the longest part after "
                    "the step).")
+    p.add_argument("--kv_rows", type=int, help="Prefill this many rows instead of the whole generation batch and "
+                   "scale the cache to it (each row's keys and values are its own, so it scales exactly); the "
+                   "prefill is the longest part after the step.")
     p.add_argument("--no_reference", action="store_true", help="Leave out the no-grad reference pass.")
     p.add_argument("--model_dir", help="Keep the random-weight model folders here (default: a temporary folder, "
                    "removed at the end).")
     p.add_argument("--json", help="Write every configuration's numbers here.")
+    p.add_argument("--table", nargs="+", metavar="JSON", help="Print the tables of results written by --json "
+                   "before, with the estimates as lib/memory.py computes them now, and exit.")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one configuration in a child process
     p.add_argument("--build", nargs=2, help=argparse.SUPPRESS)  # internal: SHAPE FOLDER, build a model there
     return p
@@ -194,6 +203,10 @@ def run_worker(spec: dict) -> dict:
     from lib.rollout import HFRollout, prefill
 
     clock = time.perf_counter()
+
+    def say(what: str) -> None:  # progress, to the parent's output
+        print(f"    [{time.perf_counter() - clock:6.0f} s] {what}", flush=True)
+
     out: dict = {"shape": spec["shape"], "calibration": calibrate(), "seconds": {}, "parts": {}}
     length = spec["max_completion_length"]
     values = {**load_yaml(spec["recipe"]), "model_name_or_path": spec["model"], "max_completion_length": length}
@@ -202,19 +215,26 @@ def run_worker(spec: dict) -> dict:
     cfg = make_config(values)
     bf16 = native_bf16("cpu") if spec["bf16"] == "auto" else spec["bf16"] == "true"
     accelerator = Accelerator(cpu=True, mixed_precision="bf16" if bf16 else "no")  # as train_agrpo.setup
+    if spec["dtype"] in ("gpu", "cpu"):
+        dtype = weights_dtype(cfg.dtype, lora=cfg.use_peft, device="cuda" if spec["dtype"] == "gpu" else "cpu",
+                              bf16=bf16)
+    else:
+        dtype = getattr(torch, spec["dtype"])
     prompt_length, batch, group = cfg.max_prompt_length, cfg.per_device_train_batch_size, cfg.num_generations
     out["settings"] = {"max_completion_length": length, "max_prompt_length": prompt_length,
                        "per_device_train_batch_size": batch, "num_generations": group,
                        "gradient_accumulation_steps": cfg.gradient_accumulation_steps, "bf16": bf16,
-                       "dtype": str(weights_dtype(cfg.dtype)), "optim": cfg.optim, "beta": cfg.beta,
+                       "dtype": str(dtype), "optim": cfg.optim, "beta": cfg.beta,
+                       "lora_r": cfg.lora_r, "lora_alpha": cfg.lora_alpha,
                        "lora_dropout": cfg.lora_dropout, "threads": torch.get_num_threads()}
     parts = out["parts"]
 
+    say("loading the policy")
     # the policy, as train_agrpo.setup loads it
     t0 = time.perf_counter()
     before = resident()
     restart_peak()
-    policy = load_policy(spec["model"], dtype=weights_dtype(cfg.dtype), use_peft=cfg.use_peft, lora_r=cfg.lora_r,
+    policy = load_policy(spec["model"], dtype=dtype, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
                          lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                          lora_target_modules=cfg.lora_target_modules, use_rslora=cfg.use_rslora,
                          load_in_4bit=cfg.load_in_4bit, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
@@ -234,6 +254,7 @@ def run_worker(spec: dict) -> dict:
     config = lm.config
     vocab = config.vocab_size
 
+    say("the sampler's copy")
     # the sampler's copy and its KV cache
     t0 = time.perf_counter()
     before = resident()
@@ -255,17 +276,21 @@ def run_worker(spec: dict) -> dict:
     out["tokens"] = dict(counts)
     generator = torch.Generator().manual_seed(0)
     if not spec["no_kv"]:
+        say("the KV cache's prefill")
         t0 = time.perf_counter()
         rows = batch * cfg.gradient_accumulation_steps  # the generation batch, one generate call
-        ids = torch.randint(vocab, (rows, prompt_length + length), generator=generator)
+        run_rows = min(spec.get("kv_rows") or rows, rows)
+        scale = rows / run_rows
+        ids = torch.randint(vocab, (run_rows, prompt_length + length), generator=generator)
         with torch.no_grad(), engine.autocast():
             before = resident()
             restart_peak()
             logits, cache = prefill(engine.model, ids, torch.ones_like(ids))
             cache_tensors = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
             held = resident() - before - logits.nbytes
-            parts["kv_cache"] = {"estimate": estimate.kv_cache, "measured": held, "peak": peak() - before,
-                                 "tensors": cache_tensors, "rows": rows, "dtype": str(cache.layers[0].keys.dtype)}
+            parts["kv_cache"] = {"estimate": estimate.kv_cache, "measured": int(held * scale),
+                                 "peak": int((peak() - before) * scale), "tensors": int(cache_tensors * scale),
+                                 "rows": rows, "rows_prefilled": run_rows, "dtype": str(cache.layers[0].keys.dtype)}
             del logits, cache
         out["seconds"]["kv_prefill"] = time.perf_counter() - t0
     del engine
@@ -287,6 +312,7 @@ def run_worker(spec: dict) -> dict:
 
     ref_logp = None
     if cfg.beta > 0 and not spec["no_reference"]:
+        say("the reference pass")
         t0 = time.perf_counter()
         policy.eval()  # as in train_agrpo.reference_and_old_logps: after sampling, the policy in eval mode
         before = resident()
@@ -327,6 +353,7 @@ def run_worker(spec: dict) -> dict:
             restart_peak()
 
     handle = decoder.register_forward_hook(after_decoder)
+    say("the training step")
     base = resident()
     restart_peak()
     with accelerator.autocast():
@@ -345,6 +372,7 @@ def run_worker(spec: dict) -> dict:
                           global_num_tokens=completion_mask.sum() * cfg.gradient_accumulation_steps,
                           max_completion_length=length, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     forward_seconds = time.perf_counter() - t0
+    say("backward")
     accelerator.backward(loss)
     decoder_backward = peak()
     del logp, entropy, per_token, loss
@@ -361,19 +389,20 @@ def run_worker(spec: dict) -> dict:
     activations = max(marks["decoder_forward"], decoder_backward) - base
     parts["gradients"] = {"estimate": estimate.gradients, "measured": grads}
     parts["optimizer"] = {"estimate": estimate.optimizer, "measured": states}
-    per_block = estimate.activations - counts["tokens_per_micro_batch"] * 4 * config.hidden_size * \
-        config.num_hidden_layers if cfg.gradient_checkpointing else 0
-    parts["kept"] = {"estimate": estimate.activations - per_block, "measured": marks["kept"]}
+    # without checkpointing every block's set; with it, the block inputs
+    kept = estimate.activations if estimate.kept is None else estimate.kept
+    parts["kept"] = {"estimate": kept, "measured": marks["kept"]}
     parts["activations"] = {"estimate": estimate.activations, "measured": activations,
                             "decoder_forward": marks["decoder_forward"] - base,
                             "decoder_backward": decoder_backward - base}
     # the chunk's own share: the vocabulary phase's peak over what the forward kept
     parts["logits"] = {"estimate": estimate.logits, "measured": logits_peak - base - marks["kept"]}
-    parts["activations_logits"] = {"estimate": estimate.activations + estimate.logits,
+    parts["activations_logits"] = {"estimate": estimate.training,
                                    "measured": max(activations, logits_peak - base)}
     out["scored_positions"] = sum(positions)
     out["hidden_dtype"] = marks["hidden_dtype"]
 
+    say("a logits chunk alone")
     # one logits chunk alone: two chunks' rows through the model's output head (the recomputing path of the step)
     t0 = time.perf_counter()
     rows = 2 * max(1, CHUNK_ELEMENTS // vocab)
@@ -385,7 +414,10 @@ def run_worker(spec: dict) -> dict:
     with accelerator.autocast():
         logp, entropy = token_logps_and_entropy(hidden, OutputHead(lm), ids, torch.ones(rows))
     logp.sum().backward()
-    parts["logits_alone"] = {"estimate": estimate.logits, "measured": peak() - before, "rows": rows // 2}
+    chunk_estimate = estimate_step_memory(policy, resident=0, optim=cfg.optim, tokens_per_micro_batch=rows,
+                                          sampling_tokens=0, gradient_checkpointing=cfg.gradient_checkpointing,
+                                          bf16=bf16).logits  # one chunk: the estimate at these rows
+    parts["logits_alone"] = {"estimate": chunk_estimate, "measured": peak() - before, "rows": rows // 2}
     out["seconds"]["logits_alone"] = time.perf_counter() - t0
     out["seconds"]["total"] = time.perf_counter() - clock
     return out
@@ -398,31 +430,77 @@ def gb(value) -> str:
     return "" if value is None else f"{value / GB:.2f}"
 
 
+def current_estimates(result: dict) -> dict[str, dict[str, int]]:
+    """lib/memory's estimate of each row for a result's shape and settings, computed now (so that a result measured
+    before a change of the formula is compared with the formula as it is): on a meta-device model of the shape with
+    the recipe's adapter, as lib/memory.recipe_memory builds it, at the micro-batch's counted tokens ("counted") and at
+    the token positions the scorer ran ("ran"), with a CPU's dropout masks; "gpu": the counted tokens with CUDA's."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lib.memory import CHUNK_ELEMENTS, activation_bytes, estimate_step_memory
+
+    s = result["settings"]
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPES[result["shape"]]))
+    model = get_peft_model(model, LoraConfig(r=s.get("lora_r", 16), lora_alpha=s.get("lora_alpha", 32),
+                                             lora_dropout=s["lora_dropout"], target_modules="all-linear",
+                                             task_type="CAUSAL_LM"))
+    config = model.get_base_model().config
+    out = {}
+    for name, tokens, device in (("counted", result["tokens"]["tokens_per_micro_batch"], "cpu"),
+                                 ("ran", result["scored_positions"], "cpu"),
+                                 ("gpu", result["tokens"]["tokens_per_micro_batch"], "cuda")):
+        options = dict(resident=0, optim=s["optim"], sampling_tokens=result["tokens"]["sampling_tokens"],
+                       gradient_checkpointing=True, bf16=s["bf16"], load_in_4bit=True, device_type=device)
+        e = estimate_step_memory(model, tokens_per_micro_batch=tokens, **options)
+        rows = 2 * max(1, CHUNK_ELEMENTS // config.vocab_size)
+        kept = tokens * config.num_hidden_layers * activation_bytes(model, bf16=s["bf16"], load_in_4bit=True,
+                                                                    device_type=device)["input"]
+        out[name] = {"gradients": e.gradients, "optimizer": e.optimizer, "kept": kept,
+                     "activations": e.activations, "logits": e.logits, "activations_logits": e.training,
+                     "kv_cache": e.kv_cache,
+                     "logits_alone": estimate_step_memory(model, tokens_per_micro_batch=rows, **options).logits}
+    return out
+
+
 def format_result(result: dict) -> str:
     s = result["settings"]
     cal = result["calibration"]
+    fresh = current_estimates(result)
+    counted, ran = result["tokens"]["tokens_per_micro_batch"], result["scored_positions"]
     lines = [f"\n{result['shape']}: {s['num_generations']} completions x {s['max_completion_length']} tokens of one "
              f"{s['max_prompt_length']}-token prompt a micro-batch (per_device_train_batch_size "
              f"{s['per_device_train_batch_size']}), bf16 autocast {s['bf16']}, weights dtype {s['dtype']}, optim "
              f"{s['optim']}, {s['threads']} threads",
              f"method check: a {cal['bytes'] / 2**20:.0f} MiB tensor read {cal['peak'] / 2**20:.1f} MiB peak, "
              f"{cal['held'] / 2**20:.1f} MiB held, {cal['after_free'] / 2**20:.1f} MiB after it was freed",
-             f"token positions: estimated {result['tokens']['tokens_per_micro_batch']} a micro-batch, the scorer "
-             f"ran {result['scored_positions']} (decoder output {result['hidden_dtype']}); sampling "
-             f"{result['tokens']['sampling_tokens']}",
+             f"token positions: {counted} counted a micro-batch (lib/memory.step_token_counts), the scorer ran {ran} "
+             f"(decoder output {result['hidden_dtype']}); sampling {result['tokens']['sampling_tokens']}",
              "",
-             "| part | estimate (GB) | measured (GB) | estimate / measured |",
-             "|---|---|---|---|"]
+             f"| part | estimate at {counted} tokens (GB) | estimate at {ran} (GB) | measured (GB) | "
+             f"estimate at {ran} / measured |",
+             "|---|---|---|---|---|"]
     for key, label in ROWS:
         part = result["parts"].get(key)
         if part is None:
             continue
-        est, measured = part["estimate"], part["measured"]
+        measured = part["measured"]
+        if key in fresh["counted"]:
+            est_counted, est = fresh["counted"][key], fresh["ran"][key]
+        else:  # weights: the bytes of the loaded tensors; the reference pass: not estimated
+            est_counted = est = part["estimate"]
         ratio = f"{est / measured:.2f}" if est is not None and measured > 0 else ""
-        lines.append(f"| {label} | {gb(est)} | {gb(measured)} | {ratio} |")
+        lines.append(f"| {label} | {gb(est_counted)} | {gb(est)} | {gb(measured)} | {ratio} |")
     e = result["estimate"]
-    lines.append(f"\nguard's estimate: resident {gb(e['resident'])} GB (this process, policy and sampler copy loaded) "
-                 f"+ step {gb(e['total'] - e['resident'])} GB = {gb(e['total'])} GB")
+    lines.append(f"\nthe trainer's resident set when it estimates (policy and sampler copy loaded): "
+                 f"{gb(e['resident'])} GB; a GPU's estimate of the step (CUDA's byte dropout masks, {counted} "
+                 f"tokens): activations {gb(fresh['gpu']['activations'])} GB, logits {gb(fresh['gpu']['logits'])} GB")
+    kv = result["parts"].get("kv_cache")
+    if kv is not None and kv.get("rows_prefilled", kv["rows"]) != kv["rows"]:
+        lines.append(f"KV cache: {kv['rows_prefilled']} of the generation batch's {kv['rows']} rows prefilled, scaled "
+                     f"to {kv['rows']}")
     lines.append("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in result["seconds"].items()))
     return "\n".join(lines)
 
@@ -432,6 +510,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.build:
         build_model(*args.build)
         return []
+    if args.table:
+        results = [r for path in args.table for r in json.loads(Path(path).read_text())]
+        for result in results:
+            print(format_result(result))
+        return results
     if args.worker:
         spec = json.loads(Path(args.worker).read_text())
         Path(spec["result"]).write_text(json.dumps(run_worker(spec)))
@@ -454,7 +537,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for length in args.lengths:
             spec = {"shape": args.shape, "model": str(model), "max_completion_length": length,
                     "max_prompt_length": args.max_prompt_length, "recipe": args.recipe, "bf16": args.bf16,
-                    "no_kv": args.no_kv, "no_reference": args.no_reference,
+                    "dtype": args.dtype,
+                    "no_kv": args.no_kv, "kv_rows": args.kv_rows, "no_reference": args.no_reference,
                     "result": str(Path(tmp) / f"result-{length}.json")}
             Path(tmp, "spec.json").write_text(json.dumps(spec))
             print(f"{args.shape} at {length} completion tokens ...", flush=True)
