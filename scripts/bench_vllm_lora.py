@@ -1,6 +1,7 @@
 """vLLM with a LoRA policy: decode time and sync time of the two ways the adapter reaches the engine.
 
     python scripts/bench_vllm_lora.py                         # embedded model, r16 adapter, 2 prompts x 4 x 32 tokens
+    python scripts/bench_vllm_lora.py --num_prompts 64 --num_generations 1   # a wide batch, as an evaluation
     python scripts/bench_vllm_lora.py --load_in_4bit --rounds 5 --max_new_tokens 64
 
 `merge` (every weight with the adapter merged in, sent each step) and `adapter` (vLLM's LoRA: the base once, the
@@ -37,7 +38,10 @@ def worker(args) -> dict:
     engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=512, seed=0,
                          dtype="bfloat16" if args.bf16 else "float32", sampling_kwargs={"ignore_eos": True},
                          lora_rank=max(adapter_ranks(policy)) if args.mode == "adapter" else None)
-    prompts = tokenizer(["What is 12 + 7?", "Name three colours."], return_tensors="pt", padding=True)
+    from lib.data import builtin_task, format_prompt, tokenize_prompts
+
+    records = builtin_task(seed=0, num_train=args.num_prompts, num_eval=1)[0][: args.num_prompts]
+    ids, mask = tokenize_prompts(tokenizer, [format_prompt(tokenizer, r["problem"]) for r in records], 256)
     syncs, calls = [], []
     for _ in range(args.rounds):
         with torch.no_grad():  # an optimizer step's worth of change in the adapter
@@ -48,8 +52,7 @@ def worker(args) -> dict:
         engine.sync_weights(policy)
         syncs.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        out = engine.generate(prompts.input_ids, prompts.attention_mask, args.num_generations, args.max_new_tokens,
-                              temperature=0.8)
+        out = engine.generate(ids, mask, args.num_generations, args.max_new_tokens, temperature=0.8)
         calls.append(time.perf_counter() - t0)
     engine.close()
     return {"sync_s": syncs, "sample_s": calls, "tokens": int(out.completion_mask.sum())}
@@ -61,6 +64,7 @@ def main() -> None:
     p.add_argument("--lora_r", type=int, default=16)
     p.add_argument("--load_in_4bit", action="store_true")
     p.add_argument("--bf16", action="store_true", help="A bf16 engine (default fp32).")
+    p.add_argument("--num_prompts", type=int, default=2, help="Prompts of the built-in task per call.")
     p.add_argument("--num_generations", type=int, default=4)
     p.add_argument("--max_new_tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
