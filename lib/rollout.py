@@ -512,7 +512,8 @@ def policy_weights(policy: torch.nn.Module, merge_adapter: bool = True):
         if _is_lora_layer(module):
             inside = prefix
             base = module.base_layer
-            weight = merged_linear(module)[0] if merge_adapter else dense_weight(base)
+            with torch.no_grad():
+                weight = merged_linear(module)[0] if merge_adapter else dense_weight(base)
             yield f"{prefix}weight", weight
             if base.bias is not None:
                 yield f"{prefix}bias", base.bias
@@ -520,7 +521,7 @@ def policy_weights(policy: torch.nn.Module, merge_adapter: bool = True):
         for key, tensor in module.named_parameters(recurse=False):
             if tied and f"{prefix}{key}" == "lm_head.weight":
                 continue
-            yield f"{prefix}{key}", dense_weight(module) if key == "weight" else tensor
+            yield f"{prefix}{key}", (dense_weight(module) if key == "weight" else tensor).detach()
         for key, tensor in module.named_buffers(recurse=False):
             if key not in module._non_persistent_buffers_set:
                 yield f"{prefix}{key}", tensor
