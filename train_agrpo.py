@@ -83,7 +83,8 @@ from lib.memory import (GB, build_optimizer, check_step_memory, describe_recipe,
                         recipe_memory, resident_bytes, step_token_counts)
 from lib.methods import Method, RolloutContext, Sampled, TrainValues, choose_method
 from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_token_ids, is_adapter_folder,
-                          load_policy, load_reference, load_tokenizer, native_bf16, resolve_model_path)
+                          load_policy, load_reference, load_tokenizer, native_bf16, offloaded_activations,
+                          resolve_model_path)
 from lib.reward_models import load_reward_models
 from lib.reward_worker import RewardWorker
 from lib.rewards import resolve_reward_funcs
@@ -396,7 +397,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
         sync = m == len(step_micro) - 1  # gradients are all-reduced once, after the last micro-batch
         with (nullcontext() if sync else accelerator.no_sync(scorer)), \
                 (torch.no_grad() if skip_update else nullcontext()):
-            with accelerator.autocast():
+            with accelerator.autocast(), offloaded_activations(cfg.activation_offloading, accelerator.device):
                 logp, entropy = scorer(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows],
                                        roll.completion_ids[rows], roll.completion_mask[rows], roll.temperatures[rows],
                                        entropy_grad=cfg.eta > 0)
@@ -880,6 +881,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     # sampling or training; a run that would not fit stops here with the setting to lower
     estimate = estimate_step_memory(policy, resident=resident_bytes(device), optim=cfg.optim, bf16=bf16,
                                     vllm=cfg.use_vllm, gradient_checkpointing=cfg.gradient_checkpointing,
+                                    activation_offloading=cfg.activation_offloading and device.type == "cuda",
                                     **step_token_counts(cfg))
     try:
         check_step_memory(estimate, *memory_budget(device, cfg.max_memory), use_peft=lora,
@@ -891,6 +893,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
         note = hf_sampler_note(cfg, device.type == "cuda", importlib.util.find_spec("vllm") is not None)
         if note:
             tqdm.write(note)
+        if cfg.activation_offloading and device.type != "cuda":
+            tqdm.write("activation_offloading: ignored on a CPU (the saved activations are already in its memory)")
     # the scheduler is stepped by us once per optimizer step (Accelerate's wrapper would step it once per process)
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
                                 num_warmup_steps=warmup_steps(cfg),

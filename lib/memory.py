@@ -94,6 +94,8 @@ class StepMemory:
     # recomputed block's set comes later, in backward: measured apart at Qwen2.5-1.5B, docs/performance.md 3.5);
     # None: all of them (without checkpointing every block's set is kept through the forward)
     kept: int | None = None
+    # activation_offloading: the bytes saved for backward that live in host memory instead (not in `total`)
+    offloaded: int = 0
 
     @property
     def training(self) -> int:
@@ -112,6 +114,8 @@ class StepMemory:
         parts = [("already resident (models loaded)", self.resident), ("gradients", self.gradients),
                  ("optimizer states", self.optimizer), ("activations", self.activations),
                  ("logits chunk", self.logits), ("sampling KV cache", self.kv_cache)]
+        if self.offloaded:
+            parts.append(("offloaded to host memory (not counted)", self.offloaded))
         return ", ".join(f"{name} {value / GB:.2f}" for name, value in parts)
 
 
@@ -185,7 +189,7 @@ def activation_bytes(model: torch.nn.Module, *, bf16: bool, load_in_4bit: bool |
 def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, tokens_per_micro_batch: int,
                          sampling_tokens: int, gradient_checkpointing: bool, bf16: bool,
                          vllm: bool = False, load_in_4bit: bool | None = None,
-                         device_type: str | None = None) -> StepMemory:
+                         device_type: str | None = None, activation_offloading: bool = False) -> StepMemory:
     """StepMemory for `model` (the policy, PEFT or not) with the step's shapes; see the module docstring.
     `load_in_4bit`, `device_type`: for a stand-in model (`activation_bytes`)."""
     config = getattr(model, "config", None)
@@ -208,6 +212,11 @@ def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, t
         activations = kept + tokens * (act["block"] + act["working"]) + act["fixed"]
     else:
         activations = tokens * (layers * (act["input"] + act["block"]) + act["working"]) + layers * act["fixed"]
+    offloaded = 0
+    if activation_offloading:  # (a GPU's: lib/modeling.offloaded_activations) what is saved goes to host memory; the
+        # device holds the block being run (forward) or recomputed and run backward, one at a time
+        device_side = tokens * (act["block"] + act["working"]) + act["fixed"]
+        offloaded, activations, kept = max(0, activations - device_side), device_side, 0
     rows = min(tokens_per_micro_batch, max(1, CHUNK_ELEMENTS // vocab))
     # four buffers: measured on a CPU (token_logps_and_entropy, vocabulary 49152, 170 to 512 rows a chunk, with and
     # without the chunk recomputation) the peak is 4.0 to 4.6 buffers in the forward and 3.6 to 4.0 in backward, and
@@ -224,7 +233,7 @@ def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, t
         logits += head.weight.numel() * 2
     kv_cache = 0 if vllm else 2 * layers * kv_heads * head_dim * sampling_tokens * (2 if bf16 else 4)
     return StepMemory(resident=resident, gradients=grads, optimizer=optimizer, activations=activations,
-                      logits=logits, kv_cache=kv_cache, kept=kept)
+                      logits=logits, kv_cache=kv_cache, kept=kept, offloaded=offloaded)
 
 
 def step_token_counts(cfg) -> dict[str, int]:
@@ -405,7 +414,8 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
     parts["CUDA context, workspaces, allocator slack (allowance)"] = GPU_OVERHEAD
     step = estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16,
                                 vllm=bool(cfg.use_vllm), gradient_checkpointing=cfg.gradient_checkpointing,
-                                load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda", **step_token_counts(cfg))
+                                load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda",
+                                activation_offloading=bool(cfg.activation_offloading), **step_token_counts(cfg))
     return parts, step
 
 

@@ -13,11 +13,12 @@ import math
 import os
 import shutil
 import tempfile
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -402,7 +403,10 @@ def check_scoring_path(model: torch.nn.Module) -> None:
                           f"({type(error).__name__}: {error}); supported architectures: docs/models.md") from error
     finally:
         lm.train(was_training)
-    precise = next(p for p in lm.parameters() if p.is_floating_point()).dtype == torch.float32
+    # a 4-bit base keeps its other weights in fp32 but computes its linear layers in its compute dtype
+    precise = next(p for p in lm.parameters() if p.is_floating_point()).dtype == torch.float32 and all(
+        getattr(m, "compute_dtype", None) in (None, torch.float32) for m in lm.modules()
+        if type(m).__name__ == "Linear4bit")
     limit = (1e-3 if precise else 3e-2) * max(1.0, float(expected.abs().max()))
     if not max(gaps) <= limit:  # also refuses NaN
         raise ConfigError(f"model_name_or_path: {name} computes its logits in a way agrpo does not reproduce "
@@ -438,7 +442,9 @@ def completion_logps(
     autograd graph) are gathered for its completions: the result and its gradient are those of the full
     [prompt; completion] forward, at a fraction of the cost when G completions share a prompt. Logits are formed
     only at completion positions (the lm_head over a 49k vocabulary is a fifth of a small model's FLOPs).
-    Gradient checkpointing in transformers turns the cache off, so then the full sequences are run instead.
+    Under gradient checkpointing the prompt prefix is shared too (`checkpointed_prefix_cache`): both passes run
+    through the checkpointed blocks, which keep only their inputs; where that cannot be done (reentrant
+    checkpointing, sliding-window or linear-attention layers) the full sequences are run instead.
     """
     batch, width = completion_ids.shape
     chunks = []
@@ -470,23 +476,30 @@ def completion_logps(
     lm = unwrap_causal_lm(model)
     decoder = lm.get_decoder()
     lm_head = OutputHead(lm)  # the output layer with the model's logit post-processing (soft cap, scaling)
-    if share_prompt_prefix and not getattr(lm, "is_gradient_checkpointing", False):
+    checkpointed = bool(getattr(lm, "is_gradient_checkpointing", False)) and lm.training
+    through_checkpoints = checkpointed and checkpointed_prefix_cache(lm) is not None
+    if share_prompt_prefix and (not checkpointed or through_checkpoints):
         used, inverse = torch.unique(prompt_index, return_inverse=True)
-        cache = DynamicCache(config=lm.config)  # the layer kinds of the model: sliding, linear attention
-        prompt_out = decoder(input_ids=prompt_ids[used], attention_mask=prompt_mask[used],
-                             position_ids=positions_from_mask(prompt_mask[used]), past_key_values=cache,
-                             use_cache=True)
-        cache = prompt_out.past_key_values
-        cache.reorder_cache(inverse)  # every layer kind: keys and values, linear-attention states
-        first_hidden = prompt_out.last_hidden_state[:, -1][inverse]  # (B, H): predicts completion token 0
-        hidden = first_hidden[:, None]
-        if width > 1:
-            mask = torch.cat([prompt_mask[used][inverse], completion_mask[:, :-1]], dim=1)
-            start = prompt_mask[used].long().sum(-1)[inverse]
-            positions = start[:, None] + torch.arange(width - 1, device=start.device)[None, :]
-            rest = decoder(input_ids=completion_ids[:, :-1], attention_mask=mask, position_ids=positions,
-                           past_key_values=cache, use_cache=True).last_hidden_state
-            hidden = torch.cat([hidden, rest], dim=1)  # (B, T, H)
+        # the layer kinds of the model (sliding, linear attention); under checkpointing, plain layers that a block's
+        # recomputation can call again (`checkpointed_prefix_cache`)
+        cache = checkpointed_prefix_cache(lm) if through_checkpoints else DynamicCache(config=lm.config)
+        with _cache_through_checkpoints(lm, through_checkpoints):
+            prompt_out = decoder(input_ids=prompt_ids[used], attention_mask=prompt_mask[used],
+                                 position_ids=positions_from_mask(prompt_mask[used]), past_key_values=cache,
+                                 use_cache=not through_checkpoints)  # (a checkpointed block warns at use_cache)
+            if through_checkpoints:
+                cache = _SharedPrefixLayer.cache_for(cache, inverse)
+            else:
+                cache.reorder_cache(inverse)  # every layer kind: keys and values, linear-attention states
+            first_hidden = prompt_out.last_hidden_state[:, -1][inverse]  # (B, H): predicts completion token 0
+            hidden = first_hidden[:, None]
+            if width > 1:
+                mask = torch.cat([prompt_mask[used][inverse], completion_mask[:, :-1]], dim=1)
+                start = prompt_mask[used].long().sum(-1)[inverse]
+                positions = start[:, None] + torch.arange(width - 1, device=start.device)[None, :]
+                rest = decoder(input_ids=completion_ids[:, :-1], attention_mask=mask, position_ids=positions,
+                               past_key_values=cache, use_cache=not through_checkpoints).last_hidden_state
+                hidden = torch.cat([hidden, rest], dim=1)  # (B, T, H)
     else:
         ids = torch.cat([prompt_ids[prompt_index], completion_ids], dim=1)
         mask = torch.cat([prompt_mask[prompt_index], completion_mask], dim=1)
@@ -507,6 +520,96 @@ def completion_logps(
         entropy = torch.zeros(batch, width, dtype=torch.float32, device=completion_ids.device)
         entropy = entropy.masked_scatter(keep, entropy_flat)
     return logp, entropy
+
+
+class _PromptLayer(DynamicLayer):
+    """A prompt pass's cache layer that a checkpointed block may call twice: the first call (the forward) keeps the
+    keys and values, a later one (the block recomputed in backward) returns its own states and keeps nothing, so the
+    recomputation does what the forward did."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+            self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+class _SharedPrefixLayer(DynamicLayer):
+    """The completions' cache layer: the prompts' keys and values (with their autograd graph) and which prompt each
+    completion continues, read and never written, so a checkpointed block recomputed in backward sees what its
+    forward saw. Each completion's copy of its prompt's states is made inside the block, so the checkpoint frees it
+    with the block's other intermediates instead of keeping G copies of every layer's prefix to backward."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return (torch.cat([self.keys[self.index], key_states], dim=-2),
+                torch.cat([self.values[self.index], value_states], dim=-2))
+
+    @classmethod
+    def cache_for(cls, prompts: DynamicCache, index: torch.Tensor) -> DynamicCache:
+        """A cache whose row b holds prompt `index[b]`'s keys and values from the filled prompt cache."""
+        cache = DynamicCache()
+        cache.layers = []
+        if not all(layer.is_initialized for layer in prompts.layers):
+            raise RuntimeError("the prompt pass left the shared-prefix cache empty: this architecture's attention "
+                               "does not write to the cache it is given; run with share_prompt_prefix false")
+        for filled in prompts.layers:
+            layer = cls()
+            layer.dtype, layer.device, layer.is_initialized = filled.dtype, filled.device, True
+            layer.keys, layer.values, layer.index = filled.keys, filled.values, index
+            cache.layers.append(layer)
+        return cache
+
+
+def checkpointed_prefix_cache(lm: torch.nn.Module) -> DynamicCache | None:
+    """An empty prompt cache for the prefix-shared forward under transformers' gradient checkpointing, or None where
+    that cannot be done exactly and the full sequences are run instead.
+
+    Transformers drops the cache inside a checkpointed block because a block recomputed in backward would append its
+    keys and values a second time. Our two caches are safe to call twice (`_PromptLayer`, `_SharedPrefixLayer`), so
+    the blocks are told to keep them (`_cache_through_checkpoints`): each block still keeps only its input from
+    forward to backward, and the prompt runs once per distinct prompt instead of once per completion
+    (docs/performance.md 3.2). Needs non-reentrant checkpointing, whose recomputation is differentiated through
+    tensors the block reads from outside its inputs (the prompt's keys and values), and layers that all attend to
+    the full sequence (a sliding window or a linear-attention state is not a pure function of the call)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
+        return None
+    blocks = _checkpointed_blocks(lm)
+    if not blocks:  # (a model that checkpoints in its own loop, not in its blocks)
+        return None
+    for block in blocks:
+        func = getattr(block, "_gradient_checkpointing_func", None)
+        if func is None:
+            return None
+        if getattr(func, "keywords", {}).get("use_reentrant", True):  # torch's default is still reentrant
+            return None
+    cache = DynamicCache(config=lm.config)
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    cache.layers = [_PromptLayer() for _ in cache.layers]
+    return cache
+
+
+def _checkpointed_blocks(lm: torch.nn.Module) -> list[torch.nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in lm.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+
+
+@contextmanager
+def _cache_through_checkpoints(lm: torch.nn.Module, enabled: bool):
+    """Within it, checkpointed blocks pass the cache to attention instead of dropping it (see
+    `checkpointed_prefix_cache`). The flag is read when a block runs forward; its recomputation in backward reuses the
+    arguments of that call."""
+    blocks = _checkpointed_blocks(lm) if enabled else []
+    for block in blocks:
+        block._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for block in blocks:
+            del block._can_checkpoint_with_cache
 
 
 def length_chunks(lengths: list[int], overhead: int = 64) -> list[list[int]]:
@@ -550,6 +653,17 @@ class CompletionScorer(torch.nn.Module):
                                 temperatures, share_prompt_prefix=self.share_prompt_prefix,
                                 with_entropy=with_entropy, entropy_grad=entropy_grad,
                                 entropy_at_unit_temperature=entropy_at_unit_temperature)
+
+
+def offloaded_activations(enabled: bool, device: torch.device | str):
+    """The context a training forward runs in: with `activation_offloading` on a GPU, every tensor autograd saves
+    for backward is copied to pinned CPU memory as it is saved and back when backward needs it (torch's
+    `save_on_cpu`); under gradient checkpointing these are the blocks' inputs (torch's non-reentrant checkpoint saves
+    them through the same hooks) and the logits chunks' inputs. A no-op elsewhere: on a CPU there is nowhere else to
+    put them."""
+    if enabled and torch.device(device).type == "cuda":
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    return nullcontext()
 
 
 def native_bf16(device: torch.device | str) -> bool:

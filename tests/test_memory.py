@@ -460,3 +460,64 @@ def test_step_token_counts_of_a_configuration():
     # 16 completions x 64 + 3 prompts (2 whole groups, one more when a micro-batch straddles a group) x 256
     assert step_token_counts(cfg) == {"tokens_per_micro_batch": 16 * 64 + 3 * 256,
                                       "sampling_tokens": 32 * (256 + 64)}
+
+
+def test_activation_offloading_moves_the_checkpointed_block_inputs(tmp_path):
+    """What activation_offloading moves to host memory (lib/modeling.offloaded_activations: torch's save_on_cpu, so
+    every tensor autograd saves in the training forward) against the estimate's `offloaded`: under non-reentrant
+    gradient checkpointing the blocks' inputs are saved through the same hooks (so they do move), and only they,
+    the last norm's and the logits chunks' inputs are. On a CPU save_on_cpu moves nothing, so the bytes it would
+    move are counted with the same hooks; the scores and gradients under save_on_cpu are checked against none."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lib.modeling import CompletionScorer, load_policy
+
+    config = Qwen2Config(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, bos_token_id=None,
+                         eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    generator = torch.Generator().manual_seed(1)
+    prompts, mask = torch.randint(3, 512, (1, 32), generator=generator), torch.ones(1, 32, dtype=torch.long)
+    completions = torch.randint(3, 512, (8, 96), generator=generator)
+    args = (prompts, mask, torch.zeros(8, dtype=torch.long), completions, torch.ones_like(completions),
+            torch.ones(8))
+
+    def saved_bytes(checkpointing: bool) -> tuple[int, torch.Tensor]:
+        policy = load_policy(str(tmp_path), gradient_checkpointing=checkpointing)
+        policy.train()
+        scorer, seen = CompletionScorer(policy), {}
+        weights = {p.untyped_storage().data_ptr() for p in policy.parameters()}  # (a tied head's transpose too)
+
+        def pack(tensor):
+            if tensor.untyped_storage().data_ptr() not in weights:
+                seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            logp, _ = scorer(*args, with_entropy=False)
+        logp.sum().backward()
+        grad = policy.model.layers[0].self_attn.k_proj.weight.grad.clone()
+        with torch.autograd.graph.save_on_cpu():  # the real context runs (moves nothing on a CPU)
+            logp_offloaded, _ = scorer(*args, with_entropy=False)
+        policy.zero_grad()
+        logp_offloaded.sum().backward()
+        torch.testing.assert_close(logp_offloaded, logp)
+        torch.testing.assert_close(policy.model.layers[0].self_attn.k_proj.weight.grad, grad)
+        return sum(seen.values()), policy
+
+    plain, _ = saved_bytes(False)
+    checkpointed, policy = saved_bytes(True)
+    tokens = 8 * 96 + 32  # completions and their one shared prompt (lib/memory.step_token_counts)
+    options = dict(BASE, bf16=False, sampling_tokens=0, tokens_per_micro_batch=tokens)
+    estimate = estimate_step_memory(policy, **{**options, "gradient_checkpointing": True},
+                                    activation_offloading=True, device_type="cuda")
+    block_inputs = tokens * config.num_hidden_layers * config.hidden_size * 4  # fp32 here
+    assert estimate.offloaded == block_inputs and estimate.kept == 0
+    # measured: the block inputs (2.43 MB), plus the last norm's input and output and the logits chunk's saved
+    # tensors (2.75 MB), which the estimate leaves in its device-side activations and logits chunk; a checkpoint
+    # that kept its inputs out of the hooks would show under half of the block inputs
+    assert 0.95 * block_inputs <= checkpointed <= 1.5 * block_inputs + estimate.logits
+    assert checkpointed < plain / 4  # the blocks' own sets are recomputed, not saved (and not moved)
+    without = estimate_step_memory(policy, **{**options, "gradient_checkpointing": True}, device_type="cuda")
+    assert without.total - estimate.total == block_inputs and without.offloaded == 0

@@ -49,6 +49,66 @@ def test_shared_prefix_logps_and_gradients_equal_the_full_forward(tiny_model, to
     assert_rel_close(g_shared, weight.grad, 1e-4, "k_proj gradient")
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_checkpointed_blocks_share_the_prompt_and_equal_the_plain_forward(tiny_model, tokenizer, lora):
+    """Under gradient checkpointing the prompt still runs once per distinct prompt (docs/performance.md 3.2), with
+    the values and gradients of the plain full-sequence forward without checkpointing."""
+    from lib.modeling import checkpointed_prefix_cache
+
+    plain = load_policy(tiny_model, use_peft=lora, lora_r=4)
+    checkpointed = load_policy(tiny_model, use_peft=lora, lora_r=4, gradient_checkpointing=True)
+    checkpointed.load_state_dict(plain.state_dict())
+    if lora:  # a non-zero adapter, the same in both
+        with torch.no_grad():
+            for (name, p), (_, q) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+                    q.copy_(p)
+    plain.train(), checkpointed.train()  # checkpointing acts in training mode (the tiny model has no dropout)
+    ro = _rollout(plain, tokenizer, tokens=12)
+    args = (ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ro.completion_ids, ro.completion_mask, ro.temperatures)
+    assert checkpointed_prefix_cache(checkpointed.get_base_model() if lora else checkpointed) is not None
+
+    positions = []  # token positions each decoder call embeds
+    embed = (checkpointed.get_base_model() if lora else checkpointed).model.embed_tokens
+    hook = embed.register_forward_hook(lambda m, inputs, out: positions.append(inputs[0].numel()))
+    ours, ent_ours = completion_logps(checkpointed, *args, share_prompt_prefix=True)
+    hook.remove()
+    expected, ent_expected = completion_logps(plain, *args, share_prompt_prefix=False)
+    # the prompts ran once each (2 distinct prompts, 6 completions), not once per completion; chunks by length may
+    # split the completions into several calls, each with its own prompts
+    full_positions = ro.completion_ids.shape[0] * (ro.prompt_ids.shape[1] + ro.completion_ids.shape[1])
+    assert sum(positions) < full_positions - 3 * ro.prompt_ids.shape[1]
+    assert_close_to_scale(ours, expected, 1e-4, "log-probs")
+    assert_close_to_scale(ent_ours, ent_expected, 1e-4, "entropies")
+
+    (ours * ro.completion_mask).sum().backward()
+    (expected * ro.completion_mask).sum().backward()
+    compared = 0
+    for (name, p), (_, q) in zip(checkpointed.named_parameters(), plain.named_parameters()):
+        if p.requires_grad and ("k_proj" in name or "lora_B" in name or "up_proj" in name):
+            # the prompt's keys feed every completion: their gradient comes back through the recomputed blocks
+            assert_rel_close(p.grad, q.grad, 1e-4, f"{name} gradient")
+            compared += 1
+    assert compared >= 2
+
+
+def test_reentrant_checkpointing_runs_the_full_sequences(tiny_model, tokenizer):
+    """Reentrant checkpointing does not differentiate through the prompt's keys read inside a block, so there the
+    scorer runs the full sequences (and still equals the plain forward)."""
+    from lib.modeling import checkpointed_prefix_cache
+
+    policy = load_policy(tiny_model, gradient_checkpointing=True,
+                         gradient_checkpointing_kwargs={"use_reentrant": True})
+    policy.train()
+    assert checkpointed_prefix_cache(policy) is None
+    ro = _rollout(policy, tokenizer, tokens=8)
+    args = (ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ro.completion_ids, ro.completion_mask, ro.temperatures)
+    ours, _ = completion_logps(policy, *args)
+    expected, _ = completion_logps(policy, *args, share_prompt_prefix=False)
+    assert_close_to_scale(ours, expected, 1e-5, "log-probs")
+
+
 def test_length_chunks_split_where_padding_costs_more_than_a_call():
     assert length_chunks([64] * 8) == [list(range(8))]  # equal lengths: one call
     # seven short rows and one long one: the long one alone (7 x 60 + 128 + 2 x 64 < 8 x 128 + 64)
