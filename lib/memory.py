@@ -428,6 +428,8 @@ def describe_recipe(parts: dict[str, int], step: StepMemory, budget: int | None)
                         ("logits chunk", step.logits), ("sampling KV cache (HF sampler)", step.kv_cache)):
         lines.append(f"{name:<58}{value / GB:>8.2f}")
     lines.append(f"{'peak (sampling and training do not overlap)':<58}{step.total / GB:>8.2f}")
+    if step.offloaded:
+        lines.append(f"{'activation_offloading: in pinned host memory, not above':<58}{step.offloaded / GB:>8.2f}")
     if budget is not None:
         verdict = "fits" if step.total <= budget else "does NOT fit"
         lines.append(f"{verdict} in {budget / GB:.1f} GB (max_memory)")

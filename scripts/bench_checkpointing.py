@@ -15,7 +15,7 @@ lib/modeling.CompletionScorer and run backward, in three settings, each in a fre
 It prints seconds (median of --repeats passes, after one warm-up pass) and the peak resident set above the loaded
 model (glibc's mmap threshold fixed at 64 KiB, the kernel's high-water mark restarted before the pass: the method of
 scripts/bench_memory.py), and the log-probs' largest difference between the settings. On a CPU the times are ratios
-only; docs/performance.md 3.2 has the numbers.
+only; docs/performance.md 3.6 has the numbers.
 """
 
 from __future__ import annotations

@@ -377,6 +377,7 @@ def run_worker(spec: dict) -> dict:
     decoder_backward = peak()
     del logp, entropy, per_token, loss
     grads = resident() - base
+    grad_tensors = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     out["seconds"]["forward"] = forward_seconds
     out["seconds"]["backward"] = time.perf_counter() - t0 - forward_seconds
     t0 = time.perf_counter()
@@ -387,7 +388,10 @@ def run_worker(spec: dict) -> dict:
     out["seconds"]["optimizer"] = time.perf_counter() - t0
     logits_peak = max(marks["logits"] or 0, logits_forward)
     activations = max(marks["decoder_forward"], decoder_backward) - base
-    parts["gradients"] = {"estimate": estimate.gradients, "measured": grads}
+    # the resident set's growth over the step, and the bytes of the .grad tensors themselves: on this CPU the first
+    # grew ~20 MB more than the second at both shapes (what the libraries keep after a first backward, oneDNN's
+    # primitive caches and scratchpads among them; a GPU's counterpart is in lib/memory.GPU_OVERHEAD)
+    parts["gradients"] = {"estimate": estimate.gradients, "measured": grads, "grad_tensors": grad_tensors}
     parts["optimizer"] = {"estimate": estimate.optimizer, "measured": states}
     # without checkpointing every block's set; with it, the block inputs
     kept = estimate.activations if estimate.kept is None else estimate.kept
@@ -497,6 +501,10 @@ def format_result(result: dict) -> str:
     lines.append(f"\nthe trainer's resident set when it estimates (policy and sampler copy loaded): "
                  f"{gb(e['resident'])} GB; a GPU's estimate of the step (CUDA's byte dropout masks, {counted} "
                  f"tokens): activations {gb(fresh['gpu']['activations'])} GB, logits {gb(fresh['gpu']['logits'])} GB")
+    grad = result["parts"].get("gradients", {})
+    if "grad_tensors" in grad:
+        lines.append(f"gradients: the .grad tensors hold {gb(grad['grad_tensors'])} GB of the "
+                     f"{gb(grad['measured'])} GB the resident set grew by over the step")
     kv = result["parts"].get("kv_cache")
     if kv is not None and kv.get("rows_prefilled", kv["rows"]) != kv["rows"]:
         lines.append(f"KV cache: {kv['rows_prefilled']} of the generation batch's {kv['rows']} rows prefilled, scaled "
