@@ -102,7 +102,7 @@ class ModelArguments:
                                         "pass saves for backward in pinned CPU memory (torch's save_on_cpu) and bring "
                                         "them back in backward: with gradient_checkpointing these are the blocks' "
                                         "inputs, the part that grows with completion length (docs/performance.md "
-                                        "3.2). Each byte crosses PCIe twice. Nothing to move on a CPU (ignored)."})
+                                        "3.6). Each byte crosses PCIe twice. Nothing to move on a CPU (ignored)."})
     use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA: scale alpha / sqrt(r) instead of "
                              "alpha / r (Kalajdzievski 2023)."})
     bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "load_in_4bit: nf4 | fp4 (bitsandbytes)."})

@@ -568,7 +568,7 @@ def checkpointed_prefix_cache(lm: torch.nn.Module) -> DynamicCache | None:
     keys and values a second time. Our two caches are safe to call twice (`_PromptLayer`, `_SharedPrefixLayer`), so
     the blocks are told to keep them (`_cache_through_checkpoints`): each block still keeps only its input from
     forward to backward, and the prompt runs once per distinct prompt instead of once per completion
-    (docs/performance.md 3.2). Needs non-reentrant checkpointing, whose recomputation is differentiated through
+    (docs/performance.md 3.6). Needs non-reentrant checkpointing, whose recomputation is differentiated through
     tensors the block reads from outside its inputs (the prompt's keys and values), and layers that all attend to
     the full sequence (a sliding window or a linear-attention state is not a pure function of the call)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
