@@ -75,7 +75,7 @@ from lib import checkpoint as ckpt
 from lib import health
 from lib import hub
 from lib.config import Config, ConfigError, hf_sampler_note, parse_config, resolve_epochs, reward_options, save_yaml, \
-    steps_per_rollout, to_dict, validate, warmup_steps, weights_dtype
+    reference_dtype, steps_per_rollout, to_dict, validate, warmup_steps, weights_dtype
 from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
 from lib.evaluation import generate_and_score, summarize
 from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, policy_ratio, truncated_importance_weights
@@ -860,8 +860,9 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     lora = hasattr(policy, "peft_config")
     reference = None  # none when beta is 0; with LoRA the base with the adapter disabled, not a second copy
     if cfg.beta > 0 and not lora:
-        # same dtype as the policy, so that under the same autocast the KL is exactly 0 before the first update
-        reference = CompletionScorer(load_reference(model_path, next(policy.parameters()).dtype, device,
+        # bf16 on a bf16 GPU, else the policy's dtype (lib/config.reference_dtype)
+        dtype = reference_dtype(cfg.dtype, next(policy.parameters()).dtype, device=device.type, bf16=bf16)
+        reference = CompletionScorer(load_reference(model_path, dtype, device,
                                                     trust_remote_code=cfg.trust_remote_code,
                                                     revision=cfg.model_revision))
     engine = make_engine(cfg, policy, tokenizer, model_path, bf16, rank)

@@ -1208,6 +1208,21 @@ def weights_dtype(name: str | None, *, lora: bool = False, device: str = "cpu", 
     return "auto" if name == "auto" else getattr(torch, name or "float32")
 
 
+def reference_dtype(name: str | None, policy_dtype: torch.dtype, *, device: str = "cpu",
+                    bf16: bool = False) -> torch.dtype | str:
+    """The dtype the frozen reference model (full fine-tuning, beta > 0) loads in. `dtype` when given, as the policy
+    loads (TRL loads both from the same model_init_kwargs). Unset: on a GPU with bf16, bf16, half the bytes of the
+    fp32 master weights it would otherwise copy; it only runs forward, under the bf16 autocast the policy's forward
+    runs in, so its products are bf16 either way (its norms and residual stream are bf16 instead of fp32, so the KL
+    before the first update is small rather than exactly 0). Elsewhere the policy's dtype, and the KL starts at
+    exactly 0 (docs/performance.md 3.3)."""
+    if name is not None:
+        return weights_dtype(name)
+    if device == "cuda" and bf16:
+        return torch.bfloat16
+    return policy_dtype
+
+
 def validate_length(cfg: Config) -> None:
     """max_steps, or -1 with num_train_epochs (TRL's convention), and the strategies that count in epochs."""
     if cfg.max_steps == -1:

@@ -372,7 +372,7 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
     reservation (its share of it, gpu_memory_utilization)."""
     from transformers import AutoModelForCausalLM
 
-    from lib.config import weights_dtype
+    from lib.config import reference_dtype, weights_dtype
     from lib.modeling import _lora_targets
 
     config = model_config(cfg.model_name_or_path, cfg.model_revision, cfg.trust_remote_code)
@@ -403,8 +403,11 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
         else:  # prepare_model_for_kbit_training keeps a 4-bit model's other weights in fp32
             weights += p.numel() * (4 if cfg.load_in_4bit else size)
     parts = {"policy weights": int(weights)}
-    if cfg.beta > 0 and not lora:
-        parts["reference model"] = total * size
+    if cfg.beta > 0 and not lora:  # bf16 on a bf16 GPU unless dtype says otherwise (lib/config.reference_dtype)
+        reference = reference_dtype(cfg.dtype, dtype, device="cuda", bf16=bf16)
+        if reference == "auto":
+            reference = dtype
+        parts["reference model"] = total * torch.finfo(reference).bits // 8
     if cfg.use_vllm:
         if gpu_bytes is None:
             raise ValueError("use_vllm reserves a share of the GPU's memory: give max_memory (the GPU's GB)")

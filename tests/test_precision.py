@@ -1,9 +1,11 @@
 """Half-precision frozen bases for LoRA and QLoRA: the base in bf16, the adapter and its optimizer states in fp32."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from lib.config import weights_dtype
+from lib.config import reference_dtype, weights_dtype
 from lib.memory import build_optimizer
 from lib.modeling import completion_logps, load_policy
 
@@ -16,6 +18,31 @@ def test_a_lora_base_is_frozen_in_bf16_on_a_bf16_gpu_and_fp32_elsewhere():
     assert weights_dtype(None, lora=False, device="cuda", bf16=True) == torch.float32  # full fine-tuning
     assert weights_dtype("float16", lora=True, device="cuda", bf16=True) == torch.float16  # asked for: as asked
     assert weights_dtype("auto") == "auto"
+
+
+def test_a_full_fine_tuning_reference_is_bf16_on_a_bf16_gpu_and_the_policys_dtype_elsewhere():
+    assert reference_dtype(None, torch.float32, device="cuda", bf16=True) == torch.bfloat16
+    assert reference_dtype(None, torch.float32, device="cuda", bf16=False) == torch.float32  # T4, V100
+    assert reference_dtype(None, torch.float32, device="cpu", bf16=True) == torch.float32  # the KL starts at 0
+    assert reference_dtype("float32", torch.float32, device="cuda", bf16=True) == torch.float32  # asked for
+    assert reference_dtype("bfloat16", torch.bfloat16, device="cpu") == torch.bfloat16
+    assert reference_dtype("auto", torch.bfloat16, device="cuda", bf16=True) == "auto"
+
+
+def test_the_recipe_estimate_counts_a_bf16_reference():
+    from lib.config import parse_config
+    from lib.memory import recipe_memory
+
+    sizes = {}
+    for dtype in (None, "float32"):
+        recipe = Path(__file__).resolve().parents[1] / "scripts/recipes/grpo_gsm8k_qwen05b.yaml"
+        argv = ["--config", str(recipe)] + (["--dtype", dtype] if dtype else [])
+        cfg = parse_config(argv)
+        parts, _ = recipe_memory(cfg, gpu_bytes=80 * 2**30)
+        sizes[dtype] = (parts["policy weights"], parts["reference model"])
+    weights, reference = sizes[None]
+    assert weights == 2 * reference  # fp32 master weights, a bf16 reference of the same parameters
+    assert sizes["float32"] == (weights, weights)
 
 
 @pytest.mark.parametrize("four_bit", [False, True])
