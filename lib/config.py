@@ -1209,18 +1209,14 @@ def weights_dtype(name: str | None, *, lora: bool = False, device: str = "cpu", 
 
 
 def reference_dtype(name: str | None, policy_dtype: torch.dtype, *, device: str = "cpu",
-                    bf16: bool = False) -> torch.dtype | str:
-    """The dtype the frozen reference model (full fine-tuning, beta > 0) loads in. `dtype` when given, as the policy
-    loads (TRL loads both from the same model_init_kwargs). Unset: on a GPU with bf16, bf16, half the bytes of the
-    fp32 master weights it would otherwise copy; it only runs forward, under the bf16 autocast the policy's forward
-    runs in, so its products are bf16 either way (its norms and residual stream are bf16 instead of fp32, so the KL
-    before the first update is small rather than exactly 0). Elsewhere the policy's dtype, and the KL starts at
-    exactly 0 (docs/performance.md 3.3)."""
-    if name is not None:
-        return weights_dtype(name)
-    if device == "cuda" and bf16:
-        return torch.bfloat16
-    return policy_dtype
+                    bf16: bool = False) -> torch.dtype:
+    """The dtype the frozen reference model (full fine-tuning, beta > 0) loads in, given `dtype` (`name`) and the
+    dtype the policy loaded in. With `dtype` given, the policy's (TRL loads both from the same model_init_kwargs).
+    Unset, on a GPU with bf16: bf16, half the bytes of the fp32 master weights it would otherwise copy; it only runs
+    forward, under the bf16 autocast the policy's forward runs in, so its products are bf16 either way (its norms and
+    residual stream are bf16 instead of fp32, so the KL before the first update is small rather than exactly 0).
+    Elsewhere the policy's, and the KL starts at exactly 0 (docs/performance.md 3.3)."""
+    return torch.bfloat16 if name is None and device == "cuda" and bf16 else policy_dtype
 
 
 def validate_length(cfg: Config) -> None:

@@ -405,8 +405,6 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
     parts = {"policy weights": int(weights)}
     if cfg.beta > 0 and not lora:  # bf16 on a bf16 GPU unless dtype says otherwise (lib/config.reference_dtype)
         reference = reference_dtype(cfg.dtype, dtype, device="cuda", bf16=bf16)
-        if reference == "auto":
-            reference = dtype
         parts["reference model"] = total * torch.finfo(reference).bits // 8
     if cfg.use_vllm:
         if gpu_bytes is None:

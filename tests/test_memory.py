@@ -238,10 +238,8 @@ def after_decoder(module, args, output):
     output.last_hidden_state.register_hook(after_logits)
 
 
-def after_logits(grad):  # the first decoder output's gradient (the completions'; the prompt's comes later)
-    if not marks.get("restarted"):
-        marks["restarted"] = True
-        restart_peak()
+def after_logits(grad):
+    restart_peak()
 
 
 decoder.register_forward_pre_hook(lambda m, a, k: positions.append(k["input_ids"].numel()), with_kwargs=True)
@@ -249,7 +247,6 @@ decoder.register_forward_hook(after_decoder)
 out = {"steps": []}
 for prompt_length, length in ((8, 8), (64, 448), (128, 896)):  # the first only primes the kernels
     positions.clear()
-    marks.clear()
     ones = torch.ones(1, prompt_length, dtype=torch.long)
     base = resident()
     restart_peak()

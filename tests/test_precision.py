@@ -26,16 +26,16 @@ def test_a_full_fine_tuning_reference_is_bf16_on_a_bf16_gpu_and_the_policys_dtyp
     assert reference_dtype(None, torch.float32, device="cpu", bf16=True) == torch.float32  # the KL starts at 0
     assert reference_dtype("float32", torch.float32, device="cuda", bf16=True) == torch.float32  # asked for
     assert reference_dtype("bfloat16", torch.bfloat16, device="cpu") == torch.bfloat16
-    assert reference_dtype("auto", torch.bfloat16, device="cuda", bf16=True) == "auto"
+    assert reference_dtype("auto", torch.bfloat16, device="cuda", bf16=True) == torch.bfloat16  # the checkpoint's
 
 
 def test_the_recipe_estimate_counts_a_bf16_reference():
     from lib.config import parse_config
     from lib.memory import recipe_memory
 
+    recipe = Path(__file__).resolve().parents[1] / "scripts/recipes/grpo_gsm8k_qwen05b.yaml"
     sizes = {}
     for dtype in (None, "float32"):
-        recipe = Path(__file__).resolve().parents[1] / "scripts/recipes/grpo_gsm8k_qwen05b.yaml"
         argv = ["--config", str(recipe)] + (["--dtype", dtype] if dtype else [])
         cfg = parse_config(argv)
         parts, _ = recipe_memory(cfg, gpu_bytes=80 * 2**30)
