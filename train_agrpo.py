@@ -72,6 +72,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
+from lib import distributed
 from lib import health
 from lib import hub
 from lib.config import Config, ConfigError, hf_sampler_note, parse_config, resolve_epochs, reward_options, save_yaml, \
@@ -395,7 +396,8 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     run.policy.train()
     for m, rows in enumerate(step_micro):
         sync = m == len(step_micro) - 1  # gradients are all-reduced once, after the last micro-batch
-        with (nullcontext() if sync else accelerator.no_sync(scorer)), \
+        # (sharded: every micro-batch's gradients are reduce-scattered; skipping that would keep full gradients)
+        with (nullcontext() if sync or run.sharded else accelerator.no_sync(scorer)), \
                 (torch.no_grad() if skip_update else nullcontext()):
             with accelerator.autocast(), offloaded_activations(cfg.activation_offloading, accelerator.device):
                 logp, entropy = scorer(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows],
@@ -446,7 +448,8 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     grad_norm = torch.zeros(())
     if not skip_update:
         grad_norm = accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else \
-            torch.sqrt(sum((p.grad.detach().float() ** 2).sum() for p in run.params if p.grad is not None))
+            distributed.grad_norm(run.params, accelerator)
+        grad_norm = distributed.full_tensor(grad_norm)
         # both are reduced over every process, so every process takes the same decision
         if not torch.isfinite(reduced[0]):
             nonfinite = f"the loss ({float(reduced[0])})"
@@ -605,10 +608,13 @@ def save_checkpoint(run: Run, state: TrainerState) -> None:
             staging.mkdir(parents=True)
         accelerator.wait_for_everyone()
         ckpt.write_rng(staging, accelerator.process_index, ckpt.rng_state({"rollout": run.engine.state_dict()}))
+        if run.sharded:  # every process writes its shards of the model and the optimizer states
+            distributed.save_sharded(accelerator, run.scorer, run.optimizer, staging)
         if main_process:
-            accelerator.unwrap_model(run.scorer).model.save_pretrained(staging)
+            if not run.sharded:
+                accelerator.unwrap_model(run.scorer).model.save_pretrained(staging)
+                torch.save(run.optimizer.state_dict(), staging / "optimizer.pt")
             run.tokenizer.save_pretrained(staging)
-            torch.save(run.optimizer.state_dict(), staging / "optimizer.pt")
             torch.save(run.scheduler.state_dict(), staging / "scheduler.pt")
     except Exception as exc:  # noqa: BLE001 - OSError, or torch.save's RuntimeError around one: reported below
         error = f"{type(exc).__name__}: {exc}"
@@ -653,8 +659,13 @@ def save_failed_message(run: Run, what: str, error: str) -> str:
 
 
 def check_finite_weights(run: Run, what: str) -> None:
-    """Refuse to save weights that are not finite (the trained ones; frozen ones never change)."""
-    if not all(bool(torch.isfinite(p).all()) for p in run.params):
+    """Refuse to save weights that are not finite (the trained ones; frozen ones never change). Every process
+    calls it: sharded, each checks its shards and all take the same decision."""
+    finite = all(bool(torch.isfinite(distributed.local_tensor(p)).all()) for p in run.params)
+    if run.sharded:
+        finite = bool(run.accelerator.reduce(torch.tensor(float(finite), device=run.accelerator.device),
+                                             reduction="sum") == run.accelerator.num_processes)
+    if not finite:
         raise ckpt.RunStopped(f"{what} not written: the weights are not finite (an optimizer step on finite "
                               f"gradients overflowed: lower learning_rate). The last checkpoint is "
                               f"{getattr(ckpt.latest_checkpoint(run.out), 'name', 'none')}")
@@ -699,12 +710,19 @@ def stop_for_signal(run: Run, state: TrainerState, signal_name: str, saved: bool
 def save_final(run: Run, end_eval: dict, step: int) -> None:
     """final/: a model (or adapter) folder that transformers / peft load as is, renamed into place."""
     check_finite_weights(run, "final/")
+    # sharded: the whole model gathered on the main process (a collective), saved as one plain folder
+    state = distributed.full_state_dict(run.accelerator, run.scorer) if run.sharded else None
     if run.accelerator.is_main_process:
         final, staging = run.out / "final", run.out / ".final.partial"
         shutil.rmtree(staging, ignore_errors=True)
         try:
             model = run.accelerator.unwrap_model(run.scorer).model
-            model.save_pretrained(staging)
+            if state is not None:  # (a tied output layer is one parameter: saved once, as save_pretrained does)
+                kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+                model.save_pretrained(staging, state_dict={name: v for k, v in state.items()
+                                                           if (name := k.removeprefix("model.")) in kept})
+            else:
+                model.save_pretrained(staging)
             run.tokenizer.save_pretrained(staging)
             # the model card and the sampling the run trained with go in before the rename, so that final/ never
             # exists without them (docs/hub.md 2)
@@ -776,7 +794,7 @@ class Run:
     out: Path
     tokenizer: object
     policy: torch.nn.Module  # the model being trained (PEFT-wrapped with LoRA)
-    scorer: torch.nn.Module  # CompletionScorer(policy), prepared by Accelerate (DDP)
+    scorer: torch.nn.Module  # CompletionScorer(policy), prepared by Accelerate (DDP, or FSDP2 when sharded)
     reference: CompletionScorer | None  # the frozen reference; None when beta is 0 or with LoRA (adapter off)
     engine: HFRollout | VLLMRollout  # the sampler
     ctx: RolloutContext
@@ -789,6 +807,7 @@ class Run:
     stop: ckpt.StopRequest  # SIGTERM / SIGUSR1 received
     watch: health.Watch  # the run's metric history, for the console warnings
     hub: hub.HubPusher | None = None  # push_to_hub's uploads, on the main process (lib/hub.py)
+    sharded: bool = False  # FSDP2: weights, gradients and optimizer states sharded over the processes
 
 
 def setup(cfg: Config) -> tuple[Run, TrainerState]:
@@ -798,9 +817,15 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16("cuda" if torch.cuda.is_available() else "cpu")
     # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU) when launched
     # with several processes, instead of running each process alone
+    # the scheduler is stepped by us once per optimizer step: its Accelerate wrapper must not step it once per process
     accelerator = Accelerator(cpu=cfg.use_cpu or torch.accelerator.current_accelerator() is None,
-                              mixed_precision="bf16" if bf16 else "no",
+                              mixed_precision="bf16" if bf16 else "no", step_scheduler_with_optimizer=False,
                               log_with=cfg.report_to or None, project_dir=cfg.output_dir)
+    try:  # FSDP2 (lib/distributed.py): on a CPU too, where Accelerate would fall back to data parallelism
+        sharded = distributed.enable_fsdp_on_cpu(accelerator) or distributed.is_sharded(accelerator)
+        distributed.check_supported(accelerator, use_peft=cfg.use_peft, load_in_4bit=cfg.load_in_4bit)
+    except distributed.ShardingError as error:
+        raise ConfigError(str(error)) from None
     validate(cfg, accelerator.num_processes)
     # push_to_hub: the hub reachable, a write token, the repository ready, before any data or model loads
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
@@ -842,7 +867,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
             render_prompt(tokenizer, record, cfg.instruction, cfg.system_prompt, cfg.chat_template_kwargs)
     except ValueError as error:
         raise ConfigError(f"dataset_name: {error}") from error
-    policy = load_policy(str(resume) if resume else model_path, dtype=weights_dtype(
+    # a sharded checkpoint's weights are read into the sharded model below (lib/distributed.load_sharded)
+    policy = load_policy(str(resume) if resume and not sharded else model_path, dtype=weights_dtype(
                              cfg.dtype, lora=cfg.use_peft, device=device.type, bf16=bf16),
                          revision=cfg.model_revision, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
                          lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
@@ -864,8 +890,10 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
         dtype = reference_dtype(cfg.dtype, next(policy.parameters()).dtype, device=device.type, bf16=bf16)
         reference = CompletionScorer(load_reference(model_path, dtype, device,
                                                     trust_remote_code=cfg.trust_remote_code,
-                                                    revision=cfg.model_revision))
-    engine = make_engine(cfg, policy, tokenizer, model_path, bf16, rank)
+                                                    revision=cfg.model_revision), fixed_calls=sharded)
+        if sharded:
+            distributed.shard_frozen(reference, accelerator)
+    engine = make_engine(cfg, policy, tokenizer, model_path, bf16, rank, sharded)
     # reward models score in this process, on its device, a micro-batch at a time (lib/reward_models.py); loaded
     # before the memory check, which counts them as resident
     try:
@@ -896,11 +924,15 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
             tqdm.write(note)
         if cfg.activation_offloading and device.type != "cuda":
             tqdm.write("activation_offloading: ignored on a CPU (the saved activations are already in its memory)")
-    # the scheduler is stepped by us once per optimizer step (Accelerate's wrapper would step it once per process)
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
                                 num_warmup_steps=warmup_steps(cfg),
                                 kwargs=cfg.lr_scheduler_kwargs)
-    scorer = accelerator.prepare(CompletionScorer(policy))
+    # DDP, or FSDP2: the policy's decoder layers sharded, the optimizer given the shards (lib/distributed.py)
+    scorer, optimizer, scheduler = accelerator.prepare(CompletionScorer(policy, fixed_calls=sharded), optimizer,
+                                                       scheduler)
+    params = [p for p in scorer.parameters() if p.requires_grad]  # the shards the optimizer holds, when sharded
+    if sharded and accelerator.is_main_process:
+        tqdm.write(distributed.describe_sharding(scorer, accelerator.num_processes))
 
     geometry = Geometry.of(cfg, rank, accelerator.num_processes)
     method = choose_method(cfg, geometry.steps_per_rollout)
@@ -908,7 +940,11 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     if resume is not None:
         saved = ckpt.read_trainer_state(resume)
         state = TrainerState(**{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved})
-        optimizer.load_state_dict(torch.load(resume / "optimizer.pt", weights_only=False))
+        if sharded:
+            distributed.load_sharded(accelerator, scorer, optimizer, resume)
+            engine.sync_weights(accelerator.unwrap_model(scorer).model)  # it was made from the base weights
+        else:
+            optimizer.load_state_dict(torch.load(resume / "optimizer.pt", weights_only=False))
         scheduler.load_state_dict(torch.load(resume / "scheduler.pt", weights_only=False))
         rng = ckpt.read_rng(resume, rank)
         if rng is not None:
@@ -930,16 +966,18 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     return Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method, params, optimizer,
                scheduler, eval_records, geometry, ckpt.StopRequest(),
                health.Watch(to_dict(cfg), read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None),
-               hub.HubPusher(hub_target, tqdm.write) if hub_target else None), state
+               hub.HubPusher(hub_target, tqdm.write) if hub_target else None, sharded), state
 
 
-def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, rank: int) -> HFRollout | VLLMRollout:
+def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, rank: int,
+                sharded: bool = False) -> HFRollout | VLLMRollout:
     """The sampler: our HF decode loop, or a colocated vLLM engine per process, loaded from the base model and given
     the policy's weights before the first sample and after every optimizer step: a LoRA policy's adapter alone
-    (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged."""
+    (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged. A policy
+    that will be sharded is sampled from a full copy (HF) or the engine's weights, given gathered weights."""
     if not cfg.use_vllm:
         return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16,
-                         seed=cfg.seed + rank)
+                         seed=cfg.seed + rank, own_copy=sharded)
     engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
     options = dict(seed=cfg.seed + rank,
                    max_model_len=cfg.vllm_max_model_length or cfg.max_prompt_length + cfg.max_completion_length,

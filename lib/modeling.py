@@ -429,6 +429,7 @@ def completion_logps(
     with_entropy: bool = True,
     entropy_grad: bool = False,
     entropy_at_unit_temperature: bool = False,
+    fixed_calls: bool = False,
     _chunked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of the completion tokens under `model`, at the sampling temperature.
@@ -445,10 +446,23 @@ def completion_logps(
     Under gradient checkpointing the prompt prefix is shared too (`checkpointed_prefix_cache`): both passes run
     through the checkpointed blocks, which keep only their inputs; where that cannot be done (reentrant
     checkpointing, sliding-window or linear-attention layers) the full sequences are run instead.
+
+    `fixed_calls` (a sharded model, lib/distributed.py): the decoder runs the same number of times whatever the
+    data, because each call of a sharded layer is a collective that every process must make: no length chunks, and
+    a completion pass even for one-token completions (on a padded, masked column that is cut off again).
     """
     batch, width = completion_ids.shape
+    if fixed_calls and share_prompt_prefix and width < 2:
+        logp, entropy = completion_logps(
+            model, prompt_ids, prompt_mask, prompt_index, torch.nn.functional.pad(completion_ids, (0, 2 - width)),
+            torch.nn.functional.pad(completion_mask, (0, 2 - width)),
+            temperatures if temperatures.dim() == 1 else torch.nn.functional.pad(temperatures, (0, 2 - width),
+                                                                                value=1.0),
+            share_prompt_prefix=True, with_entropy=with_entropy, entropy_grad=entropy_grad,
+            entropy_at_unit_temperature=entropy_at_unit_temperature, fixed_calls=True, _chunked=True)
+        return logp[:, :width], entropy[:, :width] if entropy is not None else None
     chunks = []
-    if batch > 1 and not _chunked:
+    if batch > 1 and not _chunked and not fixed_calls:
         lengths = completion_mask.sum(1).tolist()
         # a chunk's fixed cost, in token positions: its prompts' prefill plus a little per call
         chunks = length_chunks(lengths, prompt_ids.shape[1] * int(torch.unique(prompt_index).numel()) + 16)
@@ -642,17 +656,20 @@ class CompletionScorer(torch.nn.Module):
     into a module's forward, and our forward is not the causal LM's own (it runs the decoder on shared prompt
     prefixes and projects only completion positions)."""
 
-    def __init__(self, model: torch.nn.Module, share_prompt_prefix: bool = True):
+    def __init__(self, model: torch.nn.Module, share_prompt_prefix: bool = True, fixed_calls: bool = False):
         super().__init__()
         self.model = model
         self.share_prompt_prefix = share_prompt_prefix
+        self.fixed_calls = fixed_calls  # sharded: the same decoder calls on every process (completion_logps)
+        # the decoder layer classes, which FSDP's transformer-based wrapping makes units of (it reads this name)
+        self._no_split_modules = getattr(unwrap_causal_lm(model), "_no_split_modules", None)
 
     def forward(self, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask, temperatures,
                 with_entropy: bool = True, entropy_grad: bool = False, entropy_at_unit_temperature: bool = False):
         return completion_logps(self.model, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask,
                                 temperatures, share_prompt_prefix=self.share_prompt_prefix,
                                 with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                entropy_at_unit_temperature=entropy_at_unit_temperature)
+                                entropy_at_unit_temperature=entropy_at_unit_temperature, fixed_calls=self.fixed_calls)
 
 
 def offloaded_activations(enabled: bool, device: torch.device | str):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import DynamicCache
 
+from lib.distributed import full_parameters, full_tensor
 from lib.modeling import OutputHead, positions_from_mask, unwrap_causal_lm
 
 
@@ -239,7 +240,7 @@ class HFRollout:
     """
 
     def __init__(self, policy: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int,
-                 bf16: bool = False, seed: int = 0, merge_adapter: bool = True):
+                 bf16: bool = False, seed: int = 0, merge_adapter: bool = True, own_copy: bool = False):
         self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)))
         self.pad_token_id = pad_token_id
         self.policy = policy
@@ -255,6 +256,8 @@ class HFRollout:
             self.copy, self.adapted = merged_copy(lm, dtype)
         elif bf16 and not adapter and not quantized and next(policy.parameters()).dtype != torch.bfloat16:
             self.copy = copy.deepcopy(policy).to(torch.bfloat16).eval().requires_grad_(False)
+        elif own_copy and not adapter and not quantized:  # a policy that will be sharded: sample from a full copy
+            self.copy = copy.deepcopy(policy).eval().requires_grad_(False)
         if self.copy is not None and next(self.copy.parameters()).dtype == torch.bfloat16 and \
                 device.type == "cpu" and can_prepack():
             prepack_linears(self.copy)
@@ -281,13 +284,23 @@ class HFRollout:
                 weight, bias = merged_linear(lm.get_submodule(name))
                 _load_linear(self.copy.get_submodule(name), weight, bias)
             return
-        sources = dict(policy.named_parameters())
-        for name, target in self.copy.named_parameters():
-            target.copy_(sources[name])
-        for name, module in self.copy.named_modules():
-            if isinstance(module, PackedLinear):
-                source = policy.get_submodule(name)
-                module.load(source.weight, source.bias)
+        # one parameter at a time (a sharded policy's is gathered here: lib/distributed.full_parameters); a
+        # prepacked layer is loaded once its weight and bias have both come
+        targets = dict(self.copy.named_parameters())
+        pending: dict[str, dict] = {}
+        for name, tensor in full_parameters(policy):
+            if name in targets:
+                targets[name].copy_(tensor)
+                continue
+            owner, _, key = name.rpartition(".")
+            module = self.copy.get_submodule(owner)
+            if not isinstance(module, PackedLinear):
+                raise KeyError(f"the sampling copy has no parameter {name}")
+            parts = pending.setdefault(owner, {})
+            parts[key] = tensor
+            if "weight" in parts and ("bias" in parts or module.bias is None):
+                module.load(parts["weight"], parts.get("bias"))
+                del pending[owner]
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
@@ -521,7 +534,8 @@ def policy_weights(policy: torch.nn.Module, merge_adapter: bool = True):
         for key, tensor in module.named_parameters(recurse=False):
             if tied and f"{prefix}{key}" == "lm_head.weight":
                 continue
-            yield f"{prefix}{key}", (dense_weight(module) if key == "weight" else tensor).detach()
+            # a sharded parameter is gathered here, one at a time (lib/distributed.full_tensor)
+            yield f"{prefix}{key}", full_tensor((dense_weight(module) if key == "weight" else tensor).detach())
         for key, tensor in module.named_buffers(recurse=False):
             if key not in module._non_persistent_buffers_set:
                 yield f"{prefix}{key}", tensor
@@ -654,10 +668,25 @@ class VLLMRollout:
         if self.lora_rank is None or not self.base_loaded:
             self._model_runner().reload_weights(weights_iterator=(
                 (n, t.detach().to(self.dtype)) for n, t in policy_weights(policy, merge_adapter=self.lora_rank is None)))
+            self._refresh_tied_output_layer()
             self.base_loaded = True
         if self.lora_rank is not None:
             self._load_adapter(policy)
         self.llm.reset_prefix_cache()
+
+    def _refresh_tied_output_layer(self) -> None:
+        """vLLM on a CPU multiplies by the output layer through a kernel handle it prepares from the weight once,
+        after loading (oneDNN's prepacked layout, `dispatch_cpu_unquantized_gemm`). With tied embeddings the
+        in-place reload writes the shared weight through the embedding layer and never prepares the output layer
+        again, so the engine would keep computing logits with the first weights (measured: 1.8 nats off after an
+        update of the embeddings). Prepare it again. On a GPU the output layer reads the shared weight directly."""
+        model = self._model_runner().get_model()
+        head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+        if head is None or getattr(head, "weight", None) is None or head.weight is not getattr(embed, "weight", None):
+            return
+        method = getattr(head, "quant_method", None)
+        if method is not None and not torch.cuda.is_available():
+            method.process_weights_after_loading(head)
 
     def _load_adapter(self, policy: torch.nn.Module) -> None:
         import tempfile

@@ -53,3 +53,16 @@ def dies_on_x(prompts, completions, **columns):
     if any("x" in c for c in completions):
         os.kill(os.getpid(), signal.SIGKILL)
     return [1.0 for _ in completions]
+
+
+def characters_hang_third(prompts, completions, **columns):
+    """Like `characters`, but its third call (the third generation batch of a run) never returns while the file named
+    by AGRPO_TEST_HANG_FILE exists: a run to kill at a known step (tests/test_distributed.py)."""
+    import os
+    import time
+
+    _calls["hang_third"] = _calls.get("hang_third", 0) + 1
+    if _calls["hang_third"] == 3:
+        while os.path.exists(os.environ.get("AGRPO_TEST_HANG_FILE", "")):
+            time.sleep(0.2)
+    return characters(prompts, completions)

@@ -1,0 +1,184 @@
+"""Sharded training (FSDP2 through Accelerate, lib/distributed.py) on two CPU processes over gloo: the same sharding
+code that runs on GPUs (docs/distributed.md).
+
+The fast tests check the pieces a sharded run relies on in one process (the scorer's fixed decoder calls, the
+sampler's own copy); the slow ones launch the trainer as a user does, `accelerate launch --config_file
+scripts/accelerate/fsdp2_cpu.yaml train_agrpo.py`, and compare it with data-parallel runs of the same processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO
+from test_loop import REWARDS, TINY, steps_of
+
+FSDP = ["--config_file", str(REPO / "scripts" / "accelerate" / "fsdp2_cpu.yaml")]
+DDP = ["--config_file", str(REPO / "scripts" / "accelerate" / "cpu_2proc.yaml")]
+# the same global batch on two processes: 4 completions each, one group of 4 a process
+TWO = [*TINY, "--per_device_train_batch_size", "4", "--save_steps", "2", "--max_steps", "4"]
+COMPARED = ("reward", "loss", "grad_norm", "kl", "entropy", "num_tokens")
+
+
+def launch(config: list[str], args: list[str], cwd: Path, env: dict | None = None, timeout: float = 600,
+           wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
+    """`accelerate launch <config> train_agrpo.py <args>` in its own session (so that a test can kill the whole tree)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", *config, str(REPO / "train_agrpo.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if not wait:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def compared(out: Path) -> list[dict]:
+    return [{k: m[k] for k in ("step", *COMPARED)} for m in steps_of(out)]
+
+
+def close(a: list[dict], b: list[dict], rel: float) -> bool:
+    return len(a) == len(b) and all(x["step"] == y["step"] and all(x[k] == pytest.approx(y[k], rel=rel, abs=1e-7)
+                                                                  for k in COMPARED) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------------------------------------ one process
+
+
+def test_fixed_decoder_calls_give_the_same_log_probs_and_gradients(tiny_model):
+    """A sharded scorer runs the decoder the same number of times on every process (no length chunks, a completion
+    pass even for one-token completions): the values and gradients are those of the default path."""
+    from transformers import AutoModelForCausalLM
+
+    from lib.modeling import completion_logps
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(5, 200, (2, 6), generator=gen)
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[1, :2] = 0  # left padding
+    for width, lengths in ((1, [1, 1, 1, 1]), (9, [9, 2, 5, 1])):
+        completions = torch.randint(5, 200, (4, width), generator=gen)
+        mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+        index, temps = torch.tensor([0, 0, 1, 1]), torch.tensor([0.7, 0.7, 1.0, 1.0])
+        results = []
+        for fixed in (False, True):
+            model.zero_grad()
+            logp, entropy = completion_logps(model, prompts, prompt_mask, index, completions, mask, temps,
+                                             fixed_calls=fixed)
+            (logp.sum() + entropy.sum()).backward()
+            results.append((logp.detach(), entropy.detach(), model.model.layers[0].mlp.up_proj.weight.grad.clone()))
+        assert results[1][0].shape == (4, width)
+        for plain, fixed in zip(*results):
+            torch.testing.assert_close(fixed, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_the_sampler_of_a_sharded_policy_keeps_its_own_copy_and_follows_the_policy(tiny_model):
+    """An fp32 policy without bf16 is sampled with itself, except when it will be sharded: then the sampler keeps a
+    full copy, which a sync brings to the policy's current weights."""
+    from transformers import AutoModelForCausalLM
+
+    from lib.rollout import HFRollout
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    assert HFRollout(policy, [2], 0).copy is None
+    sampler = HFRollout(policy, [2], 0, own_copy=True)
+    assert sampler.copy is not None and sampler.model is not policy
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01)
+    assert not torch.equal(sampler.copy.model.norm.weight, policy.model.norm.weight)
+    sampler.sync_weights(policy)
+    copied = dict(sampler.copy.named_parameters())
+    assert all(torch.equal(copied[name], p) for name, p in policy.named_parameters())
+
+
+# ------------------------------------------------------------------------------------------------ two processes
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_cpu_processes_matches_data_parallel_and_resumes_exactly_after_sigkill(tmp_path, tiny_model):
+    """Four steps of the tiny model, sharded (FSDP2) and data parallel (DDP) on the same two processes, so that both
+    sample the same completions: rewards, losses, gradient norms, KL and entropy agree step for step, and so do the
+    final weights, within float tolerance (the sharded run sums its gradients in another order). The sharded
+    checkpoint holds shards, not a model; final/ is one folder that transformers loads. A sharded run killed with
+    SIGKILL (both processes, inside step 3's rewards) and resumed from checkpoint-2 ends exactly as the unbroken
+    sharded run: the same metrics and bitwise the same final weights."""
+    args = ["--model_name_or_path", tiny_model, *TWO]
+    ddp = launch(DDP, [*args, "--output_dir", str(tmp_path / "ddp")], tmp_path)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    fsdp = launch(FSDP, [*args, "--output_dir", str(tmp_path / "fsdp")], tmp_path)
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert "FSDP2: the policy in 3 sharded units over 2 processes" in fsdp.stdout + fsdp.stderr
+    assert "FSDP2" not in ddp.stdout + ddp.stderr
+    sharded, plain = compared(tmp_path / "fsdp"), compared(tmp_path / "ddp")
+    assert [m["step"] for m in sharded] == [1, 2, 3, 4]
+    assert close(sharded, plain, rel=1e-4), (sharded, plain)
+    final, reference = load_file(tmp_path / "fsdp" / "final" / "model.safetensors"), \
+        load_file(tmp_path / "ddp" / "final" / "model.safetensors")
+    assert final.keys() == reference.keys()
+    for name in final:
+        torch.testing.assert_close(final[name], reference[name], rtol=1e-4, atol=1e-6)
+    checkpoint = tmp_path / "fsdp" / "checkpoint-2"
+    assert (checkpoint / "pytorch_model_fsdp_0").is_dir() and (checkpoint / "optimizer_0").is_dir()
+    assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer.pt").exists()
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "final")
+    torch.testing.assert_close(loaded.lm_head.weight, loaded.model.embed_tokens.weight)  # still tied
+
+    # killed inside step 3 (a reward that hangs on its third call while the flag file exists), then resumed
+    killed, flag = tmp_path / "killed", tmp_path / "hang"
+    flag.write_text("")
+    hanging = [a if a != f"{REWARDS}:characters" else f"{REWARDS}:characters_hang_third" for a in args]
+    proc = launch(FSDP, [*hanging, "--output_dir", str(killed)], tmp_path, env={"AGRPO_TEST_HANG_FILE": str(flag)},
+                  wait=False)
+    deadline = time.time() + 300
+    while not (killed / "checkpoint-2" / "trainer_state.json").exists() or len(steps_of(killed)) < 2:
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:] if proc.stdout else ""
+        time.sleep(0.5)
+    time.sleep(2)  # both processes are inside step 3's hanging reward
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert [m["step"] for m in steps_of(killed)] == [1, 2]
+    flag.unlink()
+    resumed = launch(FSDP, [*hanging, "--output_dir", str(killed), "--resume_from_checkpoint", "latest"], tmp_path,
+                     env={"AGRPO_TEST_HANG_FILE": str(flag)})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert compared(killed) == sharded  # exact: the same shards, optimizer states, RNG and data position
+    assert json.loads((killed / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+    again = load_file(killed / "final" / "model.safetensors")
+    assert all(torch.equal(again[name], final[name]) for name in final)
+
+
+@pytest.mark.slow
+def test_fsdp2_refuses_lora_before_loading_a_model(tmp_path, tiny_model):
+    proc = launch(FSDP, ["--model_name_or_path", tiny_model, *TWO, "--use_peft", "true",
+                         "--output_dir", str(tmp_path / "lora")], tmp_path)
+    assert proc.returncode != 0
+    assert "configuration error: use_peft / load_in_4bit: LoRA and QLoRA train with data parallelism" in proc.stderr
+    assert not (tmp_path / "lora" / "checkpoint-2").exists()
+
+
+@pytest.mark.slow
+def test_fsdp2_on_the_embedded_model_matches_data_parallel(tmp_path):
+    """The real 135M model (30 decoder layers, tied embeddings, a reference model for the KL term, sharded too),
+    three steps of the default demo's global batch on two processes, fp32: sharded and data-parallel runs agree step
+    for step."""
+    args = ["--max_steps", "3", "--per_device_train_batch_size", "8", "--num_eval_samples", "0", "--bf16", "false",
+            "--save_strategy", "no"]
+    ddp = launch(DDP, [*args, "--output_dir", str(tmp_path / "ddp")], tmp_path)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    fsdp = launch(FSDP, [*args, "--output_dir", str(tmp_path / "fsdp")], tmp_path)
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert "FSDP2: the policy in 31 sharded units over 2 processes" in fsdp.stdout + fsdp.stderr
+    sharded, plain = compared(tmp_path / "fsdp"), compared(tmp_path / "ddp")
+    assert [m["step"] for m in sharded] == [1, 2, 3] and max(m["grad_norm"] for m in sharded) > 0
+    assert close(sharded, plain, rel=1e-3), (sharded, plain)
