@@ -413,6 +413,9 @@ class RunArguments:
                                        "configuration (weights, sampler, gradients, optimizer, activations, KV "
                                        "cache) from the model's configuration alone, without loading weights, and "
                                        "exit; max_memory gives the budget (docs/performance.md 3.4)."})
+    estimate_fsdp_processes: int = field(default=1, metadata={"help": "With estimate_memory_only: the per-GPU "
+                                         "estimate of full fine-tuning sharded with FSDP2 over this many GPUs (the "
+                                         "launch's num_processes; 1 = one GPU, unsharded; docs/distributed.md 4)."})
     output_dir: str = field(default="runs/agrpo", metadata={"help": "Run directory (config, metrics, "
                             "checkpoints, final model)."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow writing into a run directory that "
@@ -1005,13 +1008,20 @@ def validate_backend(cfg: Config) -> None:
         if cfg.vllm_importance_sampling_clip_max < 1:
             raise ConfigError(f"vllm_importance_sampling_clip_max must be >= 1 (a cap below 1 down-weights every "
                               f"on-policy token), got {cfg.vllm_importance_sampling_clip_max}")
-    if cfg.vllm_enable_sleep_mode and not (cfg.use_vllm and torch.cuda.is_available()):
+    # (an estimate of a GPU recipe is made on any machine: only the GPU itself is not required then)
+    if cfg.vllm_enable_sleep_mode and not (cfg.use_vllm and (torch.cuda.is_available() or cfg.estimate_memory_only)):
         raise ConfigError("vllm_enable_sleep_mode frees GPU memory of a vLLM engine: it needs use_vllm true and a "
                           "CUDA GPU; leave it false")
     if cfg.optim.startswith(("adamw_8bit", "paged")) and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(f"optim: '{cfg.optim}' needs bitsandbytes: pip install bitsandbytes (or --optim adamw_torch)")
     if cfg.max_memory is not None and cfg.max_memory <= 0:
         raise ConfigError(f"max_memory must be a positive number of GB or null, got {cfg.max_memory}")
+    if cfg.estimate_fsdp_processes < 1:
+        raise ConfigError(f"estimate_fsdp_processes must be at least 1 (the GPUs to shard over), got "
+                          f"{cfg.estimate_fsdp_processes}")
+    if cfg.estimate_fsdp_processes > 1 and cfg.use_peft:
+        raise ConfigError("estimate_fsdp_processes: FSDP2 shards full fine-tuning; LoRA / QLoRA train data parallel "
+                          "(their estimate is per GPU as it is): drop estimate_fsdp_processes or use_peft")
 
 
 def default_use_vllm(cuda: bool, vllm_installed: bool) -> bool:

@@ -50,6 +50,8 @@ A micro-batch's tokens: its completions x max_completion_length plus its distinc
 
 from __future__ import annotations
 
+import dataclasses
+
 import resource
 from dataclasses import dataclass
 
@@ -369,7 +371,8 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
     """(what is resident before a step, by part; the step's StepMemory) for a configuration on one GPU, from the
     model's configuration alone: the model is built on the meta device (shapes, no memory), with the run's LoRA
     adapter, and its bytes are counted as the trainer would hold them. `gpu_bytes`: the GPU's memory, for vLLM's
-    reservation (its share of it, gpu_memory_utilization)."""
+    reservation (its share of it, gpu_memory_utilization). With cfg.estimate_fsdp_processes N > 1, per GPU of a
+    full fine-tuning sharded over N with FSDP2 (`sharded_parts`)."""
     from transformers import AutoModelForCausalLM
 
     from lib.config import reference_dtype, weights_dtype
@@ -413,11 +416,48 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
     elif lora or (bf16 and size == 4):  # the HF sampler's merged bf16 copy (lib/rollout.HFRollout)
         parts["sampler's bf16 copy"] = total * 2
     parts["CUDA context, workspaces, allocator slack (allowance)"] = GPU_OVERHEAD
+    processes = getattr(cfg, "estimate_fsdp_processes", 1)
+    if processes > 1:
+        parts = sharded_parts(parts, model, processes, bf16=bf16)
     step = estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16,
                                 vllm=bool(cfg.use_vllm), gradient_checkpointing=cfg.gradient_checkpointing,
                                 load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda",
                                 activation_offloading=bool(cfg.activation_offloading), **step_token_counts(cfg))
+    if processes > 1:  # fp32 gradients and optimizer states, 1/N of each a GPU
+        numel = sum(p.numel() for p in model.parameters())
+        step = dataclasses.replace(step, gradients=numel * 4 // processes,
+                                   optimizer=numel * optimizer_state_bytes(cfg.optim) // processes)
     return parts, step
+
+
+def sharded_parts(parts: dict[str, int], model: torch.nn.Module, processes: int, bf16: bool) -> dict[str, int]:
+    """The resident parts of one GPU when the policy and the reference are sharded over `processes` with FSDP2
+    (docs/distributed.md 1): the policy's shard in fp32 (FSDP2 keeps fp32 master weights under bf16 mixed precision),
+    the reference's shard in its dtype, and what is gathered in the compute dtype while a forward runs: the root
+    unit (embeddings, final norm, output layer: gathered for the whole forward) and two decoder layers (the one
+    computing and the next, prefetched). The sampler keeps its full weights."""
+    compute = 2 if bf16 else 4
+    numel = {name: p.numel() for name, p in model.named_parameters()}  # (a tied output layer once)
+    layers = {}
+    for name, count in numel.items():
+        key = layer_key(name)
+        layers[key] = layers.get(key, 0) + count
+    root = layers.pop(None, 0)
+    largest = max(layers.values(), default=0)
+    out = {"policy weights (FSDP2: its fp32 shard)": sum(numel.values()) * 4 // processes}
+    if "reference model" in parts:
+        out["reference model (FSDP2: its shard)"] = parts["reference model"] // processes
+    out["gathered for compute (FSDP2: root unit + 2 decoder layers)"] = (root + 2 * largest) * compute
+    return {**out, **{k: v for k, v in parts.items() if k not in ("policy weights", "reference model")}}
+
+
+def layer_key(name: str) -> str | None:
+    """The decoder layer a parameter belongs to ('model.layers.3'), or None for the root unit's parameters."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit() and i > 0 and parts[i - 1] in ("layers", "h", "blocks", "layer"):
+            return ".".join(parts[:i + 1])
+    return None
 
 
 def describe_recipe(parts: dict[str, int], step: StepMemory, budget: int | None) -> str:

@@ -88,9 +88,12 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
     "load_best_model_at_end": (False, "final/ is the last step's model; pick a checkpoint-<step>/ folder instead"),
     "ignore_data_skip": (False, "a resumed run always continues the data order where its checkpoint was"),
     "full_determinism": (False, "deterministic algorithms are not switched on; runs are seeded"),
-    "fsdp": (None, "FSDP is not implemented yet; use DDP (accelerate launch) or LoRA / QLoRA"),
-    "fsdp_config": (None, "FSDP is not implemented yet"),
-    "deepspeed": (None, "DeepSpeed is not implemented yet; use DDP (accelerate launch) or LoRA / QLoRA"),
+    "fsdp": (None, "FSDP is set by the launch, not by a training key: accelerate launch --config_file "
+                   "scripts/accelerate/fsdp2.yaml train_agrpo.py (docs/distributed.md)"),
+    "fsdp_config": (None, "FSDP's settings go in the accelerate config's fsdp_config (scripts/accelerate/fsdp2.yaml, "
+                          "docs/distributed.md)"),
+    "deepspeed": (None, "DeepSpeed is not supported yet; shard full fine-tuning with FSDP2: accelerate launch "
+                        "--config_file scripts/accelerate/fsdp2.yaml train_agrpo.py (docs/distributed.md)"),
     "model_init_kwargs": (None, "give the loading keys directly: dtype, attn_implementation, model_revision, "
                                 "trust_remote_code"),
     "router_aux_loss_coef": (None, "the MoE router's auxiliary loss is not added"),

@@ -57,3 +57,29 @@ def test_a_recipe_is_estimated_without_its_weights_and_without_the_hub():
     assert moved.offloaded == (8 * 4096 + 2 * 256) * 28 * 1536 * 4 == kept.total - moved.total
     with pytest.raises(ValueError, match="local model folder"):
         model_config("no-such-org/no-such-model-xyz")
+
+
+def test_the_sharded_estimate_divides_the_policy_reference_gradients_and_states_and_adds_the_gathered_units(
+        tiny_model):
+    """--estimate_fsdp_processes N (docs/distributed.md 4), counted on the tiny model's real parameters: the fp32
+    shard, 1/N of the reference, gradients and AdamW states, and the root unit plus two decoder layers gathered in
+    bf16; the sampler, activations and logits as on one GPU."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    numel = sum(p.numel() for p in model.parameters())  # the tied output layer once
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    root = numel - sum(p.numel() for p in model.model.layers.parameters())
+    base = {"model_name_or_path": tiny_model, "beta": 0.04, "use_vllm": False, "bf16": True}
+    one_parts, one = recipe_memory(make_config(base), gpu_bytes=None)
+    parts, four = recipe_memory(make_config({**base, "estimate_fsdp_processes": 4}), gpu_bytes=None)
+    assert parts["policy weights (FSDP2: its fp32 shard)"] == numel * 4 // 4
+    assert parts["reference model (FSDP2: its shard)"] == one_parts["reference model"] // 4
+    assert parts["gathered for compute (FSDP2: root unit + 2 decoder layers)"] == (root + 2 * layer) * 2
+    assert parts["sampler's bf16 copy"] == one_parts["sampler's bf16 copy"]
+    assert four.gradients == numel * 4 // 4 and four.optimizer == numel * 8 // 4
+    assert (four.activations, four.logits, four.kv_cache) == (one.activations, one.logits, one.kv_cache)
+    from lib.config import ConfigError
+
+    with pytest.raises(ConfigError, match="estimate_fsdp_processes: FSDP2 shards full fine-tuning"):
+        make_config({**base, "estimate_fsdp_processes": 2, "use_peft": True})
