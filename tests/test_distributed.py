@@ -158,6 +158,52 @@ def test_fsdp2_on_two_cpu_processes_matches_data_parallel_and_resumes_exactly_af
     assert all(torch.equal(again[name], final[name]) for name in final)
 
 
+def fake_slurm(folder: Path) -> Path:
+    """Stand-ins for SLURM's two commands that scripts/slurm/train_multinode.sbatch calls, so that it runs here:
+    `scontrol show hostnames` names this machine, `srun --ntasks=N cmd...` runs cmd N times at once with
+    SLURM_NODEID 0..N-1 (one task a "node") and fails if any task fails."""
+    folder.mkdir()
+    (folder / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\n")
+    (folder / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        "n=1; while [[ $1 == --* ]]; do [[ $1 == --ntasks=* ]] && n=${1#--ntasks=}; shift; done\n"
+        "pids=(); for ((i = 0; i < n; i++)); do SLURM_NODEID=$i \"$@\" & pids+=($!); done\n"
+        "rc=0; for p in \"${pids[@]}\"; do wait $p || rc=$?; done; exit $rc\n")
+    for name in ("scontrol", "srun"):
+        (folder / name).chmod(0o755)
+    return folder
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_machines_train_as_two_processes_of_one(tmp_path, tiny_model):
+    """Multi-node: the SLURM script's launch, two "machines" (one process each, --num_machines 2, --machine_rank 0 /
+    1 over 127.0.0.1, SLURM's srun and scontrol played by stand-ins), sharded with FSDP2: the global ranks, world
+    size and data split are those of two processes on one machine, so every logged value is the same, bitwise."""
+    args = ["--model_name_or_path", tiny_model, *TWO]
+    one = launch(FSDP, [*args, "--output_dir", str(tmp_path / "one")], tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'two'}\n")
+    env = {**os.environ, "PATH": f"{fake_slurm(tmp_path / 'bin')}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "OMP_NUM_THREADS": "1", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[0-1]", "GPUS_PER_NODE": "1",
+           "MAIN_PORT": str(free_port()), "ACCELERATE_CONFIG": "scripts/accelerate/fsdp2_cpu.yaml"}
+    two = subprocess.run(["bash", "scripts/slurm/train_multinode.sbatch", str(recipe), *args], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stderr.count("FSDP2: the policy in 3 sharded units over 2 processes") + \
+        two.stdout.count("FSDP2: the policy in 3 sharded units over 2 processes") == 1  # the main process says it
+    assert compared(tmp_path / "two") == compared(tmp_path / "one")
+    assert (tmp_path / "two" / "checkpoint-4" / "rng_state_1.pt").exists()
+
+
 @pytest.mark.slow
 def test_fsdp2_refuses_lora_before_loading_a_model(tmp_path, tiny_model):
     proc = launch(FSDP, ["--model_name_or_path", tiny_model, *TWO, "--use_peft", "true",
