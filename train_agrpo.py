@@ -80,6 +80,7 @@ from lib.config import Config, ConfigError, hf_sampler_note, parse_config, resol
     reference_dtype, steps_per_rollout, to_dict, validate, warmup_steps, weights_dtype
 from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
 from lib.evaluation import generate_and_score, summarize
+from lib.generation_server import ServerError, ServerRollout
 from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, policy_ratio, truncated_importance_weights
 from lib.memory import (GB, build_optimizer, check_step_memory, describe_recipe, estimate_step_memory, memory_budget,
                         recipe_memory, resident_bytes, step_token_counts)
@@ -971,7 +972,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
 
 
 def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, rank: int,
-                sharded: bool = False) -> HFRollout | VLLMRollout:
+                sharded: bool = False) -> HFRollout | VLLMRollout | ServerRollout:
     """The sampler: our HF decode loop, or a colocated vLLM engine per process, loaded from the base model and given
     the policy's weights before the first sample and after every optimizer step: a LoRA policy's adapter alone
     (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged. A policy
@@ -979,6 +980,13 @@ def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, ran
     if not cfg.use_vllm:
         return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16,
                          seed=cfg.seed + rank, own_copy=sharded)
+    if cfg.vllm_mode == "server":  # one engine on devices of its own (serve_vllm.py, lib/generation_server.py)
+        url = cfg.vllm_server_base_url or f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}"
+        engine = ServerRollout(url, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, seed=cfg.seed + rank,
+                               group_port=cfg.vllm_group_port, timeout_s=cfg.vllm_server_timeout, is_main=rank == 0,
+                               sharded=sharded)
+        engine.sync_weights(policy)
+        return engine
     engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
     options = dict(seed=cfg.seed + rank,
                    max_model_len=cfg.vllm_max_model_length or cfg.max_prompt_length + cfg.max_completion_length,
@@ -1144,3 +1152,5 @@ if __name__ == "__main__":
     except ckpt.RunStopped as error:
         print(f"training stopped: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
+    except ServerError as error:  # the checkpoints written so far are whole
+        sys.exit(f"training stopped: {error}")

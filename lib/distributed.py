@@ -69,7 +69,7 @@ def is_sharded(accelerator: Accelerator) -> bool:
 def check_supported(accelerator: Accelerator, *, use_peft: bool, load_in_4bit: bool) -> None:
     """Refuse, before any model loads, what the sharded path does not do yet; reduce gradients in fp32."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        raise ShardingError("distributed_type DEEPSPEED: DeepSpeed is not supported yet (docs/distributed.md 6); shard "
+        raise ShardingError("distributed_type DEEPSPEED: DeepSpeed is not supported yet (docs/distributed.md 7); shard "
                             "full fine-tuning with FSDP2: accelerate launch --config_file scripts/accelerate/fsdp2.yaml")
     if not is_sharded(accelerator):
         return

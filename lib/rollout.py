@@ -541,6 +541,21 @@ def policy_weights(policy: torch.nn.Module, merge_adapter: bool = True):
                 yield f"{prefix}{key}", tensor
 
 
+def refresh_tied_output_layer(model: torch.nn.Module) -> None:
+    """After an in-place reload of a vLLM model's weights: vLLM on a CPU multiplies by the output layer through a
+    kernel handle it prepares from the weight once, after loading (oneDNN's prepacked layout,
+    `dispatch_cpu_unquantized_gemm`). With tied embeddings the reload writes the shared weight through the embedding
+    layer and never prepares the output layer again, so the engine would keep computing logits with the first
+    weights (measured: 1.8 nats off after an update of the embeddings). Prepare it again. On a GPU the output layer
+    reads the shared weight directly."""
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or getattr(head, "weight", None) is None or head.weight is not getattr(embed, "weight", None):
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None and not torch.cuda.is_available():
+        method.process_weights_after_loading(head)
+
+
 # the LoRA ranks a vLLM engine can be built for (vllm.config.lora.MaxLoRARanks in vLLM 0.32)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -581,7 +596,8 @@ class VLLMRollout:
     def __init__(self, model_path: str, eos_token_ids: list[int], pad_token_id: int, *, seed: int = 0,
                  max_model_len: int, gpu_memory_utilization: float = 0.5, dtype: str = "auto",
                  enable_sleep_mode: bool = False, enforce_eager: bool | None = None,
-                 sampling_kwargs: dict | None = None, trust_remote_code: bool = False, lora_rank: int | None = None):
+                 sampling_kwargs: dict | None = None, trust_remote_code: bool = False, lora_rank: int | None = None,
+                 tensor_parallel_size: int = 1, worker_extension_cls: str | None = None):
         # the engine runs in this process: weight sync reaches its model runner directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -595,6 +611,10 @@ class VLLMRollout:
         self.calls = 0
         self.sampling_kwargs = check_sampling_kwargs(sampling_kwargs or {})
         kwargs = {"enable_sleep_mode": True} if enable_sleep_mode else {}
+        if tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = tensor_parallel_size
+        if worker_extension_cls is not None:  # the generation server's weight receiver (lib/generation_server.py)
+            kwargs["worker_extension_cls"] = worker_extension_cls
         self.lora_rank = lora_rank
         if lora_rank is not None:  # the engine serves the adapter with its own LoRA kernels (Punica on GPUs)
             if vllm_lora_rank(lora_rank) is None:
@@ -668,25 +688,11 @@ class VLLMRollout:
         if self.lora_rank is None or not self.base_loaded:
             self._model_runner().reload_weights(weights_iterator=(
                 (n, t.detach().to(self.dtype)) for n, t in policy_weights(policy, merge_adapter=self.lora_rank is None)))
-            self._refresh_tied_output_layer()
+            refresh_tied_output_layer(self._model_runner().get_model())
             self.base_loaded = True
         if self.lora_rank is not None:
             self._load_adapter(policy)
         self.llm.reset_prefix_cache()
-
-    def _refresh_tied_output_layer(self) -> None:
-        """vLLM on a CPU multiplies by the output layer through a kernel handle it prepares from the weight once,
-        after loading (oneDNN's prepacked layout, `dispatch_cpu_unquantized_gemm`). With tied embeddings the
-        in-place reload writes the shared weight through the embedding layer and never prepares the output layer
-        again, so the engine would keep computing logits with the first weights (measured: 1.8 nats off after an
-        update of the embeddings). Prepare it again. On a GPU the output layer reads the shared weight directly."""
-        model = self._model_runner().get_model()
-        head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
-        if head is None or getattr(head, "weight", None) is None or head.weight is not getattr(embed, "weight", None):
-            return
-        method = getattr(head, "quant_method", None)
-        if method is not None and not torch.cuda.is_available():
-            method.process_weights_after_loading(head)
 
     def _load_adapter(self, policy: torch.nn.Module) -> None:
         import tempfile

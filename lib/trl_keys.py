@@ -59,9 +59,8 @@ for _names, _why in [
       "overwrite_hub_revision", "push_to_hub_revision"),
      "saving and hub plumbing: checkpoints hold everything an exact resume needs"),
     (("use_cache", "cache_implementation", "use_transformers_continuous_batching",
-      "transformers_continuous_batching_config", "use_transformers_paged", "vllm_server_host", "vllm_server_port",
-      "vllm_server_timeout", "vllm_server_base_url", "vllm_group_port"),
-     "sampling implementation only (or the server mode, which is refused): the sampled distribution is the same"),
+      "transformers_continuous_batching_config", "use_transformers_paged"),
+     "sampling implementation only: the sampled distribution is the same"),
     (("sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
       "vespo_lambda_neg", "ref_model_mixup_alpha", "ref_model_sync_steps", "entropy_coef_min", "entropy_coef_max",
       "entropy_coef_delta", "entropy_target", "torch_compile_backend", "torch_compile_mode", "liger_kernel_config",
@@ -98,10 +97,9 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
                                 "trust_remote_code"),
     "router_aux_loss_coef": (None, "the MoE router's auxiliary loss is not added"),
     "cast_lm_head_to_fp32": (False, "the output layer runs in the policy's dtype (log-probs are computed in fp32)"),
-    "vllm_mode": ("colocate", "only the colocated engine is implemented (a generation server is planned); use "
-                              "colocate"),
     "vllm_model_impl": ("vllm", "only vLLM's own model implementations are used"),
-    "vllm_tensor_parallel_size": (1, "the colocated engine runs on one GPU per process"),
+    "vllm_tensor_parallel_size": (1, "a colocated engine runs on its process's GPU; a generation server spans "
+                                     "several with python serve_vllm.py --tensor_parallel_size N (vllm_mode server)"),
     "vllm_structured_outputs_regex": (None, "structured outputs are not implemented"),
     "vllm_importance_sampling_clip_min": (None, "the importance ratio is capped only from above "
                                                 "(vllm_importance_sampling_clip_max)"),

