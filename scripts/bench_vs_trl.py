@@ -4,6 +4,11 @@
     python scripts/bench_vs_trl.py                # CPU: embedded model, 8 x 128 tokens, beta 0.04, full fine-tuning
     python scripts/bench_vs_trl.py --shape qwen2.5-0.5b --max_completion_length 256   # GPU, random weights, bf16
     bash scripts/bench_16gb.sh                    # GPU: the 16 GB QLoRA recipe against TRL, HF and vLLM sampling
+    python scripts/bench_vs_trl.py --shape qwen2.5-1.5b --max_completion_length 1024 \
+        --launch_config scripts/accelerate/fsdp2.yaml --num_processes 8         # GPUs, both trainers sharded (FSDP2)
+    python scripts/bench_vs_trl.py ... --trl_launch_config my_zero3.yaml   # TRL under DeepSpeed ZeRO-3, ours FSDP2
+    python scripts/bench_vs_trl.py ... --use_vllm --vllm_mode server --vllm_server_base_url http://host:8000 \
+        --trl_vllm_server_base_url http://host:8001   # each samples through its own server (serve_vllm.py; trl vllm-serve)
 
 Both trainers get the same model folder, the same prompts in the same order (the built-in task's, formatted with
 the chat template; TRL gets the formatted text, so the token ids are equal), the same reward (accuracy), the same
@@ -13,7 +18,8 @@ its own peak memory), and the trainers alternate: ours, TRL, TRL, ours, ... over
 --warmup_steps steps of every run are left out of the medians.
 
 Printed per trainer: median step time, generated tokens per second (completion tokens of a step / its time), peak
-memory (RSS of the process on CPU; torch.cuda.max_memory_allocated on GPU), mean completion length, and the
+memory (RSS of the process on CPU; torch.cuda.max_memory_allocated on GPU; the largest over the processes of a
+launch), mean completion length, and the
 ratios ours / TRL. TRL runs in fp32 and with bf16=True (--trl_bf16 both, the default on CPU) and the ratio is taken
 against the faster. Then where our step time goes (generation, rewards, reference log-probs, policy
 forward/backward, optimizer, weight sync), as medians of the trainer's own `time/*` metrics.
@@ -88,6 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "vllm_mode colocate); without it both use their Hugging Face sampler.")
     p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3, help="With --use_vllm: the engine's "
                    "share of the GPU, both trainers.")
+    p.add_argument("--launch_config", help="An accelerate config (e.g. scripts/accelerate/fsdp2.yaml): every run is "
+                   "started with accelerate launch --config_file <it> --num_processes N (default: one process).")
+    p.add_argument("--trl_launch_config", help="TRL's runs' accelerate config instead of --launch_config (e.g. a "
+                   "DeepSpeed ZeRO-3 config, which this trainer does not run).")
+    p.add_argument("--num_processes", type=int, default=None, help="With a launch config: processes per run "
+                   "(default: the config's). Settings per process; the global batch is N times --num_prompts groups.")
+    p.add_argument("--vllm_mode", choices=["colocate", "server"], default="colocate", help="With --use_vllm: server = "
+                   "each trainer samples through a generation server already started, ours at "
+                   "--vllm_server_base_url (python serve_vllm.py), TRL's at --trl_vllm_server_base_url (trl vllm-serve)")
+    p.add_argument("--vllm_server_base_url", default=None)
+    p.add_argument("--trl_vllm_server_base_url", default=None)
     p.add_argument("--output_json", help="Also write every run's numbers and the summary here.")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one measured run in a child process
     return p
@@ -102,7 +119,20 @@ def check_args(args) -> None:
         sys.exit("--rounds and --num_prompts must be at least 1, --num_generations at least 2")
     if args.load_in_4bit and not args.use_peft:
         sys.exit("--load_in_4bit trains a LoRA adapter on a 4-bit base: add --use_peft")
-    if args.use_vllm:
+    for name in ("launch_config", "trl_launch_config"):
+        if getattr(args, name) and not Path(getattr(args, name)).is_file():
+            sys.exit(f"--{name}: no file '{getattr(args, name)}'")
+    if args.num_processes is not None and args.num_processes < 1:
+        sys.exit(f"--num_processes must be at least 1, got {args.num_processes}")
+    if args.vllm_mode == "server":
+        if not args.use_vllm:
+            sys.exit("--vllm_mode server samples with vLLM: add --use_vllm")
+        missing = [f"--{n}" for n, t in (("vllm_server_base_url", "ours"), ("trl_vllm_server_base_url", "trl"))
+                   if t in args.trainers and not getattr(args, n)]
+        if missing:
+            sys.exit(f"--vllm_mode server: give {' and '.join(missing)} (a server started for each trainer: "
+                     f"python serve_vllm.py --model <model>; trl vllm-serve --model <model>)")
+    if args.use_vllm and args.vllm_mode == "colocate":
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
@@ -148,7 +178,7 @@ def bench_prompts(args, model_path: str) -> tuple[list[str], list[str]]:
 
     train, _ = builtin_task(seed=args.seed, num_train=2000, num_eval=0)
     tokenizer = load_tokenizer(model_path)
-    order = prompts_for_step(0, args.steps * args.num_prompts, len(train), args.seed)
+    order = prompts_for_step(0, args.steps * args.num_prompts * processes(args), len(train), args.seed)
     records = [train[i] for i in order]
     return ([format_prompt(tokenizer, r["problem"], Config.instruction) for r in records],
             [r["answer"] for r in records])
@@ -178,8 +208,12 @@ def run_ours(spec: dict) -> dict:
             "--vllm_gpu_memory_utilization", str(spec["vllm_gpu_memory_utilization"])]
     if spec["bf16"] != "auto":
         argv += ["--bf16", spec["bf16"]]
+    if spec["vllm_mode"] == "server":
+        argv += ["--vllm_mode", "server", "--vllm_server_base_url", spec["vllm_server_base_url"]]
     train_agrpo.main(argv)
-    peak = peak_memory_gb()
+    peak = launch_peak(spec)
+    if peak is None:  # not the main process of a launch: its peak is written, the main one reports
+        return {}
     rows = [json.loads(line) for line in Path(spec["output_dir"], "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "step_time" in r]
     return {"step_times": [r["step_time"] for r in rows],
@@ -235,16 +269,36 @@ def run_trl(spec: dict) -> dict:
         weight_decay=0.0, shuffle_dataset=False, use_cpu=not torch.cuda.is_available(), bf16=spec["trl_bf16"],
         gradient_checkpointing=spec["gradient_checkpointing"], logging_steps=1, report_to="none",
         save_strategy="no", model_init_kwargs=model_kwargs, dataloader_num_workers=0, use_vllm=spec["use_vllm"],
-        vllm_mode="colocate", vllm_gpu_memory_utilization=spec["vllm_gpu_memory_utilization"])
+        vllm_mode=spec["vllm_mode"], vllm_gpu_memory_utilization=spec["vllm_gpu_memory_utilization"],
+        **({"vllm_server_base_url": spec["trl_vllm_server_base_url"]} if spec["vllm_mode"] == "server" else {}))
     clock = StepClock()
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=accuracy, args=config,
                           train_dataset=Dataset.from_dict({"prompt": prompts, "answer": answers}),
                           peft_config=peft_config, callbacks=[clock])
     trainer.train()
-    peak = peak_memory_gb()
+    peak = launch_peak(spec)
+    if peak is None:
+        return {}
     return {"step_times": clock.times,
             "tokens": [log["completions/mean_length"] * spec["num_generations"] * spec["num_prompts"]
                        for log in clock.logs], "peak_memory_gb": peak}
+
+
+def launch_peak(spec: dict) -> float | None:
+    """This process's peak memory; under accelerate launch every process writes its own and the main one (rank 0)
+    returns the largest, once all have written (the others return None)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    peak = peak_memory_gb()
+    if world == 1:
+        return peak
+    Path(f"{spec['result']}.peak{rank}").write_text(str(peak))
+    if rank != 0:
+        return None
+    files = [Path(f"{spec['result']}.peak{r}") for r in range(world)]
+    deadline = time.time() + 600
+    while not all(f.exists() for f in files) and time.time() < deadline:
+        time.sleep(0.5)
+    return max(float(f.read_text()) for f in files if f.exists())
 
 
 def summarize(runs: list[dict], warmup: int) -> dict:
@@ -264,7 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:  # child: one run, result as JSON on the last line
         spec = json.loads(Path(args.worker).read_text())
         result = run_ours(spec) if spec["trainer"] == "ours" else run_trl(spec)
-        Path(spec["result"]).write_text(json.dumps(result))
+        if result:  # (the main process of a launch)
+            Path(spec["result"]).write_text(json.dumps(result))
         return result
     check_args(args)
     import torch
@@ -287,6 +342,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "steps": args.steps, "bf16": args.bf16, "use_peft": args.use_peft, "load_in_4bit": args.load_in_4bit,
                 "lora_dropout": args.lora_dropout, "gradient_checkpointing": args.gradient_checkpointing,
                 "use_vllm": args.use_vllm, "vllm_gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+                "vllm_mode": args.vllm_mode, "vllm_server_base_url": args.vllm_server_base_url,
+                "trl_vllm_server_base_url": args.trl_vllm_server_base_url,
+                "launch_config": args.launch_config, "num_processes": args.num_processes,
                 "prompts": prompts, "answers": answers}
         runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
         for r in range(args.rounds):
@@ -297,7 +355,8 @@ def main(argv: list[str] | None = None) -> dict:
                 Path(work / "spec.json").write_text(json.dumps(spec))
                 t0 = time.perf_counter()
                 print(f"[round {r + 1}/{args.rounds}] {label} ...", flush=True)
-                proc = subprocess.run([sys.executable, __file__, "--worker", str(work / "spec.json")], cwd=ROOT,
+                command = [*launcher(args, trainer), __file__, "--worker", str(work / "spec.json")]
+                proc = subprocess.run(command, cwd=ROOT,
                                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 if proc.returncode != 0:
@@ -325,6 +384,26 @@ def main(argv: list[str] | None = None) -> dict:
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=1))
     return report
+
+
+def launcher(args, trainer: str) -> list[str]:
+    """How a measured run starts: one Python process, or accelerate launch with the trainer's config."""
+    config = args.trl_launch_config if trainer == "trl" and args.trl_launch_config else args.launch_config
+    if config is None:
+        return [sys.executable]
+    extra = ["--num_processes", str(args.num_processes)] if args.num_processes else []
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, *extra]
+
+
+def processes(args) -> int:
+    """Processes a measured run has (to give TRL as many prompts as ours takes)."""
+    if args.num_processes:
+        return args.num_processes
+    if args.launch_config:
+        import yaml
+
+        return int(yaml.safe_load(Path(args.launch_config).read_text()).get("num_processes", 1))
+    return 1
 
 
 def format_report(report: dict) -> str:

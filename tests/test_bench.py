@@ -40,3 +40,27 @@ def test_side_by_side_run_reports_both_trainers_ratios_and_our_phases(tmp_path):
     assert report["ratios"]["step_time"] == pytest.approx(ours["median_step_time_s"] / trl["median_step_time_s"])
     assert report["settings"]["steps"] == 2 and report["settings"]["num_generations"] == 8
     assert report["settings"]["beta"] == 0.04 and report["settings"]["max_completion_length"] == 8
+
+
+def test_the_sharded_and_server_modes_name_what_they_need():
+    proc = subprocess.run(BENCH + ["--launch_config", "no/such.yaml"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "--launch_config: no file 'no/such.yaml'" in proc.stderr
+    proc = subprocess.run(BENCH + ["--use_vllm", "--vllm_mode", "server", "--trainers", "ours"], capture_output=True,
+                          text=True)
+    assert proc.returncode != 0 and "--vllm_mode server: give --vllm_server_base_url" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_sharded_run_is_measured_across_its_processes(tmp_path):
+    """--launch_config: each measured run is an accelerate launch of two processes (FSDP2 over gloo here), the step
+    times come from the main process and the peak memory is the largest of the two."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(BENCH + ["--shape", "qwen2-tiny", "--steps", "2", "--rounds", "1", "--trainers", "ours",
+                                   "--max_completion_length", "8", "--output_json", str(out), "--launch_config",
+                                   str(REPO / "scripts" / "accelerate" / "fsdp2_cpu.yaml")],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    ours = report["summary"]["ours"]
+    assert ours["measured_steps"] == 1 and ours["median_step_time_s"] > 0 and ours["peak_memory_gb"] > 0.3
+    assert report["settings"]["launch_config"].endswith("fsdp2_cpu.yaml")
