@@ -448,7 +448,10 @@ def sharded_parts(parts: dict[str, int], model: torch.nn.Module, processes: int,
     if "reference model" in parts:
         out["reference model (FSDP2: its shard)"] = parts["reference model"] // processes
     out["gathered for compute (FSDP2: root unit + 2 decoder layers)"] = (root + 2 * largest) * compute
-    return {**out, **{k: v for k, v in parts.items() if k not in ("policy weights", "reference model")}}
+    rest = {k: v for k, v in parts.items() if k not in ("policy weights", "reference model")}
+    if not any(k.startswith(("vLLM engine", "sampler's")) for k in rest):  # the HF sampler samples from a full copy
+        out["sampler's copy (FSDP2: full weights)"] = sum(numel.values()) * compute
+    return {**out, **rest}
 
 
 def layer_key(name: str) -> str | None:
