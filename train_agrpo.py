@@ -436,7 +436,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                                   global_num_tokens=global_tokens, max_completion_length=cfg.max_completion_length,
                                   num_processes=geo.world, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
             if not skip_update:
-                accelerator.backward(loss)
+                distributed.backward(accelerator, scorer, loss, last=sync)
         sums["loss"] += loss.detach() / geo.world
         sums["entropy"] += (entropy.detach() * roll.completion_mask[rows]).sum()
         for k, v in clip_stats.items():
@@ -447,24 +447,29 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this update used
     reduced = accelerator.reduce(torch.stack([sums["loss"], sums["kl"], sums["entropy"]]), reduction="sum")
     nonfinite = batch.nonfinite  # the batch's rewards: every step on it is skipped
-    grad_norm = torch.zeros(())
-    if not skip_update:
+    grad_norm, moved = torch.zeros(()), False
+    deepspeed = distributed.is_deepspeed(accelerator)
+    if not skip_update and deepspeed:  # DeepSpeed steps, clips and skips non-finite gradients in one call
+        grad_norm, moved = distributed.deepspeed_step(scorer)
+    elif not skip_update:
         grad_norm = accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else \
             distributed.grad_norm(run.params, accelerator)
         grad_norm = distributed.full_tensor(grad_norm)
+    if not skip_update:
         # both are reduced over every process, so every process takes the same decision
         if not torch.isfinite(reduced[0]):
             nonfinite = f"the loss ({float(reduced[0])})"
         elif not torch.isfinite(grad_norm):
             nonfinite = f"the gradient norm ({float(grad_norm)})"
     stepped = not skip_update and not nonfinite
-    if stepped:
+    if stepped and not deepspeed:
         run.optimizer.step()
+        moved = True
     run.scheduler.step()  # the schedule still advances on a skipped step: it is laid out over steps, not updates
     run.optimizer.zero_grad(set_to_none=True)
     timing["time/optimizer"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    if stepped:  # the weights moved: the sampler gets them
+    if moved:  # the weights moved: the sampler gets them
         run.engine.sync_weights(accelerator.unwrap_model(scorer).model)
     timing["time/weight_sync"] = time.perf_counter() - t0
 
@@ -820,15 +825,23 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU) when launched
     # with several processes, instead of running each process alone
     # the scheduler is stepped by us once per optimizer step: its Accelerate wrapper must not step it once per process
-    accelerator = Accelerator(cpu=cfg.use_cpu or torch.accelerator.current_accelerator() is None,
+    # (except under DeepSpeed, which forms the group itself: lib/distributed.enable_deepspeed_on_cpu)
+    accelerator = Accelerator(cpu=(cfg.use_cpu or torch.accelerator.current_accelerator() is None)
+                              and not distributed.deepspeed_requested(),
                               mixed_precision="bf16" if bf16 else "no", step_scheduler_with_optimizer=False,
                               log_with=cfg.report_to or None, project_dir=cfg.output_dir)
-    try:  # FSDP2 (lib/distributed.py): on a CPU too, where Accelerate would fall back to data parallelism
+    try:  # FSDP2 / DeepSpeed (lib/distributed.py): on a CPU too, where Accelerate would not run them as launched
+        distributed.enable_deepspeed_on_cpu(accelerator)
         sharded = distributed.enable_fsdp_on_cpu(accelerator) or distributed.is_sharded(accelerator)
         distributed.check_supported(accelerator, use_peft=cfg.use_peft, load_in_4bit=cfg.load_in_4bit)
     except distributed.ShardingError as error:
         raise ConfigError(str(error)) from None
+    partitioned = distributed.partitions_weights(accelerator)  # FSDP2 or ZeRO-3: each process holds part of it
     validate(cfg, accelerator.num_processes)
+    if distributed.is_deepspeed(accelerator):
+        distributed.configure_deepspeed(accelerator, micro_batch=cfg.per_device_train_batch_size,
+                                        accumulation=cfg.gradient_accumulation_steps,
+                                        max_grad_norm=cfg.max_grad_norm, bf16=bf16)
     # push_to_hub: the hub reachable, a write token, the repository ready, before any data or model loads
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
     rank, device = accelerator.process_index, accelerator.device
@@ -892,10 +905,10 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
         dtype = reference_dtype(cfg.dtype, next(policy.parameters()).dtype, device=device.type, bf16=bf16)
         reference = CompletionScorer(load_reference(model_path, dtype, device,
                                                     trust_remote_code=cfg.trust_remote_code,
-                                                    revision=cfg.model_revision), fixed_calls=sharded)
+                                                    revision=cfg.model_revision), fixed_calls=partitioned)
         if sharded:
-            distributed.shard_frozen(reference, accelerator)
-    engine = make_engine(cfg, policy, tokenizer, model_path, bf16, rank, sharded)
+            reference = distributed.shard_frozen(reference, accelerator)
+    engine = make_engine(cfg, policy, tokenizer, model_path, bf16, rank, partitioned)
     # reward models score in this process, on its device, a micro-batch at a time (lib/reward_models.py); loaded
     # before the memory check, which counts them as resident
     try:
@@ -929,12 +942,17 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
                                 num_warmup_steps=warmup_steps(cfg),
                                 kwargs=cfg.lr_scheduler_kwargs)
-    # DDP, or FSDP2: the policy's decoder layers sharded, the optimizer given the shards (lib/distributed.py)
-    scorer, optimizer, scheduler = accelerator.prepare(CompletionScorer(policy, fixed_calls=sharded), optimizer,
-                                                       scheduler)
+    # DDP, or FSDP2: the policy's decoder layers sharded, the optimizer given the shards; or a DeepSpeed engine,
+    # whose optimizer follows our scheduler's rates (the scheduler stays ours: lib/distributed.py)
+    scorer = CompletionScorer(policy, fixed_calls=partitioned)
+    if distributed.is_deepspeed(accelerator):
+        scorer, optimizer = accelerator.prepare(scorer, optimizer)
+    else:
+        scorer, optimizer, scheduler = accelerator.prepare(scorer, optimizer, scheduler)
     params = [p for p in scorer.parameters() if p.requires_grad]  # the shards the optimizer holds, when sharded
     if sharded and accelerator.is_main_process:
-        tqdm.write(distributed.describe_sharding(scorer, accelerator.num_processes))
+        tqdm.write(distributed.describe_sharding(scorer, accelerator.num_processes,
+                                                 distributed.zero_stage(accelerator)))
 
     geometry = Geometry.of(cfg, rank, accelerator.num_processes)
     method = choose_method(cfg, geometry.steps_per_rollout)

@@ -1,4 +1,4 @@
-"""Sharded training through Accelerate's FSDP2 (docs/distributed.md).
+"""Sharded training through Accelerate: FSDP2, or DeepSpeed ZeRO-2 / ZeRO-3 (docs/distributed.md).
 
 `accelerate launch --config_file scripts/accelerate/fsdp2.yaml train_agrpo.py ...` makes Accelerate shard the
 policy with torch's `fully_shard` (each decoder layer a unit, the rest in the root unit) and hand the optimizer the
@@ -15,6 +15,15 @@ sharded parameters; everything here is what the trainer adds around that:
 - `save_sharded` / `load_sharded`: a checkpoint's model and optimizer as torch.distributed.checkpoint shards
   (Accelerate's FSDP save / load), and `full_state_dict` for final/, gathered on the main process.
 
+DeepSpeed (`--config_file scripts/accelerate/zero2.yaml` or `zero3.yaml`): Accelerate wraps the scorer in a
+DeepSpeed engine; the trainer drives it itself (`backward`, `deepspeed_step`: the engine's backward with the
+accumulation boundary the loop knows, then one engine step a micro-batch slice, DeepSpeed clipping the gradients and
+skipping a step whose gradients are not finite). ZeRO-3 partitions the weights too, so what was said of FSDP2's
+shards above holds for its partitions: the reference is partitioned (`shard_frozen`), the sampler is given the
+weights gathered one parameter at a time (`full_tensor`), checkpoints are DeepSpeed's own per-process files and
+final/ one gathered folder. `enable_deepspeed_on_cpu` makes Accelerate's state agree with the process group
+DeepSpeed forms on a CPU (gloo), which is how the tests run it.
+
 Every function that gathers is a collective: each process calls it at the same point with the same arguments.
 """
 
@@ -29,6 +38,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+DEEPSPEED_TAG = "deepspeed"  # the sub-folder of a checkpoint that DeepSpeed's save_checkpoint writes
 MODEL_SHARDS = "pytorch_model_fsdp_0"  # the folder Accelerate's save_fsdp_model writes (model_index 0)
 OPTIMIZER_SHARDS = "optimizer_0"
 
@@ -63,14 +73,90 @@ def enable_fsdp_on_cpu(accelerator: Accelerator) -> bool:
 
 
 def is_sharded(accelerator: Accelerator) -> bool:
-    return accelerator.distributed_type == DistributedType.FSDP
+    """FSDP2, or DeepSpeed (any ZeRO stage: its optimizer states are partitioned, and the trainer treats its
+    engine the way it treats a sharded model)."""
+    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+
+
+def deepspeed_requested() -> bool:
+    """Whether `accelerate launch` was given a DeepSpeed configuration (it exports ACCELERATE_USE_DEEPSPEED)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def is_deepspeed(accelerator: Accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def zero_stage(accelerator: Accelerator) -> int:
+    """DeepSpeed's ZeRO stage; 0 without DeepSpeed."""
+    return int(accelerator.state.deepspeed_plugin.zero_stage) if is_deepspeed(accelerator) else 0
+
+
+def partitions_weights(accelerator: Accelerator) -> bool:
+    """Whether each process holds only part of the weights (FSDP2, ZeRO-3): the model's calls are then
+    collectives, and the sampler and the reference need gathered weights."""
+    return accelerator.distributed_type == DistributedType.FSDP or zero_stage(accelerator) == 3
+
+
+def enable_deepspeed_on_cpu(accelerator: Accelerator) -> bool:
+    """Make Accelerate's state count the processes of a DeepSpeed launch on a CPU.
+
+    Launched with a DeepSpeed config and no accelerator, Accelerate lets DeepSpeed form the process group (gloo, the
+    communication backend of DeepSpeed's CPU accelerator) but, finding no device backend of its own, records one
+    process of rank 0 on every process; the engine would then be configured for a world of one. The counts are
+    the process group's. Returns whether it changed them."""
+    if not is_deepspeed(accelerator) or not torch.distributed.is_initialized():
+        return False
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    if accelerator.num_processes == world and accelerator.process_index == rank:
+        return False
+    from accelerate.state import AcceleratorState, PartialState
+
+    counts = {"num_processes": world, "process_index": rank, "backend": torch.distributed.get_backend(),
+              "local_process_index": int(os.environ.get("LOCAL_RANK", rank))}
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+        shared.update(counts)
+    return True
+
+
+def configure_deepspeed(accelerator: Accelerator, *, micro_batch: int, accumulation: int, max_grad_norm: float,
+                        bf16: bool) -> dict:
+    """The engine's settings that follow from the training configuration, written into the launcher's DeepSpeed
+    config before any model is prepared: the batch geometry (the trainer feeds it micro-batches itself), the
+    clipping (max_grad_norm; 0 = none), DeepSpeed's skip of steps with non-finite gradients in bf16 too, and
+    final/'s gathered weights under ZeRO-3. Returns the config."""
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch
+    config["gradient_accumulation_steps"] = accumulation
+    config["train_batch_size"] = micro_batch * accumulation * accelerator.num_processes
+    config["gradient_clipping"] = max_grad_norm
+    config["zero_allow_untested_optimizer"] = True  # the optimizer is the trainer's (optim), handed to the engine
+    config.setdefault("bf16", {})["enabled"] = bf16
+    if bf16:
+        config["bf16"]["check_grad_overflow"] = True
+    config.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
+    config["steps_per_print"] = float("inf")
+    # Accelerate registers the config with transformers, whose from_pretrained would then build a ZeRO-3 model
+    # already partitioned (deepspeed.zero.Init): the trainer loads whole weights on each process, as under FSDP2, and
+    # the engine partitions them in prepare (the load-time peak is one full copy a process: docs/distributed.md 7)
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    return config
 
 
 def check_supported(accelerator: Accelerator, *, use_peft: bool, load_in_4bit: bool) -> None:
     """Refuse, before any model loads, what the sharded path does not do yet; reduce gradients in fp32."""
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        raise ShardingError("distributed_type DEEPSPEED: DeepSpeed is not supported yet (docs/distributed.md 7); shard "
-                            "full fine-tuning with FSDP2: accelerate launch --config_file scripts/accelerate/fsdp2.yaml")
+    if is_deepspeed(accelerator):
+        if use_peft or load_in_4bit:
+            raise ShardingError("use_peft / load_in_4bit: LoRA and QLoRA train with data parallelism (their trainable "
+                                "weights are small); launch them without the DeepSpeed config "
+                                "(scripts/accelerate/ddp_8gpu.yaml), or train in full under DeepSpeed")
+        if zero_stage(accelerator) not in (2, 3):
+            raise ShardingError(f"zero_stage: {zero_stage(accelerator)} is not supported; the trainer runs ZeRO-2 "
+                                f"(scripts/accelerate/zero2.yaml) and ZeRO-3 (scripts/accelerate/zero3.yaml). For plain "
+                                f"data parallelism launch without a DeepSpeed config")
+        return
     if not is_sharded(accelerator):
         return
     plugin = accelerator.state.fsdp_plugin
@@ -106,6 +192,8 @@ def _unit_classes(model: torch.nn.Module, accelerator: Accelerator) -> tuple[typ
 def shard_frozen(model: torch.nn.Module, accelerator: Accelerator) -> torch.nn.Module:
     """Shard a frozen model (the reference) like the policy: each decoder layer a unit, the rest in the root unit,
     with the plugin's mixed precision, resharded after each forward. In place; returns the model."""
+    if is_deepspeed(accelerator):
+        return _partition_frozen(model, accelerator)
     from torch.distributed.fsdp import fully_shard
 
     plugin = accelerator.state.fsdp_plugin
@@ -119,21 +207,54 @@ def shard_frozen(model: torch.nn.Module, accelerator: Accelerator) -> torch.nn.M
     return model
 
 
+def _partition_frozen(model: torch.nn.Module, accelerator: Accelerator) -> torch.nn.Module:
+    """The reference under DeepSpeed: partitioned over the processes by an inference-only ZeRO-3 engine of the
+    same config (its weights gathered a module at a time in each forward); under ZeRO-2, whose weights are whole on
+    every process, left as it is. Returns the module to call."""
+    if zero_stage(accelerator) != 3:
+        return model
+    import copy
+
+    import deepspeed
+
+    config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    for key in ("optimizer", "scheduler"):
+        config.pop(key, None)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()  # (the engine's eval returns None, not the module)
+    return engine
+
+
+def _zero3_partitioned(tensor: torch.Tensor) -> bool:
+    return getattr(tensor, "ds_id", None) is not None and hasattr(tensor, "ds_status")
+
+
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A sharded parameter's full value (an all-gather: a collective); any other tensor as it is."""
+    """A sharded parameter's full value (an all-gather: a collective; under ZeRO-3 a detached copy, since the
+    gathered storage is released again); any other tensor as it is."""
     from torch.distributed.tensor import DTensor
 
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor()
+    if _zero3_partitioned(tensor):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([tensor]):
+            return tensor.detach().clone()
+    return tensor
 
 
 def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of each parameter, gathered one at a time, in the module's order."""
     for name, param in model.named_parameters():
-        yield name, full_tensor(param.detach())
+        yield name, full_tensor(param).detach()
 
 
 def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state on the main process (CPU tensors; empty elsewhere), for final/'s safetensors."""
+    if is_deepspeed(accelerator):  # ZeRO-3: gathered on the main process (stage3_gather_16bit_weights_on_model_save)
+        state = accelerator.get_state_dict(model)  # None on the other processes
+        return {k: v.cpu() for k, v in (state or {}).items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -142,6 +263,9 @@ def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[st
 def save_sharded(accelerator: Accelerator, model: torch.nn.Module, optimizer, folder: Path) -> None:
     """The model's and the optimizer's shards into `folder` (torch.distributed.checkpoint; every process writes
     its own)."""
+    if is_deepspeed(accelerator):  # model states and each process's optimizer partition, in DEEPSPEED_TAG/
+        model.save_checkpoint(str(folder), tag=DEEPSPEED_TAG, save_latest=False)
+        return
     from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
 
     plugin = accelerator.state.fsdp_plugin
@@ -151,6 +275,16 @@ def save_sharded(accelerator: Accelerator, model: torch.nn.Module, optimizer, fo
 
 def load_sharded(accelerator: Accelerator, model: torch.nn.Module, optimizer, folder: Path) -> None:
     """Read what `save_sharded` wrote back into the sharded model and optimizer."""
+    if is_deepspeed(accelerator):
+        if not (folder / DEEPSPEED_TAG).is_dir():
+            raise ShardingError(f"resume_from_checkpoint: {folder.name} holds no DeepSpeed states ({DEEPSPEED_TAG}/): "
+                                f"it was written by a run without DeepSpeed. Resume it with the launch it was "
+                                f"written with")
+        loaded, _ = model.load_checkpoint(str(folder), tag=DEEPSPEED_TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=False)
+        if loaded is None:
+            raise ShardingError(f"resume_from_checkpoint: DeepSpeed could not read {folder.name}/{DEEPSPEED_TAG}")
+        return
     from accelerate.utils import load_fsdp_model, load_fsdp_optimizer
 
     if not any(path.name.startswith("pytorch_model_fsdp") for path in folder.iterdir()):
@@ -162,10 +296,32 @@ def load_sharded(accelerator: Accelerator, model: torch.nn.Module, optimizer, fo
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's shard of a sharded tensor; any other tensor as it is."""
+    """This process's shard of a sharded tensor (a ZeRO-3 parameter's partition); any other tensor as it is."""
     from torch.distributed.tensor import DTensor
 
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if isinstance(tensor, DTensor):
+        return tensor.to_local()
+    return tensor.ds_tensor if _zero3_partitioned(tensor) else tensor
+
+
+def backward(accelerator: Accelerator, model: torch.nn.Module, loss: torch.Tensor, last: bool) -> None:
+    """The backward pass of one micro-batch's loss. A DeepSpeed engine is told whether this is the slice's last
+    micro-batch (where it reduces the accumulated gradients) and does not rescale the loss, which the trainer has
+    already divided for accumulation (lib/losses.aggregate_loss); the step is `deepspeed_step`'s."""
+    if is_deepspeed(accelerator):
+        model.set_gradient_accumulation_boundary(last)
+        model.backward(loss, scale_wrt_gas=False)
+    else:
+        accelerator.backward(loss)
+
+
+def deepspeed_step(model) -> tuple[torch.Tensor, bool]:
+    """The engine's optimizer step: the global gradient norm (before clipping) and whether the weights moved.
+    DeepSpeed clips to gradient_clipping (configure_deepspeed) and skips a step whose gradients are not finite."""
+    model.step()
+    norm = model.get_global_grad_norm()
+    norm = torch.as_tensor(float("nan") if norm is None else float(norm))
+    return norm, not bool(getattr(model.optimizer, "overflow", False)) and bool(torch.isfinite(norm))
 
 
 def grad_norm(params: list[torch.nn.Parameter], accelerator: Accelerator) -> torch.Tensor:
@@ -178,8 +334,16 @@ def grad_norm(params: list[torch.nn.Parameter], accelerator: Accelerator) -> tor
     return torch.sqrt(squares)
 
 
-def describe_sharding(model: torch.nn.Module, world: int) -> str:
-    """One line: how many FSDP units the model has and how much of its weights this process holds."""
+def describe_sharding(model: torch.nn.Module, world: int, stage: int = 0) -> str:
+    """One line: how many FSDP units the model has (or which ZeRO stage) and how much of its weights this process
+    holds."""
+    if stage:
+        params = list(model.parameters())
+        whole = sum((p.ds_numel if _zero3_partitioned(p) else p.numel()) * p.element_size() for p in params)
+        mine = sum(local_tensor(p).numel() * p.element_size() for p in params)
+        held = "its optimizer states and gradients" if stage == 2 else "its weights, gradients and optimizer states"
+        return (f"DeepSpeed ZeRO-{stage}: {held} partitioned over {world} processes; this process holds "
+                f"{mine / 2**20:.1f} MiB of its {whole / 2**20:.1f} MiB of weights")
     from torch.distributed.fsdp import FSDPModule
 
     units = sum(isinstance(m, FSDPModule) for m in model.modules())

@@ -1,12 +1,14 @@
-"""Sharded training (FSDP2 through Accelerate, lib/distributed.py) on two CPU processes over gloo: the same sharding
-code that runs on GPUs (docs/distributed.md).
+"""Sharded training (FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 through Accelerate, lib/distributed.py) on two CPU
+processes over gloo: the same sharding code that runs on GPUs (docs/distributed.md).
 
 The fast tests check the pieces a sharded run relies on in one process (the scorer's fixed decoder calls, the
 sampler's own copy); the slow ones launch the trainer as a user does, `accelerate launch --config_file
-scripts/accelerate/fsdp2_cpu.yaml train_agrpo.py`, and compare it with data-parallel runs of the same processes."""
+scripts/accelerate/fsdp2_cpu.yaml train_agrpo.py` (or zero3_cpu.yaml), and compare it with data-parallel runs of
+the same processes."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -24,6 +26,9 @@ from test_loop import REWARDS, TINY, steps_of
 
 FSDP = ["--config_file", str(REPO / "scripts" / "accelerate" / "fsdp2_cpu.yaml")]
 DDP = ["--config_file", str(REPO / "scripts" / "accelerate" / "cpu_2proc.yaml")]
+ZERO3 = ["--config_file", str(REPO / "scripts" / "accelerate" / "zero3_cpu.yaml")]
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="DeepSpeed is not installed (requirements-test.txt)")
 # the same global batch on two processes: 4 completions each, one group of 4 a process
 TWO = [*TINY, "--per_device_train_batch_size", "4", "--save_steps", "2", "--max_steps", "4"]
 COMPARED = ("reward", "loss", "grad_norm", "kl", "entropy", "num_tokens")
@@ -47,6 +52,34 @@ def compared(out: Path) -> list[dict]:
 def close(a: list[dict], b: list[dict], rel: float) -> bool:
     return len(a) == len(b) and all(x["step"] == y["step"] and all(x[k] == pytest.approx(y[k], rel=rel, abs=1e-7)
                                                                   for k in COMPARED) for x, y in zip(a, b))
+
+
+def assert_resumes_exactly_after_sigkill(config: list[str], args: list[str], tmp_path: Path, unbroken: list[dict],
+                                         final: dict) -> None:
+    """A run killed with SIGKILL (both processes, inside step 3's rewards: a reward that hangs on its third call
+    while a flag file exists) and resumed from checkpoint-2 ends exactly as the unbroken run (its metrics and
+    final weights given): the same shards, optimizer states, RNG and data position."""
+    killed, flag = tmp_path / "killed", tmp_path / "hang"
+    flag.write_text("")
+    hanging = [a if a != f"{REWARDS}:characters" else f"{REWARDS}:characters_hang_third" for a in args]
+    proc = launch(config, [*hanging, "--output_dir", str(killed)], tmp_path, env={"AGRPO_TEST_HANG_FILE": str(flag)},
+                  wait=False)
+    deadline = time.time() + 300
+    while not (killed / "checkpoint-2" / "trainer_state.json").exists() or len(steps_of(killed)) < 2:
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:] if proc.stdout else ""
+        time.sleep(0.5)
+    time.sleep(2)  # both processes are inside step 3's hanging reward
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert [m["step"] for m in steps_of(killed)] == [1, 2]
+    flag.unlink()
+    resumed = launch(config, [*hanging, "--output_dir", str(killed), "--resume_from_checkpoint", "latest"], tmp_path,
+                     env={"AGRPO_TEST_HANG_FILE": str(flag)})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert compared(killed) == unbroken
+    assert json.loads((killed / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+    again = load_file(killed / "final" / "model.safetensors")
+    assert all(torch.equal(again[name], final[name]) for name in final)
 
 
 # ------------------------------------------------------------------------------------------------ one process
@@ -134,28 +167,46 @@ def test_fsdp2_on_two_cpu_processes_matches_data_parallel_and_resumes_exactly_af
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "final")
     torch.testing.assert_close(loaded.lm_head.weight, loaded.model.embed_tokens.weight)  # still tied
 
-    # killed inside step 3 (a reward that hangs on its third call while the flag file exists), then resumed
-    killed, flag = tmp_path / "killed", tmp_path / "hang"
-    flag.write_text("")
-    hanging = [a if a != f"{REWARDS}:characters" else f"{REWARDS}:characters_hang_third" for a in args]
-    proc = launch(FSDP, [*hanging, "--output_dir", str(killed)], tmp_path, env={"AGRPO_TEST_HANG_FILE": str(flag)},
-                  wait=False)
-    deadline = time.time() + 300
-    while not (killed / "checkpoint-2" / "trainer_state.json").exists() or len(steps_of(killed)) < 2:
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:] if proc.stdout else ""
-        time.sleep(0.5)
-    time.sleep(2)  # both processes are inside step 3's hanging reward
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert [m["step"] for m in steps_of(killed)] == [1, 2]
-    flag.unlink()
-    resumed = launch(FSDP, [*hanging, "--output_dir", str(killed), "--resume_from_checkpoint", "latest"], tmp_path,
-                     env={"AGRPO_TEST_HANG_FILE": str(flag)})
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert compared(killed) == sharded  # exact: the same shards, optimizer states, RNG and data position
-    assert json.loads((killed / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
-    again = load_file(killed / "final" / "model.safetensors")
-    assert all(torch.equal(again[name], final[name]) for name in final)
+    assert_resumes_exactly_after_sigkill(FSDP, args, tmp_path, sharded, final)
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_deepspeed_zero2_and_zero3_on_two_cpu_processes_match_data_parallel_and_zero3_resumes_after_sigkill(
+        tmp_path, tiny_model):
+    """The same four steps under DeepSpeed ZeRO-2 and ZeRO-3 (DeepSpeed's CPU accelerator over gloo, launched with
+    scripts/accelerate/zero3_cpu.yaml): step for step the data-parallel run's rewards, losses, gradient norms (the
+    engine's), KL (the reference partitioned by an engine of its own under ZeRO-3) and entropy, and its final
+    weights, within float tolerance. Checkpoints are DeepSpeed's per-process files; final/ is one folder that
+    transformers loads; a ZeRO-3 run killed with SIGKILL resumes exactly."""
+    args = ["--model_name_or_path", tiny_model, *TWO]
+    ddp = launch(DDP, [*args, "--output_dir", str(tmp_path / "ddp")], tmp_path)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    plain = compared(tmp_path / "ddp")
+    reference = load_file(tmp_path / "ddp" / "final" / "model.safetensors")
+    assert max(m["kl"] for m in plain) > 1e-4  # the KL term is compared on values that move
+    for stage, config in (("2", [*ZERO3, "--zero_stage", "2"]), ("3", ZERO3)):
+        out = tmp_path / f"zero{stage}"
+        proc = launch(config, [*args, "--output_dir", str(out)], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"DeepSpeed ZeRO-{stage}: " in proc.stdout + proc.stderr
+        runs = compared(out)
+        assert [m["step"] for m in runs] == [1, 2, 3, 4]
+        assert close(runs, plain, rel=1e-4), (stage, runs, plain)
+        final = load_file(out / "final" / "model.safetensors")
+        assert final.keys() == reference.keys()
+        for name in final:
+            torch.testing.assert_close(final[name], reference[name], rtol=1e-4, atol=1e-5)
+        checkpoint = out / "checkpoint-2"
+        assert sorted(p.name for p in (checkpoint / "deepspeed").glob("*optim_states.pt")) == [
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+        assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer.pt").exists()
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "zero3" / "final")
+    torch.testing.assert_close(loaded.lm_head.weight, loaded.model.embed_tokens.weight)  # still tied
+    assert_resumes_exactly_after_sigkill(ZERO3, args, tmp_path, compared(tmp_path / "zero3"),
+                                         load_file(tmp_path / "zero3" / "final" / "model.safetensors"))
 
 
 def fake_slurm(folder: Path) -> Path:
