@@ -427,9 +427,12 @@ class RunArguments:
                                        "configuration (weights, sampler, gradients, optimizer, activations, KV "
                                        "cache) from the model's configuration alone, without loading weights, and "
                                        "exit; max_memory gives the budget (docs/performance.md 3.4)."})
-    estimate_fsdp_processes: int = field(default=1, metadata={"help": "With estimate_memory_only: the per-GPU "
-                                         "estimate of full fine-tuning sharded with FSDP2 over this many GPUs (the "
-                                         "launch's num_processes; 1 = one GPU, unsharded; docs/distributed.md 4)."})
+    estimate_processes: int = field(default=1, metadata={"help": "With estimate_memory_only: the per-GPU estimate "
+                                    "of full fine-tuning sharded over this many GPUs (the launch's num_processes; 1 "
+                                    "= one GPU, unsharded; docs/distributed.md 4)."})
+    estimate_sharding: str = field(default="fsdp2", metadata={"help": "With estimate_processes > 1: fsdp2 | zero2 | "
+                                   "zero3, the launch config the estimate is for (scripts/accelerate/fsdp2.yaml, "
+                                   "zero2.yaml, zero3.yaml)."})
     output_dir: str = field(default="runs/agrpo", metadata={"help": "Run directory (config, metrics, "
                             "checkpoints, final model)."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow writing into a run directory that "
@@ -1041,12 +1044,15 @@ def validate_backend(cfg: Config) -> None:
         raise ConfigError(f"optim: '{cfg.optim}' needs bitsandbytes: pip install bitsandbytes (or --optim adamw_torch)")
     if cfg.max_memory is not None and cfg.max_memory <= 0:
         raise ConfigError(f"max_memory must be a positive number of GB or null, got {cfg.max_memory}")
-    if cfg.estimate_fsdp_processes < 1:
-        raise ConfigError(f"estimate_fsdp_processes must be at least 1 (the GPUs to shard over), got "
-                          f"{cfg.estimate_fsdp_processes}")
-    if cfg.estimate_fsdp_processes > 1 and cfg.use_peft:
-        raise ConfigError("estimate_fsdp_processes: FSDP2 shards full fine-tuning; LoRA / QLoRA train data parallel "
-                          "(their estimate is per GPU as it is): drop estimate_fsdp_processes or use_peft")
+    if cfg.estimate_processes < 1:
+        raise ConfigError(f"estimate_processes must be at least 1 (the GPUs to shard over), got "
+                          f"{cfg.estimate_processes}")
+    if cfg.estimate_sharding not in ("fsdp2", "zero2", "zero3"):
+        raise ConfigError(f"estimate_sharding must be fsdp2, zero2 or zero3 (the launch config), got "
+                          f"'{cfg.estimate_sharding}'")
+    if cfg.estimate_processes > 1 and cfg.use_peft:
+        raise ConfigError("estimate_processes: FSDP2 and DeepSpeed shard full fine-tuning; LoRA / QLoRA train data "
+                          "parallel (their estimate is per GPU as it is): drop estimate_processes or use_peft")
 
 
 def default_use_vllm(cuda: bool, vllm_installed: bool) -> bool:

@@ -371,8 +371,8 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
     """(what is resident before a step, by part; the step's StepMemory) for a configuration on one GPU, from the
     model's configuration alone: the model is built on the meta device (shapes, no memory), with the run's LoRA
     adapter, and its bytes are counted as the trainer would hold them. `gpu_bytes`: the GPU's memory, for vLLM's
-    reservation (its share of it, gpu_memory_utilization). With cfg.estimate_fsdp_processes N > 1, per GPU of a
-    full fine-tuning sharded over N with FSDP2 (`sharded_parts`)."""
+    reservation (its share of it, gpu_memory_utilization). With cfg.estimate_processes N > 1, per GPU of a
+    full fine-tuning sharded over N GPUs as cfg.estimate_sharding says (FSDP2, ZeRO-2, ZeRO-3: `sharded_parts`)."""
     from transformers import AutoModelForCausalLM
 
     from lib.config import reference_dtype, weights_dtype
@@ -416,9 +416,9 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
     elif lora or (bf16 and size == 4):  # the HF sampler's merged bf16 copy (lib/rollout.HFRollout)
         parts["sampler's bf16 copy"] = total * 2
     parts["CUDA context, workspaces, allocator slack (allowance)"] = GPU_OVERHEAD
-    processes = getattr(cfg, "estimate_fsdp_processes", 1)
+    processes = getattr(cfg, "estimate_processes", 1)
     if processes > 1:
-        parts = sharded_parts(parts, model, processes, bf16=bf16)
+        parts = sharded_parts(parts, model, processes, bf16=bf16, mode=getattr(cfg, "estimate_sharding", "fsdp2"))
     step = estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16,
                                 vllm=bool(cfg.use_vllm), gradient_checkpointing=cfg.gradient_checkpointing,
                                 load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda",
@@ -430,12 +430,36 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
     return parts, step
 
 
-def sharded_parts(parts: dict[str, int], model: torch.nn.Module, processes: int, bf16: bool) -> dict[str, int]:
-    """The resident parts of one GPU when the policy and the reference are sharded over `processes` with FSDP2
-    (docs/distributed.md 1): the policy's shard in fp32 (FSDP2 keeps fp32 master weights under bf16 mixed precision),
-    the reference's shard in its dtype, and what is gathered in the compute dtype while a forward runs: the root
-    unit (embeddings, final norm, output layer: gathered for the whole forward) and two decoder layers (the one
-    computing and the next, prefetched). The sampler keeps its full weights."""
+DEEPSPEED_BUCKET = int(5e8)  # DeepSpeed's default reduce_bucket_size, in elements (of the compute dtype)
+
+
+def sharded_parts(parts: dict[str, int], model: torch.nn.Module, processes: int, bf16: bool,
+                  mode: str = "fsdp2") -> dict[str, int]:
+    """The resident parts of one GPU when full fine-tuning is sharded over `processes` (docs/distributed.md 1, 4).
+
+    fsdp2: the policy's shard in fp32 (FSDP2 keeps fp32 master weights under bf16 mixed precision), the reference's
+    shard in its dtype, and what is gathered in the compute dtype while a forward runs: the root unit (embeddings,
+    final norm, output layer: gathered for the whole forward) and two decoder layers (the one computing and the next,
+    prefetched). zero3: the same, the partition held in the compute dtype with its fp32 master copy in the
+    optimizer, plus DeepSpeed's gradient bucket. zero2: whole weights in the compute dtype on every GPU (and a
+    whole reference), the fp32 master weights partitioned, plus the bucket. The sampler keeps its full weights.
+    Gradients and optimizer states, 1/N each, are the caller's (recipe_memory)."""
+    if mode == "zero2":
+        compute = 2 if bf16 else 4
+        total = sum(p.numel() for p in model.parameters())
+        out = {"policy weights (ZeRO-2: whole, compute dtype)": total * compute}
+        if bf16:
+            out["fp32 master weights (ZeRO-2: its partition)"] = total * 4 // processes
+        rest = {k: v for k, v in parts.items() if k != "policy weights"}
+        return {**out, **rest, "DeepSpeed's gradient bucket (reduce_bucket_size 5e8)": DEEPSPEED_BUCKET * compute}
+    if mode == "zero3":
+        parts = sharded_parts(parts, model, processes, bf16)
+        compute = 2 if bf16 else 4
+        total = sum(p.numel() for p in model.parameters())
+        renamed = {k.replace("FSDP2", "ZeRO-3"): v for k, v in parts.items()}
+        renamed.pop("policy weights (ZeRO-3: its fp32 shard)")
+        weights = {"policy weights (ZeRO-3: its partition, + fp32 master)": total * (compute + 4 * bf16) // processes}
+        return {**weights, **renamed, "DeepSpeed's gradient bucket (reduce_bucket_size 5e8)": DEEPSPEED_BUCKET * compute}
     compute = 2 if bf16 else 4
     numel = {name: p.numel() for name, p in model.named_parameters()}  # (a tied output layer once)
     layers = {}
@@ -465,15 +489,15 @@ def layer_key(name: str) -> str | None:
 
 def describe_recipe(parts: dict[str, int], step: StepMemory, budget: int | None) -> str:
     """The estimate as a table, per GPU, in GB."""
-    lines = [f"{'part':<58}{'GB':>8}"]
-    lines += [f"{name:<58}{value / GB:>8.2f}" for name, value in parts.items()]
+    lines = [f"{'part':<62}{'GB':>8}"]
+    lines += [f"{name:<62}{value / GB:>8.2f}" for name, value in parts.items()]
     for name, value in (("gradients", step.gradients), ("optimizer states", step.optimizer),
                         ("activations (training micro-batch)", step.activations),
                         ("logits chunk", step.logits), ("sampling KV cache (HF sampler)", step.kv_cache)):
-        lines.append(f"{name:<58}{value / GB:>8.2f}")
-    lines.append(f"{'peak (sampling and training do not overlap)':<58}{step.total / GB:>8.2f}")
+        lines.append(f"{name:<62}{value / GB:>8.2f}")
+    lines.append(f"{'peak (sampling and training do not overlap)':<62}{step.total / GB:>8.2f}")
     if step.offloaded:
-        lines.append(f"{'activation_offloading: in pinned host memory, not above':<58}{step.offloaded / GB:>8.2f}")
+        lines.append(f"{'activation_offloading: in pinned host memory, not above':<62}{step.offloaded / GB:>8.2f}")
     if budget is not None:
         verdict = "fits" if step.total <= budget else "does NOT fit"
         lines.append(f"{verdict} in {budget / GB:.1f} GB (max_memory)")

@@ -534,8 +534,9 @@ def policy_weights(policy: torch.nn.Module, merge_adapter: bool = True):
         for key, tensor in module.named_parameters(recurse=False):
             if tied and f"{prefix}{key}" == "lm_head.weight":
                 continue
-            # a sharded parameter is gathered here, one at a time (lib/distributed.full_tensor)
-            yield f"{prefix}{key}", full_tensor((dense_weight(module) if key == "weight" else tensor).detach())
+            # a sharded parameter is gathered here, one at a time (lib/distributed.full_tensor; a ZeRO-3 parameter
+            # before detach, which would leave its empty placeholder)
+            yield f"{prefix}{key}", full_tensor(dense_weight(module) if key == "weight" else tensor).detach()
         for key, tensor in module.named_buffers(recurse=False):
             if key not in module._non_persistent_buffers_set:
                 yield f"{prefix}{key}", tensor

@@ -91,8 +91,9 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
                    "scripts/accelerate/fsdp2.yaml train_agrpo.py (docs/distributed.md)"),
     "fsdp_config": (None, "FSDP's settings go in the accelerate config's fsdp_config (scripts/accelerate/fsdp2.yaml, "
                           "docs/distributed.md)"),
-    "deepspeed": (None, "DeepSpeed is not supported yet; shard full fine-tuning with FSDP2: accelerate launch "
-                        "--config_file scripts/accelerate/fsdp2.yaml train_agrpo.py (docs/distributed.md)"),
+    "deepspeed": (None, "DeepSpeed is set by the launch, not by a training key: accelerate launch --config_file "
+                        "scripts/accelerate/zero3.yaml (or zero2.yaml) train_agrpo.py; a DeepSpeed JSON goes in the "
+                        "accelerate config's deepspeed_config_file (docs/distributed.md)"),
     "model_init_kwargs": (None, "give the loading keys directly: dtype, attn_implementation, model_revision, "
                                 "trust_remote_code"),
     "router_aux_loss_coef": (None, "the MoE router's auxiliary loss is not added"),

@@ -61,7 +61,7 @@ def test_a_recipe_is_estimated_without_its_weights_and_without_the_hub():
 
 def test_the_sharded_estimate_divides_the_policy_reference_gradients_and_states_and_adds_the_gathered_units(
         tiny_model):
-    """--estimate_fsdp_processes N (docs/distributed.md 4), counted on the tiny model's real parameters: the fp32
+    """--estimate_processes N (docs/distributed.md 4), counted on the tiny model's real parameters: the fp32
     shard, 1/N of the reference, gradients and AdamW states, and the root unit plus two decoder layers gathered in
     bf16; the sampler, activations and logits as on one GPU."""
     from transformers import AutoModelForCausalLM
@@ -72,7 +72,7 @@ def test_the_sharded_estimate_divides_the_policy_reference_gradients_and_states_
     root = numel - sum(p.numel() for p in model.model.layers.parameters())
     base = {"model_name_or_path": tiny_model, "beta": 0.04, "use_vllm": False, "bf16": True}
     one_parts, one = recipe_memory(make_config(base), gpu_bytes=None)
-    parts, four = recipe_memory(make_config({**base, "estimate_fsdp_processes": 4}), gpu_bytes=None)
+    parts, four = recipe_memory(make_config({**base, "estimate_processes": 4}), gpu_bytes=None)
     assert parts["policy weights (FSDP2: its fp32 shard)"] == numel * 4 // 4
     assert parts["reference model (FSDP2: its shard)"] == one_parts["reference model"] // 4
     assert parts["gathered for compute (FSDP2: root unit + 2 decoder layers)"] == (root + 2 * layer) * 2
@@ -81,5 +81,21 @@ def test_the_sharded_estimate_divides_the_policy_reference_gradients_and_states_
     assert (four.activations, four.logits, four.kv_cache) == (one.activations, one.logits, one.kv_cache)
     from lib.config import ConfigError
 
-    with pytest.raises(ConfigError, match="estimate_fsdp_processes: FSDP2 shards full fine-tuning"):
-        make_config({**base, "estimate_fsdp_processes": 2, "use_peft": True})
+    with pytest.raises(ConfigError, match="estimate_processes: FSDP2 and DeepSpeed shard full fine-tuning"):
+        make_config({**base, "estimate_processes": 2, "use_peft": True})
+    with pytest.raises(ConfigError, match="estimate_sharding must be fsdp2, zero2 or zero3"):
+        make_config({**base, "estimate_processes": 2, "estimate_sharding": "zero1"})
+
+    # DeepSpeed: ZeRO-3 as FSDP2 with a bf16 partition and its fp32 master copy, and the gradient bucket; ZeRO-2 with
+    # the whole bf16 weights and reference on every GPU, the fp32 master partitioned
+    parts3, three = recipe_memory(make_config({**base, "estimate_processes": 4, "estimate_sharding": "zero3"}),
+                                  gpu_bytes=None)
+    assert parts3["policy weights (ZeRO-3: its partition, + fp32 master)"] == numel * 6 // 4
+    assert parts3["reference model (ZeRO-3: its shard)"] == one_parts["reference model"] // 4
+    assert parts3["DeepSpeed's gradient bucket (reduce_bucket_size 5e8)"] == int(5e8) * 2
+    parts2, two = recipe_memory(make_config({**base, "estimate_processes": 4, "estimate_sharding": "zero2"}),
+                                gpu_bytes=None)
+    assert parts2["policy weights (ZeRO-2: whole, compute dtype)"] == numel * 2
+    assert parts2["fp32 master weights (ZeRO-2: its partition)"] == numel * 4 // 4
+    assert parts2["reference model"] == one_parts["reference model"]
+    assert (two.gradients, two.optimizer) == (three.gradients, three.optimizer) == (four.gradients, four.optimizer)
