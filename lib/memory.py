@@ -409,7 +409,10 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
     if cfg.beta > 0 and not lora:  # bf16 on a bf16 GPU unless dtype says otherwise (lib/config.reference_dtype)
         reference = reference_dtype(cfg.dtype, dtype, device="cuda", bf16=bf16)
         parts["reference model"] = total * torch.finfo(reference).bits // 8
-    if cfg.use_vllm:
+    server = bool(cfg.use_vllm) and getattr(cfg, "vllm_mode", "colocate") == "server"
+    if server:  # the generation server's own GPUs hold the sampler (docs/distributed.md 6)
+        pass
+    elif cfg.use_vllm:
         if gpu_bytes is None:
             raise ValueError("use_vllm reserves a share of the GPU's memory: give max_memory (the GPU's GB)")
         parts["vLLM engine (its share of the GPU)"] = int(cfg.vllm_gpu_memory_utilization * gpu_bytes)
@@ -418,7 +421,8 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
     parts["CUDA context, workspaces, allocator slack (allowance)"] = GPU_OVERHEAD
     processes = getattr(cfg, "estimate_processes", 1)
     if processes > 1:
-        parts = sharded_parts(parts, model, processes, bf16=bf16, mode=getattr(cfg, "estimate_sharding", "fsdp2"))
+        parts = sharded_parts(parts, model, processes, bf16=bf16, mode=getattr(cfg, "estimate_sharding", "fsdp2"),
+                              sampler=not server)
     step = estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16,
                                 vllm=bool(cfg.use_vllm), gradient_checkpointing=cfg.gradient_checkpointing,
                                 load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda",
@@ -434,7 +438,7 @@ DEEPSPEED_BUCKET = int(5e8)  # DeepSpeed's default reduce_bucket_size, in elemen
 
 
 def sharded_parts(parts: dict[str, int], model: torch.nn.Module, processes: int, bf16: bool,
-                  mode: str = "fsdp2") -> dict[str, int]:
+                  mode: str = "fsdp2", sampler: bool = True) -> dict[str, int]:
     """The resident parts of one GPU when full fine-tuning is sharded over `processes` (docs/distributed.md 1, 4).
 
     fsdp2: the policy's shard in fp32 (FSDP2 keeps fp32 master weights under bf16 mixed precision), the reference's
@@ -443,7 +447,8 @@ def sharded_parts(parts: dict[str, int], model: torch.nn.Module, processes: int,
     prefetched). zero3: the same, the partition held in the compute dtype with its fp32 master copy in the
     optimizer, plus DeepSpeed's gradient bucket. zero2: whole weights in the compute dtype on every GPU (and a
     whole reference), the fp32 master weights partitioned, plus the bucket. The sampler keeps its full weights.
-    Gradients and optimizer states, 1/N each, are the caller's (recipe_memory)."""
+    Gradients and optimizer states, 1/N each, are the caller's (recipe_memory). `sampler` False: a generation
+    server samples, on GPUs of its own."""
     if mode == "zero2":
         compute = 2 if bf16 else 4
         total = sum(p.numel() for p in model.parameters())
@@ -453,7 +458,7 @@ def sharded_parts(parts: dict[str, int], model: torch.nn.Module, processes: int,
         rest = {k: v for k, v in parts.items() if k != "policy weights"}
         return {**out, **rest, "DeepSpeed's gradient bucket (reduce_bucket_size 5e8)": DEEPSPEED_BUCKET * compute}
     if mode == "zero3":
-        parts = sharded_parts(parts, model, processes, bf16)
+        parts = sharded_parts(parts, model, processes, bf16, sampler=sampler)
         compute = 2 if bf16 else 4
         total = sum(p.numel() for p in model.parameters())
         renamed = {k.replace("FSDP2", "ZeRO-3"): v for k, v in parts.items()}
@@ -473,7 +478,7 @@ def sharded_parts(parts: dict[str, int], model: torch.nn.Module, processes: int,
         out["reference model (FSDP2: its shard)"] = parts["reference model"] // processes
     out["gathered for compute (FSDP2: root unit + 2 decoder layers)"] = (root + 2 * largest) * compute
     rest = {k: v for k, v in parts.items() if k not in ("policy weights", "reference model")}
-    if not any(k.startswith(("vLLM engine", "sampler's")) for k in rest):  # the HF sampler samples from a full copy
+    if sampler and not any(k.startswith(("vLLM engine", "sampler's")) for k in rest):  # the HF sampler's full copy
         out["sampler's copy (FSDP2: full weights)"] = sum(numel.values()) * compute
     return {**out, **rest}
 

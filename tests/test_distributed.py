@@ -257,9 +257,10 @@ def test_two_machines_train_as_two_processes_of_one(tmp_path, tiny_model):
 
 
 @pytest.mark.slow
-def test_fsdp2_refuses_lora_before_loading_a_model(tmp_path, tiny_model):
-    proc = launch(FSDP, ["--model_name_or_path", tiny_model, *TWO, "--use_peft", "true",
-                         "--output_dir", str(tmp_path / "lora")], tmp_path)
+@pytest.mark.parametrize("sharding", ["fsdp2", pytest.param("zero3", marks=needs_deepspeed)])
+def test_sharding_refuses_lora_before_loading_a_model(tmp_path, tiny_model, sharding):
+    proc = launch(FSDP if sharding == "fsdp2" else ZERO3, ["--model_name_or_path", tiny_model, *TWO, "--use_peft",
+                                                           "true", "--output_dir", str(tmp_path / "lora")], tmp_path)
     assert proc.returncode != 0
     assert "configuration error: use_peft / load_in_4bit: LoRA and QLoRA train with data parallelism" in proc.stderr
     assert not (tmp_path / "lora" / "checkpoint-2").exists()

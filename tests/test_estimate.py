@@ -99,3 +99,8 @@ def test_the_sharded_estimate_divides_the_policy_reference_gradients_and_states_
     assert parts2["fp32 master weights (ZeRO-2: its partition)"] == numel * 4 // 4
     assert parts2["reference model"] == one_parts["reference model"]
     assert (two.gradients, two.optimizer) == (three.gradients, three.optimizer) == (four.gradients, four.optimizer)
+    # a generation server samples on GPUs of its own: no engine, no sampler's copy on a training GPU
+    served, _ = recipe_memory(make_config({**base, "use_vllm": True, "vllm_mode": "server", "estimate_processes": 4,
+                                           "estimate_sharding": "zero3"}), gpu_bytes=None)
+    assert not [k for k in served if k.startswith(("vLLM", "sampler"))]
+    assert served["policy weights (ZeRO-3: its partition, + fp32 master)"] == numel * 6 // 4
