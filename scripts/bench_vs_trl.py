@@ -291,7 +291,9 @@ def launch_peak(spec: dict) -> float | None:
     peak = peak_memory_gb()
     if world == 1:
         return peak
-    Path(f"{spec['result']}.peak{rank}").write_text(str(peak))
+    staging = Path(f"{spec['result']}.peak{rank}.partial")  # renamed into place: rank 0 never reads a half-written file
+    staging.write_text(str(peak))
+    staging.rename(f"{spec['result']}.peak{rank}")
     if rank != 0:
         return None
     files = [Path(f"{spec['result']}.peak{r}") for r in range(world)]
