@@ -136,8 +136,19 @@ def test_the_sampler_of_a_sharded_policy_keeps_its_own_copy_and_follows_the_poli
 # ------------------------------------------------------------------------------------------------ two processes
 
 
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, tiny_model) -> Path:
+    """The data-parallel run of TWO on two processes that the sharded runs are compared with (run once)."""
+    folder = tmp_path_factory.mktemp("ddp")
+    ddp = launch(DDP, ["--model_name_or_path", tiny_model, *TWO, "--output_dir", str(folder / "ddp")], folder)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert "FSDP2" not in ddp.stdout + ddp.stderr
+    return folder / "ddp"
+
+
 @pytest.mark.slow
-def test_fsdp2_on_two_cpu_processes_matches_data_parallel_and_resumes_exactly_after_sigkill(tmp_path, tiny_model):
+def test_fsdp2_on_two_cpu_processes_matches_data_parallel_and_resumes_exactly_after_sigkill(tmp_path, tiny_model,
+                                                                                           ddp_run):
     """Four steps of the tiny model, sharded (FSDP2) and data parallel (DDP) on the same two processes, so that both
     sample the same completions: rewards, losses, gradient norms, KL and entropy agree step for step, and so do the
     final weights, within float tolerance (the sharded run sums its gradients in another order). The sharded
@@ -145,17 +156,14 @@ def test_fsdp2_on_two_cpu_processes_matches_data_parallel_and_resumes_exactly_af
     SIGKILL (both processes, inside step 3's rewards) and resumed from checkpoint-2 ends exactly as the unbroken
     sharded run: the same metrics and bitwise the same final weights."""
     args = ["--model_name_or_path", tiny_model, *TWO]
-    ddp = launch(DDP, [*args, "--output_dir", str(tmp_path / "ddp")], tmp_path)
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
     fsdp = launch(FSDP, [*args, "--output_dir", str(tmp_path / "fsdp")], tmp_path)
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     assert "FSDP2: the policy in 3 sharded units over 2 processes" in fsdp.stdout + fsdp.stderr
-    assert "FSDP2" not in ddp.stdout + ddp.stderr
-    sharded, plain = compared(tmp_path / "fsdp"), compared(tmp_path / "ddp")
+    sharded, plain = compared(tmp_path / "fsdp"), compared(ddp_run)
     assert [m["step"] for m in sharded] == [1, 2, 3, 4]
     assert close(sharded, plain, rel=1e-4), (sharded, plain)
     final, reference = load_file(tmp_path / "fsdp" / "final" / "model.safetensors"), \
-        load_file(tmp_path / "ddp" / "final" / "model.safetensors")
+        load_file(ddp_run / "final" / "model.safetensors")
     assert final.keys() == reference.keys()
     for name in final:
         torch.testing.assert_close(final[name], reference[name], rtol=1e-4, atol=1e-6)
@@ -173,17 +181,15 @@ def test_fsdp2_on_two_cpu_processes_matches_data_parallel_and_resumes_exactly_af
 @pytest.mark.slow
 @needs_deepspeed
 def test_deepspeed_zero2_and_zero3_on_two_cpu_processes_match_data_parallel_and_zero3_resumes_after_sigkill(
-        tmp_path, tiny_model):
+        tmp_path, tiny_model, ddp_run):
     """The same four steps under DeepSpeed ZeRO-2 and ZeRO-3 (DeepSpeed's CPU accelerator over gloo, launched with
     scripts/accelerate/zero3_cpu.yaml): step for step the data-parallel run's rewards, losses, gradient norms (the
     engine's), KL (the reference partitioned by an engine of its own under ZeRO-3) and entropy, and its final
     weights, within float tolerance. Checkpoints are DeepSpeed's per-process files; final/ is one folder that
     transformers loads; a ZeRO-3 run killed with SIGKILL resumes exactly."""
     args = ["--model_name_or_path", tiny_model, *TWO]
-    ddp = launch(DDP, [*args, "--output_dir", str(tmp_path / "ddp")], tmp_path)
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    plain = compared(tmp_path / "ddp")
-    reference = load_file(tmp_path / "ddp" / "final" / "model.safetensors")
+    plain = compared(ddp_run)
+    reference = load_file(ddp_run / "final" / "model.safetensors")
     assert max(m["kl"] for m in plain) > 1e-4  # the KL term is compared on values that move
     for stage, config in (("2", [*ZERO3, "--zero_stage", "2"]), ("3", ZERO3)):
         out = tmp_path / f"zero{stage}"
