@@ -6,7 +6,8 @@
     bash scripts/bench_16gb.sh                    # GPU: the 16 GB QLoRA recipe against TRL, HF and vLLM sampling
     python scripts/bench_vs_trl.py --shape qwen2.5-1.5b --max_completion_length 1024 \
         --launch_config scripts/accelerate/fsdp2.yaml --num_processes 8         # GPUs, both trainers sharded (FSDP2)
-    python scripts/bench_vs_trl.py ... --trl_launch_config my_zero3.yaml   # TRL under DeepSpeed ZeRO-3, ours FSDP2
+    python scripts/bench_vs_trl.py ... --launch_config scripts/accelerate/zero3.yaml   # both under DeepSpeed ZeRO-3
+    python scripts/bench_vs_trl.py ... --trl_launch_config my_zero3.yaml   # TRL under its own config, ours FSDP2
     python scripts/bench_vs_trl.py ... --use_vllm --vllm_mode server --vllm_server_base_url http://host:8000 \
         --trl_vllm_server_base_url http://host:8001   # each samples through its own server (serve_vllm.py; trl vllm-serve)
 
@@ -96,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "share of the GPU, both trainers.")
     p.add_argument("--launch_config", help="An accelerate config (e.g. scripts/accelerate/fsdp2.yaml): every run is "
                    "started with accelerate launch --config_file <it> --num_processes N (default: one process).")
-    p.add_argument("--trl_launch_config", help="TRL's runs' accelerate config instead of --launch_config (e.g. a "
-                   "DeepSpeed ZeRO-3 config, which this trainer does not run).")
+    p.add_argument("--trl_launch_config", help="TRL's runs' accelerate config instead of --launch_config (e.g. "
+                   "TRL's own DeepSpeed config).")
     p.add_argument("--num_processes", type=int, default=None, help="With a launch config: processes per run "
                    "(default: the config's). Settings per process; the global batch is N times --num_prompts groups.")
     p.add_argument("--vllm_mode", choices=["colocate", "server"], default="colocate", help="With --use_vllm: server = "
