@@ -445,16 +445,16 @@ def sharded_parts(parts: dict[str, int], model: torch.nn.Module, processes: int,
     shard in its dtype, and what is gathered in the compute dtype while a forward runs: the root unit (embeddings,
     final norm, output layer: gathered for the whole forward) and two decoder layers (the one computing and the next,
     prefetched). zero3: the same, the partition held in the compute dtype with its fp32 master copy in the
-    optimizer, plus DeepSpeed's gradient bucket. zero2: whole weights in the compute dtype on every GPU (and a
+    optimizer (a copy in fp32 training too), plus DeepSpeed's gradient bucket. zero2: whole weights in the compute dtype on every GPU (and a
     whole reference), the fp32 master weights partitioned, plus the bucket. The sampler keeps its full weights.
     Gradients and optimizer states, 1/N each, are the caller's (recipe_memory). `sampler` False: a generation
     server samples, on GPUs of its own."""
     if mode == "zero2":
         compute = 2 if bf16 else 4
         total = sum(p.numel() for p in model.parameters())
-        out = {"policy weights (ZeRO-2: whole, compute dtype)": total * compute}
-        if bf16:
-            out["fp32 master weights (ZeRO-2: its partition)"] = total * 4 // processes
+        # DeepSpeed's optimizer keeps its own fp32 copy of the partition, in fp32 training too
+        out = {"policy weights (ZeRO-2: whole, compute dtype)": total * compute,
+               "fp32 master weights (ZeRO-2: its partition)": total * 4 // processes}
         rest = {k: v for k, v in parts.items() if k != "policy weights"}
         return {**out, **rest, "DeepSpeed's gradient bucket (reduce_bucket_size 5e8)": DEEPSPEED_BUCKET * compute}
     if mode == "zero3":
@@ -463,7 +463,7 @@ def sharded_parts(parts: dict[str, int], model: torch.nn.Module, processes: int,
         total = sum(p.numel() for p in model.parameters())
         renamed = {k.replace("FSDP2", "ZeRO-3"): v for k, v in parts.items()}
         renamed.pop("policy weights (ZeRO-3: its fp32 shard)")
-        weights = {"policy weights (ZeRO-3: its partition, + fp32 master)": total * (compute + 4 * bf16) // processes}
+        weights = {"policy weights (ZeRO-3: its partition, + fp32 master)": total * (compute + 4) // processes}
         return {**weights, **renamed, "DeepSpeed's gradient bucket (reduce_bucket_size 5e8)": DEEPSPEED_BUCKET * compute}
     compute = 2 if bf16 else 4
     numel = {name: p.numel() for name, p in model.named_parameters()}  # (a tied output layer once)

@@ -27,6 +27,7 @@ from test_loop import REWARDS, TINY, steps_of
 FSDP = ["--config_file", str(REPO / "scripts" / "accelerate" / "fsdp2_cpu.yaml")]
 DDP = ["--config_file", str(REPO / "scripts" / "accelerate" / "cpu_2proc.yaml")]
 ZERO3 = ["--config_file", str(REPO / "scripts" / "accelerate" / "zero3_cpu.yaml")]
+ZERO2 = ["--config_file", str(REPO / "scripts" / "accelerate" / "zero2_cpu.yaml")]
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="DeepSpeed is not installed (requirements-test.txt)")
 # the same global batch on two processes: 4 completions each, one group of 4 a process
@@ -183,7 +184,7 @@ def test_fsdp2_on_two_cpu_processes_matches_data_parallel_and_resumes_exactly_af
 def test_deepspeed_zero2_and_zero3_on_two_cpu_processes_match_data_parallel_and_zero3_resumes_after_sigkill(
         tmp_path, tiny_model, ddp_run):
     """The same four steps under DeepSpeed ZeRO-2 and ZeRO-3 (DeepSpeed's CPU accelerator over gloo, launched with
-    scripts/accelerate/zero3_cpu.yaml): step for step the data-parallel run's rewards, losses, gradient norms (the
+    scripts/accelerate/zero2_cpu.yaml and zero3_cpu.yaml): step for step the data-parallel run's rewards, losses, gradient norms (the
     engine's), KL (the reference partitioned by an engine of its own under ZeRO-3) and entropy, and its final
     weights, within float tolerance. Checkpoints are DeepSpeed's per-process files; final/ is one folder that
     transformers loads; a ZeRO-3 run killed with SIGKILL resumes exactly."""
@@ -191,7 +192,7 @@ def test_deepspeed_zero2_and_zero3_on_two_cpu_processes_match_data_parallel_and_
     plain = compared(ddp_run)
     reference = load_file(ddp_run / "final" / "model.safetensors")
     assert max(m["kl"] for m in plain) > 1e-4  # the KL term is compared on values that move
-    for stage, config in (("2", [*ZERO3, "--zero_stage", "2"]), ("3", ZERO3)):
+    for stage, config in (("2", ZERO2), ("3", ZERO3)):
         out = tmp_path / f"zero{stage}"
         proc = launch(config, [*args, "--output_dir", str(out)], tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
