@@ -447,27 +447,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     t0 = time.perf_counter()
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this update used
     reduced = accelerator.reduce(torch.stack([sums["loss"], sums["kl"], sums["entropy"]]), reduction="sum")
-    nonfinite = batch.nonfinite  # the batch's rewards: every step on it is skipped
-    grad_norm, moved = torch.zeros(()), False
-    deepspeed = distributed.is_deepspeed(accelerator)
-    if not skip_update and deepspeed:  # DeepSpeed steps, clips and skips non-finite gradients in one call
-        grad_norm, moved = distributed.deepspeed_step(scorer)
-    elif not skip_update:
-        grad_norm = accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else \
-            distributed.grad_norm(run.params, accelerator)
-        grad_norm = distributed.full_tensor(grad_norm)
-    if not skip_update:
-        # both are reduced over every process, so every process takes the same decision
-        if not torch.isfinite(reduced[0]):
-            nonfinite = f"the loss ({float(reduced[0])})"
-        elif not torch.isfinite(grad_norm):
-            nonfinite = f"the gradient norm ({float(grad_norm)})"
-    stepped = not skip_update and not nonfinite
-    if stepped and not deepspeed:
-        run.optimizer.step()
-        moved = True
-    run.scheduler.step()  # the schedule still advances on a skipped step: it is laid out over steps, not updates
-    run.optimizer.zero_grad(set_to_none=True)
+    grad_norm, nonfinite, moved = step_optimizer(run, reduced[0], skip_update, batch.nonfinite)
     timing["time/optimizer"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if moved:  # the weights moved: the sampler gets them
@@ -496,6 +476,34 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                         "sampling/sampling_logp_difference/mean": float(total[1] / loss_tokens),
                         "sampling/sampling_logp_difference/max": float(highs[1])})
     return {**metrics, **timing}, nonfinite
+
+
+def step_optimizer(run: Run, loss: torch.Tensor, skip_update: bool, nonfinite: str) -> tuple[torch.Tensor, str, bool]:
+    """The optimizer step after a slice's backward passes: (the gradient norm before clipping, what was not finite
+    or "", whether the weights moved). No step on a skipped slice or non-finite values (the batch's rewards, the
+    loss, the gradient norm); the loss and the norm are reduced over every process, so all take the same decision.
+    A DeepSpeed engine steps, clips and skips non-finite gradients in one call (lib/distributed.deepspeed_step).
+    The schedule advances either way: it is laid out over steps, not updates."""
+    cfg, accelerator = run.cfg, run.accelerator
+    grad_norm, moved = torch.zeros(()), False
+    deepspeed = distributed.is_deepspeed(accelerator)
+    if not skip_update:
+        if deepspeed:
+            grad_norm, moved = distributed.deepspeed_step(run.scorer)
+        else:
+            grad_norm = distributed.full_tensor(
+                accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else
+                distributed.grad_norm(run.params, accelerator))
+        if not torch.isfinite(loss):
+            nonfinite = nonfinite or f"the loss ({float(loss)})"
+        elif not torch.isfinite(grad_norm):
+            nonfinite = nonfinite or f"the gradient norm ({float(grad_norm)})"
+    if not skip_update and not nonfinite and not deepspeed:
+        run.optimizer.step()
+        moved = True
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return grad_norm, nonfinite, moved
 
 
 def step_drift(run: Run, batch: Batch, timing: dict) -> list[float]:
@@ -823,42 +831,10 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     model loads, the memory check before any sampling. Raises ConfigError with the field and the fix."""
     hf_logging.disable_progress_bar()  # per-file loading bars would drown the one training bar
     bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16("cuda" if torch.cuda.is_available() else "cpu")
-    # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU) when launched
-    # with several processes, instead of running each process alone
-    # the scheduler is stepped by us once per optimizer step: its Accelerate wrapper must not step it once per process
-    # (except under DeepSpeed, which forms the group itself: lib/distributed.enable_deepspeed_on_cpu)
-    accelerator = Accelerator(cpu=(cfg.use_cpu or torch.accelerator.current_accelerator() is None)
-                              and not distributed.deepspeed_requested(),
-                              mixed_precision="bf16" if bf16 else "no", step_scheduler_with_optimizer=False,
-                              log_with=cfg.report_to or None, project_dir=cfg.output_dir)
-    try:  # FSDP2 / DeepSpeed (lib/distributed.py): on a CPU too, where Accelerate would not run them as launched
-        distributed.enable_deepspeed_on_cpu(accelerator)
-        sharded = distributed.enable_fsdp_on_cpu(accelerator) or distributed.is_sharded(accelerator)
-        distributed.check_supported(accelerator, use_peft=cfg.use_peft, load_in_4bit=cfg.load_in_4bit)
-    except distributed.ShardingError as error:
-        raise ConfigError(str(error)) from None
-    partitioned = distributed.partitions_weights(accelerator)  # FSDP2 or ZeRO-3: each process holds part of it
-    validate(cfg, accelerator.num_processes)
-    if distributed.is_deepspeed(accelerator):
-        distributed.configure_deepspeed(accelerator, micro_batch=cfg.per_device_train_batch_size,
-                                        accumulation=cfg.gradient_accumulation_steps,
-                                        max_grad_norm=cfg.max_grad_norm, bf16=bf16)
+    accelerator, sharded, partitioned = start_accelerator(cfg, bf16)
     # push_to_hub: the hub reachable, a write token, the repository ready, before any data or model loads
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
-    rank, device = accelerator.process_index, accelerator.device
-    # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
-    # (lib/rewards.py). Bad names stop here; reward models load below, onto this process's device.
-    reward_specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
-    try:
-        reward_funcs = resolve_reward_funcs(reward_specs, reward_options(cfg))
-    except ValueError as error:
-        raise ConfigError(f"reward_funcs: {error}") from error
-    if cfg.correctness_reward not in [name for name, _ in reward_funcs] and (
-            cfg.homogeneous_advantage > 0 or cfg.resample_schedule or cfg.dynamic_sampling_rounds):
-        raise ConfigError(f"correctness_reward: '{cfg.correctness_reward}' is not among reward_funcs "
-                          f"{[name for name, _ in reward_funcs]}; homogeneous_advantage, resample_schedule and "
-                          f"dynamic_sampling_rounds judge correctness with it. Add it to reward_funcs or name another "
-                          f"function")
+    reward_specs, reward_funcs = resolve_rewards(cfg)
     train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print)
     resolve_epochs(cfg, len(train_records), accelerator.num_processes)  # max_steps -1, and the epoch strategies
     resume = prepare_output_dir(cfg, accelerator)
@@ -875,14 +851,106 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     model_path = resolve_model_path(cfg.model_name_or_path)
+    tokenizer = load_checked_tokenizer(cfg, model_path, train_records[:1] + eval_records[:1])
+    policy, reference, engine = load_models(cfg, accelerator, model_path, tokenizer, resume, bf16, sharded,
+                                            partitioned)
+    # reward models score in this process, on its device, a micro-batch at a time (lib/reward_models.py); loaded
+    # before the memory check, which counts them as resident
+    try:
+        reward_funcs = load_reward_models(reward_funcs, accelerator.device, cfg.per_device_train_batch_size,
+                                          trust_remote_code=cfg.trust_remote_code,
+                                          chat_template_kwargs=cfg.chat_template_kwargs)
+    except ValueError as error:
+        raise ConfigError(f"reward_funcs: {error}") from error
+
+    scorer, optimizer, scheduler, params = prepare_policy(cfg, accelerator, policy, bf16, sharded, partitioned)
+
+    geometry = Geometry.of(cfg, accelerator.process_index, accelerator.num_processes)
+    method = choose_method(cfg, geometry.steps_per_rollout)
+    state = restore(resume, accelerator, scorer, optimizer, scheduler, engine, method, sharded)
+    if cfg.report_to:
+        # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists and None);
+        # to_dict leaves the token out, and so does the command line wandb records
+        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in to_dict(cfg).items()}
+        with hub.argv_without_secrets():
+            accelerator.init_trackers(cfg.project, config=hparams, init_kwargs=hub.tracker_init_kwargs(
+                cfg.report_to, cfg.run_name or out.name, str(out)))
+    answer_phase = AnswerPhase.from_text(tokenizer, cfg.answer_marker, cfg.answer_temperature, cfg.answer_top_p) \
+        if cfg.answer_marker else None
+    reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
+    ctx = RolloutContext(cfg, engine, tokenizer, reward_funcs, reward_weights, train_records, accelerator,
+                         answer_phase, geometry.local_rollout, geometry.first, worker)
+    return Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method, params, optimizer,
+               scheduler, eval_records, geometry, ckpt.StopRequest(),
+               health.Watch(to_dict(cfg), read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None),
+               hub.HubPusher(hub_target, tqdm.write) if hub_target else None, sharded), state
+
+
+def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
+    """(the reward specs as given, the resolved functions): bad names stop here, before any data or model loads;
+    reward models load later, onto each process's device."""
+    # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
+    # (lib/rewards.py). Bad names stop here; reward models load below, onto this process's device.
+    specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
+    try:
+        reward_funcs = resolve_reward_funcs(specs, reward_options(cfg))
+    except ValueError as error:
+        raise ConfigError(f"reward_funcs: {error}") from error
+    if cfg.correctness_reward not in [name for name, _ in reward_funcs] and (
+            cfg.homogeneous_advantage > 0 or cfg.resample_schedule or cfg.dynamic_sampling_rounds):
+        raise ConfigError(f"correctness_reward: '{cfg.correctness_reward}' is not among reward_funcs "
+                          f"{[name for name, _ in reward_funcs]}; homogeneous_advantage, resample_schedule and "
+                          f"dynamic_sampling_rounds judge correctness with it. Add it to reward_funcs or name another "
+                          f"function")
+    return specs, reward_funcs
+
+
+def load_checked_tokenizer(cfg: Config, model_path: str, records: list[dict]):
+    """The tokenizer (with the configuration's chat template), checked to render the data's prompts: a conversation
+    needs a chat template, said before the model loads."""
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.trust_remote_code, revision=cfg.model_revision)
     if cfg.chat_template is not None:
         tokenizer.chat_template = cfg.chat_template
     try:  # a conversation needs a chat template: say so before the model loads
-        for record in train_records[:1] + eval_records[:1]:
+        for record in records:
             render_prompt(tokenizer, record, cfg.instruction, cfg.system_prompt, cfg.chat_template_kwargs)
     except ValueError as error:
         raise ConfigError(f"dataset_name: {error}") from error
+    return tokenizer
+
+
+def start_accelerator(cfg: Config, bf16: bool) -> tuple[Accelerator, bool, bool]:
+    """The Accelerator as launched (data parallel, FSDP2 or DeepSpeed; lib/distributed.py), its launch checked
+    against the configuration. Returns (accelerator, sharded, partitioned): sharded for FSDP2 and DeepSpeed,
+    partitioned where each process holds only part of the weights (FSDP2, ZeRO-3)."""
+    # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU) when launched
+    # with several processes, instead of running each process alone
+    # the scheduler is stepped by us once per optimizer step: its Accelerate wrapper must not step it once per process
+    # (except under DeepSpeed, which forms the group itself: lib/distributed.enable_deepspeed_on_cpu)
+    accelerator = Accelerator(cpu=(cfg.use_cpu or torch.accelerator.current_accelerator() is None)
+                              and not distributed.deepspeed_requested(),
+                              mixed_precision="bf16" if bf16 else "no", step_scheduler_with_optimizer=False,
+                              log_with=cfg.report_to or None, project_dir=cfg.output_dir)
+    try:  # FSDP2 / DeepSpeed (lib/distributed.py): on a CPU too, where Accelerate would not run them as launched
+        distributed.enable_deepspeed_on_cpu(accelerator)
+        sharded = distributed.enable_fsdp_on_cpu(accelerator) or distributed.is_sharded(accelerator)
+        distributed.check_supported(accelerator, use_peft=cfg.use_peft, load_in_4bit=cfg.load_in_4bit)
+    except distributed.ShardingError as error:
+        raise ConfigError(str(error)) from None
+    partitioned = distributed.partitions_weights(accelerator)  # FSDP2 or ZeRO-3: each process holds part of it
+    validate(cfg, accelerator.num_processes)  # the settings that depend on the number of processes
+    if distributed.is_deepspeed(accelerator):
+        distributed.configure_deepspeed(accelerator, micro_batch=cfg.per_device_train_batch_size,
+                                        accumulation=cfg.gradient_accumulation_steps,
+                                        max_grad_norm=cfg.max_grad_norm, bf16=bf16)
+    return accelerator, sharded, partitioned
+
+
+def load_models(cfg: Config, accelerator: Accelerator, model_path: str, tokenizer, resume: Path | None, bf16: bool,
+                sharded: bool, partitioned: bool) -> tuple[torch.nn.Module, CompletionScorer | None, object]:
+    """(policy, reference, sampler): the policy from the model (or an unsharded checkpoint), the frozen reference
+    (none when beta is 0; with LoRA the base with the adapter disabled, not a second copy), the sampler."""
+    device = accelerator.device
     # a sharded checkpoint's weights are read into the sharded model below (lib/distributed.load_sharded)
     policy = load_policy(str(resume) if resume and not sharded else model_path, dtype=weights_dtype(
                              cfg.dtype, lora=cfg.use_peft, device=device.type, bf16=bf16),
@@ -899,9 +967,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
         for module in policy.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
-    lora = hasattr(policy, "peft_config")
-    reference = None  # none when beta is 0; with LoRA the base with the adapter disabled, not a second copy
-    if cfg.beta > 0 and not lora:
+    reference = None
+    if cfg.beta > 0 and not hasattr(policy, "peft_config"):
         # bf16 on a bf16 GPU, else the policy's dtype (lib/config.reference_dtype)
         dtype = reference_dtype(cfg.dtype, next(policy.parameters()).dtype, device=device.type, bf16=bf16)
         reference = CompletionScorer(load_reference(model_path, dtype, device,
@@ -909,16 +976,15 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
                                                     revision=cfg.model_revision), fixed_calls=partitioned)
         if sharded:
             reference = distributed.shard_frozen(reference, accelerator)
-    engine = make_engine(cfg, policy, tokenizer, model_path, bf16, rank, partitioned)
-    # reward models score in this process, on its device, a micro-batch at a time (lib/reward_models.py); loaded
-    # before the memory check, which counts them as resident
-    try:
-        reward_funcs = load_reward_models(reward_funcs, device, cfg.per_device_train_batch_size,
-                                          trust_remote_code=cfg.trust_remote_code,
-                                          chat_template_kwargs=cfg.chat_template_kwargs)
-    except ValueError as error:
-        raise ConfigError(f"reward_funcs: {error}") from error
+    return policy, reference, make_engine(cfg, policy, tokenizer, model_path, bf16, accelerator.process_index,
+                                          partitioned)
 
+
+def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Module, bf16: bool, sharded: bool,
+                   partitioned: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, object, list]:
+    """(scorer, optimizer, scheduler, trained parameters): the optimizer built, the step's memory checked against the
+    budget (a run that would not fit stops here with the setting to lower), the scorer prepared by Accelerate."""
+    device = accelerator.device
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.optim, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
                                 cfg.weight_decay, eps=cfg.adam_epsilon)
@@ -929,7 +995,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
                                     activation_offloading=cfg.activation_offloading and device.type == "cuda",
                                     **step_token_counts(cfg))
     try:
-        check_step_memory(estimate, *memory_budget(device, cfg.max_memory), use_peft=lora,
+        check_step_memory(estimate, *memory_budget(device, cfg.max_memory), use_peft=hasattr(policy, "peft_config"),
                           gradient_checkpointing=cfg.gradient_checkpointing, optim=cfg.optim)
     except MemoryError as error:
         raise ConfigError(str(error)) from error
@@ -950,44 +1016,34 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
         scorer, optimizer = accelerator.prepare(scorer, optimizer)
     else:
         scorer, optimizer, scheduler = accelerator.prepare(scorer, optimizer, scheduler)
-    params = [p for p in scorer.parameters() if p.requires_grad]  # the shards the optimizer holds, when sharded
     if sharded and accelerator.is_main_process:
         tqdm.write(distributed.describe_sharding(scorer, accelerator.num_processes,
                                                  distributed.zero_stage(accelerator)))
+    # the shards the optimizer holds, when sharded
+    return scorer, optimizer, scheduler, [p for p in scorer.parameters() if p.requires_grad]
 
-    geometry = Geometry.of(cfg, rank, accelerator.num_processes)
-    method = choose_method(cfg, geometry.steps_per_rollout)
+
+def restore(resume: Path | None, accelerator: Accelerator, scorer, optimizer, scheduler, engine, method: Method,
+            sharded: bool) -> TrainerState:
+    """The checkpoint's trainer state, optimizer and scheduler states, RNG and controllers (a fresh state without
+    one); a sharded checkpoint's weights too, which the sampler then gets."""
     state = TrainerState()
-    if resume is not None:
-        saved = ckpt.read_trainer_state(resume)
-        state = TrainerState(**{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved})
-        if sharded:
-            distributed.load_sharded(accelerator, scorer, optimizer, resume)
-            engine.sync_weights(accelerator.unwrap_model(scorer).model)  # it was made from the base weights
-        else:
-            optimizer.load_state_dict(torch.load(resume / "optimizer.pt", weights_only=False))
-        scheduler.load_state_dict(torch.load(resume / "scheduler.pt", weights_only=False))
-        rng = ckpt.read_rng(resume, rank)
-        if rng is not None:
-            ckpt.set_rng_state(rng)
-            engine.load_state_dict(rng["rollout"])
-        method.controllers.load_state_dict(state.controller_state)
-    if cfg.report_to:
-        # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists and None);
-        # to_dict leaves the token out, and so does the command line wandb records
-        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in to_dict(cfg).items()}
-        with hub.argv_without_secrets():
-            accelerator.init_trackers(cfg.project, config=hparams, init_kwargs=hub.tracker_init_kwargs(
-                cfg.report_to, cfg.run_name or out.name, str(out)))
-    answer_phase = AnswerPhase.from_text(tokenizer, cfg.answer_marker, cfg.answer_temperature, cfg.answer_top_p) \
-        if cfg.answer_marker else None
-    reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
-    ctx = RolloutContext(cfg, engine, tokenizer, reward_funcs, reward_weights, train_records, accelerator,
-                         answer_phase, geometry.local_rollout, geometry.first, worker)
-    return Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method, params, optimizer,
-               scheduler, eval_records, geometry, ckpt.StopRequest(),
-               health.Watch(to_dict(cfg), read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None),
-               hub.HubPusher(hub_target, tqdm.write) if hub_target else None, sharded), state
+    if resume is None:
+        return state
+    saved = ckpt.read_trainer_state(resume)
+    state = TrainerState(**{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved})
+    if sharded:
+        distributed.load_sharded(accelerator, scorer, optimizer, resume)
+        engine.sync_weights(accelerator.unwrap_model(scorer).model)  # it was made from the base weights
+    else:
+        optimizer.load_state_dict(torch.load(resume / "optimizer.pt", weights_only=False))
+    scheduler.load_state_dict(torch.load(resume / "scheduler.pt", weights_only=False))
+    rng = ckpt.read_rng(resume, accelerator.process_index)
+    if rng is not None:
+        ckpt.set_rng_state(rng)
+        engine.load_state_dict(rng["rollout"])
+    method.controllers.load_state_dict(state.controller_state)
+    return state
 
 
 def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, rank: int,
