@@ -77,7 +77,8 @@ CONTROLLER_FIELDS = ("beta", "epsilon", "kl_ema", "next_beta", "next_epsilon", "
 # table columns: key -> (heading, format); "higher is better" is not assumed for any of them
 METRICS = {"win_rate": ("Win", "{:.1%}"), "accuracy": ("Accuracy", "{:.1%}"), "reward": ("Reward", "{:.3f}"),
            "kl": ("KL", "{:.4f}"), "entropy": ("Entropy", "{:.3f}"), "length": ("Length", "{:.1f}"),
-           "num_tokens": ("Generated tokens", "{:,.0f}"), "steps": ("Steps", "{:.0f}")}
+           "num_tokens": ("Generated tokens", "{:,.0f}"), "steps": ("Steps", "{:.0f}"),
+           "zero_spread": ("Zero-spread groups", "{:.1%}"), "no_signal_steps": ("No-signal steps", "{:.1%}")}
 
 
 # settings a dry run shows per run
@@ -293,9 +294,22 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [m for m in lines if "reward" in m]
 
 
+def starvation(train: list[dict]) -> dict:
+    """How often a run had nothing to learn from: the mean share of groups whose rewards were all equal
+    (`frac_reward_zero_std`, after any resampling or filtering the method does), and the share of steps in which
+    every group was so (GRPO's advantages all zero; AGPO's fixed advantages for such groups are counted as no
+    spread here too: docs/results.md 8)."""
+    shares = [m["frac_reward_zero_std"] for m in train if "frac_reward_zero_std" in m]
+    if not shares:
+        return {"zero_spread": math.nan, "no_signal_steps": math.nan}
+    return {"zero_spread": statistics.fmean(shares),
+            "no_signal_steps": sum(share >= 1.0 - 1e-9 for share in shares) / len(shares)}
+
+
 def run_row(job: Job) -> dict:
     """One run's numbers: the evaluator's (win rate, reward, KL, entropy, length and accuracy of the trained model;
-    the starting model's accuracy) and the run's own (generated tokens, steps, training reward over the last steps)."""
+    the starting model's accuracy) and the run's own (generated tokens, steps, training reward over the last steps,
+    how often its groups had no reward spread)."""
     results = json.loads((job.run_dir / "eval.json").read_text())["results"]
     policy, reference = results[0], results[-1]  # the evaluator scores the models in order, the reference last
     train = read_metrics(job.run_dir)
@@ -304,7 +318,8 @@ def run_row(job: Job) -> dict:
             "accuracy": policy["accuracy"], "accuracy_start": reference["accuracy"], "reward": policy["reward"],
             "kl": policy["kl"], "entropy": policy["entropy"], "length": policy["mean_length"],
             "num_tokens": train[-1]["num_tokens"], "steps": train[-1]["step"],
-            "train_reward": statistics.fmean(m["reward"] for m in last), "same_as": job.same_as or ""}
+            "train_reward": statistics.fmean(m["reward"] for m in last), **starvation(train),
+            "same_as": job.same_as or ""}
 
 
 def mean_spread(values: list[float]) -> tuple[float, float]:
@@ -357,7 +372,7 @@ def table_markdown(agg: dict[tuple[str, str], dict], methods: list[str], ablatio
     text = "\n".join(lines) + "\n"
     if len(methods) > 1:
         base = methods[0]
-        diff_metrics = ("win_rate", "accuracy", "reward", "kl", "entropy", "length", "num_tokens")
+        diff_metrics = ("win_rate", "accuracy", "reward", "kl", "entropy", "length", "num_tokens", "zero_spread")
         head = ["Configuration", "Method", *(f"Δ {METRICS[m][0]}" for m in diff_metrics)]
         lines = ["", f"Differences to {base} (mean of the method - mean of {base}; `~`: smaller than the spread):",
                  "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -4,6 +4,7 @@ real (tiny) run of the harness on the embedded model: runs, evaluation, table, f
 import csv
 import json
 import os
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,8 @@ import pytest
 
 from conftest import REPO
 from lib.config import ConfigError, parse_config
-from scripts.ablate import (AblateError, ablation_overrides, aggregate, mean_spread, parse_args, plan, table_markdown,
-                            within_spread)
+from scripts.ablate import (AblateError, ablation_overrides, aggregate, mean_spread, parse_args, plan, starvation,
+                            table_markdown, within_spread)
 from scripts.compare_presets import preset_steps, train_command
 
 ABLATE = [sys.executable, str(REPO / "scripts" / "ablate.py")]
@@ -113,7 +114,15 @@ def test_compare_presets_gives_every_preset_the_same_generation_batches():
 def row(method, ablation, seed, win, accuracy=0.5):
     return {"method": method, "ablation": ablation, "seed": seed, "win_rate": win, "accuracy": accuracy,
             "accuracy_start": 0.2, "reward": accuracy, "kl": 0.01, "entropy": 0.5, "length": 30.0,
-            "num_tokens": 1000, "steps": 10, "train_reward": 0.3, "same_as": ""}
+            "num_tokens": 1000, "steps": 10, "train_reward": 0.3, "zero_spread": 0.5, "no_signal_steps": 0.1,
+            "same_as": ""}
+
+
+def test_starvation_counts_groups_without_reward_spread_and_steps_where_every_group_had_none():
+    train = [{"step": 1, "frac_reward_zero_std": 1.0}, {"step": 2, "frac_reward_zero_std": 0.5},
+             {"step": 3, "frac_reward_zero_std": 1.0}, {"step": 4, "frac_reward_zero_std": 0.0}]
+    assert starvation(train) == {"zero_spread": pytest.approx(0.625), "no_signal_steps": 0.5}
+    assert all(math.isnan(v) for v in starvation([{"step": 1}]).values())  # a run that logged no groups
 
 
 def test_table_shows_mean_and_spread_and_marks_differences_smaller_than_the_spread():
