@@ -38,7 +38,8 @@ from transformers.utils import logging as hf_logging
 
 from lib.config import EMBEDDED_MODEL
 from lib.data import ANSWER_COLUMNS, DEFAULT_INSTRUCTION, builtin_task, load_records, render_prompt
-from lib.evaluation import completion_kl_entropy, generate_and_score, score_problems, win_rate
+from lib.evaluation import (cache_key, completion_kl_entropy, generate_and_score, read_kept, score_problems,
+                            weights_fingerprint, win_rate, write_kept)
 from lib.modeling import (EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference,
                           model_folder_problem, native_bf16, resolve_model_path)
 from lib.losses import weighted_rewards
@@ -117,6 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     output.add_argument("--output_json", default=None, help="Where results.json goes (default: in --output_dir).")
     output.add_argument("--overwrite_output_dir", **flag, help="Replace the results of an earlier evaluation.")
     output.add_argument("--plot", **flag, help="Also write accuracy.png: accuracy per model and data set.")
+    output.add_argument("--reference_cache", default=None,
+                        help="A folder that keeps the reference model's scores: a later evaluation with the same "
+                             "reference files, problems and settings reads them instead of generating again "
+                             "(scripts/ablate.py scores every run against one starting model).")
     args = parser.parse_args(argv)
     if args.pass_k is None:
         args.pass_k = sorted({1, args.num_samples} | {2**i for i in range(1, 12) if 2**i <= args.num_samples})
@@ -364,7 +369,7 @@ def markdown_table(rows: list[dict], ks: list[int], with_reference: bool) -> str
         if with_reference:
             cells += [f"{r['win_rate']:.1%}" if "win_rate" in r else "-", f"{r['reward']:.3f}",
                       f"{r['kl']:.4f}" if "kl" in r else "-", f"{r['entropy']:.3f}" if "entropy" in r else "-"]
-        cells += [f"{r['seconds']:.0f} s"]
+        cells += [f"{r['seconds']:.0f} s" + (" (kept)" if r.get("cached") else "")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -400,6 +405,19 @@ def plot_accuracy(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)
+
+
+def reference_key(args: argparse.Namespace, bf16: bool, records: list[dict], prompts: list[str]) -> str | None:
+    """The --reference_cache key of the reference's scores on one data set (None without --reference_cache): its
+    files, the problems, the prompts, and every setting that changes a sample or a score."""
+    if not args.reference_cache:
+        return None
+    settings = {k: v for k, v in vars(args).items() if k in (
+        "use_vllm", "num_samples", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+        "max_prompt_length", "max_completion_length", "batch_size", "seed", "pass_k", "reward_funcs",
+        "reward_weights")}
+    return cache_key(model_label(args.reference_model), weights_fingerprint(resolve_model_path(args.reference_model)),
+                     records, prompts, {**settings, "bf16": bf16})
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -465,8 +483,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             backend = HFRollout(model, end_token_ids(model, tokenizer), tokenizer.pad_token_id, bf16=bf16,
                                 seed=args.seed)
         for set_label, records in sets.items():
-            reseed(backend, args.seed)  # every model and data set samples from the same seed
             prompts = eval_prompts(tokenizer, records, args)
+            key = reference_key(args, bf16, records, prompts) if label == reference_label else None
+            if key and (entry := read_kept(args.reference_cache, key)) is not None:
+                rows.append({**entry["row"], "cached": True})
+                kept[(label, set_label)] = (entry["results"], entry["rewards"])
+                lines.extend(entry["lines"])
+                print(f"{label} | {set_label}: its scores from an earlier evaluation (--reference_cache)")
+                continue
+            first_line = len(lines)
+            reseed(backend, args.seed)  # every model and data set samples from the same seed
             bar = tqdm(total=len(records), desc=f"{label} | {set_label}", unit="problem", dynamic_ncols=True)
             tally = [0, 0]
 
@@ -502,6 +528,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "problem": record.get("problem", record.get("prompt")), "gold": result["gold"],
                         "completion": completion, "answer": result["answers"][j], "correct": result["correct"][j],
                         "reward": rewards[i][j], "tokens": result["lengths"][j], "truncated": result["truncated"][j]}))
+            if key:
+                write_kept(args.reference_cache, key, {"row": row, "results": results, "rewards": rewards,
+                                                       "lines": lines[first_line:]})
         del model, backend
         gc.collect()
 

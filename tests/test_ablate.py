@@ -207,6 +207,9 @@ def test_tiny_ablation_runs_evaluates_writes_table_and_figures_and_resumes(tmp_p
     assert "[1/1] grpo / full / seed 3: evaluated in" in again.stdout and "trained" not in again.stdout
     assert (out / "runs" / "grpo" / "full" / "seed3" / "final" / "model.safetensors").stat().st_mtime_ns == trained
     assert list(csv.DictReader(open(out / "runs.csv")))[0]["win_rate"] == run["win_rate"]
+    # the starting model's scores were kept by the first evaluation and read, not generated, by the second
+    results = json.loads((out / "runs" / "grpo" / "full" / "seed3" / "eval.json").read_text())["results"]
+    assert results[-1]["cached"] is True and "cached" not in results[0]
     # the per-device scheduler (one worker per id; CUDA_VISIBLE_DEVICES is ignored on a CPU) finds it all done
     third = subprocess.run(command[:2] + ["--devices", "0", "1"] + command[2:], capture_output=True, text=True,
                            timeout=900, cwd=tmp_path)

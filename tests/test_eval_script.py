@@ -203,3 +203,35 @@ def test_vllm_gives_the_same_greedy_answers_as_hf(tmp_path, trained_like):
     assert [c["answer"] for c in a] == [c["answer"] for c in b]
     agree = sum(x["completion"] == y["completion"] for x, y in zip(a, b))
     assert agree >= 0.9 * len(a)
+
+
+def test_reference_cache_reuses_the_reference_scores_only_for_the_same_files_problems_and_settings(tmp_path,
+                                                                                                    tiny_model):
+    import shutil
+
+    policy, reference = tmp_path / "policy", str(tmp_path / "reference")
+    shutil.copytree(tiny_model, policy)
+    shutil.copytree(tiny_model, reference)  # a copy: its weights' time stamp is changed below
+    cache = tmp_path / "cache"
+
+    def evaluate(name, *extra):
+        return eval_agrpo.main(["--model_name_or_path", str(policy), "--reference_model", reference,
+                                "--num_samples", "2", "--temperature", "0.8", "--max_samples", "4",
+                                "--max_completion_length", "16", "--bf16", "false", "--reference_cache", str(cache),
+                                "--output_dir", str(tmp_path / name), *extra])
+
+    first = evaluate("first")
+    assert "cached" not in first[-1] and len(list(cache.glob("*.json"))) == 1
+    again = evaluate("again")
+    assert again[-1]["cached"] is True and "cached" not in again[0]  # the policy is always scored
+    for key in ("accuracy", "reward", "kl", "entropy", "mean_length", "win_rate"):
+        assert again[-1][key] == first[-1][key] and again[0][key] == first[0][key], key
+    lines = {name: [c for c in read_jsonl(tmp_path / name / "completions.jsonl") if c["model"] == reference]
+             for name in ("first", "again")}
+    assert lines["again"] == lines["first"] and len(lines["first"]) == 4 * 2
+    # other settings, or the reference's weights rewritten: generated again, and kept under another key
+    assert "cached" not in evaluate("hotter", "--temperature", "1.2")[-1]
+    weights = next(Path(reference).glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))
+    assert "cached" not in evaluate("rewritten")[-1]
+    assert len(list(cache.glob("*.json"))) == 3 and not list(cache.glob("*.partial"))
