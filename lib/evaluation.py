@@ -213,7 +213,6 @@ def completion_kl_entropy(
     return kl_sum / max(tokens, 1.0), entropy_sum / max(tokens, 1.0)
 
 
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The reference's scores, kept for later evaluations (eval_agrpo.py --reference_cache)
 

