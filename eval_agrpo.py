@@ -43,7 +43,6 @@ from lib.evaluation import (cache_key, completion_kl_entropy, generate_and_score
 from lib.modeling import (EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference,
                           model_folder_problem, native_bf16, resolve_model_path)
 from lib.losses import weighted_rewards
-from lib.memory import kv_bytes_per_token
 from lib.reward_models import load_reward_models
 from lib.rewards import resolve_reward_funcs, reward_arguments, score_completions
 from lib.rollout import HFRollout, VLLMRollout
@@ -467,12 +466,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if engine is None or engine_key(model) != key:
                 engine = None
                 gc.collect()
-                max_model_len = args.max_prompt_length + args.max_completion_length
-                calls = args.batch_size * args.num_samples  # sequences of one generate call
                 engine = VLLMRollout(engine_folder(name), end_token_ids(model, tokenizer), tokenizer.pad_token_id,
-                                     seed=args.seed, max_model_len=max_model_len,
-                                     kv_cache_bytes=kv_bytes_per_token(model.config, 2 if bf16 else 4)
-                                     * max_model_len * calls,
+                                     seed=args.seed, max_model_len=args.max_prompt_length + args.max_completion_length,
+                                     max_num_seqs=args.batch_size * args.num_samples,  # one generate call
                                      gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                                      dtype="bfloat16" if bf16 else "float32",
                                      trust_remote_code=args.trust_remote_code)

@@ -83,8 +83,8 @@ from lib.data import builtin_task, check_answers, load_records, render_prompt, s
 from lib.evaluation import generate_and_score, summarize
 from lib.generation_server import ServerError, ServerRollout
 from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, policy_ratio, truncated_importance_weights
-from lib.memory import (GB, build_optimizer, check_step_memory, describe_recipe, estimate_step_memory,
-                        kv_bytes_per_token, memory_budget, recipe_memory, resident_bytes, step_token_counts)
+from lib.memory import (GB, build_optimizer, check_step_memory, describe_recipe, estimate_step_memory, memory_budget,
+                        recipe_memory, resident_bytes, step_token_counts)
 from lib.methods import Method, RolloutContext, Sampled, TrainValues, choose_method
 from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_token_ids, is_adapter_folder,
                           load_policy, load_reference, load_tokenizer, native_bf16, offloaded_activations,
@@ -1063,11 +1063,11 @@ def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, ran
         engine.sync_weights(policy)
         return engine
     engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
-    max_model_len = cfg.vllm_max_model_length or cfg.max_prompt_length + cfg.max_completion_length
-    # a CPU engine's KV cache: one generation batch of this process, or one evaluation batch, at full length
-    calls = max(cfg.per_device_train_batch_size * cfg.optimizer_steps_per_generation, cfg.per_device_eval_batch_size)
-    options = dict(seed=cfg.seed + rank, max_model_len=max_model_len,
-                   kv_cache_bytes=kv_bytes_per_token(policy.config, 2 if bf16 else 4) * max_model_len * calls,
+    options = dict(seed=cfg.seed + rank,
+                   max_model_len=cfg.vllm_max_model_length or cfg.max_prompt_length + cfg.max_completion_length,
+                   # the largest call (a CPU engine's KV cache): this process's generation batch or an evaluation batch
+                   max_num_seqs=max(cfg.per_device_train_batch_size * cfg.optimizer_steps_per_generation,
+                                    cfg.per_device_eval_batch_size),
                    gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                    dtype="bfloat16" if bf16 else "float32", enable_sleep_mode=cfg.vllm_enable_sleep_mode,
                    sampling_kwargs=cfg.generation_kwargs, trust_remote_code=cfg.trust_remote_code)

