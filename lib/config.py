@@ -16,6 +16,7 @@ import functools
 import importlib.util
 import logging
 import math
+import os
 import sys
 import types
 import typing
@@ -38,6 +39,12 @@ EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 
 class ConfigError(ValueError):
     """A configuration value a run cannot start with; the message names the field and the fix."""
+
+
+def one_line(text: str) -> str:
+    """Text from elsewhere (a library's error, which may quote the value) fit for a one-line message: characters that
+    break or hide a line written as escapes (a newline as \\n)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 # Default learning rates. An adapter's update lives in a low-rank product whose effective step size is smaller than a
@@ -750,8 +757,8 @@ def _parser() -> HfArgumentParser:
 
 def _leftover_values(words: list[str], argv: list[str], follows: dict[str, str]) -> dict:
     """The flags argparse did not know, as {key: value}: `--key value`, `--key=value`, `--key v1 v2`, or `--key`
-    alone (true). They are TRL keys, our old names, or mistakes; `resolve_keys` tells which. A word after a known
-    flag that takes one value is named with that flag."""
+    alone (true). They are TRL keys, our old names, or mistakes; `resolve_keys` tells which. An unknown flag that
+    follows a known one is named with it (`follows`): it may be a value meant for that flag."""
     values: dict[str, list[str]] = {}
     key = None
     for word in words:
@@ -759,9 +766,12 @@ def _leftover_values(words: list[str], argv: list[str], follows: dict[str, str])
             key, eq, value = word[2:].partition("=")
             values[key] = [value] if eq else []
             at = argv.index(word) if word in argv else 0
-            if at >= 2 and not argv[at - 1].startswith("-") and argv[at - 2].startswith("--") and \
-                    argv[at - 2][2:].split("=")[0] in FIELDS:
-                follows[key] = argv[at - 2]  # `--run_name x --lr`: a value meant for run_name, or a flag of its own
+            flag_at = next((i for i in range(at - 1, -1, -1) if argv[i].startswith("--")), None)
+            if flag_at is not None and argv[flag_at][2:].split("=")[0].replace("-", "_") in FIELDS:
+                flag, given = argv[flag_at].split("=")[0], at - flag_at - 1 + ("=" in argv[flag_at])
+                # `--run_name x --lr`: a flag of its own, or a value meant for the known flag before it
+                follows[key] = (f"after {flag} and its value{'s' if given > 1 else ''}" if given else
+                                f"after {flag}, a switch that is true when given alone")
         elif key is None:
             at = argv.index(word) if word in argv else 0
             flag = next((w for w in reversed(argv[:at]) if w.startswith("--")), None)
@@ -809,14 +819,14 @@ def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None
         elif key in trl_keys.RENAMED:
             target, note = trl_keys.RENAMED[key]
             if note:
-                _note(f"config: '{key}' is {note}; the old name still works")
+                _note(f"config: {key!r} is {note}; the old name still works")
         elif key == "dataset_configs":  # open-r1's list form of dataset_config
             items = value if isinstance(value, list) else [value]
             if len(items) != 1:
                 raise ConfigError(f"dataset_configs: give one configuration (dataset_config), got {value!r:.80}")
             target, value = "dataset_config", items[0]
         elif key in trl_keys.IGNORED:
-            _note(f"config: ignored '{key}' from {where} ({trl_keys.IGNORED[key]})")
+            _note(f"config: ignored {key!r} from {where} ({trl_keys.IGNORED[key]})")
             continue
         elif key in trl_keys.UNSUPPORTED:
             default, why = trl_keys.UNSUPPORTED[key]
@@ -827,8 +837,8 @@ def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None
         else:
             close = difflib.get_close_matches(key, [*FIELDS, *trl_keys.all_known()], n=1)
             hint = f" Did you mean '{close[0]}'?" if close else " See `python train_agrpo.py --help` for the keys."
-            after = f", after {follows[key]}, which takes one value" if follows and key in follows else ""
-            raise ConfigError(f"unknown configuration key '{key}' ({where}{after}).{hint}")
+            after = f", {follows[key]}" if follows and key in follows else ""
+            raise ConfigError(f"unknown configuration key {key!r} ({where}{after}).{hint}")
         if target in resolved and target != key:
             raise ConfigError(f"{key} and {target} are the same setting, given twice in {where}; keep {target}")
         if target == "scale_rewards" and str(value).lower() in ("true", "false"):  # TRL's older boolean form
@@ -853,7 +863,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     known, rest = _parser().parse_known_args(argv)  # a malformed flag: argparse's one-line error and exit status 2
     args = vars(known)
     values = resolve_keys(load_yaml(args.pop("config")), "the YAML config") if "config" in args else {}
-    follows: dict[str, str] = {}  # an unknown flag -> the known flag and value just before it
+    follows: dict[str, str] = {}  # an unknown flag -> where it stands (after which known flag)
     command_line = resolve_keys({**args, **_leftover_values(rest, argv, follows)}, "the command line", follows)
     return make_config({**values, **command_line})  # command line wins
 
@@ -876,7 +886,7 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
     The global batch is checked once the number of processes is known (the trainer passes it)."""
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
-            raise ConfigError(f"{name}: '{getattr(cfg, name)}' is not one of {', '.join(allowed)}")
+            raise ConfigError(f"{name}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
     for name in FIELDS:  # NaN passes every range check below (each comparison is False), and no setting is infinite
         value = getattr(cfg, name)
         if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
@@ -935,7 +945,7 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
     if cfg.adam_epsilon <= 0:
         raise ConfigError(f"adam_epsilon must be > 0, got {cfg.adam_epsilon}")
     if cfg.dtype not in (None, "auto", "bfloat16", "float16", "float32"):
-        raise ConfigError(f"dtype: '{cfg.dtype}' is not one of auto, bfloat16, float16, float32 (or null for float32 "
+        raise ConfigError(f"dtype: {cfg.dtype!r} is not one of auto, bfloat16, float16, float32 (or null for float32 "
                           f"master weights)")
     if cfg.vllm_max_model_length is not None and cfg.vllm_max_model_length < cfg.max_prompt_length + 1:
         raise ConfigError(f"vllm_max_model_length ({cfg.vllm_max_model_length}) must exceed max_prompt_length "
@@ -966,20 +976,20 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
                   ("eval_dataset_name", cfg.eval_dataset_name)]
     for name, value in local_like:
         if value and looks_local(value) and not _exists(name, value):
-            raise ConfigError(f"{name}: the path '{value}' does not exist")
+            raise ConfigError(f"{name}: the path {value!r} does not exist")
     if (cfg.model_name_or_path != EMBEDDED_MODEL and looks_local(cfg.model_name_or_path)
             and not _exists("model_name_or_path", cfg.model_name_or_path)):
-        raise ConfigError(f"model_name_or_path: the folder '{cfg.model_name_or_path}' does not exist")
+        raise ConfigError(f"model_name_or_path: the folder {cfg.model_name_or_path!r} does not exist")
     if cfg.resume_from_checkpoint not in (None, "latest"):
         if not _exists("resume_from_checkpoint", str(Path(cfg.resume_from_checkpoint, "trainer_state.json"))):
-            raise ConfigError(f"resume_from_checkpoint: '{cfg.resume_from_checkpoint}' is not a checkpoint folder "
+            raise ConfigError(f"resume_from_checkpoint: {cfg.resume_from_checkpoint!r} is not a checkpoint folder "
                               f"(no trainer_state.json); pass a checkpoint-<step> folder or 'latest'")
 
 
 def _exists(name: str, path: str) -> bool:
     """Whether a path exists; ConfigError for a name the OS refuses (a NUL byte, too long) instead of its raw error."""
     try:
-        return Path(path).expanduser().exists()
+        return Path(os.path.expanduser(path)).exists()
     except (OSError, ValueError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
         raise ConfigError(f"{name}: {path!r:.80} is not a usable path ({reason}); give an existing path") from None
@@ -1002,7 +1012,7 @@ def validate_hub_and_trackers(cfg: Config) -> None:
         if value is not None and not value.strip():
             raise ConfigError(f"{name} is empty; give a value or leave it out (null)")
     if cfg.hub_strategy not in HUB_STRATEGIES:
-        raise ConfigError(f"hub_strategy: '{cfg.hub_strategy}' is not one of {', '.join(HUB_STRATEGIES)} (TRL's "
+        raise ConfigError(f"hub_strategy: {cfg.hub_strategy!r} is not one of {', '.join(HUB_STRATEGIES)} (TRL's "
                           f"values)")
     if cfg.hub_model_id is not None:
         from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -1010,7 +1020,7 @@ def validate_hub_and_trackers(cfg: Config) -> None:
         try:
             validate_repo_id(cfg.hub_model_id)
         except HFValidationError as error:
-            raise ConfigError(f"hub_model_id: '{cfg.hub_model_id}' is not a repository id ({error}); give 'name' or "
+            raise ConfigError(f"hub_model_id: {cfg.hub_model_id!r} is not a repository id ({one_line(error)}); give 'name' or "
                               f"'namespace/name'") from None
 
 
@@ -1041,7 +1051,7 @@ def validate_backend(cfg: Config) -> None:
         raise ConfigError("vllm_enable_sleep_mode frees GPU memory of a vLLM engine: it needs use_vllm true and a "
                           "CUDA GPU; leave it false")
     if cfg.optim.startswith(("adamw_8bit", "paged")) and importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError(f"optim: '{cfg.optim}' needs bitsandbytes: pip install bitsandbytes (or --optim adamw_torch)")
+        raise ConfigError(f"optim: {cfg.optim!r} needs bitsandbytes: pip install bitsandbytes (or --optim adamw_torch)")
     if cfg.max_memory is not None and cfg.max_memory <= 0:
         raise ConfigError(f"max_memory must be a positive number of GB or null, got {cfg.max_memory}")
     if cfg.estimate_processes < 1:
@@ -1049,7 +1059,7 @@ def validate_backend(cfg: Config) -> None:
                           f"{cfg.estimate_processes}")
     if cfg.estimate_sharding not in ("fsdp2", "zero2", "zero3"):
         raise ConfigError(f"estimate_sharding must be fsdp2, zero2 or zero3 (the launch config), got "
-                          f"'{cfg.estimate_sharding}'")
+                          f"{cfg.estimate_sharding!r}")
     if cfg.estimate_processes > 1 and cfg.use_peft:
         raise ConfigError("estimate_processes: FSDP2 and DeepSpeed shard full fine-tuning; LoRA / QLoRA train data "
                           "parallel (their estimate is per GPU as it is): drop estimate_processes or use_peft")
@@ -1096,7 +1106,7 @@ def validate_sampling(cfg: Config) -> None:
             raise ConfigError(f"repetition_penalty must be > 0 (1 = off), got {cfg.repetition_penalty}")
     except ConfigError as error:
         if given:
-            raise ConfigError(f"generation_kwargs ({', '.join(given)}): {error}") from None
+            raise ConfigError(f"generation_kwargs ({one_line(', '.join(given))}): {error}") from None
         raise
     if extra and not cfg.use_vllm:
         raise ConfigError(f"generation_kwargs: {', '.join(map(repr, extra))} cannot be applied by the HF sampler, "

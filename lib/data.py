@@ -435,7 +435,7 @@ def _read_rows(dataset_name: str, split: str, config: str | None = None) -> list
     """Returns (location, row) pairs from a local file; a folder: save_to_disk's, one holding {split}.jsonl /
     .json / .parquet (read here, with row-exact errors), or any other `datasets` reads (the hub's layout); or a hub
     id."""
-    path = Path(dataset_name).expanduser()
+    path = Path(os.path.expanduser(dataset_name))
     if path.is_dir():
         if _is_saved(path):
             return _read_saved(path, dataset_name, split)
@@ -465,7 +465,7 @@ def split_names(dataset_name: str, config: str | None = None) -> list[str] | Non
     """The splits of a data set, sorted, or None for one that has no splits (a file, a saved Dataset): a folder's
     {split}.jsonl / .json / .parquet files and the splits `datasets` finds in it, a saved DatasetDict's, a hub data
     set's (configuration `config`). Raises as load_records does for a name that is none of these."""
-    path = Path(dataset_name).expanduser()
+    path = Path(os.path.expanduser(dataset_name))
     if path.is_file():
         return None
     if path.is_dir():

@@ -220,7 +220,7 @@ def completion_kl_entropy(
 def weights_fingerprint(path: str | os.PathLike) -> list[tuple[str, int, int]]:
     """(name, size, mtime_ns) of a local model file or of the files directly in a model folder; [] for a hub id.
     Rewritten weights change it, so a kept score is never reused for a different model."""
-    path = Path(path).expanduser()
+    path = Path(os.path.expanduser(path))
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
     return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 

@@ -13,6 +13,7 @@ configuration's classes import them where they run.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import threading
@@ -39,7 +40,7 @@ def resolve_report_to(value, installed: Callable[[str], bool]) -> list[str]:
     names = [str(n).strip() for n in names if str(n).strip()]
     unknown = [n for n in names if n not in REPORT_TO_CHOICES]
     if unknown:
-        raise ValueError(f"report_to: '{unknown[0]}' is not one of {', '.join(REPORT_TO_CHOICES)} (Accelerate's "
+        raise ValueError(f"report_to: {unknown[0]!r} is not one of {', '.join(REPORT_TO_CHOICES)} (Accelerate's "
                          f"trackers this trainer wires; docs/hub.md)")
     if "none" in names and len(set(names)) > 1:
         raise ValueError(f"report_to: 'none' cannot be combined with other trackers ({', '.join(names)}); give "
@@ -51,7 +52,7 @@ def resolve_report_to(value, installed: Callable[[str], bool]) -> list[str]:
                 resolved.append(tracker)
     missing = [t for t in resolved if not installed(t)]
     if missing:
-        raise ValueError(f"report_to: '{missing[0]}' needs its package: pip install {missing[0]} (or remove it from "
+        raise ValueError(f"report_to: {missing[0]!r} needs its package: pip install {missing[0]} (or remove it from "
                          f"report_to)")
     return resolved
 
@@ -128,7 +129,7 @@ EVAL_ROWS = (("eval/accuracy", "greedy accuracy", "{:.1%}"), ("eval/mean_length"
 
 def is_local(name: str) -> bool:
     """Whether a model or data set name is a path of this machine rather than a hub id."""
-    return looks_local(name) or Path(name).expanduser().exists()
+    return looks_local(name) or Path(os.path.expanduser(name)).exists()
 
 
 def hub_id(name: str | None, local: Callable[[str], bool] = is_local) -> str | None:

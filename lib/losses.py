@@ -319,7 +319,7 @@ def truncated_importance_weights(train_logp: torch.Tensor, sampling_logp: torch.
     elif mode.endswith("mask"):
         weight = torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
     else:
-        raise ValueError(f"vllm_importance_sampling_mode: '{mode}' is not one of token_truncate, token_mask, "
+        raise ValueError(f"vllm_importance_sampling_mode: {mode!r} is not one of token_truncate, token_mask, "
                          f"sequence_truncate, sequence_mask")
     return weight * mask
 

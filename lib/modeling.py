@@ -243,7 +243,7 @@ def model_folder_problem(name: str) -> str | None:
     """
     if name in EMBEDDED_ALIASES:
         return None
-    path = Path(name).expanduser()
+    path = Path(os.path.expanduser(name))
     if not path.exists():
         if looks_local(name):
             return (f"'{name}' does not exist; pass a model folder, a run's final/ or checkpoint-<step>/ folder, "
@@ -260,7 +260,7 @@ def model_folder_problem(name: str) -> str | None:
         if not base:
             return (f"the adapter '{name}' names no base_model_name_or_path in its adapter_config.json; set it to "
                     f"the base model's folder")
-        if base not in EMBEDDED_ALIASES and looks_local(base) and not Path(base).expanduser().exists():
+        if base not in EMBEDDED_ALIASES and looks_local(base) and not Path(os.path.expanduser(base)).exists():
             return (f"the adapter '{name}' is for the base model '{base}', which does not exist here; put the base "
                     f"there or edit base_model_name_or_path in {path / 'adapter_config.json'}")
     return None

@@ -25,6 +25,7 @@ import importlib.util
 import inspect
 import json
 import math
+import os
 import numbers
 import re
 import threading
@@ -442,7 +443,7 @@ def _reward_model(spec: str) -> RewardModelSpec | None:
     (transformers initialises what the checkpoint lacks) and train the policy on noise."""
     if ":" in spec:
         return None
-    path = Path(spec).expanduser()
+    path = Path(os.path.expanduser(spec))
     if path.is_dir():
         try:
             config = json.loads((path / "config.json").read_text())

@@ -856,7 +856,7 @@ def check_sampling_kwargs(kwargs: dict) -> dict:
 
     for key in kwargs:
         if key in VLLM_OWNED_KEYS:
-            raise ValueError(f"generation_kwargs: '{key}' is set by the trainer ({VLLM_OWNED_KEYS[key]}); remove it")
+            raise ValueError(f"generation_kwargs: {key!r} is set by the trainer ({VLLM_OWNED_KEYS[key]}); remove it")
     try:
         SamplingParams(**kwargs)
     except (TypeError, ValueError) as error:

@@ -13,6 +13,7 @@ import fnmatch
 import functools
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +79,7 @@ def find_runs(folder: str | Path, depth: int = 4) -> list[Path]:
     """The run folders at or under `folder`: the folder itself if it holds metrics.jsonl or config.yaml, otherwise
     every such folder down to `depth` levels (a scripts/ablate.py output: runs/<method>/<ablation>/seed<seed>/),
     sorted. Checkpoints, final/ and hidden folders are not searched."""
-    root = Path(folder).expanduser()
+    root = Path(os.path.expanduser(folder))
     if is_run(root):
         return [root]
     found: list[Path] = []
@@ -145,7 +146,7 @@ class Run:
 
 
 def load_run(folder: str | Path, label: str | None = None) -> Run:
-    folder = Path(folder).expanduser()
+    folder = Path(os.path.expanduser(folder))
     records, bad = read_jsonl(folder / METRICS)
     train = with_throughput([m for m in records if _number(m.get("reward")) is not None and "step" in m])
     evals = [m for m in records if _number(m.get("eval/accuracy")) is not None and "step" in m]

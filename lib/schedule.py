@@ -59,7 +59,7 @@ def schedule_options(kind: str, kwargs: dict | None, peak_lr: float) -> dict:
     allowed = KWARGS.get(kind, ())
     for key in kwargs:
         if key not in allowed:
-            raise ValueError(f"lr_scheduler_kwargs: '{key}' does not apply to lr_scheduler_type {kind}"
+            raise ValueError(f"lr_scheduler_kwargs: {key!r} does not apply to lr_scheduler_type {kind}"
                              + (f" (it takes {', '.join(allowed)})" if allowed else " (it takes none)"))
     options = {}
     if "num_cycles" in kwargs:
