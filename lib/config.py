@@ -29,7 +29,7 @@ from transformers import HfArgumentParser
 
 from lib.controllers import ADAGRPO_SCHEDULE, parse_resample_schedule
 from lib import trl_keys
-from lib.data import looks_local
+from lib.data import looks_local, one_line
 from lib.hub import HUB_STRATEGIES, SECRET_KEYS, resolve_report_to
 from lib.losses import DISPERSIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES, SCALE_REWARDS
 from lib.schedule import schedule_options
@@ -39,12 +39,6 @@ EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 
 class ConfigError(ValueError):
     """A configuration value a run cannot start with; the message names the field and the fix."""
-
-
-def one_line(text: str) -> str:
-    """Text from elsewhere (a library's error, which may quote the value) fit for a one-line message: characters that
-    break or hide a line written as escapes (a newline as \\n)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 # Default learning rates. An adapter's update lives in a low-rank product whose effective step size is smaller than a
@@ -755,6 +749,11 @@ def _parser() -> HfArgumentParser:
     return build_parser()
 
 
+def _flag_before(argv: list[str], at: int) -> int | None:
+    """The index of the nearest `--flag` word before argv[at], or None."""
+    return next((i for i in range(at - 1, -1, -1) if argv[i].startswith("--")), None)
+
+
 def _leftover_values(words: list[str], argv: list[str], follows: dict[str, str]) -> dict:
     """The flags argparse did not know, as {key: value}: `--key value`, `--key=value`, `--key v1 v2`, or `--key`
     alone (true). They are TRL keys, our old names, or mistakes; `resolve_keys` tells which. An unknown flag that
@@ -766,16 +765,15 @@ def _leftover_values(words: list[str], argv: list[str], follows: dict[str, str])
             key, eq, value = word[2:].partition("=")
             values[key] = [value] if eq else []
             at = argv.index(word) if word in argv else 0
-            flag_at = next((i for i in range(at - 1, -1, -1) if argv[i].startswith("--")), None)
+            flag_at = _flag_before(argv, at)
             if flag_at is not None and argv[flag_at][2:].split("=")[0].replace("-", "_") in FIELDS:
                 flag, given = argv[flag_at].split("=")[0], at - flag_at - 1 + ("=" in argv[flag_at])
                 # `--run_name x --lr`: a flag of its own, or a value meant for the known flag before it
                 follows[key] = (f"after {flag} and its value{'s' if given > 1 else ''}" if given else
                                 f"after {flag}, a switch that is true when given alone")
         elif key is None:
-            at = argv.index(word) if word in argv else 0
-            flag = next((w for w in reversed(argv[:at]) if w.startswith("--")), None)
-            after = f" after {flag.split('=')[0]}, which takes one value" if flag else ""
+            flag_at = _flag_before(argv, argv.index(word) if word in argv else 0)
+            after = f" after {argv[flag_at].split('=')[0]}, which takes one value" if flag_at is not None else ""
             raise ConfigError(f"unexpected argument {word!r:.80} on the command line{after}; flags are written "
                               f"--key value (a list: --key v1 v2; see `python train_agrpo.py --help`)")
         else:
@@ -1020,8 +1018,8 @@ def validate_hub_and_trackers(cfg: Config) -> None:
         try:
             validate_repo_id(cfg.hub_model_id)
         except HFValidationError as error:
-            raise ConfigError(f"hub_model_id: {cfg.hub_model_id!r} is not a repository id ({one_line(error)}); give 'name' or "
-                              f"'namespace/name'") from None
+            raise ConfigError(f"hub_model_id: {cfg.hub_model_id!r} is not a repository id ({one_line(error)}); give "
+                              f"'name' or 'namespace/name'") from None
 
 
 def validate_backend(cfg: Config) -> None:
@@ -1106,7 +1104,7 @@ def validate_sampling(cfg: Config) -> None:
             raise ConfigError(f"repetition_penalty must be > 0 (1 = off), got {cfg.repetition_penalty}")
     except ConfigError as error:
         if given:
-            raise ConfigError(f"generation_kwargs ({one_line(', '.join(given))}): {error}") from None
+            raise ConfigError(f"generation_kwargs ({', '.join(given)}): {error}") from None
         raise
     if extra and not cfg.use_vllm:
         raise ConfigError(f"generation_kwargs: {', '.join(map(repr, extra))} cannot be applied by the HF sampler, "

@@ -25,8 +25,8 @@ import importlib.util
 import inspect
 import json
 import math
-import os
 import numbers
+import os
 import re
 import threading
 import warnings
