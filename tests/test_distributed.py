@@ -276,8 +276,8 @@ def test_sharding_refuses_lora_before_loading_a_model(tmp_path, tiny_model, shar
 @pytest.mark.slow
 def test_fsdp2_on_the_embedded_model_matches_data_parallel(tmp_path):
     """The real 135M model (30 decoder layers, tied embeddings, a reference model for the KL term, sharded too),
-    three steps of the default demo's global batch on two processes, fp32, 32-token completions (a step costs half of
-    the default's 64; step 1 has no reward spread at this seed, step 2 updates, step 3 runs on the weights that sharded
+    three steps of the default demo's global batch on two processes, fp32, 32-token completions (cheaper steps than
+    the default 64; step 1 has no reward spread at this seed, step 2 updates, step 3 runs on the weights that sharded
     update wrote, so its KL is above 0): sharded and data-parallel runs agree step for step."""
     args = ["--max_steps", "3", "--per_device_train_batch_size", "8", "--max_completion_length", "32",
             "--num_eval_samples", "0", "--bf16", "false", "--save_strategy", "no"]
