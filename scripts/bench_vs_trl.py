@@ -19,9 +19,9 @@ its own peak memory), and the trainers alternate: ours, TRL, TRL, ours, ... over
 --warmup_steps steps of every run are left out of the medians.
 
 Printed per trainer: median step time, generated tokens per second (completion tokens of a step / its time), peak
-memory (RSS of the process on CPU; torch.cuda.max_memory_allocated on GPU; the largest over the processes of a
-launch), mean completion length, and the
-ratios ours / TRL. TRL runs in fp32 and with bf16=True (--trl_bf16 both, the default on CPU) and the ratio is taken
+memory (RSS of the process on CPU; on GPU the allocator's peak reservation plus what the process holds outside it,
+the CUDA context included; the largest over the processes of a launch), mean completion length, and the ratios
+ours / TRL. TRL runs in fp32 and with bf16=True (--trl_bf16 both, the default on CPU) and the ratio is taken
 against the faster. Then where our step time goes (generation, rewards, reference log-probs, policy
 forward/backward, optimizer, weight sync), as medians of the trainer's own `time/*` metrics.
 
@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model_name_or_path", default="embedded", help="A model folder, or 'embedded' (default).")
     p.add_argument("--shape", choices=sorted(SHAPES), help="Instead of a model folder: a model of this shape with "
                    "random weights (bf16 on GPU), with the embedded model's tokenizer.")
+    p.add_argument("--tokenizer", help="With --shape: the tokenizer folder to save beside the random weights "
+                   "(default: the embedded model's; a GPU machine without it gets one from scripts/gpu_check.sh "
+                   "--prepare).")
     p.add_argument("--trainers", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
     p.add_argument("--num_generations", type=int, default=8)
     p.add_argument("--num_prompts", type=int, default=1, help="Prompt groups per step.")
@@ -165,7 +168,7 @@ def model_folder(args, workdir: Path) -> str:
         if torch.cuda.is_available():
             model = model.to(torch.bfloat16)
         model.save_pretrained(folder)
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("embedded"))
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model_path("embedded"))
         tokenizer.save_pretrained(folder)
     return str(folder)
 
@@ -186,11 +189,24 @@ def bench_prompts(args, model_path: str) -> tuple[list[str], list[str]]:
 
 
 def peak_memory_gb() -> float:
+    """The process's peak memory. On a GPU: the allocator's peak reservation (max_memory_reserved: what it held from
+    the device, its slack included) plus what the process holds outside the allocator (the CUDA context, cuBLAS and
+    NCCL workspaces: mem_get_info's used bytes less the reservation now). max_memory_allocated alone leaves both out
+    and would make a "fits in 16 GB" claim optimistic by a GB or more. On a CPU: the resident set's peak."""
     import torch
 
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
+        free, total = torch.cuda.mem_get_info()
+        outside = max(0, (total - free) - torch.cuda.memory_reserved())
+        return (torch.cuda.max_memory_reserved() + outside) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
+
+
+def allocated_peak_gb() -> float | None:
+    """torch.cuda.max_memory_allocated (the tensors alone), for comparison with the figure above; None on a CPU."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 def run_ours(spec: dict) -> dict:
@@ -219,7 +235,8 @@ def run_ours(spec: dict) -> dict:
     rows = [r for r in rows if "step_time" in r]
     return {"step_times": [r["step_time"] for r in rows],
             "tokens": [r["completions/mean_length"] * spec["num_generations"] * spec["num_prompts"] for r in rows],
-            "phases": [{k: r.get(f"time/{k}", 0.0) for k in PHASES} for r in rows], "peak_memory_gb": peak}
+            "phases": [{k: r.get(f"time/{k}", 0.0) for k in PHASES} for r in rows], "peak_memory_gb": peak,
+            "allocated_peak_gb": allocated_peak_gb()}
 
 
 def run_trl(spec: dict) -> dict:
@@ -282,7 +299,8 @@ def run_trl(spec: dict) -> dict:
         return {}
     return {"step_times": clock.times,
             "tokens": [log["completions/mean_length"] * spec["num_generations"] * spec["num_prompts"]
-                       for log in clock.logs], "peak_memory_gb": peak}
+                       for log in clock.logs], "peak_memory_gb": peak, "allocated_peak_gb": allocated_peak_gb(),
+            "weights_dtype": str(next(trainer.model.parameters()).dtype)}
 
 
 def launch_peak(spec: dict) -> float | None:
