@@ -683,11 +683,18 @@ def offloaded_activations(enabled: bool, device: torch.device | str):
     return nullcontext()
 
 
-def native_bf16(device: torch.device | str) -> bool:
-    """Whether bf16 matmuls run natively here: CUDA with bf16 support, or a CPU with AVX512-BF16 / AMX-BF16."""
+def native_bf16(device: torch.device | str, capability: tuple[int, int] | None = None) -> bool:
+    """Whether bf16 matmuls run natively here: an NVIDIA GPU of compute capability 8.0 or above (Ampere on), or a
+    CPU with AVX512-BF16 / AMX-BF16. `torch.cuda.is_bf16_supported()` also says yes for a T4 or V100 (7.x), where
+    bf16 is emulated: slow, and a vLLM engine refuses bfloat16 there. `capability` (major, minor) overrides the
+    device's, for tests and estimates."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        if capability is None:
+            if not torch.cuda.is_available():
+                return False
+            capability = torch.cuda.get_device_capability(device)
+        return tuple(capability) >= (8, 0)
     if device.type == "cpu":
         try:
             flags = Path("/proc/cpuinfo").read_text()
@@ -695,3 +702,8 @@ def native_bf16(device: torch.device | str) -> bool:
             return False
         return "avx512_bf16" in flags or "amx_bf16" in flags
     return False
+
+
+def gpu_without_bf16() -> bool:
+    """A CUDA device that emulates bf16 (compute capability below 8.0: T4, V100)."""
+    return torch.cuda.is_available() and not native_bf16("cuda")

@@ -11,7 +11,9 @@ Steps, each under its own time limit so that one that hangs or fails leaves the 
   2. the tests marked `gpu` (tests/test_gpu.py): the sampler's log-probs against the scorer's in fp32 and bf16,
      merged LoRA / QLoRA sync, FSDP2 under bf16 mixed precision keeping the temperatures, resume on the device,
      the memory estimate against the measured peak; their measured figures go to the results;
-  3. a side-by-side benchmark of our trainer and TRL's GRPOTrainer (scripts/bench_vs_trl.py) at the Qwen2.5-0.5B
+  3. the HF sampler's decode step at 1, 8 and 64 rows against its memory-bandwidth floor, with transformers' SDPA
+     and with our grouped decode attention (scripts/bench_sampler.py; which is the GPU default is decided by it);
+  4. a side-by-side benchmark of our trainer and TRL's GRPOTrainer (scripts/bench_vs_trl.py) at the Qwen2.5-0.5B
      shape with random weights: 8 completions of 256 new tokens, bf16, HF sampling on both sides, five steps (the
      first left out): median step, generated tokens a second, peak memory, where our step's time goes.
 Results: `<out>/gpu_check.json`, rewritten after every step (a check stopped at its limit keeps what it measured).
@@ -33,6 +35,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -130,9 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="Run every step on this CPU with tiny shapes.")
     parser.add_argument("--out", default=None, help="Folder for gpu_check.json and the logs (default: $OUT where "
                                                     "set, else runs/gpu_check).")
-    parser.add_argument("--tests_timeout", type=int, default=300, help="Seconds for step 2.")
-    parser.add_argument("--bench_timeout", type=int, default=300, help="Seconds for step 3.")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "bench"], help="Steps to leave out.")
+    parser.add_argument("--tests_timeout", type=int, default=200, help="Seconds for step 2.")
+    parser.add_argument("--bench_timeout", type=int, default=240, help="Seconds for step 4.")
+    parser.add_argument("--sampler_timeout", type=int, default=80, help="Seconds for step 3.")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "sampler", "bench"],
+                        help="Steps to leave out.")
     args = parser.parse_args(argv)
     if args.prepare:
         prepare()
@@ -169,6 +174,18 @@ def main(argv: list[str] | None = None) -> int:
         step["measured"] = [json.loads(line) for line in measures.read_text().splitlines()] \
             if measures.exists() else []
         results["steps"]["tests"] = step
+        save()
+    if "sampler" not in args.skip:
+        shape = ["--shape", "qwen2-tiny", "--rows", "1", "8", "--steps", "4", "--short", "2", "--repeats", "1"] \
+            if args.dry_run else ["--shape", "qwen2.5-0.5b", "--rows", "1", "8", "64", "--steps", "64", "--repeats",
+                                  "3"]
+        step = run_step("sampler decode step against its floor", [
+            sys.executable, "scripts/bench_sampler.py", *shape, "--attn", "sdpa", "agrpo_sdpa", "--workdir",
+            str(Path(tempfile.gettempdir()) / "agrpo_bench_sampler"), "--output_json", str(out / "sampler.json")],
+            args.sampler_timeout, out / "sampler.log", env)
+        if (out / "sampler.json").exists():
+            step["report"] = json.loads((out / "sampler.json").read_text())
+        results["steps"]["sampler"] = step
         save()
     if "bench" not in args.skip:
         shape = ["--shape", "qwen2-tiny", "--max_completion_length", "16", "--steps", "3", "--trl_bf16", "false"] \
