@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=6, help="Optimizer steps per run, warm-up included.")
     p.add_argument("--warmup_steps", type=int, default=1, help="First steps of each run left out of the medians.")
     p.add_argument("--rounds", type=int, default=2, help="Runs of each trainer, alternated.")
+    p.add_argument("--trl_dtype", nargs="+", choices=["auto", "float32"], default=["auto"],
+                   help="The dtype TRL loads the weights in (its model_init_kwargs), one run each: auto (the "
+                        "checkpoint's: a bf16 folder trains bf16 weights and AdamW states, TRL's default), float32 "
+                        "(fp32 master weights under bf16 autocast, as ours).")
     p.add_argument("--trl_bf16", choices=["both", "true", "false"], default=None,
                    help="TRL's precision: both (CPU default; the ratio uses the faster), or one (GPU default: true).")
     p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto",
@@ -267,7 +271,7 @@ def run_trl(spec: dict) -> dict:
                 self.logs.append(logs)
 
     peft_config = None
-    model_kwargs = {"dtype": "auto"}
+    model_kwargs = {"dtype": spec.get("trl_dtype", "auto")}
     if spec["use_peft"]:
         from peft import LoraConfig
 
@@ -347,12 +351,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     on_gpu = torch.cuda.is_available()
     trl_bf16 = args.trl_bf16 or ("true" if on_gpu else "both")
-    configs = []  # (label, trainer, trl_bf16)
+    configs = []  # (label, trainer, trl_bf16, trl_dtype)
     if "ours" in args.trainers:
-        configs.append(("ours", "ours", None))
+        configs.append(("ours", "ours", None, None))
     if "trl" in args.trainers:
-        configs += [(f"trl-{p}", "trl", p == "bf16") for p in (["fp32", "bf16"] if trl_bf16 == "both" else
-                                                                ["bf16" if trl_bf16 == "true" else "fp32"])]
+        precisions = ["fp32", "bf16"] if trl_bf16 == "both" else ["bf16" if trl_bf16 == "true" else "fp32"]
+        configs += [(f"trl-{p}" + (f"-{d}" if len(args.trl_dtype) > 1 else ""), "trl", p == "bf16", d)
+                    for p in precisions for d in args.trl_dtype]
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
         work = Path(tmp)
         model = model_folder(args, work)
@@ -367,11 +372,12 @@ def main(argv: list[str] | None = None) -> dict:
                 "trl_vllm_server_base_url": args.trl_vllm_server_base_url,
                 "launch_config": args.launch_config, "num_processes": args.num_processes,
                 "prompts": prompts, "answers": answers}
-        runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
+        runs: dict[str, list[dict]] = {label: [] for label, *_ in configs}
         for r in range(args.rounds):
             order = configs if r % 2 == 0 else configs[::-1]  # alternate, so drift in the machine hits both
-            for label, trainer, bf16 in order:
-                spec = {**base, "trainer": trainer, "trl_bf16": bf16, "output_dir": str(work / f"{label}-{r}"),
+            for label, trainer, bf16, dtype in order:
+                spec = {**base, "trainer": trainer, "trl_bf16": bf16, "trl_dtype": dtype,
+                        "output_dir": str(work / f"{label}-{r}"),
                         "result": str(work / f"{label}-{r}.json")}
                 Path(work / "spec.json").write_text(json.dumps(spec))
                 t0 = time.perf_counter()
