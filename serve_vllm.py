@@ -29,7 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="The run's base model: a folder, a hub id, or 'embedded'.")
     parser.add_argument("--host", default="0.0.0.0", help="Address to listen on (0.0.0.0: every interface).")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--tensor_parallel_size", type=int, default=1, help="GPUs one copy of the model spans.")
+    parser.add_argument("--tensor_parallel_size", default="1", help="GPUs one copy of the model spans, or 'auto': "
+                        "the most of the visible GPUs that divide the model's attention heads (vLLM refuses a degree "
+                        "that does not: Qwen2.5-7B's 28 heads on 8 GPUs take 4).")
     parser.add_argument("--data_parallel_size", type=int, default=1,
                         help="Copies of the model (more than 1 is not available yet: start one server a copy).")
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.9,
@@ -45,9 +47,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.data_parallel_size != 1:
         parser.error("--data_parallel_size: one engine a server for now; start one server per copy of the model "
                      "(each on its own devices and port)")
-    if args.tensor_parallel_size < 1:
-        parser.error(f"--tensor_parallel_size must be at least 1, got {args.tensor_parallel_size}")
+    if args.tensor_parallel_size != "auto":
+        if not args.tensor_parallel_size.isdigit() or int(args.tensor_parallel_size) < 1:
+            parser.error(f"--tensor_parallel_size must be a whole number of at least 1 or 'auto', got "
+                         f"{args.tensor_parallel_size!r}")
+        args.tensor_parallel_size = int(args.tensor_parallel_size)
     return args
+
+
+def resolve_tensor_parallel_size(value, config, gpus: int | None = None) -> int:
+    """--tensor_parallel_size as given, or for 'auto' the largest that the visible GPUs (`gpus`, default: how many
+    this process sees) and the model allow."""
+    if value != "auto":
+        return int(value)
+    from lib.generation_server import tensor_parallel_size
+
+    return tensor_parallel_size(config, max(1, torch.cuda.device_count() if gpus is None else gpus))
 
 
 def build_app(engine, model: str, workers: int):
@@ -151,11 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     path = resolve_model_path(args.model)
     tokenizer = load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-    if args.max_model_len is None:
-        from transformers import AutoConfig
+    from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    if args.max_model_len is None:
         args.max_model_len = min(int(getattr(config.get_text_config(), "max_position_embeddings", 4096)), 32768)
+    args.tensor_parallel_size = resolve_tensor_parallel_size(args.tensor_parallel_size, config)
     # end and pad tokens come with every request (the trainer's); the tokenizer's until then
     engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=args.max_model_len,
                          gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,

@@ -288,6 +288,7 @@ def sample_batch(run: Run, data_position: int, step: int) -> Sampled:
     num_prompts = run.geometry.global_completions * cfg.optimizer_steps_per_generation // group_size
     prompts = ctx.prompts(ctx.next_slots(data_position, num_prompts), group_size)
     run.policy.eval()  # sampling with the policy itself (LoRA, 4-bit): no dropout
+    run.engine.ready(run.accelerator.unwrap_model(run.scorer).model)  # awake, with the weights (sleep mode)
     temperatures, counters = controllers.prompt_temperatures(
         ctx, prompts, group_size, torch.full((len(prompts.used),), cfg.temperature, device=run.accelerator.device))
     rollout = ctx.generate(prompts, temperatures, cfg.top_p)
@@ -600,6 +601,7 @@ def evaluate(run: Run, step: int) -> dict:
         return {}
     accelerator, cfg = run.accelerator, run.cfg
     shard = run.eval_records[accelerator.process_index::accelerator.num_processes]
+    run.engine.ready(accelerator.unwrap_model(run.scorer).model)  # awake, with the weights (sleep mode)
     results = generate_and_score(run.engine, run.tokenizer, shard, [run.ctx.prompt_text(r) for r in shard],
                                  max_new_tokens=cfg.max_completion_length, max_prompt_length=cfg.max_prompt_length,
                                  batch_size=cfg.per_device_eval_batch_size, device=accelerator.device)

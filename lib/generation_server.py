@@ -118,6 +118,23 @@ class WeightReceiver:
 # ------------------------------------------------------------------------------------------------ the trainer's side
 
 
+def tensor_parallel_size(config, gpus: int) -> int:
+    """The largest tensor-parallel degree up to `gpus` that vLLM accepts for a model: a power of two (the layers'
+    widths split evenly: Qwen2.5-1.5B's MLP, 8,960 wide, does not split in 6) that divides the attention heads and
+    the MLP width, and the KV heads where there are at least as many (fewer KV heads are replicated, so the degree
+    must be a multiple of them). Qwen2.5-7B (28 heads, 4 KV heads) on 8 GPUs: 4; Qwen2.5-1.5B (12, 2): 4;
+    Qwen2.5-0.5B (14, 2): 2."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    width = getattr(text, "intermediate_size", None) or heads
+    size = 1
+    while size * 2 <= gpus and heads % (size * 2) == 0 and width % (size * 2) == 0 and \
+            (kv_heads % (size * 2) == 0 if kv_heads >= size * 2 else (size * 2) % kv_heads == 0):
+        size *= 2
+    return size
+
+
 class ServerRollout:
     """The sampler of a run with vllm_mode server: `VLLMRollout`'s interface over HTTP. Every process samples its
     share through the server; the main process pushes the weights (a sharded policy is gathered on every process,
@@ -269,6 +286,9 @@ class ServerRollout:
 
     def sleep(self) -> None:
         """The server's devices are its own: nothing to free here."""
+
+    def ready(self, policy: torch.nn.Module) -> None:
+        """The server is always awake."""
 
     def close(self) -> None:
         self.http.close()

