@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     if "tests" not in args.skip:
         measures = out / "measures.jsonl"
         measures.unlink(missing_ok=True)
-        step = run_step("tests marked gpu", [sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "tests/test_gpu_paths.py",
-                                             "-p", "no:cacheprovider", "-q", "-rfE",
+        step = run_step("tests marked gpu", [sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py",
+                                             "tests/test_gpu_paths.py", "-p", "no:cacheprovider", "-q", "-rfE",
                                              f"--junitxml={out / 'tests.xml'}"],
                         args.tests_timeout, out / "tests.log", {**env, "AGRPO_GPU_REPORT": str(measures)})
         step["tests"] = junit_results(out / "tests.xml")

@@ -176,8 +176,20 @@ def test_float16_weights_are_refused_for_full_fine_tuning_and_kept_for_a_frozen_
 
 # ---- 5. FSDP2's bf16 mixed precision keeps the scorer's inputs -------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def plain_model(tmp_path_factory) -> str:
+    """A two-block Llama with random weights and no tokenizer (the GPU check's machine has no embedded model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("plain_model")
+    LlamaForCausalLM(LlamaConfig(**ENGINE_MODEL, vocab_size=4096, eos_token_id=2, pad_token_id=0)).save_pretrained(
+        folder)
+    return str(folder)
+
+
 @pytest.mark.gpu  # also in the GPU check, on its GPU; here on the CPU (gloo)
-def test_fsdp2_bf16_mixed_precision_scores_at_the_sampled_temperatures(tiny_model):
+def test_fsdp2_bf16_mixed_precision_scores_at_the_sampled_temperatures(plain_model):
     """FSDP2 with the trainer's bf16 mixed-precision policy, one process: the policy computes in bf16, but the
     per-row temperatures reach the log-softmax as the float32 values they were sampled at (0.7, not bf16's
     0.69921875), and the log-probs come back in float32 (lib/distributed.mixed_precision_policy). Under
@@ -196,7 +208,7 @@ def test_fsdp2_bf16_mixed_precision_scores_at_the_sampled_temperatures(tiny_mode
     try:
         mesh = init_device_mesh(device.type, (1,))
         policy = mixed_precision_policy(MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        scorer = CompletionScorer(load_policy(tiny_model, device=device))
+        scorer = CompletionScorer(load_policy(plain_model, device=device))
         for layer in unwrap_causal_lm(scorer.model).model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(scorer, mesh=mesh, mp_policy=policy)
