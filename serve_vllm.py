@@ -19,6 +19,7 @@ One server serves one run at a time.
 import argparse
 import os
 import threading
+import time
 import uuid
 
 import torch
@@ -41,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", help="The engine's weights: auto (bf16 on a GPU), bfloat16, "
                                                         "float16, float32. The trainer's weights are cast to it.")
     parser.add_argument("--trust_remote_code", action="store_true")
+    parser.add_argument("--batch_window", type=float, default=1.0,
+                        help="Seconds to wait, after a run's first generate request, for the other training "
+                             "processes' requests of the same step, to serve them in one engine call (it stops "
+                             "waiting once every process has sent one).")
     parser.add_argument("--generation_kwargs", default=None,
                         help="JSON of further vLLM SamplingParams, as the run's generation_kwargs.")
     args = parser.parse_args(argv)
@@ -65,8 +70,56 @@ def resolve_tensor_parallel_size(value, config, gpus: int | None = None) -> int:
     return tensor_parallel_size(config, max(1, torch.cuda.device_count() if gpus is None else gpus))
 
 
-def build_app(engine, model: str, workers: int):
-    """The HTTP API (lib/generation_server.py's protocol) around one VLLMRollout engine, one request at a time."""
+class Batcher:
+    """Generate requests that arrive together, served in one engine call. Every training process posts its own
+    share of a step's prompts at about the same time; served one at a time under the engine's lock, 7 trainers' 8
+    prompts were 7 engine calls of 8 in a row instead of one of 56. A request names how many processes the run
+    has (`world`): the batcher waits for that many, at most `window_s` after the first (an evaluation's last
+    batch may come from fewer processes), then serves them all at once."""
+
+    def __init__(self, serve, window_s: float):
+        self.serve, self.window_s = serve, window_s
+        self.pending: list[dict] = []
+        self.ready = threading.Condition()
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def submit(self, body: dict):
+        entry = {"body": body, "done": threading.Event(), "result": None, "error": None}
+        with self.ready:
+            self.pending.append(entry)
+            self.ready.notify_all()
+        entry["done"].wait()
+        if entry["error"] is not None:
+            raise entry["error"]
+        return entry["result"]
+
+    def _loop(self) -> None:
+        while True:
+            with self.ready:
+                self.ready.wait_for(lambda: self.pending)
+                deadline = time.monotonic() + self.window_s
+                want = max(int(self.pending[0]["body"].get("world", 1)), 1)
+                while len(self.pending) < want and time.monotonic() < deadline:
+                    self.ready.wait(timeout=deadline - time.monotonic())
+                batch, self.pending = self.pending, []
+            try:
+                results = self.serve([entry["body"] for entry in batch])
+                for entry, result in zip(batch, results):
+                    entry["result"] = result
+            except (ValueError, RuntimeError):
+                # one request's bad parameters fail the engine call: serve each alone, so only that one fails
+                for entry in batch:
+                    try:
+                        entry["result"] = self.serve([entry["body"]])[0]
+                    except (ValueError, RuntimeError) as error:
+                        entry["error"] = error
+            for entry in batch:
+                entry["done"].set()
+
+
+def build_app(engine, model: str, workers: int, window_s: float = 1.0):
+    """The HTTP API (lib/generation_server.py's protocol) around one VLLMRollout engine: the generate requests that
+    arrive together are served in one engine call (Batcher), weight updates between them."""
     from fastapi import FastAPI, HTTPException, Request
     from starlette.concurrency import run_in_threadpool
 
@@ -75,7 +128,8 @@ def build_app(engine, model: str, workers: int):
 
     app = FastAPI()
     lock = threading.Lock()  # one engine call at a time: sampling waits for a weight update to finish, and so on
-    state = {"server_id": uuid.uuid4().hex, "updates": 0, "group": False, "error": None}
+    state = {"server_id": uuid.uuid4().hex, "updates": 0, "group": False, "error": None, "engine_calls": 0,
+             "requests": 0}
 
     def answer(**fields):
         return {"server_id": state["server_id"], **fields}
@@ -95,27 +149,38 @@ def build_app(engine, model: str, workers: int):
     @app.get("/health")
     def health():
         return answer(model=model, dtype=str(engine.dtype).removeprefix("torch."), workers=workers,
-                      updates=state["updates"], group=state["group"], error=state["error"])
+                      updates=state["updates"], group=state["group"], error=state["error"],
+                      engine_calls=state["engine_calls"], requests=state["requests"])
 
-    @app.post("/generate")
-    async def generate(request: Request):
-        body = await request.json()
-        phase = body.get("answer_phase")
-
-        def sample():
-            with lock:
-                engine.seed, engine.calls = int(body["seed"]), int(body["calls"])
-                engine.eos_token_ids, engine.pad_token_id = sorted(body["eos_token_ids"]), int(body["pad_token_id"])
-                return engine.generate(
+    def serve(bodies: list[dict]) -> list:
+        """One engine call for the generate requests that came together (the batcher's), under the engine's lock:
+        each request's rollout, or the error that its own parameters raised."""
+        with lock:
+            state["engine_calls"] += 1
+            state["requests"] += len(bodies)
+            # a run's processes send the same end and pad tokens (the trainer's tokenizer's)
+            engine.eos_token_ids, engine.pad_token_id = sorted(bodies[0]["eos_token_ids"]), \
+                int(bodies[0]["pad_token_id"])
+            requests = []
+            for body in bodies:
+                phase = body.get("answer_phase")
+                requests.append(engine.request(
                     torch.tensor(body["prompt_ids"], dtype=torch.long), torch.tensor(body["prompt_mask"]),
                     torch.tensor(body["num_generations"]), int(body["max_new_tokens"]),
                     temperature=torch.tensor(body["temperature"]), top_p=torch.tensor(body["top_p"]),
                     top_k=int(body["top_k"]), greedy=bool(body["greedy"]),
                     answer_phase=AnswerPhase(**phase) if phase else None, min_p=float(body["min_p"]),
-                    repetition_penalty=float(body["repetition_penalty"]))
+                    repetition_penalty=float(body["repetition_penalty"]), seed=int(body["seed"]),
+                    calls=int(body["calls"])))
+            return engine.run(requests)
 
+    batcher = Batcher(serve, window_s)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await request.json()
         try:
-            rollout = await run_in_threadpool(sample)
+            rollout = await run_in_threadpool(batcher.submit, body)
         except (ValueError, RuntimeError) as error:
             raise HTTPException(status_code=400, detail=f"{type(error).__name__}: {error}") from None
         return answer(rollout=rollout_to_json(rollout))
@@ -180,8 +245,8 @@ def main(argv: list[str] | None = None) -> None:
                          worker_extension_cls="lib.generation_server.WeightReceiver")
     print(f"serve_vllm: {args.model} on http://{args.host}:{args.port} ({args.tensor_parallel_size} worker(s), "
           f"{str(engine.dtype).removeprefix('torch.')})", flush=True)
-    uvicorn.run(build_app(engine, args.model, args.tensor_parallel_size), host=args.host, port=args.port,
-                log_level="warning")
+    uvicorn.run(build_app(engine, args.model, args.tensor_parallel_size, args.batch_window), host=args.host,
+                port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

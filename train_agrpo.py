@@ -990,7 +990,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, tokenize
         if sharded:
             reference = distributed.shard_frozen(reference, accelerator)
     return policy, reference, make_engine(cfg, policy, tokenizer, model_path, bf16, accelerator.process_index,
-                                          partitioned)
+                                          partitioned, accelerator.num_processes)
 
 
 def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Module, bf16: bool, sharded: bool,
@@ -1062,7 +1062,7 @@ def restore(resume: Path | None, accelerator: Accelerator, scorer, optimizer, sc
 
 
 def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, rank: int,
-                sharded: bool = False) -> HFRollout | VLLMRollout | ServerRollout:
+                sharded: bool = False, world: int = 1) -> HFRollout | VLLMRollout | ServerRollout:
     """The sampler: our HF decode loop, or a colocated vLLM engine per process, loaded from the base model and given
     the policy's weights before the first sample and after every optimizer step: a LoRA policy's adapter alone
     (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged. A policy
@@ -1074,7 +1074,7 @@ def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, ran
         url = cfg.vllm_server_base_url or f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}"
         engine = ServerRollout(url, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, seed=cfg.seed + rank,
                                group_port=cfg.vllm_group_port, timeout_s=cfg.vllm_server_timeout, is_main=rank == 0,
-                               sharded=sharded)
+                               sharded=sharded, world=world)
         engine.sync_weights(policy)
         return engine
     engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path

