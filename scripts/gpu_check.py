@@ -15,7 +15,8 @@ Steps, each under its own time limit so that one that hangs or fails leaves the 
      and with our grouped decode attention (scripts/bench_sampler.py; which is the GPU default is decided by it);
   4. a side-by-side benchmark of our trainer and TRL's GRPOTrainer (scripts/bench_vs_trl.py) at the Qwen2.5-0.5B
      shape with random weights: 8 completions of 256 new tokens, bf16, HF sampling on both sides, five steps (the
-     first left out): median step, generated tokens a second, peak memory, where our step's time goes.
+     first left out), TRL with the folder's bf16 weights (its default) and with fp32 master weights (as ours):
+     median step, generated tokens a second, peak memory, where our step's time goes.
 Results: `<out>/gpu_check.json`, rewritten after every step (a check stopped at its limit keeps what it measured).
 
 --prepare gathers, into `.gpu/` (ignored by git; the device tool carries it): the embedded model's tokenizer (the
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests_timeout", type=int, default=200, help="Seconds for step 2.")
     parser.add_argument("--bench_timeout", type=int, default=240, help="Seconds for step 4.")
     parser.add_argument("--sampler_timeout", type=int, default=80, help="Seconds for step 3.")
+    parser.add_argument("--sampler_attn", nargs="+", default=["sdpa", "agrpo_sdpa"],
+                        help="Attention implementations step 3 compares, in this order.")
+    parser.add_argument("--sampler_rows", nargs="+", default=["1", "8", "64"], help="Step 3's batch sizes.")
     parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "sampler", "bench"],
                         help="Steps to leave out.")
     args = parser.parse_args(argv)
@@ -177,10 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         save()
     if "sampler" not in args.skip:
         shape = ["--shape", "qwen2-tiny", "--rows", "1", "8", "--steps", "4", "--short", "2", "--repeats", "1"] \
-            if args.dry_run else ["--shape", "qwen2.5-0.5b", "--rows", "1", "8", "64", "--steps", "64", "--repeats",
-                                  "3"]
+            if args.dry_run else ["--shape", "qwen2.5-0.5b", "--rows", *args.sampler_rows, "--steps", "64",
+                                  "--repeats", "3"]
         step = run_step("sampler decode step against its floor", [
-            sys.executable, "scripts/bench_sampler.py", *shape, "--attn", "sdpa", "agrpo_sdpa", "--workdir",
+            sys.executable, "scripts/bench_sampler.py", *shape, "--attn", *args.sampler_attn, "--workdir",
             str(Path(tempfile.gettempdir()) / "agrpo_bench_sampler"), "--output_json", str(out / "sampler.json")],
             args.sampler_timeout, out / "sampler.log", env)
         if (out / "sampler.json").exists():
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if "bench" not in args.skip:
         shape = ["--shape", "qwen2-tiny", "--max_completion_length", "16", "--steps", "3", "--trl_bf16", "false"] \
             if args.dry_run else ["--shape", "qwen2.5-0.5b", "--max_completion_length", "256", "--steps", "5",
-                                  "--trl_bf16", "true", "--bf16", "true"]
+                                  "--trl_bf16", "true", "--bf16", "true", "--trl_dtype", "auto", "float32"]
         bench = [sys.executable, "scripts/bench_vs_trl.py", *shape, "--num_generations", "8", "--warmup_steps", "1",
                  "--rounds", "1", "--output_json", str(out / "bench.json")]
         if tokenizer.is_dir():
