@@ -64,12 +64,11 @@ AttentionMaskInterface.register(FAST_ATTENTION, sdpa_mask)
 
 
 def default_attn_implementation(device: torch.device | str) -> str:
-    """Our decode-friendly SDPA (`grouped_decode_attention`: SDPA for every call but a one-token decode step) on
-    CPUs and GPUs; users pick flash_attention_2 themselves. On an H100 (docs/performance.md 6) the HF sampler's
-    decode step at the Qwen2.5-0.5B shape took 21.8 / 19.9 ms at 8 / 64 rows with it against 30.2 / 32.9 ms with
-    transformers' SDPA, which copies every cached key and value head for grouped-query attention under a padding
-    mask."""
-    return FAST_ATTENTION
+    """Our decode-friendly SDPA (`grouped_decode_attention`) on CPU; plain SDPA elsewhere (users pick
+    flash_attention_2 on GPUs themselves). On an H100 the two gave the same decode step within the order the runs
+    were taken in (17-24 ms at the Qwen2.5-0.5B shape, whichever ran second the faster; docs/performance.md 6), so
+    GPUs keep transformers' own, which also knows sliding windows and soft caps."""
+    return FAST_ATTENTION if torch.device(device).type == "cpu" else "sdpa"
 
 
 def cache_dir() -> Path:

@@ -12,7 +12,7 @@ Steps, each under its own time limit so that one that hangs or fails leaves the 
      merged LoRA / QLoRA sync, FSDP2 under bf16 mixed precision keeping the temperatures, resume on the device,
      the memory estimate against the measured peak; their measured figures go to the results;
   3. the HF sampler's decode step at 1, 8 and 64 rows against its memory-bandwidth floor, with transformers' SDPA
-     and with our grouped decode attention (scripts/bench_sampler.py; which is the GPU default is decided by it);
+     and with our grouped decode attention (scripts/bench_sampler.py);
   4. a side-by-side benchmark of our trainer and TRL's GRPOTrainer (scripts/bench_vs_trl.py) at the Qwen2.5-0.5B
      shape with random weights: 8 completions of 256 new tokens, bf16, HF sampling on both sides, five steps (the
      first left out), TRL with the folder's bf16 weights (its default) and with fp32 master weights (as ours):
