@@ -253,10 +253,12 @@ class OptimizationArguments:
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 = off)."})
     max_steps: int = field(default=40, metadata={"help": "Optimizer steps; -1 = as many as num_train_epochs take "
-                           "(TRL's convention)."})
+                           "(TRL's convention). Not given: num_train_epochs' steps where that is given (TRL's "
+                           "default, -1), else the demo's 40."})
     num_train_epochs: float | None = field(default=None, metadata={"help": "Passes over the training prompts (each "
-                                           "prompt sampled once a pass, num_generations completions each); used when "
-                                           "max_steps is -1 or not given (the demo's 40 steps otherwise)."})
+                                           "prompt sampled once a pass, num_generations completions each); sets the "
+                                           "length when max_steps is -1 or not given. A max_steps that is given "
+                                           "wins, as in TRL."})
     max_num_tokens: int | None = field(default=None, metadata={"help": "Stop once this many tokens have been "
                                        "generated (num_tokens: probe groups and discarded resampling rounds "
                                        "included), at the end of a generation batch, or at max_steps if that "
@@ -874,6 +876,10 @@ def make_config(values: dict) -> Config:
     if algo not in PRESETS:
         raise ConfigError(f"algo: {algo!r:.80} is not a preset; choose one of {', '.join(PRESETS)}")
     merged = {**PRESETS[algo], **values}
+    if values.get("num_train_epochs") is not None and "max_steps" not in values:
+        # TRL's max_steps defaults to -1, so a recipe that gives epochs and no steps trains those epochs; the 40 steps
+        # are the no-argument demo's length, not a cap on a recipe
+        merged["max_steps"] = -1
     cfg = Config(**{k: _coerce(k, v) for k, v in merged.items()})
     validate(cfg)
     return cfg
