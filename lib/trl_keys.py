@@ -163,6 +163,6 @@ DIFFERENT_DEFAULTS: dict[str, tuple[object, str]] = {
     "num_completions_to_print": (None, "a few a step keep completions.jsonl small"),
     "per_device_eval_batch_size": (8, "greedy evaluation decodes 64 prompts at a time"),
     "project": ("huggingface", "the tracker project is named after this package"),
-    "use_vllm": (False, "null samples with vLLM on a CUDA GPU where it is installed (the faster sampler there) and "
-                        "with the HF loop elsewhere"),
+    "use_vllm": (False, "null samples with vLLM on a CUDA GPU where it is installed (expected to be the faster "
+                        "sampler there) and with the HF loop elsewhere"),
 }
