@@ -86,9 +86,9 @@ from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, policy_rat
 from lib.memory import (GB, build_optimizer, check_step_memory, describe_recipe, estimate_step_memory, memory_budget,
                         recipe_memory, resident_bytes, step_token_counts)
 from lib.methods import Method, RolloutContext, Sampled, TrainValues, choose_method
-from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_token_ids, is_adapter_folder,
-                          load_policy, load_reference, load_tokenizer, native_bf16, offloaded_activations,
-                          resolve_model_path)
+from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_token_ids, gpu_without_bf16,
+                          is_adapter_folder, load_policy, load_reference, load_tokenizer, native_bf16,
+                          offloaded_activations, resolve_model_path)
 from lib.reward_models import load_reward_models
 from lib.reward_worker import RewardWorker
 from lib.rewards import resolve_reward_funcs
@@ -136,7 +136,7 @@ def train(run: Run, state: TrainerState) -> dict:
                desc="train", dynamic_ncols=True)
     batch = None
     while not finished(cfg, state, geo.steps_per_rollout):
-        t_step = time.perf_counter()
+        t_step = clock(run)
         timing = {}
         new_batch = batch is None or state.global_step % geo.steps_per_rollout == 0
         if new_batch:
@@ -184,7 +184,7 @@ def train(run: Run, state: TrainerState) -> dict:
                    "beta": values.beta, "epsilon": mean_of(values.epsilon_low),
                    **controllers.metrics(), **counters,
                    **{f"time/{k}": v for k, v in {**(batch.timing if new_batch else {}), **timing}.items()}}
-        metrics["step_time"] = time.perf_counter() - t_step
+        metrics["step_time"] = clock(run) - t_step
         last = finished(cfg, state, geo.steps_per_rollout)
         if step % cfg.logging_steps == 0 or last:
             log_step(run, step, metrics, batch)
@@ -210,6 +210,14 @@ def train(run: Run, state: TrainerState) -> dict:
         save_checkpoint(run, state)
     save_final(run, end_eval, state.global_step)
     return {"eval": end_eval, "global_step": state.global_step}
+
+
+def clock(run: Run) -> float:
+    """time.perf_counter once the device has run what was queued: on a GPU a kernel runs after the call that
+    queued it, so an unsynchronised phase time would land in the next phase that waits on a result."""
+    if run.accelerator.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def close(run: Run) -> None:
@@ -274,7 +282,7 @@ def sample_batch(run: Run, data_position: int, step: int) -> Sampled:
     """Phases 1-2: the next generation batch's prompts, sampled at the controllers' temperatures and scored; then the
     method's refill. Returns the batch and the data position after it."""
     cfg, ctx, controllers = run.cfg, run.ctx, run.method.controllers
-    t0 = time.perf_counter()
+    t0 = clock(run)
     ctx.start_batch(step, data_position)
     group_size = controllers.group_size(cfg.num_generations)
     num_prompts = run.geometry.global_completions * cfg.optimizer_steps_per_generation // group_size
@@ -290,7 +298,7 @@ def sample_batch(run: Run, data_position: int, step: int) -> Sampled:
     sampled = run.method.refill(ctx, sampled, step)
     sampled.reward_seconds = ctx.reward_seconds
     sampled.nonfinite = ctx.nonfinite
-    sampled.generation_seconds = time.perf_counter() - t0 - ctx.reward_seconds
+    sampled.generation_seconds = clock(run) - t0 - ctx.reward_seconds
     run.engine.sleep()  # vLLM sleep mode: the engine's memory goes to the training pass until the next sync
     return sampled
 
@@ -316,9 +324,9 @@ def prepare_batch(run: Run, sampled: Sampled) -> Batch:
     counters = {**sampled.counters, **nonfinite_counts}
     timing = {"rewards": sampled.reward_seconds, "generation": sampled.generation_seconds}
     generated = int(accelerator.reduce(roll.completion_mask.sum(), reduction="sum"))
-    t0 = time.perf_counter()
+    t0 = clock(run)
     ref_logp, old_logp, old_entropy = reference_and_old_logps(run, roll)
-    timing["reference"] = time.perf_counter() - t0
+    timing["reference"] = clock(run) - t0
     owners = [sampled.prompts.records[i] for i in roll.prompt_index.tolist()]
     return Batch(
         rollout=roll, rewards=sampled.rewards, total=sampled.total, errors=sampled.errors, group_size=group_size,
@@ -395,7 +403,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     tis = cfg.use_vllm and cfg.vllm_importance_sampling_correction and roll.sampling_logps is not None
     tis_sums = {"sum": zero(), "diff_sum": zero()}
     tis_highs = {"max": zero(), "diff_max": zero(), "neg_min": torch.full((), -math.inf, device=accelerator.device)}
-    t0 = time.perf_counter()
+    t0 = clock(run)
     run.policy.train()
     for m, rows in enumerate(step_micro):
         sync = m == len(step_micro) - 1  # gradients are all-reduced once, after the last micro-batch
@@ -442,17 +450,17 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
         sums["entropy"] += (entropy.detach() * roll.completion_mask[rows]).sum()
         for k, v in clip_stats.items():
             clip_sums[k] = clip_sums.get(k, 0.0) + v * mask.sum()
-    timing = {"time/policy": time.perf_counter() - t0}
+    timing = {"time/policy": clock(run) - t0}
 
-    t0 = time.perf_counter()
+    t0 = clock(run)
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this update used
     reduced = accelerator.reduce(torch.stack([sums["loss"], sums["kl"], sums["entropy"]]), reduction="sum")
     grad_norm, nonfinite, moved = step_optimizer(run, reduced[0], skip_update, batch.nonfinite)
-    timing["time/optimizer"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    timing["time/optimizer"] = clock(run) - t0
+    t0 = clock(run)
     if moved:  # the weights moved: the sampler gets them
         run.engine.sync_weights(accelerator.unwrap_model(scorer).model)
-    timing["time/weight_sync"] = time.perf_counter() - t0
+    timing["time/weight_sync"] = clock(run) - t0
 
     step_tokens = accelerator.reduce(roll.completion_mask[step_rows].sum().float(), reduction="sum").clamp(min=1)
     loss_tokens = global_tokens.clamp(min=1)
@@ -510,7 +518,7 @@ def step_drift(run: Run, batch: Batch, timing: dict) -> list[float]:
     """KL(pi_old || pi_new) of a generation batch's updates, a k1 token mean per prompt group (AGPO-DSF's step KL,
     docs/methods.md 5.1). Eval mode, as for pi_old: with LoRA dropout in train mode the noise, clamped at 0 by the
     controller, would bias the drift upwards."""
-    t0 = time.perf_counter()
+    t0 = clock(run)
     roll, scorer = batch.rollout, run.accelerator.unwrap_model(run.scorer)
     run.policy.eval()
     with torch.no_grad(), run.accelerator.autocast():
@@ -519,7 +527,7 @@ def step_drift(run: Run, batch: Batch, timing: dict) -> list[float]:
                          for rows in run.geometry.micro])
     drift = group_token_means(run.accelerator, batch.old_logp[:, : after.shape[1]] - after, roll.completion_mask,
                               batch.group_size)
-    timing["step_kl"] = time.perf_counter() - t0
+    timing["step_kl"] = clock(run) - t0
     return drift
 
 
@@ -830,8 +838,11 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     """Everything before the first step, in the order that fails fastest: configuration and data errors before any
     model loads, the memory check before any sampling. Raises ConfigError with the field and the fix."""
     hf_logging.disable_progress_bar()  # per-file loading bars would drown the one training bar
-    bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16("cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16(
+        "cuda" if torch.cuda.is_available() and not cfg.use_cpu else "cpu")
     accelerator, sharded, partitioned = start_accelerator(cfg, bf16)
+    if cfg.tf32 is not None and accelerator.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
     # push_to_hub: the hub reachable, a write token, the repository ready, before any data or model loads
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
     reward_specs, reward_funcs = resolve_rewards(cfg)
@@ -1036,8 +1047,10 @@ def restore(resume: Path | None, accelerator: Accelerator, scorer, optimizer, sc
         distributed.load_sharded(accelerator, scorer, optimizer, resume)
         engine.sync_weights(accelerator.unwrap_model(scorer).model)  # it was made from the base weights
     else:
-        optimizer.load_state_dict(torch.load(resume / "optimizer.pt", weights_only=False))
-    scheduler.load_state_dict(torch.load(resume / "scheduler.pt", weights_only=False))
+        # read to the CPU first (load_state_dict then moves each state onto its parameter's device): a checkpoint
+        # written from GPU 0 would otherwise be rebuilt on GPU 0 by every process
+        optimizer.load_state_dict(torch.load(resume / "optimizer.pt", map_location="cpu", weights_only=False))
+    scheduler.load_state_dict(torch.load(resume / "scheduler.pt", map_location="cpu", weights_only=False))
     rng = ckpt.read_rng(resume, accelerator.process_index)
     if rng is not None:
         ckpt.set_rng_state(rng)
@@ -1069,7 +1082,9 @@ def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, ran
                    max_num_seqs=max(cfg.per_device_train_batch_size * cfg.optimizer_steps_per_generation,
                                     cfg.per_device_eval_batch_size),
                    gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                   dtype="bfloat16" if bf16 else "float32", enable_sleep_mode=cfg.vllm_enable_sleep_mode,
+                   # a GPU without native bf16 (T4, V100: vLLM refuses bfloat16 there) samples in fp16
+                   dtype="bfloat16" if bf16 else "float16" if gpu_without_bf16() else "float32",
+                   enable_sleep_mode=cfg.vllm_enable_sleep_mode,
                    sampling_kwargs=cfg.generation_kwargs, trust_remote_code=cfg.trust_remote_code)
     args = (resolve_model_path(engine_path), end_token_ids(policy, tokenizer), tokenizer.pad_token_id)
     gpu = next(policy.parameters()).device.type == "cuda"

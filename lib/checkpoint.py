@@ -160,7 +160,7 @@ def read_trainer_state(checkpoint: str | Path) -> dict:
 
 def read_rng(checkpoint: str | Path, rank: int) -> dict | None:
     path = Path(checkpoint) / f"rng_state_{rank}.pt"
-    return torch.load(path, weights_only=False) if path.exists() else None
+    return torch.load(path, map_location="cpu", weights_only=False) if path.exists() else None
 
 
 def trim_jsonl(path: Path, last_step: int) -> None:

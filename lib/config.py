@@ -83,6 +83,9 @@ class ModelArguments:
     bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast for the forward passes (fp32 master "
                               "weights). Default: on where the hardware runs bf16 natively (CUDA, CPUs with "
                               "AVX512-BF16 or AMX), off elsewhere."})
+    tf32: bool | None = field(default=None, metadata={"help": "TF32 for float32 matrix products on NVIDIA GPUs "
+                              "(Ampere on): about 8x the fp32 rate, at 10-bit mantissa precision (TRL's tf32). Unset: "
+                              "PyTorch's default (off for products). Matters only for fp32 runs (bf16 false)."})
     use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
@@ -968,6 +971,12 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
     validate_methods(cfg, global_batch if num_processes is not None else None)
     if cfg.load_in_4bit and not cfg.use_peft:
         raise ConfigError("load_in_4bit trains a LoRA adapter on a 4-bit base: set use_peft true as well")
+    if cfg.dtype == "float16" and not cfg.use_peft:
+        # fp16 weights and AdamW states with no loss scaling: small gradients flush to zero and AdamW's epsilon
+        # (1e-8) is below fp16's smallest number
+        raise ConfigError("dtype: float16 would train the weights and optimizer states in fp16 without loss scaling, "
+                          "which this trainer does not do. On a GPU without bf16 (T4, V100) leave dtype unset (fp32 "
+                          "master weights), or train a LoRA adapter (use_peft true) on a frozen fp16 base")
     validate_backend(cfg, check_installed)
     validate_hub_and_trackers(cfg)
     num_rewards = len(cfg.reward_funcs) + bool(cfg.reward_model_name_or_path)  # the reward model counts first

@@ -162,10 +162,7 @@ def check_supported(accelerator: Accelerator, *, use_peft: bool, load_in_4bit: b
     plugin = accelerator.state.fsdp_plugin
     policy = plugin.mixed_precision_policy
     if policy is not None and not isinstance(policy, dict):
-        # Accelerate's bf16 policy also reduce-scatters the gradients in bf16 and casts every unit's outputs to bf16:
-        # summing gradients over processes in bf16 loses what the fp32 master weights are kept for, and the root's
-        # outputs are the fp32 log-probs, whose differences (ratios, KL) bf16 would round to a few hundredths
-        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32, output_dtype=None)
+        plugin.mixed_precision_policy = mixed_precision_policy(policy)
     if plugin.fsdp_version != 2:
         raise ShardingError("fsdp_version: this trainer shards with FSDP2 (fully_shard); set fsdp_version: 2 in the "
                             "accelerate config (scripts/accelerate/fsdp2.yaml)")
@@ -173,6 +170,20 @@ def check_supported(accelerator: Accelerator, *, use_peft: bool, load_in_4bit: b
         raise ShardingError("use_peft / load_in_4bit: LoRA and QLoRA train with data parallelism (their trainable "
                             "weights are small); launch them without the FSDP config "
                             "(scripts/accelerate/ddp_8gpu.yaml), or train in full under FSDP")
+
+
+def mixed_precision_policy(policy):
+    """FSDP2's mixed-precision policy as the trainer needs it, from the one Accelerate builds for `mixed_precision:
+    bf16` (torch's MixedPrecisionPolicy):
+    - gradients reduce-scattered in fp32 (reduce_dtype): summing them over processes in bf16 loses what the fp32
+      master weights are kept for;
+    - outputs left as computed (output_dtype None): the root's outputs are the fp32 log-probs, whose differences
+      (ratios, KL) bf16 would round to a few hundredths;
+    - forward inputs not cast (cast_forward_inputs False): the scorer's floating inputs are the per-row sampling
+      temperatures, which a cast would round (0.7 -> 0.69921875), so that tokens would be scored at another
+      temperature than they were sampled at (AGPO-DSF's per-prompt temperatures, every importance ratio). The
+      decoder layers need no cast either: their inputs come from the bf16 embedding (tests/test_gpu.py)."""
+    return dataclasses.replace(policy, reduce_dtype=torch.float32, output_dtype=None, cast_forward_inputs=False)
 
 
 def _unit_classes(model: torch.nn.Module, accelerator: Accelerator) -> tuple[type, ...]:

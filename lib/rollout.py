@@ -154,15 +154,17 @@ def sample_next_token(
     top_k: int,
     generator: torch.Generator | None,
     min_p: float = 0.0,
+    all_greedy: bool | None = None,
 ) -> torch.Tensor:
     """Draw one token per row from `sampling_probs` (logits: (B, V) float, a repetition penalty already applied;
-    temperature: (B,), rows with 0 are greedy). Returns (B,).
+    temperature: (B,), rows with 0 are greedy). Returns (B,). `all_greedy`: whether every row is greedy, where the
+    caller knows it (asking the tensor is a host sync, per token on a GPU).
 
     The draw is inverse-CDF with one uniform per row: cumsum of the probabilities, count entries below u.
     """
     greedy = temperature <= 0
     next_greedy = logits.argmax(-1)
-    if bool(greedy.all()):
+    if all_greedy if all_greedy is not None else bool(greedy.all()):
         return next_greedy
     probs = sampling_probs(logits, temperature, top_p, top_k, min_p, normalize=False)
     cdf = probs.cumsum(-1)
@@ -256,9 +258,11 @@ class HFRollout:
             dtype = torch.bfloat16 if bf16 else _compute_dtype(lm)
             self.copy, self.adapted = merged_copy(lm, dtype)
         elif bf16 and not adapter and not quantized and next(policy.parameters()).dtype != torch.bfloat16:
-            self.copy = copy.deepcopy(policy).to(torch.bfloat16).eval().requires_grad_(False)
+            # built in bf16 and filled a layer at a time: a deepcopy cast afterwards would hold a second full fp32
+            # copy on the device for a moment (28 GB at 7B)
+            self.copy, _ = merged_copy(lm, torch.bfloat16)
         elif own_copy and not adapter and not quantized:  # a policy that will be sharded: sample from a full copy
-            self.copy = copy.deepcopy(policy).eval().requires_grad_(False)
+            self.copy, _ = merged_copy(lm, next(policy.parameters()).dtype)
         if self.copy is not None and next(self.copy.parameters()).dtype == torch.bfloat16 and \
                 device.type == "cpu" and can_prepack():
             prepack_linears(self.copy)
@@ -355,6 +359,12 @@ class HFRollout:
             nucleus = 1.0  # no nucleus step in the sampler at all
         markers = [torch.tensor(ids, device=device) for ids in phase.marker_ids] if phase else []
         in_answer = torch.zeros(batch, dtype=torch.bool, device=device)
+        # known once here, so that the loop asks the device nothing per token to learn it
+        all_greedy = bool((temps <= 0).all()) and (phase is None or phase.temperature <= 0)
+        # how often the loop asks whether every row has ended (a host sync): each token where that costs nothing
+        # (a CPU), every 8 on a GPU, where a sync stalls the queued kernels; rows that ended meanwhile only write
+        # padding, so the completions are the same either way
+        check_every = 1 if device.type == "cpu" else 8
 
         with self.autocast():
             # prefill each prompt once, then share its cache across its completions
@@ -390,7 +400,7 @@ class HFRollout:
                                                                                 live_nucleus)
                 if seen is not None:
                     logits = penalize_repetitions(logits, seen[live], repetition_penalty)
-                token = sample_next_token(logits, step_temps, step_top_p, top_k, self.generator, min_p)
+                token = sample_next_token(logits, step_temps, step_top_p, top_k, self.generator, min_p, all_greedy)
                 token = torch.where(finished[live], torch.full_like(token, self.pad_token_id), token)
                 tokens[live, step] = token
                 if seen is not None:
@@ -403,11 +413,13 @@ class HFRollout:
                 just_ended = ~finished[live] & torch.isin(token, eos)
                 lengths[live] = torch.where(just_ended, torch.full_like(token, step + 1), lengths[live])
                 finished[live] |= just_ended
-                # one host sync per token: stop as soon as every row is done (most end well before the cap)
-                done = int(finished[live].sum())
-                if done == live.numel() or step == max_new_tokens - 1:
+                if step == max_new_tokens - 1:
                     break
-                if done * 4 >= live.numel():  # compact: keep the unfinished rows only
+                # stop as soon as every row is done (most end well before the cap)
+                done = int(finished[live].sum()) if (step + 1) % check_every == 0 else 0
+                if done == live.numel():
+                    break
+                if done * 4 >= live.numel() and done:  # compact: keep the unfinished rows only
                     keep = (~finished[live]).nonzero().squeeze(1)
                     cache.reorder_cache(keep)
                     live, token, attention, next_pos = live[keep], token[keep], attention[keep], next_pos[keep]

@@ -19,9 +19,9 @@ its own peak memory), and the trainers alternate: ours, TRL, TRL, ours, ... over
 --warmup_steps steps of every run are left out of the medians.
 
 Printed per trainer: median step time, generated tokens per second (completion tokens of a step / its time), peak
-memory (RSS of the process on CPU; torch.cuda.max_memory_allocated on GPU; the largest over the processes of a
-launch), mean completion length, and the
-ratios ours / TRL. TRL runs in fp32 and with bf16=True (--trl_bf16 both, the default on CPU) and the ratio is taken
+memory (RSS of the process on CPU; on GPU the allocator's peak reservation plus what the process holds outside it,
+the CUDA context included; the largest over the processes of a launch), mean completion length, and the ratios
+ours / TRL. TRL runs in fp32 and with bf16=True (--trl_bf16 both, the default on CPU) and the ratio is taken
 against the faster. Then where our step time goes (generation, rewards, reference log-probs, policy
 forward/backward, optimizer, weight sync), as medians of the trainer's own `time/*` metrics.
 
@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model_name_or_path", default="embedded", help="A model folder, or 'embedded' (default).")
     p.add_argument("--shape", choices=sorted(SHAPES), help="Instead of a model folder: a model of this shape with "
                    "random weights (bf16 on GPU), with the embedded model's tokenizer.")
+    p.add_argument("--tokenizer", help="With --shape: the tokenizer folder to save beside the random weights "
+                   "(default: the embedded model's; a GPU machine without it gets one from scripts/gpu_check.sh "
+                   "--prepare).")
     p.add_argument("--trainers", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
     p.add_argument("--num_generations", type=int, default=8)
     p.add_argument("--num_prompts", type=int, default=1, help="Prompt groups per step.")
@@ -81,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=6, help="Optimizer steps per run, warm-up included.")
     p.add_argument("--warmup_steps", type=int, default=1, help="First steps of each run left out of the medians.")
     p.add_argument("--rounds", type=int, default=2, help="Runs of each trainer, alternated.")
+    p.add_argument("--trl_dtype", nargs="+", choices=["auto", "float32"], default=["auto"],
+                   help="The dtype TRL loads the weights in (its model_init_kwargs), one run each: auto (the "
+                        "checkpoint's: a bf16 folder trains bf16 weights and AdamW states, TRL's default), float32 "
+                        "(fp32 master weights under bf16 autocast, as ours).")
     p.add_argument("--trl_bf16", choices=["both", "true", "false"], default=None,
                    help="TRL's precision: both (CPU default; the ratio uses the faster), or one (GPU default: true).")
     p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto",
@@ -166,7 +173,7 @@ def model_folder(args, workdir: Path) -> str:
         if torch.cuda.is_available():
             model = model.to(torch.bfloat16)
         model.save_pretrained(folder)
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("embedded"))
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model_path("embedded"))
         tokenizer.save_pretrained(folder)
     return str(folder)
 
@@ -187,11 +194,24 @@ def bench_prompts(args, model_path: str) -> tuple[list[str], list[str]]:
 
 
 def peak_memory_gb() -> float:
+    """The process's peak memory. On a GPU: the allocator's peak reservation (max_memory_reserved: what it held from
+    the device, its slack included) plus what the process holds outside the allocator (the CUDA context, cuBLAS and
+    NCCL workspaces: mem_get_info's used bytes less the reservation now). max_memory_allocated alone leaves both out
+    and would make a "fits in 16 GB" claim optimistic by a GB or more. On a CPU: the resident set's peak."""
     import torch
 
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
+        free, total = torch.cuda.mem_get_info()
+        outside = max(0, (total - free) - torch.cuda.memory_reserved())
+        return (torch.cuda.max_memory_reserved() + outside) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
+
+
+def allocated_peak_gb() -> float | None:
+    """torch.cuda.max_memory_allocated (the tensors alone), for comparison with the figure above; None on a CPU."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 def run_ours(spec: dict) -> dict:
@@ -220,7 +240,8 @@ def run_ours(spec: dict) -> dict:
     rows = [r for r in rows if "step_time" in r]
     return {"step_times": [r["step_time"] for r in rows],
             "tokens": [r["completions/mean_length"] * spec["num_generations"] * spec["num_prompts"] for r in rows],
-            "phases": [{k: r.get(f"time/{k}", 0.0) for k in PHASES} for r in rows], "peak_memory_gb": peak}
+            "phases": [{k: r.get(f"time/{k}", 0.0) for k in PHASES} for r in rows], "peak_memory_gb": peak,
+            "allocated_peak_gb": allocated_peak_gb()}
 
 
 def run_trl(spec: dict) -> dict:
@@ -251,7 +272,7 @@ def run_trl(spec: dict) -> dict:
                 self.logs.append(logs)
 
     peft_config = None
-    model_kwargs = {"dtype": "auto"}
+    model_kwargs = {"dtype": spec.get("trl_dtype", "auto")}
     if spec["use_peft"]:
         from peft import LoraConfig
 
@@ -283,7 +304,8 @@ def run_trl(spec: dict) -> dict:
         return {}
     return {"step_times": clock.times,
             "tokens": [log["completions/mean_length"] * spec["num_generations"] * spec["num_prompts"]
-                       for log in clock.logs], "peak_memory_gb": peak}
+                       for log in clock.logs], "peak_memory_gb": peak, "allocated_peak_gb": allocated_peak_gb(),
+            "weights_dtype": str(next(trainer.model.parameters()).dtype)}
 
 
 def launch_peak(spec: dict) -> float | None:
@@ -330,12 +352,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     on_gpu = torch.cuda.is_available()
     trl_bf16 = args.trl_bf16 or ("true" if on_gpu else "both")
-    configs = []  # (label, trainer, trl_bf16)
+    configs = []  # (label, trainer, trl_bf16, trl_dtype)
     if "ours" in args.trainers:
-        configs.append(("ours", "ours", None))
+        configs.append(("ours", "ours", None, None))
     if "trl" in args.trainers:
-        configs += [(f"trl-{p}", "trl", p == "bf16") for p in (["fp32", "bf16"] if trl_bf16 == "both" else
-                                                                ["bf16" if trl_bf16 == "true" else "fp32"])]
+        precisions = ["fp32", "bf16"] if trl_bf16 == "both" else ["bf16" if trl_bf16 == "true" else "fp32"]
+        configs += [(f"trl-{p}" + (f"-{d}" if len(args.trl_dtype) > 1 else ""), "trl", p == "bf16", d)
+                    for p in precisions for d in args.trl_dtype]
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
         work = Path(tmp)
         model = model_folder(args, work)
@@ -350,11 +373,12 @@ def main(argv: list[str] | None = None) -> dict:
                 "trl_vllm_server_base_url": args.trl_vllm_server_base_url,
                 "launch_config": args.launch_config, "num_processes": args.num_processes,
                 "prompts": prompts, "answers": answers}
-        runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
+        runs: dict[str, list[dict]] = {label: [] for label, *_ in configs}
         for r in range(args.rounds):
             order = configs if r % 2 == 0 else configs[::-1]  # alternate, so drift in the machine hits both
-            for label, trainer, bf16 in order:
-                spec = {**base, "trainer": trainer, "trl_bf16": bf16, "output_dir": str(work / f"{label}-{r}"),
+            for label, trainer, bf16, dtype in order:
+                spec = {**base, "trainer": trainer, "trl_bf16": bf16, "trl_dtype": dtype,
+                        "output_dir": str(work / f"{label}-{r}"),
                         "result": str(work / f"{label}-{r}.json")}
                 Path(work / "spec.json").write_text(json.dumps(spec))
                 t0 = time.perf_counter()

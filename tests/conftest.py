@@ -109,6 +109,8 @@ def tokenizer(embedded_model):
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end runs of the scripts on the real model (minutes)")
     config.addinivalue_line("markers", "browser: drives the chat page in headless Chromium (Playwright)")
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (scripts/gpu_check.sh; AGRPO_GPU_DRY_RUN=1 runs them on "
+                                       "the CPU)")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,129 @@
+"""The HF sampler's decode step against the machine's floor (docs/performance.md 2.1).
+
+    python scripts/bench_sampler.py                                   # CPU: the embedded model, 1 / 8 / 64 rows
+    python scripts/bench_sampler.py --shape qwen2.5-0.5b --attn sdpa agrpo_sdpa    # GPU: random weights, bf16
+
+One decode step of `lib.rollout.HFRollout` (the trainer's sampler: prompts prefilled once, the cache shared by a
+group, one token a step for every row), timed as the difference of two generate calls that decode `--short` and
+`--short + --steps` tokens with no end token (every row runs to the cap), divided by `--steps`; the median of
+`--repeats`. Beside it, its floor: the bytes one step must read (the sampler's weights once, and every row's cached
+keys and values at the mean context length) over the memory bandwidth measured here by copying a large tensor (bytes
+read plus written a second). Arithmetic is far below both at these batch sizes, so the floor is a bandwidth floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lib.memory import kv_bytes_per_token  # noqa: E402
+from lib.modeling import load_policy, native_bf16, resolve_model_path  # noqa: E402
+from lib.rollout import HFRollout  # noqa: E402
+
+
+def bandwidth(device: torch.device, megabytes: int) -> float:
+    """Bytes a second a large copy moves on `device` (read plus written), the best of five."""
+    source = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(6):
+        sync(device)
+        t0 = time.perf_counter()
+        target.copy_(source)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * source.numel() / best
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def model_folder(args) -> str:
+    if args.shape is None:
+        return resolve_model_path(args.model)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from scripts.bench_vs_trl import SHAPES
+
+    folder = Path(args.workdir) / f"random-{args.shape}"
+    if not (folder / "config.json").exists():
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(Qwen2Config(**SHAPES[args.shape], bos_token_id=None, eos_token_id=2,
+                                     pad_token_id=0)).save_pretrained(folder)
+    return str(folder)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="embedded", help="A model folder, or 'embedded'.")
+    p.add_argument("--shape", help="Instead: a Qwen2 of this shape with random weights (scripts/bench_vs_trl.py).")
+    p.add_argument("--workdir", default="runs/bench_sampler", help="Where a --shape model is written.")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--prompt_length", type=int, default=64)
+    p.add_argument("--short", type=int, default=8)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--attn", nargs="+", default=[None], help="Attention implementations to compare (default: the "
+                   "trainer's for this device).")
+    p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto")
+    p.add_argument("--bandwidth_mb", type=int, default=None, help="Copy size for the bandwidth (default: 1024 on a "
+                   "GPU, 256 on a CPU).")
+    p.add_argument("--output_json")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = native_bf16(device) if args.bf16 == "auto" else args.bf16 == "true"
+    path = model_folder(args)
+    bw = bandwidth(device, args.bandwidth_mb or (1024 if device.type == "cuda" else 256))
+    results = []
+    for attn in args.attn:
+        policy = load_policy(path, device=device, attn_implementation=attn).eval()
+        engine = HFRollout(policy, [-1], 0, bf16=bf16, seed=0)  # no end token: every row decodes to the cap
+        model = engine.model
+        weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()
+                           if t.is_floating_point())
+        weight_bytes += sum(m.packed.numel() * m.packed.element_size() for m in model.modules()
+                            if hasattr(m, "packed"))  # prepacked bf16 linears keep their weight outside the state
+        kv_token = kv_bytes_per_token(model.config, 2 if bf16 else 4)
+        name = attn or getattr(model.config, "_attn_implementation", "default")
+        for rows in args.rows:
+            prompts = torch.randint(10, 1000, (rows, args.prompt_length), generator=torch.Generator().manual_seed(0))
+            prompts, mask = prompts.to(device), torch.ones_like(prompts).to(device)
+
+            def timed(new_tokens: int) -> float:
+                sync(device)
+                t0 = time.perf_counter()
+                engine.generate(prompts, mask, 1, new_tokens, temperature=1.0)
+                sync(device)
+                return time.perf_counter() - t0
+
+            timed(args.short)  # warm-up
+            steps = [(timed(args.short + args.steps) - timed(args.short)) / args.steps for _ in range(args.repeats)]
+            step = statistics.median(steps)
+            context = args.prompt_length + args.short + args.steps / 2
+            floor = (weight_bytes + rows * context * kv_token) / bw
+            results.append({"attn": name, "rows": rows, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
+                            "ratio": step / floor, "spread_ms": [min(steps) * 1e3, max(steps) * 1e3]})
+            print(f"{name:>12}  rows {rows:3d}: decode step {step * 1e3:7.2f} ms (spread {min(steps) * 1e3:.2f}-"
+                  f"{max(steps) * 1e3:.2f}), floor {floor * 1e3:6.2f} ms, {step / floor:5.1f}x", flush=True)
+        del engine, policy, model
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "bf16": bf16,
+              "model": args.shape or args.model, "bandwidth_gb_s": bw / 1e9, "results": results}
+    print(f"memory bandwidth (copy, read + written): {bw / 1e9:.0f} GB/s")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()

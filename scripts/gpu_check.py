@@ -1,0 +1,210 @@
+"""The GPU check (docs/performance.md 6): everything a first contact with an NVIDIA GPU should measure, in one run
+that fits ten minutes on one H100 or H200, with one JSON file of results. `bash scripts/gpu_check.sh` runs it.
+
+    python scripts/gpu_check.py --prepare            # here, with the project installed: what the GPU machine lacks
+    python scripts/gpu_check.py --out results/       # on the GPU machine (PyTorch with CUDA, transformers,
+                                                     # accelerate, peft; no network)
+    python scripts/gpu_check.py --dry-run            # the same steps on a CPU with tiny shapes (a few minutes)
+
+Steps, each under its own time limit so that one that hangs or fails leaves the others' results:
+  1. environment: the card, its compute capability, memory, driver, torch / CUDA and the packages' versions;
+  2. the tests marked `gpu` (tests/test_gpu.py): the sampler's log-probs against the scorer's in fp32 and bf16,
+     merged LoRA / QLoRA sync, FSDP2 under bf16 mixed precision keeping the temperatures, resume on the device,
+     the memory estimate against the measured peak; their measured figures go to the results;
+  3. the HF sampler's decode step at 1, 8 and 64 rows against its memory-bandwidth floor, with transformers' SDPA
+     and with our grouped decode attention (scripts/bench_sampler.py; which is the GPU default is decided by it);
+  4. a side-by-side benchmark of our trainer and TRL's GRPOTrainer (scripts/bench_vs_trl.py) at the Qwen2.5-0.5B
+     shape with random weights: 8 completions of 256 new tokens, bf16, HF sampling on both sides, five steps (the
+     first left out): median step, generated tokens a second, peak memory, where our step's time goes.
+Results: `<out>/gpu_check.json`, rewritten after every step (a check stopped at its limit keeps what it measured).
+
+--prepare gathers, into `.gpu/` (ignored by git; the device tool carries it): the embedded model's tokenizer (the
+GPU machine has no network and no GGUF reader), and the wheels of the packages the GPU image lacks (TRL, datasets,
+math-verify and what they need, bitsandbytes), for CPython 3.12 on x86-64 Linux, 44 MB in all:
+    python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \\
+        -d .gpu/wheels <package>==<version> ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSETS = ROOT / ".gpu"
+# the versions requirements*.txt pins; what the GPU image lacks, and what those need beyond it
+WHEELS = ["trl==1.16.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19", "math-verify==0.9.0",
+          "latex2sympy2_extended==1.11.0", "antlr4-python3-runtime==4.13.2", "bitsandbytes==0.50.2"]
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64"]
+PACKAGES = ["torch", "transformers", "accelerate", "peft", "trl", "datasets", "bitsandbytes", "math_verify", "vllm"]
+
+
+def prepare() -> None:
+    """The tokenizer and the wheels, into .gpu/."""
+    sys.path.insert(0, str(ROOT))
+    from lib.modeling import embedded_model_path, load_tokenizer
+
+    load_tokenizer(str(embedded_model_path())).save_pretrained(ASSETS / "tokenizer")
+    wheels = ASSETS / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+               "3.12", "--implementation", "cp", *[f"--platform={p}" for p in PLATFORMS], "-d", str(wheels), *WHEELS]
+    subprocess.run(command, check=True)
+    size = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
+    print(f"gpu_check --prepare: {ASSETS.relative_to(ROOT)}/ holds the tokenizer and {len(list(wheels.glob('*.whl')))} "
+          f"wheels, {size / 2**20:.0f} MiB")
+
+
+def environment() -> dict:
+    import importlib.metadata
+
+    import torch
+
+    env = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
+           "cuda_available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda,
+           "packages": {}}
+    for name in PACKAGES:
+        try:
+            env["packages"][name] = importlib.metadata.version(name.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            env["packages"][name] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info()
+        env.update(device=props.name, capability=list(torch.cuda.get_device_capability(0)),
+                   multiprocessors=props.multi_processor_count, memory_gb=round(total / 2**30, 1),
+                   free_gb=round(free / 2**30, 1), bf16_native=torch.cuda.get_device_capability(0) >= (8, 0))
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            env["driver"] = None
+    else:
+        env["device"] = platform.processor() or platform.machine()
+    return env
+
+
+def run_step(name: str, command: list[str], timeout_s: int, log: Path, env: dict) -> dict:
+    """One step in a child process, under its own limit; its output to `log`."""
+    t0 = time.perf_counter()
+    print(f"gpu_check: {name} (at most {timeout_s} s) ...", flush=True)
+    with open(log, "w") as out:
+        try:
+            proc = subprocess.run(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    seconds = round(time.perf_counter() - t0, 1)
+    tail = log.read_text(errors="replace")[-3000:]
+    print(f"gpu_check: {name}: exit {code} after {seconds} s\n{tail[-1500:]}", flush=True)
+    return {"exit": code, "seconds": seconds, "log_tail": tail if code != 0 else tail[-600:]}
+
+
+def junit_results(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            node = case.find(kind)
+            if node is not None:
+                outcome = "skipped" if kind == "skipped" else "failed"
+                message = (node.get("message") or node.text or "")[:800]
+        cases.append({"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)),
+                      "message": message})
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prepare", action="store_true", help="Gather the tokenizer and wheels into .gpu/ and stop.")
+    parser.add_argument("--dry-run", action="store_true", help="Run every step on this CPU with tiny shapes.")
+    parser.add_argument("--out", default=None, help="Folder for gpu_check.json and the logs (default: $OUT where "
+                                                    "set, else runs/gpu_check).")
+    parser.add_argument("--tests_timeout", type=int, default=200, help="Seconds for step 2.")
+    parser.add_argument("--bench_timeout", type=int, default=240, help="Seconds for step 4.")
+    parser.add_argument("--sampler_timeout", type=int, default=80, help="Seconds for step 3.")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "sampler", "bench"],
+                        help="Steps to leave out.")
+    args = parser.parse_args(argv)
+    if args.prepare:
+        prepare()
+        return 0
+    import torch
+
+    if not torch.cuda.is_available() and not args.dry_run:
+        sys.exit("gpu_check: no CUDA device here; run it on a machine with an NVIDIA GPU, or give --dry-run to "
+                 "run its steps on this CPU")
+    out = Path(args.out or os.environ.get("OUT") or ROOT / "runs" / "gpu_check")
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    tokenizer = ASSETS / "tokenizer"
+    if tokenizer.is_dir():
+        env["AGRPO_TOKENIZER_DIR"] = str(tokenizer)
+    if args.dry_run:
+        env["AGRPO_GPU_DRY_RUN"] = "1"
+    results = {"dry_run": args.dry_run, "environment": environment(), "steps": {}}
+    report_file = out / "gpu_check.json"
+
+    def save() -> None:
+        report_file.write_text(json.dumps(results, indent=1))
+
+    save()
+    if "tests" not in args.skip:
+        measures = out / "measures.jsonl"
+        measures.unlink(missing_ok=True)
+        step = run_step("tests marked gpu", [sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py",
+                                             "-p", "no:cacheprovider", "-q", "-rfE",
+                                             f"--junitxml={out / 'tests.xml'}"],
+                        args.tests_timeout, out / "tests.log", {**env, "AGRPO_GPU_REPORT": str(measures)})
+        step["tests"] = junit_results(out / "tests.xml")
+        step["measured"] = [json.loads(line) for line in measures.read_text().splitlines()] \
+            if measures.exists() else []
+        results["steps"]["tests"] = step
+        save()
+    if "sampler" not in args.skip:
+        shape = ["--shape", "qwen2-tiny", "--rows", "1", "8", "--steps", "4", "--short", "2", "--repeats", "1"] \
+            if args.dry_run else ["--shape", "qwen2.5-0.5b", "--rows", "1", "8", "64", "--steps", "64", "--repeats",
+                                  "3"]
+        step = run_step("sampler decode step against its floor", [
+            sys.executable, "scripts/bench_sampler.py", *shape, "--attn", "sdpa", "agrpo_sdpa", "--workdir",
+            str(Path(tempfile.gettempdir()) / "agrpo_bench_sampler"), "--output_json", str(out / "sampler.json")],
+            args.sampler_timeout, out / "sampler.log", env)
+        if (out / "sampler.json").exists():
+            step["report"] = json.loads((out / "sampler.json").read_text())
+        results["steps"]["sampler"] = step
+        save()
+    if "bench" not in args.skip:
+        shape = ["--shape", "qwen2-tiny", "--max_completion_length", "16", "--steps", "3", "--trl_bf16", "false"] \
+            if args.dry_run else ["--shape", "qwen2.5-0.5b", "--max_completion_length", "256", "--steps", "5",
+                                  "--trl_bf16", "true", "--bf16", "true"]
+        bench = [sys.executable, "scripts/bench_vs_trl.py", *shape, "--num_generations", "8", "--warmup_steps", "1",
+                 "--rounds", "1", "--output_json", str(out / "bench.json")]
+        if tokenizer.is_dir():
+            bench += ["--tokenizer", str(tokenizer)]
+        step = run_step("benchmark against TRL", bench, args.bench_timeout, out / "bench.log", env)
+        if (out / "bench.json").exists():
+            report = json.loads((out / "bench.json").read_text())
+            step.update(summary=report.get("summary"), ratios=report.get("ratios"), settings=report.get("settings"))
+        results["steps"]["bench"] = step
+        save()
+    failed = [name for name, step in results["steps"].items() if step["exit"] != 0]
+    print(f"gpu_check: results in {report_file}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

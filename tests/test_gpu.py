@@ -1,0 +1,346 @@
+"""What only a GPU shows: the sampler against the scorer in bf16 and fp32 on CUDA kernels, merged LoRA / QLoRA
+copies, FSDP2 mixed precision, resume on CUDA and the memory estimate against the allocator's own peak.
+
+Marked `gpu`: `bash scripts/gpu_check.sh` runs them on an NVIDIA GPU (docs/performance.md 6); they skip on a machine
+without one, except under `AGRPO_GPU_DRY_RUN=1` (`scripts/gpu_check.sh --dry-run`), where they run the same code on
+the CPU so that the check cannot rot between GPU contacts. Every measured figure is also appended to the JSON-lines
+file `$AGRPO_GPU_REPORT` when it is set, for the check's results file.
+
+Models are built from a config with random (seeded) weights: a small Qwen2 for the mechanics, the Qwen2.5-0.5B
+shape for the memory figure (no download). The trainer's tests use a tokenizer folder: `$AGRPO_TOKENIZER_DIR`
+(the GPU machine gets the embedded model's tokenizer through scripts/gpu_check.sh --prepare), else the embedded
+model's own.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import rel_diff
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10_000.0, rms_norm_eps=1e-6,
+             tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        # fp32 means fp32 here: TF32 matmuls would round the fp32 comparisons to 1e-3 (the trainer's `tf32` key)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        return torch.device("cuda")
+    if os.environ.get("AGRPO_GPU_DRY_RUN") == "1":
+        return torch.device("cpu")
+    pytest.skip("needs an NVIDIA GPU: bash scripts/gpu_check.sh runs these there (--dry-run: on this CPU)")
+
+
+def report(test: str, **values) -> None:
+    """One measured record for the GPU check's results (and the test's own output)."""
+    record = {"test": test, **values}
+    print(json.dumps(record))
+    path = os.environ.get("AGRPO_GPU_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def tokenizer_folder() -> str:
+    path = os.environ.get("AGRPO_TOKENIZER_DIR")
+    if path:
+        return path
+    from lib.modeling import embedded_model_path
+
+    return str(embedded_model_path())
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> str:
+    """A three-block Qwen2 with random weights (vocabulary 4,096), saved as a model folder."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("small_qwen2")
+    config = Qwen2Config(**SMALL, vocab_size=4096, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+def prompts(device, rows: int = 3, length: int = 7, vocab: int = 4096):
+    ids = torch.randint(10, vocab, (rows, length), generator=torch.Generator().manual_seed(1)).to(device)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # one left-padded prompt
+    return ids, mask
+
+
+@torch.no_grad()
+def teacher_forced_logps(model, roll, autocast) -> torch.Tensor:
+    """The sampler's own log-probs of its completions: the decode loop's arithmetic (one prefill per prompt, its
+    cache gathered per completion, then one token at a time with the cache, logits in float32), each token's
+    log-prob at the temperature it was sampled at. (B, T), 0 past each completion's end."""
+    from lib.modeling import positions_from_mask
+    from lib.rollout import prefill
+
+    with autocast:
+        logits, cache = prefill(model, roll.prompt_ids, roll.prompt_mask)
+        logits = logits[roll.prompt_index]
+        cache.reorder_cache(roll.prompt_index)
+        attention = roll.prompt_mask[roll.prompt_index]
+        position = positions_from_mask(roll.prompt_mask)[:, -1][roll.prompt_index] + 1
+        out = torch.zeros(roll.completion_ids.shape, dtype=torch.float32, device=roll.completion_ids.device)
+        for t in range(roll.completion_ids.shape[1]):
+            temps = roll.temperatures[:, t].clamp(min=1e-6)
+            token = roll.completion_ids[:, t]
+            out[:, t] = torch.log_softmax(logits / temps[:, None], -1).gather(1, token[:, None])[:, 0]
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
+            step = model(input_ids=token[:, None], attention_mask=attention, position_ids=position[:, None],
+                         past_key_values=cache, use_cache=True)
+            logits = step.logits[:, -1].float()
+            position = position + 1
+    return out * roll.completion_mask
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_the_samplers_logps_equal_the_scorers(device, small_model, bf16):
+    """The tokens the HF sampler draws are scored by the trainer with another kernel path (a full forward with the
+    shared prompt prefix, not one token at a time with a cache). In fp32 the two agree to rounding; in bf16 (the
+    sampler's bf16 copy against the fp32 master weights under autocast) they may differ by bf16 rounding only: no
+    more than the scorer's own bf16 results differ from fp32."""
+    from lib.modeling import CompletionScorer, load_policy
+    from lib.rollout import HFRollout
+
+    policy = load_policy(small_model, device=device).eval()
+    engine = HFRollout(policy, [2], 0, bf16=bf16, seed=3)
+    ids, mask = prompts(device)
+    roll = engine.generate(ids, mask, 4, 32, temperature=torch.tensor([0.7, 1.0, 1.3], device=device))
+    assert int(roll.completion_mask.sum()) > 40
+    sampler = teacher_forced_logps(engine.model, roll, engine.autocast())
+    args = (roll.prompt_ids, roll.prompt_mask, roll.prompt_index, roll.completion_ids, roll.completion_mask,
+            roll.temperatures)
+    with torch.no_grad():
+        exact = CompletionScorer(policy)(*args, with_entropy=False)[0]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            scorer = CompletionScorer(policy)(*args, with_entropy=False)[0]
+    on = roll.completion_mask.bool()
+    gap = (sampler - scorer)[on].abs()
+    scorer_rounding = (scorer - exact)[on].abs()
+    report(f"sampler_vs_scorer_{'bf16' if bf16 else 'fp32'}", device=str(device), tokens=int(on.sum()),
+           max_gap=float(gap.max()), mean_gap=float(gap.mean()),
+           scorer_bf16_vs_fp32_mean=float(scorer_rounding.mean()))
+    if not bf16:
+        assert float(gap.max()) < 1e-4 * max(1.0, float(exact[on].abs().max()))
+    else:
+        # the sampler's bf16 copy (every weight rounded) against autocast (products in bf16, the rest in fp32)
+        assert float(gap.mean()) < 4 * float(scorer_rounding.mean()) + 1e-3
+        assert float(gap.max()) < 0.25
+
+
+@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["lora", "qlora"])
+def test_a_merged_adapter_copy_samples_the_policy_and_a_sync_refreshes_it(device, small_model, load_in_4bit):
+    """LoRA and QLoRA sample with a plain copy holding W + (alpha/r) B A (a 4-bit base dequantised): its log-probs
+    of fixed completions equal the policy's to rounding, go stale when the adapter moves, and equal again after
+    sync_weights."""
+    if load_in_4bit:
+        pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (scripts/gpu_check.sh carries it)")
+    from lib.modeling import CompletionScorer, load_policy
+    from lib.rollout import HFRollout
+
+    policy = load_policy(small_model, use_peft=True, lora_r=8, lora_alpha=16, load_in_4bit=load_in_4bit,
+                         device=device)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)).to(p.device) * 0.05)
+    policy.eval()
+    engine = HFRollout(policy, [2], 0, seed=0)
+    assert engine.copy is not None and not hasattr(engine.copy, "peft_config")
+    ids, mask = prompts(device)
+    roll = engine.generate(ids, mask, 3, 12, temperature=1.0)
+    args = (roll.prompt_ids, roll.prompt_mask, roll.prompt_index, roll.completion_ids, roll.completion_mask,
+            roll.temperatures)
+
+    def logps(model):
+        with torch.no_grad():
+            return CompletionScorer(model)(*args, with_entropy=False)[0]
+
+    fresh = rel_diff(logps(engine.copy), logps(policy))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_A" in name:
+                p.add_(0.05)
+    stale = rel_diff(logps(engine.copy), logps(policy))
+    engine.sync_weights(policy)
+    synced = rel_diff(logps(engine.copy), logps(policy))
+    report(f"merged_sync_{'qlora' if load_in_4bit else 'lora'}", device=str(device), fresh=fresh, stale=stale,
+           synced=synced)
+    assert stale > 1e-3
+    assert fresh < 1e-5 and synced < 1e-5
+
+
+def test_fsdp2_bf16_mixed_precision_scores_at_the_sampled_temperatures(device, small_model):
+    """FSDP2 with a bf16 mixed-precision policy, one process: the policy computes in bf16, but the per-row
+    temperatures reach the log-softmax as the float32 values they were sampled at (0.7, not bf16's 0.6992), and the
+    log-probs come back in float32 (lib/distributed.mixed_precision_policy)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from lib.distributed import mixed_precision_policy
+    from lib.modeling import CompletionScorer, load_policy
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29_500 + os.getpid() % 1000))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(device.type, (1,))
+        policy = mixed_precision_policy(MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        scorer = CompletionScorer(load_policy(small_model, device=device))
+        for layer in unwrap_layers(scorer):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(scorer, mesh=mesh, mp_policy=policy)
+        ids, mask = prompts(device)
+        completions = torch.randint(10, 4096, (3, 9), generator=torch.Generator().manual_seed(2)).to(device)
+        ones = torch.ones_like(completions)
+        index = torch.arange(3, device=device)
+
+        def logps(temperature: float) -> torch.Tensor:
+            temps = torch.full((3,), temperature, dtype=torch.float32, device=device)
+            with torch.no_grad():
+                return scorer(ids, mask, index, completions, ones, temps, with_entropy=False)[0]
+
+        at_07 = logps(0.7)
+        at_bf16 = logps(float(torch.tensor(0.7).to(torch.bfloat16)))  # 0.69921875
+        report("fsdp2_bf16_temperatures", device=str(device), dtype=str(at_07.dtype),
+               gap_07_vs_bf16_07=float((at_07 - at_bf16).abs().max()))
+        assert at_07.dtype == torch.float32
+        assert not torch.equal(at_07, at_bf16)  # a bf16-cast temperature would make them the same tensor
+    finally:
+        dist.destroy_process_group()
+
+
+def unwrap_layers(scorer):
+    from lib.modeling import unwrap_causal_lm
+
+    return list(unwrap_causal_lm(scorer.model).model.layers)
+
+
+def run_trainer(args: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, str(REPO / "train_agrpo.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="module")
+def trainer_model(tmp_path_factory, small_model) -> str:
+    """The small model with a real tokenizer (vocabulary padded to the model's), for whole training runs."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder())
+    torch.manual_seed(0)
+    config = Qwen2Config(**SMALL, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    folder = tmp_path_factory.mktemp("trainer_model")
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_run_on_cuda_resumes_its_optimizer_exactly(device, trainer_model, tmp_path):
+    """Three steps, and the same run resumed from its checkpoint-2: the optimizer state written from the device is
+    read back onto it (torch.load to the CPU first, then onto each parameter's device) and step 3 trains the same."""
+    common = ["--model_name_or_path", trainer_model, "--max_steps", "3", "--num_generations", "4",
+              "--per_device_train_batch_size", "8", "--max_completion_length", "16", "--builtin_num_train", "32",
+              "--num_eval_samples", "0", "--learning_rate", "1e-4", "--temperature", "1.0", "--log_completions",
+              "false", "--report_to", "none", "--save_steps", "2", "--reward_funcs", "tests/tiny_rewards.py:characters",
+              "--beta", "0.04", "--use_cpu", str(device.type == "cpu").lower()]
+    whole = run_trainer([*common, "--output_dir", str(tmp_path / "whole")], REPO)
+    assert whole.returncode == 0, whole.stderr[-4000:]
+    import shutil
+
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed", ignore=shutil.ignore_patterns("checkpoint-3", "final"))
+    resumed = run_trainer([*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint",
+                           "latest"], REPO)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+
+    def step3(folder):
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if r.get("step") == 3][-1]
+
+    a, b = step3(tmp_path / "whole"), step3(tmp_path / "resumed")
+    report("resume_on_device", device=str(device), loss=[a["loss"], b["loss"]], grad_norm=[a["grad_norm"],
+           b["grad_norm"]], num_tokens=[a["num_tokens"], b["num_tokens"]])
+    assert a["num_tokens"] == b["num_tokens"]  # the same completions sampled at step 3
+    # CUDA's embedding backward sums with atomics (run-to-run rounding); everything else is the same arithmetic
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-7)
+
+
+MEMORY_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import train_agrpo
+
+argv = json.loads(sys.argv[2])
+estimate = train_agrpo.main(argv + ["--estimate_memory_only", "true"])["estimated_peak_bytes"]
+if torch.cuda.is_available():
+    torch.cuda.reset_peak_memory_stats()
+train_agrpo.main(argv)
+out = {"estimate": estimate}
+if torch.cuda.is_available():
+    free, total = torch.cuda.mem_get_info()
+    out.update(max_allocated=torch.cuda.max_memory_allocated(), max_reserved=torch.cuda.max_memory_reserved(),
+               reserved_now=torch.cuda.memory_reserved(), device_used_now=total - free, total=total)
+print("MEMORY" + json.dumps(out))
+"""
+
+
+def test_the_memory_estimate_against_the_measured_peak(device, tmp_path):
+    """`--estimate_memory_only` (what a user planning a GPU run gets, by arithmetic) against a real run of the same
+    recipe: the allocator's peak (max_memory_reserved, its slack included) plus what the process holds outside it
+    (the CUDA context, kernels' workspaces: mem_get_info's used bytes less the allocator's reserved ones). A 0.5B
+    shape (random weights) with G 8 x 256 tokens, full fine-tuning under bf16; on the CPU dry run a tiny shape."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    cuda = device.type == "cuda"
+    shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                 tie_word_embeddings=True) if cuda else SMALL
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder())
+    config = Qwen2Config(**shape, vocab_size=151936 if cuda else len(tokenizer), bos_token_id=None,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    del model
+    argv = ["--model_name_or_path", str(tmp_path / "model"), "--max_steps", "2", "--num_generations", "8",
+            "--per_device_train_batch_size", "8", "--max_completion_length", "256" if cuda else "16",
+            "--builtin_num_train", "32", "--num_eval_samples", "0", "--log_completions", "false",
+            "--report_to", "none", "--save_strategy", "no", "--output_dir", str(tmp_path / "run"),
+            "--max_memory", "80", "--use_vllm", "false", "--use_cpu", str(not cuda).lower()]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(REPO), json.dumps(argv)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    measured = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("MEMORY"))[6:])
+    if not cuda:
+        report("memory_estimate", device="cpu", estimate_gb=measured["estimate"] / 2**30, note="dry run")
+        return
+    outside = measured["device_used_now"] - measured["reserved_now"]  # context, cuBLAS workspaces, NCCL
+    peak = measured["max_reserved"] + outside
+    report("memory_estimate", device=torch.cuda.get_device_name(), estimate_gb=measured["estimate"] / 2**30,
+           max_allocated_gb=measured["max_allocated"] / 2**30, max_reserved_gb=measured["max_reserved"] / 2**30,
+           outside_allocator_gb=outside / 2**30, measured_peak_gb=peak / 2**30, ratio=measured["estimate"] / peak)
+    # the estimate is what the guard refuses runs by: it must not promise a fit that the device does not give
+    # (at least 0.9x the measured peak), nor refuse runs that fit by a wide margin (at most 1.6x)
+    assert 0.9 < measured["estimate"] / peak < 1.6
