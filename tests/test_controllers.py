@@ -48,6 +48,10 @@ def test_kl_controller_directions_and_bounds():
     tight = agrpo_cfg(epsilon_min=0.19, epsilon_max=0.21)
     assert update_kl_controller(init_kl_controller(tight), 1.0, tight).epsilon == 0.19
     assert update_kl_controller(init_kl_controller(tight), 0.0, tight).epsilon == 0.21
+    # an epsilon fixed by hand (the seeds' eps0.5 ablation) stays where the bounds are pinned at it; unpinned, the
+    # first step would clip it back to epsilon_max 0.3, which is why lib/config.py refuses that setting
+    pinned = agrpo_cfg(epsilon=0.5, epsilon_min=0.5, epsilon_max=0.5)
+    assert [update_kl_controller(init_kl_controller(pinned), kl, pinned).epsilon for kl in (0.0, 1.0)] == [0.5, 0.5]
 
 
 def test_group_size_controller_doubles_halves_and_stays_in_bounds():

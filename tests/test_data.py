@@ -1,4 +1,6 @@
-"""Tests for lib/data.py on the real data sets in shared/data (gold answers checked by hand against the files)."""
+"""Tests for lib/data.py on the real data sets: the slices in tests/data (rows copied from the sets' files), and the
+whole files where the full sets are given (the `full_data_dir` fixture; gold answers checked by hand against the
+files)."""
 
 import json
 import re
@@ -10,27 +12,29 @@ from lib import data
 from lib.data import (DEFAULT_INSTRUCTION, builtin_task, format_number, format_prompt, last_boxed, load_records,
                       render_prompt)
 
-# (file, record count from shared/data/README.md, gold of row 1, gold of row 2), read off the files by hand
+# (file, records in the full set (its README) and in the slice (tests/data/README.md), gold of row 1, gold of row 2),
+# read off the files by hand; a slice starts at the set's first row
 REAL_FILES = [
-    ("gsm8k/test.jsonl", 1319, "18", "3"),
-    ("gsm8k/train.jsonl", 7473, "72", "10"),
-    ("math500/test.jsonl", 500, "\\left( 3, \\frac{\\pi}{2} \\right)", "p - q"),
-    ("math/test.jsonl", 5000, "2", "\\frac{1}{2}"),
-    ("svamp/test.jsonl", 1000, "145", "19"),
-    ("mawps/test.jsonl", 2065, "43", "26"),
-    ("mawps/addsub.jsonl", 395, "43", "26"),
-    ("mawps/multiarith.jsonl", 600, "39", "8"),
-    ("mawps/singleeq.jsonl", 508, "43", "26"),
-    ("mawps/singleop.jsonl", 562, "14", "9"),
-    ("aime24/test.jsonl", 30, "204", "113"),
-    ("amc23/test.jsonl", 40, "27", "36"),
+    ("gsm8k/test.jsonl", 1319, 250, "18", "3"),
+    ("gsm8k/train.jsonl", 7473, 100, "72", "10"),
+    ("math500/test.jsonl", 500, 100, "\\left( 3, \\frac{\\pi}{2} \\right)", "p - q"),
+    ("math/test.jsonl", 5000, 100, "2", "\\frac{1}{2}"),
+    ("svamp/test.jsonl", 1000, 300, "145", "19"),
+    ("mawps/test.jsonl", 2065, 210, "43", "26"),
+    ("mawps/addsub.jsonl", 395, 200, "43", "26"),
+    ("mawps/multiarith.jsonl", 600, 50, "39", "8"),
+    ("mawps/singleeq.jsonl", 508, 50, "43", "26"),
+    ("mawps/singleop.jsonl", 562, 200, "14", "9"),
+    ("aime24/test.jsonl", 30, 20, "204", "113"),
+    ("amc23/test.jsonl", 40, 20, "27", "36"),
 ]
 
 
-@pytest.mark.parametrize("name, count, gold1, gold2", REAL_FILES)
-def test_real_files_counts_and_gold(data_dir, name, count, gold1, gold2):
-    records = load_records(str(data_dir / name))
-    assert len(records) == count
+@pytest.mark.parametrize("where", ["data_dir", "full_data_dir"])
+@pytest.mark.parametrize("name, full, sliced, gold1, gold2", REAL_FILES)
+def test_real_files_counts_and_gold(request, where, name, full, sliced, gold1, gold2):
+    records = load_records(str(request.getfixturevalue(where) / name))
+    assert len(records) == (sliced if where == "data_dir" else full)
     assert [records[0]["answer"], records[1]["answer"]] == [gold1, gold2]
     assert all(isinstance(r["problem"], str) and r["problem"] and isinstance(r["answer"], str) for r in records)
 
@@ -70,14 +74,17 @@ def test_math500_boxed_agrees_with_answer_column(data_dir):
     assert [r["answer"] for r in by_solution] == [r["answer"] for r in by_answer]
 
 
-def test_math_train_has_two_empty_boxed_rows(data_dir):
-    # MATH train lines 5530 and 5532 end in "\boxed{}" (the answer is missing upstream): validation stops there
-    with pytest.raises(ValueError, match=r"train\.jsonl, line 5530: field 'solution': the extracted answer is empty"
-                       r".*--skip_invalid_rows true"):
-        load_records(str(data_dir / "math/train.jsonl"))
-    with pytest.warns(UserWarning, match=r"left out 2 invalid row\(s\) of 7500; the first: .*line 5530"):
-        records = load_records(str(data_dir / "math/train.jsonl"), skip_invalid_rows=True)
-    assert len(records) == 7498
+@pytest.mark.parametrize("where, line, rows", [("data_dir", 30, 100), ("full_data_dir", 5530, 7500)])
+def test_math_train_has_two_empty_boxed_rows(request, where, line, rows):
+    # MATH train lines 5530 and 5532 end in "\boxed{}" (the answer is missing upstream; lines 30 and 32 of the
+    # slice, which starts at line 5501): validation stops there
+    path = str(request.getfixturevalue(where) / "math/train.jsonl")
+    with pytest.raises(ValueError, match=rf"train\.jsonl, line {line}: field 'solution': the extracted answer is "
+                       r"empty.*--skip_invalid_rows true"):
+        load_records(path)
+    with pytest.warns(UserWarning, match=rf"left out 2 invalid row\(s\) of {rows}; the first: .*line {line}"):
+        records = load_records(path, skip_invalid_rows=True)
+    assert len(records) == rows - 2
 
 
 def test_last_boxed():
@@ -235,7 +242,7 @@ def test_max_samples_seeded_nested_in_file_order(data_dir):
     indices = [position[r["problem"]] for r in small]
     assert indices == sorted(indices)
     assert {r["problem"] for r in small} <= {r["problem"] for r in large}
-    assert len(load_records(path, max_samples=10_000)) == 1319
+    assert load_records(path, max_samples=10_000) == everything  # more than the file holds: all of it
 
 
 # --- built-in task --------------------------------------------------------------------------------------------

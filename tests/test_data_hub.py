@@ -1,7 +1,7 @@
 """Data as TRL takes it (docs/troubleshooting.md 3.1), offline: folders laid out as the hub lays a data set out
 (parquet shards under data/, a README's configurations as openai/gsm8k has them), folders save_to_disk wrote, a hub
 id that cannot be reached, the held-out split the trainer picks, and a run on conversational data with no gold
-answer. The fixtures are built from the real GSM8K rows in shared/data with `datasets` itself."""
+answer. The fixtures are built from the real GSM8K rows in tests/data with `datasets` itself."""
 
 import json
 import socket

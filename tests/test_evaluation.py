@@ -85,7 +85,7 @@ def test_score_problems_by_hand():
     assert row["num_problems"] == 3 and row["num_samples"] == 4
 
 
-# every data set in ../shared/data, read by the loader the evaluator uses: the gold answer written as the model is
+# every data set (its slice in tests/data), read by the loader the evaluator uses: the gold answer written as the model is
 # asked to write it is right, another problem's gold is wrong (where the golds differ), malformed output is wrong
 DATA_SETS = ["gsm8k/test.jsonl", "math500/test.jsonl", "svamp/test.jsonl", "mawps/singleop.jsonl",
              "mawps/addsub.jsonl", "mawps/multiarith.jsonl", "mawps/singleeq.jsonl", "aime24/test.jsonl",

@@ -3,7 +3,6 @@ malformed ones included, plus gold answers from the real data sets."""
 
 import json
 import math
-import os
 import re
 import threading
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO
 from lib.rewards import (
     REWARD_FUNCS,
     RewardState,
@@ -309,14 +309,9 @@ def test_reasoning_steps_reward(completion, expected):
 
 # --- real gold answers ----------------------------------------------------------------------------------------------
 
-DATA_DIR = Path(os.environ.get("AGRPO_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
-
-
 def _golds(relative_path: str, gold_of, n: int = 20) -> list[str]:
-    path = DATA_DIR / relative_path
-    if not path.is_file():
-        pytest.skip(f"{path} not found; set AGRPO_DATA_DIR to the folder holding gsm8k/, math500/, svamp/, mawps/")
-    with path.open() as f:
+    """The gold answers of the first `n` rows of a data set's slice (tests/data/README.md)."""
+    with (REPO / "tests" / "data" / relative_path).open() as f:
         return [gold_of(json.loads(line)) for line, _ in zip(f, range(n))]
 
 

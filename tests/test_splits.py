@@ -3,6 +3,8 @@
 import json
 import sys
 
+import pytest
+
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -15,9 +17,14 @@ def problems(path) -> list[str]:
     return [" ".join(r["problem"].split()) for r in load_records(str(path))]
 
 
-def test_splits_are_disjoint_seeded_and_read_by_the_trainer(tmp_path, data_dir):
+# (where, the sizes written): 926 distinct MAWPS problems and 1,000 SVAMP ones in the full sets; 384 and 300 in the
+# slices (tests/data/README.md)
+@pytest.mark.parametrize("where, expected", [("data_dir", {"mawps": (184, 200), "svamp": (100, 200)}),
+                                             ("full_data_dir", {"mawps": (726, 200), "svamp": (800, 200)})])
+def test_splits_are_disjoint_seeded_and_read_by_the_trainer(tmp_path, request, where, expected):
+    data_dir = request.getfixturevalue(where)
     sizes = make_splits.main(["--data_dir", str(data_dir), "--out", str(tmp_path / "a")])
-    assert sizes == {"mawps": (726, 200), "svamp": (800, 200)}  # 926 distinct MAWPS problems, 1000 SVAMP ones
+    assert sizes == expected
     for name in sizes:
         train, held = problems(tmp_path / "a" / name / "train.jsonl"), problems(tmp_path / "a" / name / "heldout.jsonl")
         assert not set(train) & set(held) and len(set(train)) == len(train)

@@ -190,6 +190,25 @@ def test_steps_per_generation_counts_micro_batches_as_in_trl():
         make_config({"generation_batch_size": 32, "steps_per_generation": 2})
 
 
+def test_a_recipe_with_epochs_and_no_max_steps_trains_its_epochs_and_the_demo_keeps_its_40_steps(tmp_path):
+    # TRL's max_steps defaults to -1: a recipe that gives num_train_epochs and no max_steps trains those epochs
+    epochs = tmp_path / "epochs.yaml"
+    epochs.write_text("num_train_epochs: 2\nper_device_train_batch_size: 8\nnum_generations: 4\n")
+    cfg = parse_config(["--config", str(epochs)])
+    assert cfg.max_steps == -1
+    assert resolve_epochs(cfg, 64, num_processes=1) == 32 and cfg.max_steps == 64  # 2 prompts a step, 2 passes
+    # a max_steps that is given wins over the epochs (TRL: max_steps > 0 overrides num_train_epochs)
+    assert parse_config(["--config", str(epochs), "--max_steps", "5"]).max_steps == 5
+    both = tmp_path / "both.yaml"
+    both.write_text("num_train_epochs: 2\nmax_steps: 5\n")
+    assert parse_config(["--config", str(both)]).max_steps == 5
+    # no epochs given: the demo's 40 steps, with no arguments and from a recipe that sets neither
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("learning_rate: 1.0e-5\nnum_generations: 4\n")
+    assert parse_config([]).max_steps == 40 and parse_config(["--config", str(plain)]).max_steps == 40
+    assert parse_config(["--num_train_epochs", "1"]).max_steps == -1  # on the command line too
+
+
 def test_epochs_and_warmup_follow_trls_conventions():
     cfg = make_config({"max_steps": -1, "num_train_epochs": 2, "per_device_train_batch_size": 8,
                        "num_generations": 4, "eval_strategy": "epoch", "warmup_steps": 0.25})
@@ -222,15 +241,25 @@ def test_bias_corrected_kl_has_the_ratio_in_its_gradient_but_not_in_its_value():
 
 
 def test_a_tiny_run_with_trls_keys_trains_the_weights_in_the_asked_dtype(tmp_path, tiny_model):
-    """dtype bfloat16 trains bf16 weights (TRL's meaning), max_steps -1 takes its length from num_train_epochs,
-    save_strategy no writes final/ only, eval_strategy no evaluates nothing."""
-    from test_loop import train
+    """dtype bfloat16 trains bf16 weights (TRL's meaning), a recipe's num_train_epochs with no max_steps sets the
+    run's length, save_strategy no writes final/ only, eval_strategy no evaluates nothing."""
+    from accelerate.state import AcceleratorState
+
+    import train_agrpo
+    from test_loop import TINY, steps_of
 
     out = tmp_path / "run"
-    # 64 prompts, 2 a step: a quarter epoch is 8 steps
-    lines = train(tiny_model, out, "--max_steps", "-1", "--num_train_epochs", "0.25", "--dtype", "bfloat16",
-                  "--save_strategy", "no", "--eval_strategy", "no", "--use_bias_correction_kl", "--beta", "0.04",
-                  "--warmup_steps", "2", "--lr_scheduler_type", "linear", "--disable_dropout")
+    recipe = tmp_path / "recipe.yaml"
+    # 64 prompts, 2 a step: a quarter epoch is 8 steps (the recipe gives no max_steps, so not the demo's 40)
+    recipe.write_text("num_train_epochs: 0.25\ndtype: bfloat16\nsave_strategy: 'no'\neval_strategy: 'no'\n")
+    at = TINY.index("--max_steps")
+    try:
+        train_agrpo.main(["--config", str(recipe), "--model_name_or_path", tiny_model, *TINY[:at], *TINY[at + 2:],
+                          "--output_dir", str(out), "--use_bias_correction_kl", "--beta", "0.04", "--warmup_steps",
+                          "2", "--lr_scheduler_type", "linear", "--disable_dropout"])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # the next run builds its own Accelerator
+    lines = steps_of(out)
     assert [m["step"] for m in lines] == list(range(1, 9))
     assert lines[0]["learning_rate"] < lines[1]["learning_rate"]  # warming up
     assert not list(out.glob("checkpoint-*")) and (out / "final" / "model.safetensors").exists()

@@ -205,7 +205,7 @@ def test_the_sampler_defaults_to_vllm_on_a_gpu_where_it_is_installed():
     cfg = make_config({})  # this machine has no GPU: the HF loop, and no note
     assert cfg.use_vllm is False and hf_sampler_note(cfg, cuda=False, vllm_installed=False) is None
     note = hf_sampler_note(cfg, cuda=True, vllm_installed=False)
-    assert "vLLM would be faster" in note and "pip install vllm" in note
+    assert "vLLM is expected to be faster on a GPU" in note and "pip install vllm" in note
     assert hf_sampler_note(cfg, cuda=True, vllm_installed=True) is None  # use_vllm false chosen with vLLM there
     # QLoRA with vLLM is a valid configuration now; the adapter's rank picks the engine's LoRA slot size
     assert make_config({"use_peft": True, "load_in_4bit": True, "vllm_lora_sync": "adapter"}).load_in_4bit
