@@ -1,0 +1,172 @@
+"""The trainer's update against its definition, on small random models built from configs (tests/conftest.py).
+
+Each optimizer step's batch and the gradient the optimizer receives are recorded as the trainer runs
+(tests/update_reference.py wraps two of its phase functions; everything else runs as in any run), and checked four
+ways: the gradient equals the gradient of the loss written out from its definitions and computed with a plain
+forward of each sequence (sign and scale of every term, every loss type, the masks, the clip ranges, the
+importance weights); one batch and its accumulated halves, one process and two, give the same gradient; after a
+step, the step's own completions re-scored by the updated policy moved the way their advantages say (every loss
+type and preset); a KL-only step lowers the KL to the reference and an entropy-only step raises the entropy.
+
+Gradients are compared as whole vectors, ||got - want|| / ||want|| (tests/conftest.py: float rounding between two
+computations of a model's gradient is about 1e-6 here; a sign, scale or mask error is 1e-3 to 1).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO
+from lib.config import PRESETS
+from lib.modeling import end_token_ids, load_tokenizer
+from update_reference import (completions, expected_gradient, load_model, loss_mask_of, norm, relative_gap,
+                              sequence_logps, train_recorded)
+
+REWARDS = str(REPO / "tests" / "tiny_rewards.py")
+GAP = 1e-5  # float rounding between the trainer's gradient and the definition's (measured 5e-8 to 5e-7)
+# the logged grad_norm is a float32 norm of norms: 1e-5 off the float64 norm of the same gradient (3M elements in one
+# tensor, the embeddings), measured
+NORM = 1e-4
+LOSS_TYPES = ["grpo", "bnpo", "dapo", "dr_grpo"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One thread for the tiny models (tests/test_loop.py says why)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ending_model(tmp_path_factory, tiny_model) -> str:
+    """tests/conftest.py's tiny model with every 16th token of the vocabulary an end token (its generation config's
+    eos_token_id, as chat models list their end-of-turn tokens): about 40% of its 8-token random completions end,
+    the rest are truncated, so that the truncation mask has both kinds to tell apart."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("ending_model")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    tokenizer = load_tokenizer(tiny_model)
+    model.generation_config.eos_token_id = sorted({tokenizer.eos_token_id, *range(7, len(tokenizer), 16)})
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def ends_of(model_folder: str) -> list[int]:
+    return end_token_ids(load_model(model_folder), load_tokenizer(model_folder))
+
+
+def args_for(model: str, out: Path, *extra: str) -> list[str]:
+    """Four prompts x 2 completions of at most 8 tokens a step, in fp32; rewards with a spread in about half the
+    groups (tests/tiny_rewards.py:half_flat), so that zero advantages and real ones meet in a batch."""
+    return ["--model_name_or_path", model, "--output_dir", str(out), "--max_steps", "1", "--num_eval_samples", "0",
+            "--per_device_train_batch_size", "8", "--num_generations", "2", "--max_completion_length", "8",
+            "--builtin_num_train", "64", "--learning_rate", "1e-3", "--bf16", "false", "--reward_funcs",
+            f"{REWARDS}:half_flat", "--reward_weights", "1", *extra]
+
+
+def samples(record: dict) -> list[list[int]]:
+    """The completions of a record's rollout, each up to its end."""
+    roll = record["rollout"]
+    return [ids[: int(n)].tolist() for ids, n in zip(roll["completion_ids"], roll["completion_mask"].sum(1))]
+
+
+def config_of(out: Path) -> dict:
+    return yaml.safe_load((out / "config.yaml").read_text())
+
+
+def metrics_of(out: Path) -> list[dict]:
+    return [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+
+
+# ---- the gradient is the loss's -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_each_steps_gradient_is_the_gradient_of_the_loss_as_defined(loss_type, ending_model, tmp_path):
+    """Two steps with every term on: clipped surrogate, k3 KL to the reference (above 0 at step 2), entropy bonus,
+    DAPO's truncation mask and AGPO's zero-advantage mask, two accumulated micro-batches. The loss mask is exactly
+    the masks' definition, token by token, and each step's gradient (and its logged norm, before clipping) is the
+    gradient of the loss written out from its definitions over the step's completions."""
+    out = tmp_path / "run"
+    records = train_recorded(args_for(ending_model, out, "--max_steps", "2", "--save_steps", "1", "--loss_type",
+                                      loss_type, "--beta", "0.2", "--eta", "0.05", "--mask_truncated_completions",
+                                      "true", "--loss_mask_zero_advantage", "true", "--per_device_train_batch_size",
+                                      "4", "--gradient_accumulation_steps", "2"))
+    cfg, ends, logged = config_of(out), ends_of(ending_model), metrics_of(out)
+    assert len(records) == 2 and logged[1]["kl"] > 0
+    seen = []
+    for step, record in enumerate(records):
+        rows = completions(record, ends, cfg["max_completion_length"])
+        for c in rows:  # the tokens that reach the loss: exactly those the masks' definitions keep
+            want = torch.zeros(record["loss_mask"].shape[1])
+            want[: len(c["ids"])] = loss_mask_of(c, cfg)
+            assert torch.equal(record["loss_mask"][c["row"]], want), (step, c["row"], c["truncated"], c["advantage"])
+        seen += [(c["truncated"], c["advantage"] != 0) for c in rows]
+        before = ending_model if step == 0 else out / f"checkpoint-{step}"
+        want = expected_gradient(before, [record], cfg, ends, reference_folder=ending_model)
+        assert relative_gap(record["grads"], want) < GAP, step
+        assert logged[step]["grad_norm"] == pytest.approx(norm(want), rel=NORM)
+    # every kind of completion the masks tell apart was there: truncated or ended, zero advantage or not
+    assert set(seen) == {(True, True), (True, False), (False, True), (False, False)}, seen
+
+
+# ---- the same gradient however the batch is split -------------------------------------------------------------------
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_one_batch_and_its_accumulated_halves_give_the_same_gradient(loss_type, ending_model, tmp_path):
+    """One micro-batch of 8 against two accumulated micro-batches of 4: the same samples (the sampler draws the
+    whole generation batch at once) and the loss normalised over the global batch, so the same gradient before the
+    optimizer and the same logged norm. bnpo is left out: TRL's per-micro-batch token mean depends on the split by
+    definition (its gradient is checked against that definition above)."""
+    common = ("--loss_type", loss_type, "--mask_truncated_completions", "true", "--beta", "0.2")
+    one = train_recorded(args_for(ending_model, tmp_path / "one", *common))[0]
+    halves = train_recorded(args_for(ending_model, tmp_path / "two", *common, "--per_device_train_batch_size", "4",
+                                     "--gradient_accumulation_steps", "2"))[0]
+    assert samples(one) == samples(halves)
+    assert norm(one["grads"]) > 0
+    assert relative_gap(halves["grads"], one["grads"]) < GAP
+    assert metrics_of(tmp_path / "two")[0]["grad_norm"] == pytest.approx(metrics_of(tmp_path / "one")[0]["grad_norm"],
+                                                                          rel=NORM)
+
+
+def launch_recorded(prefix: Path, replayed: Path, args: list[str], processes: int, cwd: Path) -> list[list[dict]]:
+    """tests/update_reference.py under `accelerate launch` on `processes` CPU processes (gloo), sampling what
+    `replayed` holds; every process's records."""
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    proc = subprocess.run([*launcher, str(REPO / "tests" / "update_reference.py"), str(prefix), str(replayed), "--",
+                           *args], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [torch.load(f"{prefix}-{rank}.pt", weights_only=False) for rank in range(processes)]
+
+
+@pytest.mark.parametrize("loss_type", [pytest.param("grpo", marks=pytest.mark.slow), "dapo"])
+def test_one_process_and_two_give_the_same_gradient(loss_type, ending_model, tmp_path):
+    """The batch one process sampled, trained again by two processes over gloo (4 completions each, every group on
+    one process: tests/update_reference.ReplaySampler gives each prompt its recorded completions): the all-reduced
+    gradient and the logged norm equal the single process's, and both processes hold the same gradient. A loss
+    scaled by the number of processes, or normalised by a process's own tokens instead of the global count, fails."""
+    common = ["--loss_type", loss_type, "--mask_truncated_completions", "true", "--beta", "0.2"]
+    single = train_recorded(args_for(ending_model, tmp_path / "one", *common))
+    torch.save(single, tmp_path / "single.pt")
+    ranks = launch_recorded(tmp_path / "two", tmp_path / "single.pt",
+                            args_for(ending_model, tmp_path / "two", *common, "--per_device_train_batch_size", "4"),
+                            2, tmp_path)
+    assert [r[0]["world"] for r in ranks] == [2, 2]
+    # the same completions, in the same global order, each process holding its half
+    assert sum((samples(r[0]) for r in ranks), []) == samples(single[0])
+    assert norm(single[0]["grads"]) > 0
+    assert relative_gap(ranks[0][0]["grads"], single[0]["grads"]) < GAP
+    assert relative_gap(ranks[1][0]["grads"], ranks[0][0]["grads"]) == 0.0
+    assert metrics_of(tmp_path / "two")[0]["grad_norm"] == pytest.approx(metrics_of(tmp_path / "one")[0]["grad_norm"],
+                                                                          rel=NORM)
