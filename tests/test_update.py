@@ -170,3 +170,93 @@ def test_one_process_and_two_give_the_same_gradient(loss_type, ending_model, tmp
     assert relative_gap(ranks[1][0]["grads"], ranks[0][0]["grads"]) == 0.0
     assert metrics_of(tmp_path / "two")[0]["grad_norm"] == pytest.approx(metrics_of(tmp_path / "one")[0]["grad_norm"],
                                                                           rel=NORM)
+
+
+# ---- the direction of a step ----------------------------------------------------------------------------------------
+
+def rescored(model_folder, rows: list[dict]) -> list[torch.Tensor]:
+    model = load_model(model_folder)
+    with torch.no_grad():
+        return [sequence_logps(model, c)[0] for c in rows]
+
+
+# every preset in the fast suite; the loss types alone in the slow one (their signs and scales are checked exactly by
+# the gradient test above)
+DIRECTION = [("--algo", algo) for algo in PRESETS] + \
+    [pytest.param(("--loss_type", loss_type), marks=pytest.mark.slow) for loss_type in LOSS_TYPES]
+
+
+@pytest.mark.parametrize("setting", DIRECTION, ids=[f"{algo}" for algo in PRESETS] + LOSS_TYPES)
+def test_a_step_raises_the_log_probs_of_what_it_rewards_and_lowers_the_rest(setting, ending_model, tmp_path):
+    """One step (each preset with its own loss, clip, KL, entropy, sampling and advantage rule; each loss type
+    alone), then the step's own completions re-scored by the updated policy: the mean log-prob of each completion
+    the loss counts went up where its advantage was positive and down where it was negative. The advantages
+    themselves order each group as its rewards do. (Adam's first step moves every weight by about the learning
+    rate along the sign of its gradient; a small rate keeps the step in its first-order regime.)"""
+    out = tmp_path / "run"
+    extra = ("--reward_funcs", f"{REWARDS}:has_x", f"{REWARDS}:half_flat", "--reward_weights", "1", "1",
+             "--correctness_reward", "has_x", "--learning_rate", "1e-4")
+    record = train_recorded(args_for(ending_model, out, *setting, *extra))[0]
+    cfg, ends = config_of(out), ends_of(ending_model)
+    rows = completions(record, ends, cfg["max_completion_length"])
+    moved = []
+    for c, before, after in zip(rows, rescored(ending_model, rows), rescored(out / "final", rows)):
+        mask = loss_mask_of(c, cfg)
+        if mask.sum() and c["advantage"] != 0:
+            moved.append((c["advantage"], float(((after - before) * mask).sum() / mask.sum())))
+    assert len(moved) >= 3 and {a > 0 for a, _ in moved} == {True, False}, moved  # both signs were trained on
+    assert all((a > 0) == (d > 0) and d != 0 for a, d in moved), moved
+    # a higher reward never gets a lower advantage within its group (AGPO gives a group that is all wrong by its
+    # correctness reward one fixed advantage, whatever its other rewards: equal, not reversed)
+    total, size = record["total"], record["group_size"]
+    pairs = [(c, o) for c in rows for o in rows if c["global_row"] // size == o["global_row"] // size and
+             total[c["global_row"]] > total[o["global_row"]]]
+    assert pairs and all(c["advantage"] >= o["advantage"] for c, o in pairs)
+    assert any(c["advantage"] > o["advantage"] for c, o in pairs)
+
+
+def distributions(model_folder, rows: list[dict]) -> list[torch.Tensor]:
+    """Each completion position's next-token log-probabilities over the whole vocabulary, at its temperature."""
+    model = load_model(model_folder)
+    out = []
+    with torch.no_grad():
+        for c in rows:
+            prompt, ids = c["prompt"], c["ids"]
+            logits = model(torch.cat([prompt, ids])[None]).logits[0, len(prompt) - 1: len(prompt) - 1 + len(ids)]
+            out.append(torch.log_softmax(logits.float() / c["temperatures"][:, None], dim=-1))
+    return out
+
+
+def mean_kl(policy: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """KL(pi || pi_ref) summed over the vocabulary, averaged over the positions (exact, not a sampled estimate)."""
+    per_position = torch.cat([(p.exp() * (p - r)).sum(-1) for p, r in zip(policy, reference)])
+    return float(per_position.mean())
+
+
+def mean_entropy(policy: list[torch.Tensor]) -> float:
+    return float(torch.cat([-(p.exp() * p).sum(-1) for p in policy]).mean())
+
+
+def test_a_kl_only_step_lowers_the_kl_and_an_entropy_only_step_raises_the_entropy(ending_model, tmp_path):
+    """The KL and entropy terms alone, each measured exactly over the vocabulary at the step's own completion
+    positions. KL: a first step with rewards moves the policy off the reference, a second whose rewards are flat
+    (tests/tiny_rewards.py:characters_then_flat: every advantage 0) has only beta KL; the KL to the reference is lower
+    after it. (adam_beta1 0: Adam's momentum would carry the first step's direction into the second.) Entropy: one
+    step with flat rewards, no KL and eta > 0 raises the entropy of the distributions it was taken on."""
+    out = tmp_path / "kl"
+    records = train_recorded(args_for(ending_model, out, "--max_steps", "2", "--save_steps", "1", "--reward_funcs",
+                                      f"{REWARDS}:characters_then_flat", "--beta", "0.5", "--adam_beta1", "0"))
+    assert (records[1]["advantages"] == 0).all() and records[0]["advantages"].abs().sum() > 0
+    rows = completions(records[1], ends_of(ending_model), 8)
+    reference = distributions(ending_model, rows)
+    before, after = mean_kl(distributions(out / "checkpoint-1", rows), reference), \
+        mean_kl(distributions(out / "final", rows), reference)
+    assert 0 < after < before, (before, after)
+
+    out = tmp_path / "entropy"
+    record = train_recorded(args_for(ending_model, out, "--reward_funcs", f"{REWARDS}:one", "--beta", "0",
+                                     "--eta", "0.1"))[0]
+    assert (record["advantages"] == 0).all()
+    rows = completions(record, ends_of(ending_model), 8)
+    before, after = mean_entropy(distributions(ending_model, rows)), mean_entropy(distributions(out / "final", rows))
+    assert after > before, (before, after)
