@@ -86,8 +86,11 @@ def tokenizer(embedded_model):
 
 
 def pytest_configure(config):
+    import ci_skips
+
     config.addinivalue_line("markers", "slow: end-to-end runs of the scripts on the real model (minutes)")
     config.addinivalue_line("markers", "browser: drives the chat page in headless Chromium (Playwright)")
+    config.pluginmanager.register(ci_skips, "ci_skips")  # under .ci/run a skip is a failure (tests/ci_skips.py)
 
 
 @pytest.fixture(scope="session")
