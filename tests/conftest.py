@@ -100,6 +100,19 @@ def tokenizer(embedded_model):
     return load_tokenizer(embedded_model)
 
 
+def native_bf16_cpu() -> bool:
+    from lib.modeling import native_bf16
+
+    return native_bf16("cpu")
+
+
+NO_BF16 = "this CPU has no native bf16 (AVX512-BF16 or AMX-BF16)"
+# the precisions a run on this CPU may use: fp32 always, bf16 (the default here) where the CPU runs it natively; a
+# test parametrised with these checks both (bf16 runs autocast, the bf16 sampler copy and its prepacked layers)
+PRECISIONS = ["fp32", pytest.param("bf16", marks=[pytest.mark.skipif(not native_bf16_cpu(), reason=NO_BF16),
+                                                  pytest.mark.ci_may_skip(NO_BF16)])]
+
+
 def pytest_configure(config):
     import ci_skips
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import train_agrpo
-from conftest import REPO, wait_until
+from conftest import PRECISIONS, REPO, wait_until
 from lib import checkpoint as ckpt
 from test_loop import REWARDS, TINY, read_jsonl, steps_of, train, without_times
 
@@ -279,11 +279,15 @@ def training_lines(path: Path) -> int:
 
 
 @pytest.mark.slow
-def test_ten_random_kills_resumed_with_latest_end_exactly_where_an_uninterrupted_run_does(tiny_model, tmp_path):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_ten_random_kills_resumed_with_latest_end_exactly_where_an_uninterrupted_run_does(tiny_model, tmp_path,
+                                                                                           precision):
+    """In fp32 and in bf16 (autocast, the bf16 sampler copy: a resume builds it anew from the checkpoint, an
+    uninterrupted run refreshes it at every sync, and the two must hold the same weights)."""
     steps = 24
     args = ["--model_name_or_path", tiny_model, *TINY, "--max_steps", str(steps), "--save_steps", "1",
             "--num_eval_samples", "4", "--eval_steps", "4", "--lr_scheduler_type", "linear",
-            "--resume_from_checkpoint", "latest"]
+            "--resume_from_checkpoint", "latest", "--bf16", str(precision == "bf16").lower()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     whole = subprocess.Popen([sys.executable, str(REPO / "train_agrpo.py"), *args, "--output_dir",
                               str(tmp_path / "whole")], cwd=REPO, env=env, stdout=subprocess.DEVNULL,

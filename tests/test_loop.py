@@ -16,7 +16,7 @@ import yaml
 from safetensors.torch import load_file
 
 import train_agrpo
-from conftest import REPO
+from conftest import PRECISIONS, REPO
 from lib.config import PRESETS, steps_per_rollout, make_config
 
 REWARDS = str(REPO / "tests" / "tiny_rewards.py")
@@ -154,24 +154,26 @@ def test_dsf_step_kl_is_measured_in_eval_mode(tmp_path, tiny_model):
     assert [m["step_kl_ema"] for m in lines] == [0.0] * 8
 
 
-def test_resume_continues_exactly_with_every_controller(tmp_path, tiny_model):
-    # every controller at once: A-GRPO's beta / epsilon and group size, adaGRPO's retries, AGPO-DSF's averages
-    args = ["--algo", "agpo_dsf", "--adaptive_kl", "true", "--adaptive_group_size", "true", "--group_size_min", "2",
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_resume_continues_exactly_with_every_controller(tmp_path, tiny_model, precision):
+    """Every controller at once (A-GRPO's beta / epsilon and group size, adaGRPO's retries, AGPO-DSF's averages), in
+    fp32 and in bf16 (autocast, and the bf16 sampler copy a sync refreshes and a resume builds anew): the run resumed
+    from its step-2 checkpoint logs each step once, and every number and weight as the uninterrupted run."""
+    args = ["--bf16", str(precision == "bf16").lower(), "--algo", "agpo_dsf", "--adaptive_kl", "true", "--adaptive_group_size", "true", "--group_size_min", "2",
             "--group_size_max", "8", "--num_iterations", "2", "--max_steps", "6", "--save_steps", "2",
             "--resample_schedule", '[{"step": 1, "params": [{"temperature": 1.0}]}]', "--kl_estimator", "k1"]
     reference = tmp_path / "uninterrupted"
-    want = {m["step"]: m for m in train(tiny_model, reference, *args)}
+    want = train(tiny_model, reference, *args)
     saved = json.loads((reference / "checkpoint-2" / "trainer_state.json").read_text())["controller_state"]
     assert set(saved) == {"kl", "group_size", "dsf"} and saved["dsf"]["step_kl_ema"] > 0
     # the same run stopped after its step-2 checkpoint, then resumed from it: the same process, code and inputs, so
     # every number is exactly equal (timings aside)
     out = tmp_path / "resumed"
     shutil.copytree(reference, out, ignore=shutil.ignore_patterns("checkpoint-4", "checkpoint-6", "final"))
-    got = {m["step"]: m for m in train(tiny_model, out, *args, "--resume_from_checkpoint", "latest")}
-    assert sorted(got) == list(range(1, 7))
-    assert got[3]["beta"] != 0.03  # step 3 trains with the saved controller state, not the configured start
-    for step in range(3, 7):
-        assert without_times(got[step]) == without_times(want[step]), step
+    got = train(tiny_model, out, *args, "--resume_from_checkpoint", "latest")
+    assert [m["step"] for m in got] == list(range(1, 7))  # each step logged once: none redone twice, none lost
+    assert got[2]["beta"] != 0.03  # step 3 trains with the saved controller state, not the configured start
+    assert [without_times(m) for m in got] == [without_times(m) for m in want]
     for name in ("trainer_state.json",):
         got_state = json.loads((out / "checkpoint-6" / name).read_text())
         want_state = json.loads((reference / "checkpoint-6" / name).read_text())
