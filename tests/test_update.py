@@ -260,3 +260,36 @@ def test_a_kl_only_step_lowers_the_kl_and_an_entropy_only_step_raises_the_entrop
     rows = completions(record, ends_of(ending_model), 8)
     before, after = mean_entropy(distributions(ending_model, rows)), mean_entropy(distributions(out / "final", rows))
     assert after > before, (before, after)
+
+
+# ---- off-policy steps: the clip ranges and ratios -------------------------------------------------------------------
+
+@pytest.mark.parametrize("algo", ["agpo_dsf", "gspo"])
+def test_off_policy_steps_clip_as_defined_with_each_groups_own_range(algo, ending_model, tmp_path):
+    """The four optimizer steps of one generation batch (AGPO-DSF: four passes over it; GSPO: four slices of it),
+    all but the first off-policy: each gradient equals the definition's with pi_old the policy that sampled the batch,
+    token ratios (AGPO-DSF) or one ratio per sequence (GSPO), and each completion's clip range as recorded. AGPO-DSF's
+    ranges differ between groups and are what acts: the clip cuts tokens, and the same gradient with one range, the
+    batch's mean, for every group is far off."""
+    out = tmp_path / "run"
+    extra = ("--reward_funcs", f"{REWARDS}:has_x", f"{REWARDS}:half_flat", "--reward_weights", "1", "1",
+             "--correctness_reward", "has_x")
+    records = train_recorded(args_for(ending_model, out, "--algo", algo, "--max_steps", "4", *extra),
+                             keep_weights=True)
+    cfg, ends, logged = config_of(out), ends_of(ending_model), metrics_of(out)
+    sampled_with = records[0]["weights"]
+    assert [r["part"] for r in records] == ([0, 0, 0, 0] if algo == "agpo_dsf" else [0, 1, 2, 3])
+    assert all(m["clip_ratio/region_mean"] > 0 for m in logged[1:])  # the clip acts on every off-policy step
+
+    def gradient(record):
+        return expected_gradient(ending_model, [record], cfg, ends, reference_folder=ending_model,
+                                 old_folder=ending_model, policy_weights=record["weights"], old_weights=sampled_with)
+
+    for step, record in enumerate(records):
+        assert relative_gap(record["grads"], gradient(record)) < GAP, step
+    if algo == "agpo_dsf":
+        ranges = records[1]["epsilon_low"]
+        per_group = ranges.view(-1, records[1]["group_size"])
+        assert (per_group == per_group[:, :1]).all() and len(set(per_group[:, 0].tolist())) > 1, ranges
+        one_range = {**records[1], "epsilon_low": float(ranges.mean()), "epsilon_high": float(ranges.mean())}
+        assert relative_gap(records[1]["grads"], gradient(one_range)) > 100 * GAP

@@ -25,10 +25,12 @@ ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mas
 # ---- recording ------------------------------------------------------------------------------------------------------
 
 @contextmanager
-def recording(records: list[dict]):
-    """While inside, every optimizer step of train_agrpo appends {step_rows, part, batch, values, grads, world} to
-    `records`: this process's share of the step's completions and what the update used, and the gradient it
-    produced (by parameter name; all-reduced over the processes, so the same on each)."""
+def recording(records: list[dict], keep_weights: bool = False):
+    """While inside, every optimizer step of train_agrpo appends a record to `records`: this process's share of the
+    generation batch (its rollout, advantages, loss mask, the global rewards), the rows of this step's slice, the
+    values it trains with (beta, per-completion clip ranges), and the gradient it produced (`grads`, by parameter
+    name; all-reduced over the processes, so the same on each); with `keep_weights`, the policy's weights before the
+    step (`weights`), for steps that no checkpoint precedes (inside a generation batch)."""
     import train_agrpo
 
     update_policy, step_optimizer = train_agrpo.update_policy, train_agrpo.step_optimizer
@@ -50,6 +52,8 @@ def recording(records: list[dict]):
             "beta": values.beta,
             "epsilon_low": _cpu(values.epsilon_low), "epsilon_high": _cpu(values.epsilon_high),
         })
+        if keep_weights:
+            records[-1]["weights"] = {k: v.detach().cpu().clone() for k, v in run.policy.state_dict().items()}
         return update_policy(run, batch, part, values)
 
     def step(run, loss, skip_update, nonfinite):
@@ -68,14 +72,14 @@ def _cpu(value):
     return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
-def train_recorded(argv: list[str]) -> list[dict]:
+def train_recorded(argv: list[str], keep_weights: bool = False) -> list[dict]:
     """train_agrpo.main(argv) in this process with the recording on; its records, one per optimizer step."""
     import train_agrpo
     from accelerate.state import AcceleratorState
 
     records: list[dict] = []
     try:
-        with recording(records):
+        with recording(records, keep_weights):
             train_agrpo.main(argv)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)  # the next run builds its own Accelerator
@@ -148,10 +152,14 @@ def replaying(records: list[dict]):
 
 # ---- the update from its definitions --------------------------------------------------------------------------------
 
-def load_model(folder) -> torch.nn.Module:
+def load_model(folder, weights: dict | None = None) -> torch.nn.Module:
+    """The model in `folder` (fp32, eval mode), with `weights` (a recorded state dict) in place of its own if given."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if weights is not None:
+        model.load_state_dict(weights)
+    return model
 
 
 def completions(record: dict, end_ids: list[int], max_completion_length: int) -> list[dict]:
@@ -258,11 +266,13 @@ def expected_loss(policy, reference, old_policy, records: list[dict], cfg: dict,
 
 
 def expected_gradient(policy_folder, records: list[dict], cfg: dict, end_ids: list[int], *, reference_folder=None,
-                      old_folder=None, importance_sampling: bool = False) -> dict[str, torch.Tensor]:
-    """The gradient of `expected_loss` with respect to the policy loaded from `policy_folder`, by parameter name."""
-    policy = load_model(policy_folder)
+                      old_folder=None, importance_sampling: bool = False, policy_weights: dict | None = None,
+                      old_weights: dict | None = None) -> dict[str, torch.Tensor]:
+    """The gradient of `expected_loss` with respect to the policy loaded from `policy_folder` (with `policy_weights`
+    in place of its own, if given), by parameter name; pi_old likewise from `old_folder` / `old_weights`."""
+    policy = load_model(policy_folder, policy_weights)
     reference = load_model(reference_folder) if reference_folder is not None else None
-    old = load_model(old_folder) if old_folder is not None else None
+    old = load_model(old_folder, old_weights) if old_folder is not None else None
     loss = expected_loss(policy, reference, old, records, cfg, end_ids, importance_sampling)
     loss.backward()
     return {name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None}
