@@ -38,9 +38,9 @@ def run_suite(tmp_path, ci: bool) -> subprocess.CompletedProcess:
         (tmp_path / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if k != "AGRPO_CI"}
     env.update(PYTHONPATH=str(REPO / "tests"), COLUMNS="400", **({"AGRPO_CI": "1"} if ci else {}))
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "ci_skips", "-q", "-rA", "--continue-on-collection-errors",
-                           "-p", "no:cacheprovider", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "ci_skips", "-p", "no:cacheprovider", "-q", "-rA",
+                           "--continue-on-collection-errors", str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_under_ci_a_skip_fails_unless_marked_as_one_no_installation_changes(tmp_path):
