@@ -161,7 +161,8 @@ def test_resume_continues_exactly_with_every_controller(tmp_path, tiny_model, pr
     fp32 and in bf16 (autocast, and the bf16 sampler copy a sync refreshes and a resume builds anew): the run resumed
     from its step-2 checkpoint logs each step once, and every number and weight as the uninterrupted run."""
     args = ["--bf16", str(precision == "bf16").lower(), "--algo", "agpo_dsf", "--adaptive_kl", "true",
-            "--adaptive_group_size", "true", "--group_size_min", "2", "--group_size_max", "8", "--num_iterations", "2", "--max_steps", "6", "--save_steps", "2",
+            "--adaptive_group_size", "true", "--group_size_min", "2", "--group_size_max", "8", "--num_iterations",
+            "2", "--max_steps", "6", "--save_steps", "2",
             "--resample_schedule", '[{"step": 1, "params": [{"temperature": 1.0}]}]', "--kl_estimator", "k1"]
     reference = tmp_path / "uninterrupted"
     want = train(tiny_model, reference, *args)
