@@ -186,7 +186,8 @@ DIRECTION = [("--algo", algo) for algo in PRESETS] + \
     [pytest.param(("--loss_type", loss_type), marks=pytest.mark.slow) for loss_type in LOSS_TYPES]
 
 
-@pytest.mark.parametrize("setting", DIRECTION, ids=[f"{algo}" for algo in PRESETS] + LOSS_TYPES)
+@pytest.mark.parametrize("setting", DIRECTION, ids=[f"algo={a}" for a in PRESETS] +
+                         [f"loss_type={t}" for t in LOSS_TYPES])
 def test_a_step_raises_the_log_probs_of_what_it_rewards_and_lowers_the_rest(setting, ending_model, tmp_path):
     """One step (each preset with its own loss, clip, KL, entropy, sampling and advantage rule; each loss type
     alone), then the step's own completions re-scored by the updated policy: the mean log-prob of each completion
