@@ -24,7 +24,7 @@ import yaml
 
 from conftest import REPO
 from lib.config import PRESETS
-from lib.modeling import end_token_ids, load_tokenizer
+from lib.modeling import load_tokenizer
 from update_reference import (completions, expected_gradient, load_model, loss_mask_of, norm, relative_gap,
                               sequence_logps, train_recorded)
 
@@ -62,7 +62,12 @@ def ending_model(tmp_path_factory, tiny_model) -> str:
 
 
 def ends_of(model_folder: str) -> list[int]:
-    return end_token_ids(load_model(model_folder), load_tokenizer(model_folder))
+    """The tokens that end a completion, as transformers' generate reads them: the tokenizer's end token and those
+    the generation config lists."""
+    from transformers import GenerationConfig
+
+    listed = GenerationConfig.from_pretrained(model_folder).eos_token_id
+    return sorted({load_tokenizer(model_folder).eos_token_id, *([listed] if isinstance(listed, int) else listed)})
 
 
 def args_for(model: str, out: Path, *extra: str) -> list[str]:
