@@ -6,7 +6,8 @@ ways: the gradient equals the gradient of the loss written out from its definiti
 forward of each sequence (sign and scale of every term, every loss type, the masks, the clip ranges, the
 importance weights); one batch and its accumulated halves, one process and two, give the same gradient; after a
 step, the step's own completions re-scored by the updated policy moved the way their advantages say (every loss
-type and preset); a KL-only step lowers the KL to the reference and an entropy-only step raises the entropy.
+type and preset); a KL-only step lowers the KL to the reference and an entropy-only step raises the entropy. About
+40 s in all in the fast suite; the second process count of one test and the vLLM test are slow.
 
 Gradients are compared as whole vectors, ||got - want|| / ||want|| (tests/conftest.py: float rounding between two
 computations of a model's gradient is about 1e-6 here; a sign, scale or mask error is 1e-3 to 1).
@@ -185,10 +186,7 @@ def rescored(model_folder, rows: list[dict]) -> list[torch.Tensor]:
         return [sequence_logps(model, c)[0] for c in rows]
 
 
-# every preset in the fast suite; the loss types alone in the slow one (their signs and scales are checked exactly by
-# the gradient test above)
-DIRECTION = [("--algo", algo) for algo in PRESETS] + \
-    [pytest.param(("--loss_type", loss_type), marks=pytest.mark.slow) for loss_type in LOSS_TYPES]
+DIRECTION = [("--algo", algo) for algo in PRESETS] + [("--loss_type", loss_type) for loss_type in LOSS_TYPES]
 
 
 @pytest.mark.parametrize("setting", DIRECTION, ids=[f"algo={a}" for a in PRESETS] +
