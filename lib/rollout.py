@@ -263,6 +263,9 @@ class HFRollout:
             self.copy, _ = merged_copy(lm, torch.bfloat16)
         elif own_copy and not adapter and not quantized:  # a policy that will be sharded: sample from a full copy
             self.copy, _ = merged_copy(lm, next(policy.parameters()).dtype)
+        # a tied output layer is the input embeddings' parameter, which a policy lists once, under the embeddings'
+        # name: a prepacked copy of it must be packed again from the embeddings after each sync
+        self.tied_head = self.copy is not None and _tied_output_layer(self.copy)
         if self.copy is not None and next(self.copy.parameters()).dtype == torch.bfloat16 and \
                 device.type == "cpu" and can_prepack():
             prepack_linears(self.copy)
@@ -306,6 +309,9 @@ class HFRollout:
             if "weight" in parts and ("bias" in parts or module.bias is None):
                 module.load(parts["weight"], parts.get("bias"))
                 del pending[owner]
+        head = self.copy.get_output_embeddings()
+        if self.tied_head and isinstance(head, PackedLinear):  # bitwise what packing the new weights anew gives
+            head.load(self.copy.get_input_embeddings().weight, head.bias)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
@@ -446,6 +452,12 @@ class HFRollout:
 
 def _is_lora_layer(module: torch.nn.Module) -> bool:
     return hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
+
+
+def _tied_output_layer(lm: torch.nn.Module) -> bool:
+    """Whether a causal LM's output layer and input embeddings share one weight (tie_word_embeddings)."""
+    head, embed = lm.get_output_embeddings(), lm.get_input_embeddings()
+    return head is not None and embed is not None and getattr(head, "weight", None) is embed.weight
 
 
 def _compute_dtype(lm: torch.nn.Module) -> torch.dtype:

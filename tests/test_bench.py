@@ -13,17 +13,19 @@ BENCH = [sys.executable, str(REPO / "scripts" / "bench_vs_trl.py")]
 
 
 def test_bad_arguments_are_named_before_any_run(tmp_path):
-    proc = subprocess.run(BENCH + ["--steps", "2", "--warmup_steps", "2"], capture_output=True, text=True)
+    proc = subprocess.run(BENCH + ["--steps", "2", "--warmup_steps", "2"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--steps (2) must exceed --warmup_steps (2)" in proc.stderr
-    proc = subprocess.run(BENCH + ["--model_name_or_path", "no/such/folder"], capture_output=True, text=True)
+    proc = subprocess.run(BENCH + ["--model_name_or_path", "no/such/folder"], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode != 0 and "is not a folder" in proc.stderr
     # where TRL is missing (here: an interpreter that cannot import it, None in sys.modules), a wrong argument is
     # still named first, and then the missing package with its install
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['trl'] = None\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(BENCH + ["--model_name_or_path", "no/such/folder"], capture_output=True, text=True, env=env)
+    proc = subprocess.run(BENCH + ["--model_name_or_path", "no/such/folder"], capture_output=True, text=True, env=env,
+                          timeout=120)
     assert proc.returncode != 0 and "is not a folder" in proc.stderr
-    proc = subprocess.run(BENCH, capture_output=True, text=True, env=env)
+    proc = subprocess.run(BENCH, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode != 0 and "TRL is not installed: pip install -r requirements-bench.txt" in proc.stderr
 
 
@@ -52,10 +54,10 @@ def test_side_by_side_run_reports_both_trainers_ratios_and_our_phases(tmp_path):
 
 
 def test_the_sharded_and_server_modes_name_what_they_need():
-    proc = subprocess.run(BENCH + ["--launch_config", "no/such.yaml"], capture_output=True, text=True)
+    proc = subprocess.run(BENCH + ["--launch_config", "no/such.yaml"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--launch_config: no file 'no/such.yaml'" in proc.stderr
     proc = subprocess.run(BENCH + ["--use_vllm", "--vllm_mode", "server", "--trainers", "ours"], capture_output=True,
-                          text=True)
+                          text=True, timeout=120)
     assert proc.returncode != 0 and "--vllm_mode server: give --vllm_server_base_url" in proc.stderr
 
 

@@ -71,4 +71,4 @@ def test_the_page_listens_where_gradios_variables_say(tmp_path, tiny_model):
         assert wait_for_page(proc, port, log, timeout_s=180) == f"http://127.0.0.1:{port}/"
     finally:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=60)

@@ -241,7 +241,7 @@ def test_client_sends_a_prompt_gets_both_answers_and_switches_checkpoint(page, r
     # the second turn follows the first, and arrives in many partial updates (streamed token by token)
     instruction = "Give the final answer as 'Answer: <number>'."
     job = client.submit("What is 5 + 6?", "", instruction, "", True, 0.7, 1.0, 48, api_name="/send")
-    chat_a, chat_b, *_ = job.result()
+    chat_a, chat_b, *_ = job.result(timeout=300)
     assert len(chat_a) > 2 and len(chat_b) > 2
     assert len(job.outputs()) > 10
     # bad input is a message in the page

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO
+from conftest import REPO, wait_until
 from test_loop import REWARDS, TINY, steps_of
 
 FSDP = ["--config_file", str(REPO / "scripts" / "accelerate" / "fsdp2_cpu.yaml")]
@@ -65,10 +65,9 @@ def assert_resumes_exactly_after_sigkill(config: list[str], args: list[str], tmp
     hanging = [a if a != f"{REWARDS}:characters" else f"{REWARDS}:characters_hang_third" for a in args]
     proc = launch(config, [*hanging, "--output_dir", str(killed)], tmp_path, env={"AGRPO_TEST_HANG_FILE": str(flag)},
                   wait=False)
-    deadline = time.time() + 300
-    while not (killed / "checkpoint-2" / "trainer_state.json").exists() or len(steps_of(killed)) < 2:
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:] if proc.stdout else ""
-        time.sleep(0.5)
+    wait_until(lambda: proc.poll() is not None or (killed / "checkpoint-2" / "trainer_state.json").exists() and
+               len(steps_of(killed)) >= 2, 300, "checkpoint-2 and two logged steps", interval_s=0.5)
+    assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else "the run exited before step 3"
     time.sleep(2)  # both processes are inside step 3's hanging reward
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)

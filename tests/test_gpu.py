@@ -24,7 +24,9 @@ import torch
 
 from conftest import rel_diff
 
-pytestmark = pytest.mark.gpu
+NO_GPU = "needs an NVIDIA GPU"
+# under CI (a CPU machine) these skip: scripts/gpu_check.sh runs them where a GPU is, --dry-run on a CPU
+pytestmark = [pytest.mark.gpu, pytest.mark.ci_may_skip(NO_GPU)]
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
@@ -40,7 +42,7 @@ def device() -> torch.device:
         return torch.device("cuda")
     if os.environ.get("AGRPO_GPU_DRY_RUN") == "1":
         return torch.device("cpu")
-    pytest.skip("needs an NVIDIA GPU: bash scripts/gpu_check.sh runs these there (--dry-run: on this CPU)")
+    pytest.skip(f"{NO_GPU}: bash scripts/gpu_check.sh runs these there (--dry-run: on this CPU)")
 
 
 def report(test: str, **values) -> None:

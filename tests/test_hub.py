@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, wait_until
 from lib import hub
 from lib.config import ConfigError, make_config, to_dict
 
@@ -331,6 +331,21 @@ def test_a_run_with_push_to_hub_and_no_hub_stops_at_start_up_before_any_model_lo
     assert "memory:" not in proc.stdout + proc.stderr and not (tmp_path / "run").exists()  # nothing loaded or made
 
 
+def test_a_run_with_push_to_hub_and_the_hubs_offline_mode_on_stops_at_start_up_with_one_line(tmp_path, tiny_model):
+    """HF_HUB_OFFLINE=1 (as on many offline clusters) with push_to_hub: the run stops before any model loads, and
+    its one line says that offline mode is on and both ways out, instead of training and failing to push."""
+    env = {**hub_env(f"http://127.0.0.1:{closed_port()}", tmp_path), "HF_HUB_OFFLINE": "1"}
+    proc = train(["--model_name_or_path", tiny_model, "--max_steps", "1", *TINY, "--output_dir",
+                  str(tmp_path / "run"), "--push_to_hub", "true"], tmp_path, env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == ("configuration error: push_to_hub: the hub's offline mode is on (HF_HUB_OFFLINE or "
+                    "TRANSFORMERS_OFFLINE), so nothing can be pushed; unset it, or set push_to_hub false to train "
+                    "without pushing (final/ is written either way)"), last
+    assert "memory:" not in proc.stdout + proc.stderr and not (tmp_path / "run").exists()  # nothing loaded or made
+
+
 # ---- pushes ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow  # a whole tiny-model run (about 8 s): the whole suite runs it, the fast one stays fast
@@ -399,7 +414,9 @@ def test_a_hub_that_fails_the_push_leaves_every_file_whole_and_says_how_to_push(
     assert (out / "checkpoint-1" / "optimizer.pt").stat().st_size > 0
 
 
-def test_pushes_go_one_at_a_time_and_a_silent_hub_never_holds_the_run(silent_hub, tmp_path):
+def test_pushes_go_one_at_a_time_and_a_silent_hub_never_holds_the_run(online, silent_hub, tmp_path):
+    # online: with HF_HUB_OFFLINE=1 in the environment huggingface_hub refuses the commit at once, and the push this
+    # test needs running would end before it is seen
     for step in (1, 2, 3):
         (tmp_path / f"checkpoint-{step}").mkdir()
         (tmp_path / f"checkpoint-{step}" / "config.json").write_text("{}")
@@ -409,8 +426,7 @@ def test_pushes_go_one_at_a_time_and_a_silent_hub_never_holds_the_run(silent_hub
     pusher = hub.HubPusher(hub.HubTarget("tester/run", None, silent_hub, "every_save", TOKEN), said.append)
     start = time.time()
     pusher.push_checkpoint(tmp_path / "checkpoint-1", 1)  # the hub never answers it
-    while pusher.running() is None:
-        time.sleep(0.01)
+    wait_until(pusher.running, 10, "the push of checkpoint-1 to start", detail=lambda: f"the pusher said {said}")
     for step in (2, 3):  # 2 waits, and gives way to 3
         pusher.push_checkpoint(tmp_path / f"checkpoint-{step}", step)
     assert time.time() - start < 1 and pusher.running() == "checkpoint-1"  # training never waits on a push

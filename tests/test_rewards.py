@@ -110,7 +110,8 @@ def test_answers_match_outside_the_main_thread():
     results = []
     thread = threading.Thread(target=lambda: results.append(answers_match("0.5", "\\frac{1}{2}")))
     thread.start()
-    thread.join()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "answers_match did not return within 60 s off the main thread"
     assert results == [True]
 
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import NO_FULL_DATA, REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import make_splits  # noqa: E402  (a script, imported from its folder)
@@ -20,7 +20,8 @@ def problems(path) -> list[str]:
 # (where, the sizes written): 926 distinct MAWPS problems and 1,000 SVAMP ones in the full sets; 384 and 300 in the
 # slices (tests/data/README.md)
 @pytest.mark.parametrize("where, expected", [("data_dir", {"mawps": (184, 200), "svamp": (100, 200)}),
-                                             ("full_data_dir", {"mawps": (726, 200), "svamp": (800, 200)})])
+                                             pytest.param("full_data_dir", {"mawps": (726, 200), "svamp": (800, 200)},
+                                                          marks=pytest.mark.ci_may_skip(NO_FULL_DATA))])
 def test_splits_are_disjoint_seeded_and_read_by_the_trainer(tmp_path, request, where, expected):
     data_dir = request.getfixturevalue(where)
     sizes = make_splits.main(["--data_dir", str(data_dir), "--out", str(tmp_path / "a")])

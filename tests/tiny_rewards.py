@@ -66,3 +66,17 @@ def characters_hang_third(prompts, completions, **columns):
         while os.path.exists(os.environ.get("AGRPO_TEST_HANG_FILE", "")):
             time.sleep(0.2)
     return characters(prompts, completions)
+
+
+# ---- the update's direction and masks (tests/test_update.py)
+
+def half_flat(prompts, completions, answer, **columns):
+    """Like `characters` for the built-in task's problems with an even answer, 1 for every completion of the others:
+    about half the groups have a spread and half have none (zero advantages), as a correctness reward's batches do."""
+    return [len(c) / 100 if int(a) % 2 == 0 else 1.0 for a, c in zip(answer, completions)]
+
+
+def characters_then_flat(prompts, completions, trainer_state, **columns):
+    """`characters` on the first generation batch, then 1 for everything: a run's second step has no advantage, so
+    only its KL term moves the policy."""
+    return characters(prompts, completions) if trainer_state.global_step == 0 else one(prompts, completions)
