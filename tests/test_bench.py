@@ -75,3 +75,23 @@ def test_a_sharded_run_is_measured_across_its_processes(tmp_path):
     ours = report["summary"]["ours"]
     assert ours["measured_steps"] == 1 and ours["median_step_time_s"] > 0 and ours["peak_memory_gb"] > 0.3
     assert report["settings"]["launch_config"].endswith("fsdp2_cpu.yaml")
+
+
+@pytest.mark.slow  # four short runs of the tiny model: about a minute
+def test_the_regression_benchmark_compares_two_revisions_phase_by_phase(tmp_path, tiny_model):
+    """scripts/bench_regression.py against HEAD: the same code on both sides samples the same completions, so the
+    phases are compared step for step, and every ratio's spread brackets its median."""
+    out = tmp_path / "regression.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_regression.py"), "--against", "HEAD",
+                           "--rounds", "2", "--output_json", str(out), "--", "--model_name_or_path", tiny_model,
+                           "--max_steps", "3", "--per_device_train_batch_size", "8", "--num_generations", "4",
+                           "--max_completion_length", "8", "--builtin_num_train", "32", "--reward_funcs",
+                           "tests/tiny_rewards.py:characters"], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["identical_samples"] and report["unit"] == "s"
+    assert {"step", "generation", "policy", "optimizer"} <= set(report["summary"])
+    for row in report["summary"].values():
+        assert row["spread"][0] <= row["ratio"] <= row["spread"][1]
+    assert "| step |" in proc.stdout
