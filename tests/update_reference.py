@@ -127,6 +127,9 @@ class ReplaySampler:
     def sleep(self) -> None:
         pass
 
+    def ready(self, policy) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
