@@ -223,6 +223,10 @@ def test_fsdp2_bf16_mixed_precision_scores_at_the_sampled_temperatures(plain_mod
                               torch.ones_like(completions), temps, with_entropy=False)[0]
 
         at_07, at_bf16 = logps(0.7), logps(float(torch.tensor(0.7).to(torch.bfloat16)))
+        from test_gpu import report  # the GPU check's results file, where it runs this
+
+        report("fsdp2_bf16_temperatures", device=str(device), dtype=str(at_07.dtype),
+               gap_07_vs_bf16_07=float((at_07 - at_bf16).abs().max()))
         assert at_07.dtype == torch.float32
         assert not torch.equal(at_07, at_bf16)  # a bf16-cast temperature would make them the same tensor
     finally:
