@@ -45,7 +45,8 @@ from lib.modeling import (EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adap
 from lib.losses import weighted_rewards
 from lib.reward_models import load_reward_models
 from lib.rewards import resolve_reward_funcs, reward_arguments, score_completions
-from lib.rollout import HFRollout, VLLMRollout
+from lib.rollout import HFRollout
+from lib.vllm_rollout import VLLMRollout
 
 BUILTIN = "builtin"
 

@@ -92,7 +92,8 @@ from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_
 from lib.reward_models import load_reward_models
 from lib.reward_worker import RewardWorker
 from lib.rewards import resolve_reward_funcs
-from lib.rollout import AdapterSyncError, AnswerPhase, HFRollout, Rollout, VLLMRollout, adapter_ranks
+from lib.rollout import AnswerPhase, HFRollout, Rollout
+from lib.vllm_rollout import AdapterSyncError, VLLMRollout, adapter_ranks
 from lib.runs import read_jsonl
 from lib.schedule import build_scheduler
 

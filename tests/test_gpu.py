@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import rel_diff
+from conftest import rel_diff, rollout_logps
 
 NO_GPU = "needs an NVIDIA GPU"
 # under CI (a CPU machine) these skip: scripts/gpu_check.sh runs them where a GPU is, --dry-run on a CPU
@@ -152,7 +152,7 @@ def test_a_merged_adapter_copy_samples_the_policy_and_a_sync_refreshes_it(device
     sync_weights."""
     if load_in_4bit:
         pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (scripts/gpu_check.sh carries it)")
-    from lib.modeling import CompletionScorer, load_policy
+    from lib.modeling import load_policy
     from lib.rollout import HFRollout
 
     policy = load_policy(small_model, use_peft=True, lora_r=8, lora_alpha=16, load_in_4bit=load_in_4bit,
@@ -166,12 +166,9 @@ def test_a_merged_adapter_copy_samples_the_policy_and_a_sync_refreshes_it(device
     assert engine.copy is not None and not hasattr(engine.copy, "peft_config")
     ids, mask = prompts(device)
     roll = engine.generate(ids, mask, 3, 12, temperature=1.0)
-    args = (roll.prompt_ids, roll.prompt_mask, roll.prompt_index, roll.completion_ids, roll.completion_mask,
-            roll.temperatures)
 
     def logps(model):
-        with torch.no_grad():
-            return CompletionScorer(model)(*args, with_entropy=False)[0]
+        return rollout_logps(model, roll)
 
     fresh = rel_diff(logps(engine.copy), logps(policy))
     with torch.no_grad():

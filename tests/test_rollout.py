@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import assert_close_to_scale, rel_diff
+from conftest import assert_close_to_scale, rel_diff, rollout_logps
 from lib.data import builtin_task, format_prompt, tokenize_prompts
 from lib.modeling import load_policy
 from lib.rollout import AnswerPhase, HFRollout, Rollout, replace_completions, sample_next_token
@@ -162,8 +162,6 @@ def test_policy_weights_of_a_lora_policy_equal_peft_merge(tiny_model):
 def test_an_adapter_policy_samples_with_its_merged_weights_and_a_sync_refreshes_them(tiny_model, load_in_4bit):
     """LoRA and QLoRA decode with a plain copy holding W + (alpha/r) B A (a 4-bit base dequantised): its log-probs
     of fixed completions equal the policy's, before and after an update reaches it through sync_weights."""
-    from lib.modeling import CompletionScorer
-
     policy = load_policy(tiny_model, use_peft=True, lora_r=4, lora_alpha=8, load_in_4bit=load_in_4bit)
     with torch.no_grad():  # make the adapter do something
         for name, p in policy.named_parameters():
@@ -176,12 +174,9 @@ def test_an_adapter_policy_samples_with_its_merged_weights_and_a_sync_refreshes_
     assert unmerged.copy is None
     prompts = torch.randint(100, 5000, (2, 6), generator=torch.Generator().manual_seed(1))
     roll = backend.generate(prompts, torch.ones_like(prompts), 3, 8, temperature=1.0)
-    args = (roll.prompt_ids, roll.prompt_mask, roll.prompt_index, roll.completion_ids, roll.completion_mask,
-            roll.temperatures)
 
     def logps(model):
-        with torch.no_grad():
-            return CompletionScorer(model)(*args, with_entropy=False)[0]
+        return rollout_logps(model, roll)
 
     policy.eval()
     # two ways of summing the same products (merged weight, or base plus the adapter's two products): equal to
@@ -208,7 +203,6 @@ def test_the_sampler_is_the_policy_after_every_sync(tied, bf16):
     off (measured: the prepacked tied head, before it was packed again at each sync)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lib.modeling import CompletionScorer
     from lib.rollout import PackedLinear, can_prepack
 
     config = LlamaConfig(vocab_size=2000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -220,12 +214,9 @@ def test_the_sampler_is_the_policy_after_every_sync(tied, bf16):
     assert packed == (bf16 and can_prepack())
     prompts = torch.randint(3, 2000, (2, 6), generator=torch.Generator().manual_seed(1))
     roll = backend.generate(prompts, torch.ones_like(prompts), 3, 8, temperature=1.0)
-    args = (roll.prompt_ids, roll.prompt_mask, roll.prompt_index, roll.completion_ids, roll.completion_mask,
-            roll.temperatures)
 
     def logps(model):
-        with torch.no_grad():
-            return CompletionScorer(model)(*args, with_entropy=False)[0]
+        return rollout_logps(model, roll)
 
     # bf16 rounding of a 2-block model's log-probs: 6e-4 of their scale, measured
     tolerance = 3e-3 if bf16 else 1e-5
@@ -246,7 +237,8 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from lib.data import builtin_task, format_prompt, tokenize_prompts
 from lib.modeling import embedded_model_path, load_tokenizer
-from lib.rollout import AnswerPhase, VLLMRollout
+from lib.rollout import AnswerPhase
+from lib.vllm_rollout import VLLMRollout
 
 if __name__ == "__main__":
     path = str(embedded_model_path())
@@ -305,7 +297,7 @@ def test_a_cpu_engines_kv_cache_is_what_its_largest_call_needs_within_half_the_f
 
     from lib.memory import kv_bytes_per_token
     from lib.modeling import embedded_model_path
-    from lib.rollout import CPU_KV_CACHE_MIN, cpu_kv_cache_bytes
+    from lib.vllm_rollout import CPU_KV_CACHE_MIN, cpu_kv_cache_bytes
 
     # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, a key and a value, 2 bytes each in bf16
     config = AutoConfig.from_pretrained(embedded_model_path())
@@ -324,7 +316,7 @@ sys.path.insert(0, sys.argv[1])
 import torch
 from lib.data import builtin_task, format_prompt, tokenize_prompts
 from lib.modeling import embedded_model_path, load_tokenizer
-from lib.rollout import VLLMRollout
+from lib.vllm_rollout import VLLMRollout
 
 if __name__ == "__main__":
     path = str(embedded_model_path())
