@@ -8,7 +8,7 @@
 
 The Run tab (docs/watching.md) redraws the curves of metrics.jsonl as the run writes them (a plot per quantity, the
 controllers' fields included; constant ones are listed, not drawn), by step or by generated tokens, several runs
-overlaid; it shows the warnings of lib/health.py with their numbers and what to try, and browses completions.jsonl
+overlaid; it shows the warnings of lib/extras/health.py with their numbers and what to try, and browses completions.jsonl
 (filters by step, reward and advantage sign; a row opens in the Chat tab with the nearest checkpoint).
 
 The page listens on 127.0.0.1:7860 unless --host / --port (else Gradio's GRADIO_SERVER_NAME / GRADIO_SERVER_PORT)
@@ -41,8 +41,8 @@ import yaml
 from transformers import GenerationConfig, TextIteratorStreamer
 from transformers.utils import logging as hf_logging
 
-from lib import health
-from lib import runs as run_data
+from lib.extras import health
+from lib.extras import runs as run_data
 from lib.checkpoint import list_checkpoints
 from lib.data import DEFAULT_INSTRUCTION
 from lib.modeling import EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference, \
@@ -312,7 +312,7 @@ def run_labels(folders: list[Path]) -> list[str]:
 
 
 def warnings_markdown(run: run_data.Run) -> str:
-    """A run's warnings (lib/health.py): those that hold now, each with its numbers and what to try, then the
+    """A run's warnings (lib/extras/health.py): those that hold now, each with its numbers and what to try, then the
     stretches of steps where one held earlier."""
     lines = run.lines
     now = health.check(lines, run.config)
@@ -454,7 +454,7 @@ def pick_completion(shown: list[dict], evt=None):
 
 def open_prompt(row, run_shown, *, roots):
     """Chat tab outputs for a completion: the tab, its problem as the prompt, its gold answer as the reference, the
-    run folder and its checkpoint nearest the policy that sampled it (lib/runs.nearest_checkpoint), a status line."""
+    run folder and its checkpoint nearest the policy that sampled it (lib/extras/runs.nearest_checkpoint), a status line."""
     import gradio as gr
 
     if row is None or not run_shown:

@@ -46,7 +46,7 @@ How this differs from TRL's GRPOTrainer (same names, same math; docs/methods.md 
      two accumulated batches of B/2 give the same gradient, on one process or several, for every loss type but
      bnpo (TRL's per-micro-batch token mean, whose value depends on how the batch is split).
   5. Defaults are sized for the CPU demo (short completions, 2 prompts a step); recipes set real-model values.
-  6. Before the first step the run's memory is estimated and checked against max_memory (lib/memory.py).
+  6. Before the first step the run's memory is estimated and checked against max_memory (lib/extras/memory.py).
 """
 
 from __future__ import annotations
@@ -75,26 +75,26 @@ from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
 from lib import distributed
-from lib import health
-from lib import hub
+from lib.extras import health
+from lib.extras import hub
 from lib.config import Config, ConfigError, hf_sampler_note, parse_config, resolve_epochs, reward_options, save_yaml, \
     reference_dtype, steps_per_rollout, to_dict, validate, warmup_steps, weights_dtype
 from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
 from lib.evaluation import generate_and_score, summarize
-from lib.generation_server import ServerError, ServerRollout
+from lib.extras.generation_server import ServerError, ServerRollout
 from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, policy_ratio, truncated_importance_weights
-from lib.memory import (GB, build_optimizer, check_step_memory, describe_recipe, estimate_step_memory, memory_budget,
+from lib.extras.memory import (GB, build_optimizer, check_step_memory, describe_recipe, estimate_step_memory, memory_budget,
                         recipe_memory, resident_bytes, step_token_counts)
 from lib.methods import Method, RolloutContext, Sampled, TrainValues, choose_method
 from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_token_ids, gpu_without_bf16,
                           is_adapter_folder, load_policy, load_reference, load_tokenizer, native_bf16,
                           offloaded_activations, resolve_model_path)
 from lib.reward_models import load_reward_models
-from lib.reward_worker import RewardWorker
+from lib.extras.reward_worker import RewardWorker
 from lib.rewards import resolve_reward_funcs
 from lib.rollout import AnswerPhase, HFRollout, Rollout
 from lib.vllm_rollout import AdapterSyncError, VLLMRollout, adapter_ranks
-from lib.runs import read_jsonl
+from lib.extras.runs import read_jsonl
 from lib.schedule import build_scheduler
 
 
@@ -575,7 +575,7 @@ def log_step(run: Run, step: int, metrics: dict, batch: Batch) -> None:
 
 
 def watch_health(run: Run, step: int, metrics: dict) -> None:
-    """Say each kind of lib/health.py warning (zero-spread groups, truncation, entropy collapse, reward hacking, a KL
+    """Say each kind of lib/extras/health.py warning (zero-spread groups, truncation, entropy collapse, reward hacking, a KL
     above its target) once, at the first logged line where it holds, with its numbers and what to try: on the
     console and in warnings.jsonl. A warning an evaluation raised carries an eval/ key, so that a resume at this
     step, which redoes the evaluation, sets it aside with the evaluation's line (lib/checkpoint.trim_jsonl)."""
@@ -833,7 +833,7 @@ class Run:
     geometry: Geometry
     stop: ckpt.StopRequest  # SIGTERM / SIGUSR1 received
     watch: health.Watch  # the run's metric history, for the console warnings
-    hub: hub.HubPusher | None = None  # push_to_hub's uploads, on the main process (lib/hub.py)
+    hub: hub.HubPusher | None = None  # push_to_hub's uploads, on the main process (lib/extras/hub.py)
     sharded: bool = False  # FSDP2: weights, gradients and optimizer states sharded over the processes
 
 
@@ -852,7 +852,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print)
     resolve_epochs(cfg, len(train_records), accelerator.num_processes)  # max_steps -1, and the epoch strategies
     resume = prepare_output_dir(cfg, accelerator)
-    # reward functions run in a worker process with a time limit per call (lib/reward_worker.py); it starts now and
+    # reward functions run in a worker process with a time limit per call (lib/extras/reward_worker.py); it starts now and
     # loads them while the models load
     worker = RewardWorker(reward_specs, reward_options(cfg), cfg.reward_timeout) if cfg.reward_timeout else None
     if worker is not None:
@@ -1071,7 +1071,7 @@ def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, ran
     if not cfg.use_vllm:
         return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16,
                          seed=cfg.seed + rank, own_copy=sharded)
-    if cfg.vllm_mode == "server":  # one engine on devices of its own (serve_vllm.py, lib/generation_server.py)
+    if cfg.vllm_mode == "server":  # one engine on devices of its own (serve_vllm.py, lib/extras/generation_server.py)
         url = cfg.vllm_server_base_url or f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}"
         engine = ServerRollout(url, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, seed=cfg.seed + rank,
                                group_port=cfg.vllm_group_port, timeout_s=cfg.vllm_server_timeout, is_main=rank == 0,

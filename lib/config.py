@@ -30,7 +30,7 @@ from transformers import HfArgumentParser
 from lib.controllers import ADAGRPO_SCHEDULE, parse_resample_schedule
 from lib import trl_keys
 from lib.data import looks_local, one_line
-from lib.hub import HUB_STRATEGIES, SECRET_KEYS, resolve_report_to
+from lib.extras.hub import HUB_STRATEGIES, SECRET_KEYS, resolve_report_to
 from lib.losses import DISPERSIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES, SCALE_REWARDS
 from lib.schedule import schedule_options
 
@@ -1013,7 +1013,7 @@ def _exists(name: str, path: str) -> bool:
 
 def validate_hub_and_trackers(cfg: Config) -> None:
     """report_to resolved to the list of trackers to start (TRL takes a name or a list; docs/hub.md), project and
-    run_name, push_to_hub's keys. The hub itself is asked at start-up, before any model loads (lib/hub.connect)."""
+    run_name, push_to_hub's keys. The hub itself is asked at start-up, before any model loads (lib/extras/hub.connect)."""
     from accelerate.tracking import get_available_trackers  # the packages Accelerate will start trackers with
 
     available = {str(getattr(tracker, "value", tracker)) for tracker in get_available_trackers()}

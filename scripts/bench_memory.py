@@ -1,4 +1,4 @@
-"""Memory of one GRPO step of the 16 GB QLoRA recipe at real model shapes, by part, against lib/memory.py's estimate.
+"""Memory of one GRPO step of the 16 GB QLoRA recipe at real model shapes, by part, against lib/extras/memory.py's estimate.
 
     python scripts/bench_memory.py --shape qwen2-tiny --lengths 64             # a quick check of the script (~1 min)
     python scripts/bench_memory.py --shape qwen2.5-1.5b --lengths 1024 --json 1.5b-1024.json
@@ -22,7 +22,7 @@ runs it). Then, in that process:
   training step  one micro-batch: G completions of one prompt, every completion forced to full length (random
                  token ids: memory does not depend on the values), scored by lib/modeling.CompletionScorer under
                  bf16 autocast, lib/losses' clipped surrogate, k3 KL and grpo aggregation, backward, gradient
-                 clipping and one step of lib/memory.build_optimizer's AdamW. The peak is read in three phases: the
+                 clipping and one step of lib/extras/memory.build_optimizer's AdamW. The peak is read in three phases: the
                  decoder's forward (activations), the vocabulary chunks' forward and backward (logits), the decoder's
                  backward (the checkpointed blocks recomputed one at a time); then the gradients held after backward
                  and the optimizer states after the step.
@@ -34,7 +34,7 @@ way). "5" written to /proc/self/clear_refs restarts the kernel's high-water mark
 current resident set, so one process reads the peak of each phase. Each child first checks the method on a tensor
 of known size (256 MiB): its peak and resident deltas are printed with the results.
 
-The estimate is lib/memory.estimate_step_memory with what the trainer passes it (step_token_counts of the recipe's
+The estimate is lib/extras/memory.estimate_step_memory with what the trainer passes it (step_token_counts of the recipe's
 configuration at this length, bf16, the optimizer); its `resident` is measured in the trainer, so the weights row
 compares the measured resident set with the bytes of the model's tensors instead. This is a CPU measurement: what a
 GPU adds (the CUDA context, the caching allocator's slack, cuBLAS workspaces, bitsandbytes' CUDA kernels' own
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "removed at the end).")
     p.add_argument("--json", help="Write every configuration's numbers here.")
     p.add_argument("--table", nargs="+", metavar="JSON", help="Print the tables of results written by --json "
-                   "before, with the estimates as lib/memory.py computes them now, and exit.")
+                   "before, with the estimates as lib/extras/memory.py computes them now, and exit.")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one configuration in a child process
     p.add_argument("--build", nargs=2, help=argparse.SUPPRESS)  # internal: SHAPE FOLDER, build a model there
     return p
@@ -116,7 +116,7 @@ def resident() -> int:
     """The resident set now, after a garbage collection."""
     import torch
 
-    from lib.memory import resident_bytes
+    from lib.extras.memory import resident_bytes
 
     gc.collect()
     return resident_bytes(torch.device("cpu"))
@@ -197,7 +197,7 @@ def run_worker(spec: dict) -> dict:
 
     from lib.config import load_yaml, make_config, weights_dtype
     from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, token_logps_and_entropy
-    from lib.memory import CHUNK_ELEMENTS, build_optimizer, estimate_step_memory, step_token_counts
+    from lib.extras.memory import CHUNK_ELEMENTS, build_optimizer, estimate_step_memory, step_token_counts
     from lib.modeling import (CompletionScorer, OutputHead, adapter_disabled, load_policy, native_bf16,
                               unwrap_causal_lm)
     from lib.rollout import HFRollout, prefill
@@ -390,7 +390,7 @@ def run_worker(spec: dict) -> dict:
     activations = max(marks["decoder_forward"], decoder_backward) - base
     # the resident set's growth over the step, and the bytes of the .grad tensors themselves: on this CPU the first
     # grew ~20 MB more than the second at both shapes (what the libraries keep after a first backward, oneDNN's
-    # primitive caches and scratchpads among them; a GPU's counterpart is in lib/memory.GPU_OVERHEAD)
+    # primitive caches and scratchpads among them; a GPU's counterpart is in lib/extras/memory.GPU_OVERHEAD)
     parts["gradients"] = {"estimate": estimate.gradients, "measured": grads, "grad_tensors": grad_tensors}
     parts["optimizer"] = {"estimate": estimate.optimizer, "measured": states}
     # without checkpointing every block's set; with it, the block inputs
@@ -435,15 +435,15 @@ def gb(value) -> str:
 
 
 def current_estimates(result: dict) -> dict[str, dict[str, int]]:
-    """lib/memory's estimate of each row for a result's shape and settings, computed now (so that a result measured
+    """lib/extras/memory's estimate of each row for a result's shape and settings, computed now (so that a result measured
     before a change of the formula is compared with the formula as it is): on a meta-device model of the shape with
-    the recipe's adapter, as lib/memory.recipe_memory builds it, at the micro-batch's counted tokens ("counted") and at
+    the recipe's adapter, as lib/extras/memory.recipe_memory builds it, at the micro-batch's counted tokens ("counted") and at
     the token positions the scorer ran ("ran"), with a CPU's dropout masks; "gpu": the counted tokens with CUDA's."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from lib.memory import CHUNK_ELEMENTS, activation_bytes, estimate_step_memory
+    from lib.extras.memory import CHUNK_ELEMENTS, activation_bytes, estimate_step_memory
 
     s = result["settings"]
     with torch.device("meta"):
@@ -480,7 +480,7 @@ def format_result(result: dict) -> str:
              f"{s['optim']}, {s['threads']} threads",
              f"method check: a {cal['bytes'] / 2**20:.0f} MiB tensor read {cal['peak'] / 2**20:.1f} MiB peak, "
              f"{cal['held'] / 2**20:.1f} MiB held, {cal['after_free'] / 2**20:.1f} MiB after it was freed",
-             f"token positions: {counted} counted a micro-batch (lib/memory.step_token_counts), the scorer ran {ran} "
+             f"token positions: {counted} counted a micro-batch (lib/extras/memory.step_token_counts), the scorer ran {ran} "
              f"(decoder output {result['hidden_dtype']}); sampling {result['tokens']['sampling_tokens']}",
              "",
              f"| part | estimate at {counted} tokens (GB) | estimate at {ran} (GB) | measured (GB) | "

@@ -133,7 +133,7 @@ def missing_references(page: Path) -> list[str]:
                 if not glob.glob(str(REPO / path)):
                     missing.append(f"no file matches {path}")
                 continue
-            module = re.fullmatch(r"(lib/\w+)\.(\w+)(?:\.\w+)*", path)
+            module = re.fullmatch(r"(lib/(?:extras/)?\w+)\.(\w+)(?:\.\w+)*", path)
             if module and not (REPO / path).exists():  # lib/vllm_rollout.VLLMRollout
                 path, name = module.group(1) + ".py", module.group(2)
             if not (REPO / path).exists():

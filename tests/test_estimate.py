@@ -8,7 +8,7 @@ import torch
 
 from conftest import REPO
 from lib.config import load_yaml, make_config
-from lib.memory import GB, model_config, recipe_memory
+from lib.extras.memory import GB, model_config, recipe_memory
 from lib.modeling import load_policy
 
 

@@ -343,7 +343,7 @@ def test_ten_random_kills_resumed_with_latest_end_exactly_where_an_uninterrupted
 
 
 def test_the_reward_worker_answers_survives_a_hang_and_a_crash_and_keeps_prints_out_of_its_answers(tmp_path):
-    from lib.reward_worker import RewardCallFailed, RewardWorker
+    from lib.extras.reward_worker import RewardCallFailed, RewardWorker
 
     (tmp_path / "rewards.py").write_text(
         "import os, time\n"

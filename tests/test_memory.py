@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from lib.memory import (GB, build_optimizer, check_step_memory, estimate_step_memory, memory_budget,
+from lib.extras.memory import (GB, build_optimizer, check_step_memory, estimate_step_memory, memory_budget,
                         step_token_counts)
 
 BASE = dict(resident=0, optim="adamw_torch", sampling_tokens=8 * 192, gradient_checkpointing=False, bf16=True)
@@ -42,7 +42,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lib.config import make_config
 from lib.losses import token_logps_and_entropy
-from lib.memory import build_optimizer, estimate_step_memory, resident_bytes, step_token_counts
+from lib.extras.memory import build_optimizer, estimate_step_memory, resident_bytes, step_token_counts
 from lib.modeling import completion_logps, default_attn_implementation
 
 model_config, micro_batches = json.loads(sys.argv[1])
@@ -202,7 +202,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lib.losses import token_logps_and_entropy
-from lib.memory import estimate_step_memory, resident_bytes
+from lib.extras.memory import estimate_step_memory, resident_bytes
 from lib.modeling import OutputHead, completion_logps, load_policy, unwrap_causal_lm
 
 
@@ -361,12 +361,12 @@ def one_block_model(tmp_path_factory) -> str:
     ({}, True),
 ], ids=["qlora-recipe", "qlora-bf16-compute", "qlora-fp32", "lora", "lora-bf16-base", "full-fp32", "full-autocast"])
 def test_block_activations_against_what_autograd_saves(one_block_model, options, bf16):  # under a second each
-    # the per-token accounting of one block (lib/memory.activation_bytes) against the bytes autograd keeps for that
+    # the per-token accounting of one block (lib/extras/memory.activation_bytes) against the bytes autograd keeps for that
     # block's backward. Here 0.99 to 1.12 of them in each setting (over with autocast: q, k and v are counted with a
     # bf16 copy of their input each). The accounting before counted 34 h + 8 i bytes (x 2 in fp32) whatever the
     # setting: 0.57 of the recipe's (a 4-bit layer returns the fp32 stream's dtype; LoRA keeps bf16 copies of its
     # inputs and float dropout masks) and 1.45 of full fine-tuning's in fp32.
-    from lib.memory import activation_bytes
+    from lib.extras.memory import activation_bytes
     from lib.modeling import load_policy
 
     policy = load_policy(one_block_model, **options).train()
@@ -511,7 +511,7 @@ def test_activation_offloading_moves_the_checkpointed_block_inputs(tmp_path):
 
     plain, _ = saved_bytes(False)
     checkpointed, policy = saved_bytes(True)
-    tokens = 8 * 96 + 32  # completions and their one shared prompt (lib/memory.step_token_counts)
+    tokens = 8 * 96 + 32  # completions and their one shared prompt (lib/extras/memory.step_token_counts)
     options = dict(BASE, bf16=False, sampling_tokens=0, tokens_per_micro_batch=tokens)
     estimate = estimate_step_memory(policy, **{**options, "gradient_checkpointing": True},
                                     activation_offloading=True, device_type="cuda")

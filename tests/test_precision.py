@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lib.config import reference_dtype, weights_dtype
-from lib.memory import build_optimizer
+from lib.extras.memory import build_optimizer
 from lib.modeling import completion_logps, load_policy
 
 
@@ -31,7 +31,7 @@ def test_a_full_fine_tuning_reference_is_bf16_on_a_bf16_gpu_and_the_policys_dtyp
 
 def test_the_recipe_estimate_counts_a_bf16_reference():
     from lib.config import parse_config
-    from lib.memory import recipe_memory
+    from lib.extras.memory import recipe_memory
 
     recipe = Path(__file__).resolve().parents[1] / "scripts/recipes/grpo_gsm8k_qwen05b.yaml"
     sizes = {}

@@ -611,7 +611,7 @@ def test_async_functions_run_concurrently_in_this_process():
 
 
 def test_async_functions_run_concurrently_in_the_reward_worker_and_get_the_run_state():
-    from lib.reward_worker import RewardWorker
+    from lib.extras.reward_worker import RewardWorker
 
     specs = [f"{TRL_STYLE}:slow_length", f"{TRL_STYLE}:slow_words", f"{TRL_STYLE}:progress"]
     worker = RewardWorker(specs, {}, timeout=5)
@@ -630,7 +630,7 @@ def test_async_functions_run_concurrently_in_the_reward_worker_and_get_the_run_s
 
 
 def test_the_time_limit_cancels_an_async_call_and_kills_a_worker_whose_loop_is_blocked():
-    from lib.reward_worker import RewardCallFailed, RewardWorker
+    from lib.extras.reward_worker import RewardCallFailed, RewardWorker
 
     specs = [f"{TRL_STYLE}:waits_forever", "format", f"{TRL_STYLE}:blocks_the_loop"]
     worker = RewardWorker(specs, {}, timeout=1)

@@ -1,4 +1,4 @@
-"""The run view: lib/runs.py and the Run tab's functions on real run files (docs/results/presets_embedded, the
+"""The run view: lib/extras/runs.py and the Run tab's functions on real run files (docs/results/presets_embedded, the
 runs in tests/fixtures/, see tests/fixtures/README.md), then the page in headless Chromium while a real run's lines
 are appended to its files (slow)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, start_page, wait_for_page
-from lib import runs
+from lib.extras import runs
 
 PRESETS = REPO / "docs" / "results" / "presets_embedded"
 EMBEDDED_RUN = REPO / "tests" / "fixtures" / "embedded_run"  # 6 steps of the default run: completions included

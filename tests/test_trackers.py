@@ -1,4 +1,4 @@
-"""report_to as TRL takes it, and what each tracker receives (lib/hub.py, docs/hub.md 4), offline: TensorBoard's event
+"""report_to as TRL takes it, and what each tracker receives (lib/extras/hub.py, docs/hub.md 4), offline: TensorBoard's event
 files, wandb's offline run folder (WANDB_MODE=offline, under the run directory) and trackio's local store
 (TRACKIO_DIR), each read back after a run of the trainer on the tiny random model of tests/conftest.py."""
 
@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from lib import hub
+from lib.extras import hub
 from lib.config import ConfigError, make_config, parse_config
 
 REWARDS = str(REPO / "tests" / "tiny_rewards.py")

@@ -57,6 +57,10 @@ from dataclasses import dataclass
 
 import torch
 
+from lib.config import reference_dtype, weights_dtype
+from lib.data import HUB_TIMEOUT_S
+from lib.modeling import _lora_targets, adapter_base, is_adapter_folder, kv_bytes_per_token, resolve_model_path
+
 GB = 2**30
 CHUNK_ELEMENTS = 2**26  # lib/losses.token_logps_and_entropy's default
 
@@ -186,14 +190,6 @@ def activation_bytes(model: torch.nn.Module, *, bf16: bool, load_in_4bit: bool |
     if cast and not quantized:  # the bf16 copy of each fp32 weight that its product (and its backward) reads
         fixed = sum(m.weight.numel() for m in linears) * 2 // layers
     return {"block": block, "input": h * s, "working": 3 * i * o, "fixed": fixed, "layers": layers}
-
-
-def kv_bytes_per_token(config, dtype_bytes: int) -> int:
-    """Bytes one token takes in a decoder's KV cache: a key and a value per layer and KV head (Vaswani et al. 2017;
-    grouped-query attention, Ainslie et al. 2023, stores num_key_value_heads of them)."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", heads) * head_dim * dtype_bytes
 
 
 def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, tokens_per_micro_batch: int,
@@ -342,7 +338,6 @@ def model_config(name: str, revision: str | None = None, trust_remote_code: bool
     shapes above (no network needed), then the hub. ValueError when none has it."""
     from transformers import AutoConfig
 
-    from lib.modeling import adapter_base, is_adapter_folder, resolve_model_path
 
     path = resolve_model_path(name)
     if is_adapter_folder(path):
@@ -358,7 +353,6 @@ def model_config(name: str, revision: str | None = None, trust_remote_code: bool
         return AutoConfig.for_model(shape.pop("model_type"), **shape)
     from huggingface_hub import HfApi
 
-    from lib.data import HUB_TIMEOUT_S
 
     try:  # asked with a time limit first: an unreachable hub fails in seconds, not after the library's retries
         HfApi().model_info(name, revision=revision, timeout=HUB_TIMEOUT_S)
@@ -383,8 +377,6 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
     full fine-tuning sharded over N GPUs as cfg.estimate_sharding says (FSDP2, ZeRO-2, ZeRO-3: `sharded_parts`)."""
     from transformers import AutoModelForCausalLM
 
-    from lib.config import reference_dtype, weights_dtype
-    from lib.modeling import _lora_targets
 
     config = model_config(cfg.model_name_or_path, cfg.model_revision, cfg.trust_remote_code)
     lora = bool(cfg.use_peft)
@@ -514,5 +506,5 @@ def describe_recipe(parts: dict[str, int], step: StepMemory, budget: int | None)
     if budget is not None:
         verdict = "fits" if step.total <= budget else "does NOT fit"
         lines.append(f"{verdict} in {budget / GB:.1f} GB (max_memory)")
-    lines.append("an estimate by arithmetic (lib/memory.py, docs/performance.md 3), not a GPU measurement")
+    lines.append("an estimate by arithmetic (lib/extras/memory.py, docs/performance.md 3), not a GPU measurement")
     return "\n".join(lines)

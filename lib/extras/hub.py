@@ -281,7 +281,7 @@ def write_final_files(folder: Path, cfg, *, end_ids: list[int], generation_confi
     from transformers import GenerationConfig
 
     from lib.config import to_dict
-    from lib.runs import read_jsonl
+    from lib.extras.runs import read_jsonl
 
     evals = [m for m in read_jsonl(metrics_path)[0] if "eval/accuracy" in m]
     before = next((m for m in evals if m.get("step") == 0), None)

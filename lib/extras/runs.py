@@ -4,7 +4,7 @@ A run folder is what train_agrpo.py writes (README "Run directory"): config.yaml
 `reward`, evaluation lines with `eval/...`), completions.jsonl, checkpoint-<step>/ and final/. Any of them may be
 missing (a run that is still loading its model, one that has not saved yet) and the last line of a JSONL file may be
 half written; none of that is an error here. The functions return plain data: the page turns it into plots, tables
-and text, and lib/health.py checks the metric lines.
+and text, and lib/extras/health.py checks the metric lines.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Pure functions over a list of metric dicts exactly as `metrics.jsonl` holds them
 `reward`) and evaluation lines (`eval/accuracy`), in the order they were written, plus the run's configuration
 (config.yaml, or the trainer's Config as a dict) for the values the checks compare against (kl_target) and name in
 their advice. The checks read no files and keep no state; `Watch` keeps a trainer's history, and
-`python -m lib.health RUN_FOLDER...` prints the warnings of runs on disk.
+`python -m lib.extras.health RUN_FOLDER...` prints the warnings of runs on disk.
 
     check(lines, config)      the warnings that hold at the end of the lines (what the run is doing now)
     episodes(lines, config)   every stretch of steps over which a warning held, with its worst numbers
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from lib.extras.runs import METRICS, read_config, read_jsonl
 
 WINDOW = 5  # logged training steps a check averages over (one step is too noisy with 2 prompts x 8 completions)
 ENTROPY_COLLAPSE_RATIO = 0.15  # recent entropy / entropy over the first WINDOW steps
@@ -298,12 +300,11 @@ def _kl_above_target(train: list[dict], config: dict) -> HealthWarning | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m lib.health RUN_FOLDER...`: for each run folder (metrics.jsonl and config.yaml), the stretches of
+    """`python -m lib.extras.health RUN_FOLDER...`: for each run folder (metrics.jsonl and config.yaml), the stretches of
     steps where each warning held, and the warnings that hold at its last step with their numbers and advice."""
     import argparse
     from pathlib import Path
 
-    from lib.runs import METRICS, read_config, read_jsonl
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("runs", nargs="+", type=Path)

@@ -15,7 +15,7 @@ several calls of `async def` functions, which the child runs at once on its even
 cancelled at `timeout`; the trainer waits `timeout` plus ASYNC_GRACE_S for those (a coroutine that blocks instead of
 awaiting cannot be cancelled, and then the child is killed like any hung call).
 
-    python -m lib.reward_worker      # started by RewardWorker, speaks pickled frames on the descriptor it is given
+    python -m lib.extras.reward_worker      # started by RewardWorker, speaks pickled frames on the descriptor it is given
 
 The child ignores SIGINT, SIGTERM and SIGUSR1 (the trainer decides what a signal means: a checkpoint on preemption,
 lib/checkpoint.StopRequest) and is killed with SIGKILL by `close()`, or by the kernel when the trainer dies (Linux
@@ -33,6 +33,8 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection, wait
+
+from lib.rewards import describe_failure, resolve_reward_funcs, run_jobs
 
 # Extra seconds the trainer waits for a request of async calls, past the child's own cancellation at `timeout`, so that
 # a call that is cancelled in time reports itself instead of having the child killed under it.
@@ -77,7 +79,7 @@ class RewardWorker:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env.setdefault("OMP_NUM_THREADS", "1")  # reward code is Python; it must not compete with the trainer's threads
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lib.reward_worker", str(read_child), str(write_child)],
+            [sys.executable, "-m", "lib.extras.reward_worker", str(read_child), str(write_child)],
             pass_fds=(read_child, write_child), env=env, stdin=subprocess.DEVNULL)
         os.close(read_child)
         os.close(write_child)
@@ -178,7 +180,6 @@ def _serve(read_fd: int, write_fd: int) -> None:
     # the pipe's descriptors carry the frames; what reward code prints goes to stderr, never into a frame
     os.dup2(2, 1)
     reader, writer = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-    from lib.rewards import describe_failure, resolve_reward_funcs, run_jobs
 
     specs, options, timeout = reader.recv()
     try:
