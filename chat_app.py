@@ -37,344 +37,22 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import yaml
 from transformers import GenerationConfig, TextIteratorStreamer
 from transformers.utils import logging as hf_logging
 
-from lib.extras import health
-from lib.extras import runs as run_data
 from lib.checkpoint import list_checkpoints
 from lib.data import DEFAULT_INSTRUCTION
+from lib.extras import page
+from lib.extras import runs as run_data
 from lib.modeling import EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference, \
     model_folder_problem
-from lib.rewards import REWARD_FUNCS, extract_answer, resolve_reward_funcs, score_completions
+from lib.rewards import REWARD_FUNCS, resolve_reward_funcs, score_completions
 
-CONVERSATION_FORMAT = "agrpo-chat/1"
 DEFAULT_RUN = Path("runs/agrpo/final")
-
-
-# ---------------------------------------------------------------------------------------------- pure helpers
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """(reasoning, final answer) of a completion: a `<think>...</think>` block and what follows it (inside
-    `<answer>` tags if there are any); otherwise the text before the last `Answer:` line and the answer on it;
-    otherwise all of it is reasoning and the answer is what the answer extractor finds (the last number), or ''."""
-    if "</think>" in text:
-        reasoning, _, rest = text.partition("</think>")
-        reasoning = reasoning.replace("<think>", "").strip()
-        rest = rest.strip()
-        if "<answer>" in rest:
-            rest = rest.split("<answer>", 1)[1].split("</answer>", 1)[0]
-        return reasoning, rest.strip()
-    lines = text.rstrip().splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        at = lines[i].lower().rfind("answer:")
-        if at >= 0:
-            before = "\n".join([*lines[:i], lines[i][:at].rstrip("* ")]).strip()
-            return before, lines[i][at + len("answer:") :].strip(" *") or (extract_answer(text) or "")
-    return text.strip(), extract_answer(text) or ""
-
-
-def assistant_messages(text: str, *, streaming: bool = False) -> list[dict]:
-    """Chat messages for one answer: a collapsible 'Reasoning' block, then the final answer."""
-    reasoning, answer = split_reasoning(text)
-    messages = []
-    if reasoning:
-        messages.append({"role": "assistant", "content": reasoning,
-                         "metadata": {"title": "Reasoning", "status": "pending" if streaming else "done"}})
-    if answer or not streaming:
-        messages.append({"role": "assistant", "content": f"**Final answer:** {answer}" if answer
-                         else "_(no final answer)_"})
-    return messages
-
-
-def chat_view(turns: list[dict], side: str) -> list[dict]:
-    """The chatbot messages of one side (`checkpoint` or `base`) for a list of turns."""
-    messages = []
-    for turn in turns:
-        messages.append({"role": "user", "content": turn["prompt"]})
-        if turn.get(side) is not None:
-            messages += assistant_messages(turn[side], streaming=turn.get("streaming", False))
-    return messages
-
-
-def model_messages(turns: list[dict], side: str, prompt: str, instruction: str, system_prompt: str | None):
-    """The conversation a model sees: every earlier prompt (with the instruction, as in training), its own earlier
-    answers, and the new prompt."""
-    def user(text: str) -> dict:
-        return {"role": "user", "content": f"{text}\n{instruction}" if instruction else text}
-
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    for turn in turns:
-        messages += [user(turn["prompt"]), {"role": "assistant", "content": turn.get(side) or ""}]
-    return messages + [user(prompt)]
-
-
-def reward_line(rewards: dict[str, float] | None) -> str:
-    if not rewards:
-        return ""
-    return "reward: " + " · ".join(f"{name} {value:g}" for name, value in rewards.items())
-
-
-def run_folder_of(path: str) -> Path | None:
-    """The run directory a checkpoint or final/ folder belongs to (it holds config.yaml), or None."""
-    folder = Path(path).expanduser()
-    for candidate in (folder, folder.parent):
-        if (candidate / "config.yaml").exists():
-            return candidate
-    return None
-
-
-def checkpoint_choices(run_dir: str) -> list[str]:
-    """'final' and every complete checkpoint-<step> of a run folder, newest first."""
-    root = Path(run_dir).expanduser()
-    choices = [p.name for p in reversed(list_checkpoints(root))]
-    if (root / "final").is_dir():
-        choices.insert(0, "final")
-    return choices
-
-
-def run_settings(run_dir: Path | None) -> dict:
-    """The starting model, instruction and system prompt a run trained with (its config.yaml), where known."""
-    if run_dir is None:
-        return {}
-    try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return {}
-    return {k: config[k] for k in ("model_name_or_path", "instruction", "system_prompt") if k in config}
-
-
-def generation_config(greedy: bool, temperature: float, top_p: float, max_new_tokens: int,
-                      eos_token_ids: list[int], pad_token_id: int) -> GenerationConfig:
-    """The page's sampling settings as a generation config; ValueError names a setting out of range."""
-    if int(max_new_tokens) < 1:
-        raise ValueError(f"max new tokens must be >= 1, got {max_new_tokens}")
-    if not greedy and not float(temperature) > 0:
-        raise ValueError(f"temperature must be > 0 when sampling (or tick greedy), got {temperature}")
-    if not greedy and not 0 < float(top_p) <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    kwargs = {"max_new_tokens": int(max_new_tokens), "eos_token_id": eos_token_ids, "pad_token_id": pad_token_id}
-    if greedy:
-        kwargs["do_sample"] = False
-    else:
-        kwargs.update(do_sample=True, temperature=float(temperature), top_p=float(top_p))
-    config = GenerationConfig(**kwargs)
-    config.validate(strict=True)
-    return config
-
-
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-AUTH_ENV = "AGRPO_CHAT_AUTH"
-MAX_UPLOAD_BYTES = 10 * 2**20  # a saved conversation of a few hundred turns is well under 1 MB
-
-
-class PageInputError(ValueError):
-    """Input the page refuses, with the message it shows."""
-
-
-def parse_auth(text: str | None, source: str) -> tuple[str, str] | None:
-    """(user, password) from 'USER:PASSWORD'; SystemExit names the source, never the password."""
-    if text is None:
-        return None
-    user, sep, password = text.partition(":")
-    if not sep or not user or not password:
-        raise SystemExit(f"error: {source}: expected USER:PASSWORD with both parts non-empty; give e.g. "
-                         f"--auth alice:a-long-password (or set {AUTH_ENV})")
-    return user, password
-
-
-def exposure(args: argparse.Namespace) -> tuple[str, str] | None:
-    """The login the page needs, from --auth or $AGRPO_CHAT_AUTH; SystemExit when the page would be reachable
-    beyond this machine (another --host, or --share) with neither a login nor --no_auth_i_know."""
-    auth = parse_auth(args.auth, "--auth") if args.auth is not None else parse_auth(os.environ.get(AUTH_ENV),
-                                                                                     f"${AUTH_ENV}")
-    if (args.host not in LOCAL_HOSTS or args.share) and auth is None and not args.no_auth_i_know:
-        where = "--share (a public link)" if args.share else (
-            f"--host {args.host}" if getattr(args, "host_source", "--host") == "--host"
-            else f"{args.host_source}={args.host}")
-        raise SystemExit(f"error: {where}: the page would be open to other machines without a login, and it loads "
-                         f"and runs model folders; pass --auth USER:PASSWORD (or set {AUTH_ENV}=USER:PASSWORD), or "
-                         f"--no_auth_i_know to expose it anyway")
-    return auth
-
-
-def allowed_roots(args: argparse.Namespace, name: str | None, base: str | None, run_dir: Path | None,
-                  watched: list[str] | None = None) -> list[Path]:
-    """The folders whose models and runs the page may list and load: the run folder, the model folders it was started
-    with (an adapter's base included), the run folders it watches, and --allow_dir; resolved (symlinks and '..')."""
-    roots = [run_dir] if run_dir else []
-    roots += [Path(w) for w in watched or []]
-    roots += [Path(n) for n in (name, base) if n and n not in EMBEDDED_ALIASES and Path(n).expanduser().is_dir()]
-    roots += [Path(d) for d in args.allow_dir or []]
-    resolved = []
-    for root in roots:
-        root = root.expanduser().resolve()
-        if root not in resolved:
-            resolved.append(root)
-    return resolved
-
-
-def check_inside(path: str, roots: list[Path], what: str) -> Path:
-    """`path` resolved, if it lies in one of `roots`; PageInputError otherwise (symlinks and '..' followed first)."""
-    try:
-        resolved = Path(path).expanduser().resolve()
-    except (OSError, ValueError, RuntimeError) as error:  # a NUL byte, a name too long, a symlink loop
-        raise PageInputError(f"{what} '{path:.80}' is not a usable path ({error})") from None
-    if any(resolved == root or root in resolved.parents for root in roots):
-        return resolved
-    allowed = ", ".join(str(r) for r in roots) or "none (the page was started on the embedded model)"
-    raise PageInputError(f"{what} '{path:.80}' is outside the folders this page may open ({allowed}); start the page "
-                         f"with --allow_dir FOLDER to add one")
-
-
-def loadable(name: str, roots: list[Path], started: set[str]) -> str:
-    """The name to load, if the page may load it: the embedded model, a name the page was started with, or a path
-    inside the allowed folders. A hub id typed in the page is refused (the page would download and run it)."""
-    name = name.strip()
-    if name in EMBEDDED_ALIASES or name in started:
-        return name
-    return str(check_inside(name, roots, "the model folder"))
-
-
-def read_conversation(file: str) -> dict:
-    """A saved conversation's data, its turns and settings checked; PageInputError says what is wrong with it."""
-    path = Path(file)
-    size = path.stat().st_size
-    if size > MAX_UPLOAD_BYTES:
-        raise PageInputError(f"the file is {size / 2**20:.1f} MB; a saved conversation is under "
-                             f"{MAX_UPLOAD_BYTES // 2**20} MB")
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as error:
-        raise PageInputError(f"the file is not UTF-8 text (byte {error.start}); choose a conversation .json saved "
-                             f"by this page") from None
-    except (ValueError, RecursionError) as error:  # bad syntax, nesting too deep, an integer too long to read
-        reason = error.msg if isinstance(error, json.JSONDecodeError) else "nested too deeply" \
-            if isinstance(error, RecursionError) else str(error).split(";")[0]
-        where = f" at line {error.lineno}, column {error.colno}" if isinstance(error, json.JSONDecodeError) else ""
-        raise PageInputError(f"the file is not valid JSON ({reason}{where})") from None
-    if not isinstance(data, dict) or data.get("format") != CONVERSATION_FORMAT or not isinstance(data.get("turns"),
-                                                                                                 list):
-        raise PageInputError(f"not a conversation saved by this page (format {CONVERSATION_FORMAT})")
-    turns = []
-    for i, turn in enumerate(data["turns"], start=1):
-        if not isinstance(turn, dict) or not isinstance(turn.get("prompt"), str):
-            raise PageInputError(f"turn {i} has no prompt text")
-        for key in ("checkpoint", "base", "reference"):
-            if turn.get(key) is not None and not isinstance(turn[key], str):
-                raise PageInputError(f"turn {i}: '{key}' must be text, got {type(turn[key]).__name__}")
-        turns.append({k: v for k, v in turn.items() if k != "streaming"})
-    saved = data.get("settings") if isinstance(data.get("settings"), dict) else {}
-
-    def number(key, low, high, default, kind=float):
-        value = saved.get(key, default)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
-        return kind(value) if ok else default
-
-    settings = {"greedy": saved["greedy"] if isinstance(saved.get("greedy"), bool) else True,
-                "temperature": number("temperature", 0.05, 2.0, 0.7), "top_p": number("top_p", 0.05, 1.0, 1.0),
-                "max_new_tokens": number("max_new_tokens", 8, 2048, 256, int)}
-    instruction = data["instruction"] if isinstance(data.get("instruction"), str) else DEFAULT_INSTRUCTION
-    return {"turns": turns, "settings": settings, "instruction": instruction}
-
-
-# ---------------------------------------------------------------------------------------------- run view helpers
-
 RUN_PLOTS = 30  # plot slots of the run view; a run logs fewer varying panels than this (docs/watching.md 2)
-TABLE_ROWS = 300  # completions shown at once, newest first
-X_AXES = {"step": "step", "generated tokens": "num_tokens"}
-
-
-def selected_runs(values: list[str] | None, roots: list[Path]) -> tuple[list[Path], list[str]]:
-    """The run folders of the run view's selection: each typed or picked folder must lie inside `roots`; a folder of
-    runs (a scripts/ablate.py output) stands for every run under it, and a folder that holds none yet stands for
-    itself (a run that has not started writing). Returns (folders, messages for the refused ones)."""
-    folders, messages = [], []
-    for value in values or []:
-        try:
-            folder = check_inside(str(value).strip(), roots, "the run folder")
-        except PageInputError as error:
-            messages.append(str(error))
-            continue
-        for run in run_data.find_runs(folder) or [folder]:
-            if run not in folders:
-                folders.append(run)
-    return folders, messages
-
-
-def run_labels(folders: list[Path]) -> list[str]:
-    """Names for the runs on the page: the last two parts of one run's path; the shortest distinct tails of several."""
-    if len(folders) == 1:
-        return ["/".join(folders[0].parts[-2:])]
-    return run_data.labels_for(folders)
-
-
-def warnings_markdown(run: run_data.Run) -> str:
-    """A run's warnings (lib/extras/health.py): those that hold now, each with its numbers and what to try, then the
-    stretches of steps where one held earlier."""
-    lines = run.lines
-    now = health.check(lines, run.config)
-    last = run.train[-1]["step"] if run.train else 0
-    earlier = [w for w in health.episodes(lines, run.config) if w.step < last]
-    if not now and not earlier:
-        return ""
-    out = [f"**{run.label}**"]
-    out += [f"- ⚠ **{w.title}** ({w.steps}): {w.evidence}.  \n  _Try:_ {w.advice}." for w in now]
-    if earlier:
-        out.append("- earlier: " + "; ".join(f"{w.title} ({w.steps})" for w in earlier))
-    return "\n".join(out)
-
-
-def constants_markdown(constant: dict[str, str]) -> str:
-    if not constant:
-        return ""
-    return "Constant, not plotted: " + ", ".join(f"`{k}` {v}" for k, v in sorted(constant.items()))
-
-
-def completions_table(rows: list[dict], limit: int = TABLE_ROWS) -> tuple[list[str], list[list]]:
-    """(headers, rows) of the completions browser: the rewards per function appear when the run logs them."""
-    funcs = list(dict.fromkeys(name for row in rows[:limit] for name in row["rewards"]))
-    headers = ["step", "problem", "final answer", "gold", "reward", *funcs, "advantage", "temperature"]
-    table = [[row["step"], row["problem"][:120], row["final"][:60], row["answer"][:40], row["reward"],
-              *[row["rewards"].get(f) for f in funcs], row["advantage"], row["temperature"]] for row in rows[:limit]]
-    return headers, table
-
-
-def completion_detail(row: dict | None) -> tuple[list[dict], str]:
-    """The chat messages of one completion (its reasoning folded, as in the chat) and a line of its numbers."""
-    if row is None:
-        return [], "Pick a row of the table."
-    messages = [{"role": "user", "content": row["problem"]}, *assistant_messages(row["completion"])]
-    numbers = [f"step {row['step']}", f"gold answer {row['answer'] or '?'}",
-               f"reward {row['reward']:g}" if row["reward"] is not None else "reward ?",
-               *[f"{k} {v:g}" for k, v in row["rewards"].items() if v is not None],
-               f"advantage {row['advantage']:+.3f}" if row["advantage"] is not None else "advantage ?",
-               f"temperature {row['temperature']:.3g} ({row['temperature_of']})" if row["temperature"] is not None
-               else "temperature ?"]
-    return messages, " · ".join(numbers)
 
 
 # ---------------------------------------------------------------------------------------------- the run view
-
-
-def shown_path(path: Path) -> str:
-    """A folder as the page shows it: relative to the working directory when it lies inside it."""
-    try:
-        return str(path.relative_to(Path.cwd().resolve())) or "."
-    except ValueError:
-        return str(path)
-
-
-def run_choices(roots: list[Path], initial: list[str]) -> list[str]:
-    """The run folders the page offers: the ones it started with, then every run found under its folders."""
-    choices = list(initial)
-    for root in roots:
-        for folder in run_data.find_runs(root) if root.is_dir() else []:
-            if shown_path(folder) not in choices:
-                choices.append(shown_path(folder))
-    return choices
 
 
 def refresh_runs(selection, x_label, completions_run, last, *, roots):
@@ -382,25 +60,25 @@ def refresh_runs(selection, x_label, completions_run, last, *, roots):
     import gradio as gr
     import pandas as pd
 
-    folders, messages = selected_runs(selection, roots)
+    folders, messages = page.selected_runs(selection, roots)
     signature = (tuple(selection or ()), x_label, run_data.signature(folders))
     if signature == last:
         return [gr.skip()] * (5 + RUN_PLOTS)
-    runs = [run_data.load_run(f, label) for f, label in zip(folders, run_labels(folders))]
-    panels, constant = run_data.panels(runs, X_AXES.get(x_label, "step"))
-    status = [*messages, *(run_data.status(r, shown_path(r.folder)) for r in runs)]
+    runs = [run_data.load_run(f, label) for f, label in zip(folders, page.run_labels(folders))]
+    panels, constant = run_data.panels(runs, page.X_AXES.get(x_label, "step"))
+    status = [*messages, *(run_data.status(r, page.shown_path(r.folder)) for r in runs)]
     if len(panels) > RUN_PLOTS:
         hidden = ", ".join(p.title for p in panels[RUN_PLOTS:])
         status.append(f"{len(panels) - RUN_PLOTS} more plots not shown: {hidden}")
-    warnings = [w for w in map(warnings_markdown, runs) if w]
+    warnings = [w for w in map(page.warnings_markdown, runs) if w]
     plots = [gr.update(value=pd.DataFrame(p.rows, columns=["x", "y", "series"]), title=p.title, y_title=p.unit,
                        x_title=x_label, visible=True) for p in panels[:RUN_PLOTS]]
     plots += [gr.update(visible=False)] * (RUN_PLOTS - len(plots))
-    choices = [shown_path(f) for f in folders]
+    choices = [page.shown_path(f) for f in folders]
     picked = completions_run if completions_run in choices else (choices[0] if choices else None)
     return [signature, "\n\n".join(status) or "Pick a run folder above, or start the page with --run FOLDER.",
             "\n\n".join(warnings) or ("No warnings (docs/watching.md 3 lists the checks)." if panels else ""),
-            constants_markdown(constant), gr.update(choices=choices, value=picked), *plots]
+            page.constants_markdown(constant), gr.update(choices=choices, value=picked), *plots]
 
 
 def refresh_table(run_shown, step_min, step_max, reward_min, reward_max, sign, last, *, roots):
@@ -411,45 +89,24 @@ def refresh_table(run_shown, step_min, step_max, reward_min, reward_max, sign, l
     if not run_shown:
         return None, None, "Pick a run.", []
     try:
-        folder = check_inside(str(run_shown), roots, "the run folder")
-        limits = [bound(v, name) for v, name in ((step_min, "from step"), (step_max, "to step"),
+        folder = page.check_inside(str(run_shown), roots, "the run folder")
+        limits = [page.bound(v, name) for v, name in ((step_min, "from step"), (step_max, "to step"),
                                                  (reward_min, "reward at least"), (reward_max, "reward at most"))]
-    except PageInputError as error:
+    except page.PageInputError as error:
         return None, gr.skip(), str(error), gr.skip()
     kept_sign = sign if sign in run_data.SIGNS else "any"
     signature = (run_shown, *limits, kept_sign, run_data.signature([folder]))
     if signature == last:
         return [gr.skip()] * 4
-    rows = run_data.completion_rows(run_data.load_run(folder), split_reasoning)
+    rows = run_data.completion_rows(run_data.load_run(folder), page.split_reasoning)
     kept = run_data.filter_completions(rows, *limits, kept_sign)
-    headers, table = completions_table(kept)
+    headers, table = page.completions_table(kept)
     if not rows:
         note = f"no completions logged in {run_shown} yet (completions.jsonl, log_completions per step)"
     else:
         note = f"{len(kept)} of {len(rows)} logged completions match" + (
-            f"; the newest {TABLE_ROWS} are shown" if len(kept) > TABLE_ROWS else "")
-    return signature, pd.DataFrame(table, columns=headers), note, kept[:TABLE_ROWS]
-
-
-def bound(text, name: str) -> float | None:
-    """A filter's bound typed in the page: None when empty; PageInputError when it is not a number."""
-    text = "" if text is None else str(text).strip()
-    if not text:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise PageInputError(f"{name}: '{text:.20}' is not a number; leave it empty for no bound") from None
-    if value != value:  # NaN
-        raise PageInputError(f"{name}: not a number; leave it empty for no bound")
-    return value
-
-
-def pick_completion(shown: list[dict], evt=None):
-    """The completion of the clicked table row: (row, its chat messages, its numbers)."""
-    index = evt.index[0] if evt is not None and isinstance(evt.index, (list, tuple)) else None
-    row = shown[index] if index is not None and 0 <= index < len(shown or []) else None
-    return (row, *completion_detail(row))
+            f"; the newest {page.TABLE_ROWS} are shown" if len(kept) > page.TABLE_ROWS else "")
+    return signature, pd.DataFrame(table, columns=headers), note, kept[:page.TABLE_ROWS]
 
 
 def open_prompt(row, run_shown, *, roots):
@@ -460,14 +117,14 @@ def open_prompt(row, run_shown, *, roots):
     if row is None or not run_shown:
         return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), "Pick a completion in the table first."
     try:
-        folder = check_inside(str(run_shown), roots, "the run folder")
-    except PageInputError as error:
+        folder = page.check_inside(str(run_shown), roots, "the run folder")
+    except page.PageInputError as error:
         return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), str(error)
     name = run_data.nearest_checkpoint(run_data.load_run(folder), row["step"])
     message = (f"step {row['step']}'s prompt; loading {name}, the nearest checkpoint..." if name else
                f"step {row['step']}'s prompt; {run_shown} has no checkpoint yet, so the loaded models answer it")
-    return (gr.Tabs(selected="chat"), row["problem"], row["answer"], shown_path(folder),
-            gr.update(choices=checkpoint_choices(str(folder)), value=name), message)
+    return (gr.Tabs(selected="chat"), row["problem"], row["answer"], page.shown_path(folder),
+            gr.update(choices=page.checkpoint_choices(str(folder)), value=name), message)
 
 
 @dataclass
@@ -482,10 +139,10 @@ class OpenInChat:
 def build_run_view(gr, roots: list[Path], watched: list[str], refresh_seconds: float) -> OpenInChat:
     """The Run tab: the runs to watch, their warnings and curves, and the completions browser (docs/watching.md)."""
     with gr.Row():
-        selection = gr.Dropdown(choices=run_choices(roots, watched), value=watched, multiselect=True,
+        selection = gr.Dropdown(choices=page.run_choices(roots, watched), value=watched, multiselect=True,
                                 allow_custom_value=True, scale=5, elem_id="run-select",
                                 label="Runs: run folders, or a folder of runs (a scripts/ablate.py output)")
-        x_axis = gr.Radio(list(X_AXES), value="step", label="x axis", elem_id="run-x", scale=2)
+        x_axis = gr.Radio(list(page.X_AXES), value="step", label="x axis", elem_id="run-x", scale=2)
         with gr.Column(scale=1, min_width=120):
             live = gr.Checkbox(value=True, label=f"live (every {refresh_seconds:g} s)", elem_id="run-live")
             rescan = gr.Button("Rescan folders", size="sm")
@@ -525,12 +182,12 @@ def build_run_view(gr, roots: list[Path], watched: list[str], refresh_seconds: f
           partial(refresh_table, roots=roots), table_inputs, table_outputs, show_progress="hidden",
           api_name="run_completions")
     def pick(rows, evt):
-        return pick_completion(rows, evt)
+        return page.pick_completion(rows, evt)
 
     pick.__annotations__ = {"evt": gr.SelectData}  # the class itself: gradio finds the event by it (lazy import)
     table.select(pick, [shown], [row, detail, detail_info], api_name=False)
     live.change(lambda on: gr.Timer(active=on), live, timer, api_name=False)
-    rescan.click(lambda chosen: (gr.update(choices=run_choices(roots, list(chosen or []))), None), selection,
+    rescan.click(lambda chosen: (gr.update(choices=page.run_choices(roots, list(chosen or []))), None), selection,
                  [selection, curves_seen], api_name=False)
     return OpenInChat(open_button, row, completions_run)
 
@@ -612,19 +269,19 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
     def send(prompt, reference, instruction, system_prompt, greedy, temperature, top_p, max_new_tokens, turns):
         turns = list(turns or [])
         if not prompt or not prompt.strip():
-            yield chat_view(turns, "checkpoint"), chat_view(turns, "base"), "", "", \
+            yield page.chat_view(turns, "checkpoint"), page.chat_view(turns, "base"), "", "", \
                 "Type a prompt first: the prompt is empty.", turns
             return
         sides = [s for s in (("checkpoint", checkpoint), ("base", base)) if s[1].model is not None]
         try:
             streams = {}
             for side, slot in sides:
-                config = generation_config(greedy, temperature, top_p, max_new_tokens,
+                config = page.generation_config(greedy, temperature, top_p, max_new_tokens,
                                            end_token_ids(slot.model, slot.tokenizer), slot.tokenizer.pad_token_id)
-                messages = model_messages(turns, side, prompt.strip(), instruction, system_prompt or None)
+                messages = page.model_messages(turns, side, prompt.strip(), instruction, system_prompt or None)
                 streams[side] = slot.start(messages, config, args.seed)
         except (TypeError, ValueError) as error:  # TypeError: a setting sent as null through the API
-            yield chat_view(turns, "checkpoint"), chat_view(turns, "base"), "", "", str(error), turns
+            yield page.chat_view(turns, "checkpoint"), page.chat_view(turns, "base"), "", "", str(error), turns
             return
         turn = {"prompt": prompt.strip(), "reference": reference.strip(), "streaming": True,
                 **{side: "" for side in streams}}
@@ -638,12 +295,12 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
                 except StopIteration:
                     thread.join()
                     del pending[side]
-            yield chat_view(turns, "checkpoint"), chat_view(turns, "base"), "", "", "generating...", turns
+            yield page.chat_view(turns, "checkpoint"), page.chat_view(turns, "base"), "", "", "generating...", turns
         turn["streaming"] = False
         turn["seconds"] = round(time.perf_counter() - start, 2)
         turn["rewards"] = {side: score(turn[side], turn["reference"]) for side in streams}
-        yield (chat_view(turns, "checkpoint"), chat_view(turns, "base"),
-               reward_line(turn["rewards"].get("checkpoint")), reward_line(turn["rewards"].get("base")),
+        yield (page.chat_view(turns, "checkpoint"), page.chat_view(turns, "base"),
+               page.reward_line(turn["rewards"].get("checkpoint")), page.reward_line(turn["rewards"].get("base")),
                f"answered in {turn['seconds']:.1f} s", turns)
 
     def switch(run_folder, choice, base_name):
@@ -653,24 +310,24 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
             if choice:
                 target = choice
                 if run_folder and run_folder.strip():
-                    folder = check_inside(run_folder.strip(), roots, "the run folder")
-                    if choice in checkpoint_choices(str(folder)):
+                    folder = page.check_inside(run_folder.strip(), roots, "the run folder")
+                    if choice in page.checkpoint_choices(str(folder)):
                         target = str(folder / choice)
-                messages.append(checkpoint.load(loadable(target, roots, started)))
+                messages.append(checkpoint.load(page.loadable(target, roots, started)))
             if base_name and base_name != base.name:
-                messages.append(base.load(loadable(base_name, roots, started)))
-        except PageInputError as error:
+                messages.append(base.load(page.loadable(base_name, roots, started)))
+        except page.PageInputError as error:
             messages.append(str(error))
         return " · ".join(messages) or "nothing to load", title()
 
     def refresh(run_folder):
         try:
-            folder = check_inside(run_folder or "", roots, "the run folder") if run_folder else None
-        except PageInputError as error:
+            folder = page.check_inside(run_folder or "", roots, "the run folder") if run_folder else None
+        except page.PageInputError as error:
             return gr.update(choices=[], value=None), str(error)
         if folder is None or not folder.is_dir():
             return gr.update(choices=[], value=None), f"'{run_folder}' is not a folder; give a run's output_dir"
-        choices = checkpoint_choices(str(folder))
+        choices = page.checkpoint_choices(str(folder))
         if not choices:
             return gr.update(choices=[], value=None), f"no final/ or checkpoint-* in '{run_folder}' yet"
         return gr.update(choices=choices, value=choices[0]), f"{len(choices)} model folder(s) in {run_folder}"
@@ -679,7 +336,7 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
         return [], [], "", "", "cleared", []
 
     def save(turns, instruction, system_prompt, greedy, temperature, top_p, max_new_tokens):
-        data = {"format": CONVERSATION_FORMAT, "checkpoint": checkpoint.name, "base": base.name,
+        data = {"format": page.CONVERSATION_FORMAT, "checkpoint": checkpoint.name, "base": base.name,
                 "instruction": instruction, "system_prompt": system_prompt,
                 "settings": {"greedy": greedy, "temperature": temperature, "top_p": top_p,
                              "max_new_tokens": max_new_tokens},
@@ -689,24 +346,24 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
         return str(path), f"saved {len(data['turns'])} turn(s)"
 
     def load(file, turns):
-        keep = (chat_view(turns or [], "checkpoint"), chat_view(turns or [], "base"))
+        keep = (page.chat_view(turns or [], "checkpoint"), page.chat_view(turns or [], "base"))
         if file is None:
             return (*keep, gr.update(), gr.update(), gr.update(), gr.update(), gr.update(),
                     "choose a conversation .json file first", turns)
         try:
-            data = read_conversation(file)
-        except (OSError, PageInputError) as error:
+            data = page.read_conversation(file)
+        except (OSError, page.PageInputError) as error:
             reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
             return (*keep, gr.update(), gr.update(), gr.update(), gr.update(), gr.update(),
                     f"could not load the conversation: {reason}", turns)
         loaded, s = data["turns"], data["settings"]
-        return (chat_view(loaded, "checkpoint"), chat_view(loaded, "base"), s["greedy"], s["temperature"],
+        return (page.chat_view(loaded, "checkpoint"), page.chat_view(loaded, "base"), s["greedy"], s["temperature"],
                 s["top_p"], s["max_new_tokens"], data["instruction"], f"loaded {len(loaded)} turn(s)", loaded)
 
     def export(greedy, temperature, top_p, max_new_tokens):
         slot = checkpoint if checkpoint.model is not None else base
         try:
-            config = generation_config(greedy, temperature, top_p, max_new_tokens,
+            config = page.generation_config(greedy, temperature, top_p, max_new_tokens,
                                        end_token_ids(slot.model, slot.tokenizer), slot.tokenizer.pad_token_id)
         except (TypeError, ValueError) as error:
             return None, f"these settings do not make a valid generation config: {error}"
@@ -754,7 +411,7 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
                 with gr.Accordion("Checkpoint", open=False):
                     with gr.Row():
                         run_box = gr.Textbox(value=str(run_dir) if run_dir else "", label="Run folder (output_dir)")
-                        choices = checkpoint_choices(str(run_dir)) if run_dir else []
+                        choices = page.checkpoint_choices(str(run_dir)) if run_dir else []
                         picker = gr.Dropdown(choices=choices, value=choices[0] if choices else None,
                                              allow_custom_value=True, label="Checkpoint (or any model folder)",
                                              elem_id="picker")
@@ -806,7 +463,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=None, help="Port (default: $GRADIO_SERVER_PORT, else 7860).")
     parser.add_argument("--share", action="store_true", help="Ask Gradio for a public share link (off by default).")
     parser.add_argument("--auth", default=None, metavar="USER:PASSWORD",
-                        help=f"Require this login (also from ${AUTH_ENV}, which keeps it off the command line). "
+                        help=f"Require this login (also from ${page.AUTH_ENV}, which keeps it off the command line). "
                              f"Needed with --share or a --host other than this machine, unless --no_auth_i_know.")
     parser.add_argument("--no_auth_i_know", action="store_true",
                         help="Serve --share or another --host without a login: anyone who reaches the page can load "
@@ -828,7 +485,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def listen_address(args: argparse.Namespace, environ) -> None:
     """args.host and args.port as Gradio's own launch reads them: the flag, else GRADIO_SERVER_NAME /
     GRADIO_SERVER_PORT, else 127.0.0.1:7860. args.host_source names where the host came from, for the login rule's
-    message (`exposure` applies it to a host from the environment as to a flag)."""
+    message (`page.exposure` applies it to a host from the environment as to a flag)."""
     args.host_source = "--host"
     if args.host is None and environ.get("GRADIO_SERVER_NAME", "").strip():
         args.host, args.host_source = environ["GRADIO_SERVER_NAME"].strip(), "GRADIO_SERVER_NAME"
@@ -861,10 +518,10 @@ def resolve_models(args: argparse.Namespace) -> tuple[str | None, str | None, Pa
         problem = model_folder_problem(name)
         if problem:
             raise SystemExit(f"error: --model_name_or_path: {problem}")
-        run_dir = run_folder_of(name) if name not in EMBEDDED_ALIASES else None
+        run_dir = page.run_folder_of(name) if name not in EMBEDDED_ALIASES else None
     else:
         name, run_dir = run_model(watched[0]), watched[0]
-    settings = run_settings(run_dir)
+    settings = page.run_settings(run_dir)
     base = args.base_model
     if base is None:
         path = Path(name).expanduser() if name else None
@@ -881,7 +538,7 @@ def resolve_models(args: argparse.Namespace) -> tuple[str | None, str | None, Pa
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    auth = exposure(args)  # before anything loads
+    auth = page.exposure(args)  # before anything loads
     for folder in args.allow_dir or []:
         if not Path(folder).expanduser().is_dir():
             raise SystemExit(f"error: --allow_dir: '{folder}' is not a folder")
@@ -900,10 +557,10 @@ def main(argv: list[str] | None = None) -> None:
             message = slot.load(target)
             if slot.model is None:
                 raise SystemExit(f"error: {message}")
-    watched = args.run or [shown_path(run_dir.resolve()) if run_dir else str(DEFAULT_RUN.parent)]
-    roots = allowed_roots(args, name, base_name, run_dir, watched)
+    watched = args.run or [page.shown_path(run_dir.resolve()) if run_dir else str(DEFAULT_RUN.parent)]
+    roots = page.allowed_roots(args, name, base_name, run_dir, watched)
     started = {n for n in (name, base_name) if n}
-    if args.host not in LOCAL_HOSTS or args.share:
+    if args.host not in page.LOCAL_HOSTS or args.share:
         login = f"login required (user '{auth[0]}')" if auth else "NO login (--no_auth_i_know)"
         print(f"The page is reachable from other machines ({'a public --share link' if args.share else args.host}), "
               f"{login}. Whoever reaches it can: chat with {name} and {base_name or '(no base)'}; list and load "
@@ -911,7 +568,7 @@ def main(argv: list[str] | None = None) -> None:
               f"conversations.", flush=True)
     app = build_app(checkpoint, base, args, run_dir, settings, roots, started, watched, args.refresh)
     app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True, auth=auth,
-                       max_file_size=MAX_UPLOAD_BYTES)
+                       max_file_size=page.MAX_UPLOAD_BYTES)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ import pytest
 from conftest import REPO, start_page, wait_for_page
 
 sys.path.insert(0, str(REPO))
-from chat_app import (MAX_UPLOAD_BYTES, PageInputError, allowed_roots, check_inside,  # noqa: E402
-                      checkpoint_choices, exposure, generation_config, loadable, model_messages, parse_args,
-                      read_conversation, run_folder_of, split_reasoning)
+from lib.extras.page import (MAX_UPLOAD_BYTES, PageInputError, allowed_roots, check_inside,  # noqa: E402
+                             checkpoint_choices, exposure, generation_config, loadable, model_messages,
+                             read_conversation, run_folder_of, split_reasoning)
+from chat_app import parse_args  # noqa: E402
 
 
 @pytest.mark.parametrize("text, expected", [

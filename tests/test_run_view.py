@@ -106,7 +106,7 @@ def test_curves_align_by_generated_tokens():
 
 
 def test_completions_browser_rows_filters_and_nearest_checkpoint(tmp_path):
-    from chat_app import split_reasoning
+    from lib.extras.page import split_reasoning
 
     run_dir = tmp_path / "run"
     shutil.copytree(EMBEDDED_RUN, run_dir)
@@ -140,7 +140,7 @@ def test_completions_browser_rows_filters_and_nearest_checkpoint(tmp_path):
 
 
 def test_the_run_tab_refuses_folders_outside_its_roots_and_expands_a_folder_of_runs(tmp_path):
-    from chat_app import selected_runs, warnings_markdown
+    from lib.extras.page import selected_runs, warnings_markdown
 
     roots = [PRESETS.resolve()]
     folders, messages = selected_runs([str(PRESETS / "seed43"), str(tmp_path)], roots)
