@@ -25,8 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lib.modeling import kv_bytes_per_token  # noqa: E402
-from lib.modeling import load_policy, native_bf16, resolve_model_path  # noqa: E402
+from lib.modeling import kv_bytes_per_token, load_policy, native_bf16, resolve_model_path  # noqa: E402
 from lib.rollout import HFRollout  # noqa: E402
 
 

@@ -18,11 +18,14 @@ num_generations, max_completion_length, temperature, beta, learning rate, batch 
 its own peak memory), and the trainers alternate: ours, TRL, TRL, ours, ... over --rounds rounds. The first
 --warmup_steps steps of every run are left out of the medians.
 
-Printed per trainer: median step time, generated tokens per second (completion tokens of a step / its time), peak
+Printed per trainer: median step time and seconds per 1,000 generated tokens, each with its range over the runs
+(the lowest and highest run's own figure), generated tokens per second (completion tokens of a step / its time), peak
 memory (RSS of the process on CPU; on GPU the allocator's peak reservation plus what the process holds outside it,
 the CUDA context included; the largest over the processes of a launch), mean completion length, and the ratios
 ours / TRL. TRL runs in fp32 and with bf16=True (--trl_bf16 both, the default on CPU) and the ratio is taken
-against the faster. Then where our step time goes (generation, rewards, reference log-probs, policy
+against the faster; it is also given round by round (each round's runs ran next to each other), per step and per
+generated token, with its median and range: a step lasts until its longest completion ends, so a round whose runs
+sampled longer completions has longer steps on both sides, and the per-token ratio takes that out. Then where our step time goes (generation, rewards, reference log-probs, policy
 forward/backward, optimizer, weight sync), as medians of the trainer's own `time/*` metrics.
 
 Step time: ours is the trainer's `step_time` (loop top to the step's metrics); TRL's is on_step_begin to on_step_end
@@ -83,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--steps", type=int, default=6, help="Optimizer steps per run, warm-up included.")
     p.add_argument("--warmup_steps", type=int, default=1, help="First steps of each run left out of the medians.")
-    p.add_argument("--rounds", type=int, default=2, help="Runs of each trainer, alternated.")
+    p.add_argument("--rounds", type=int, default=3, help="Runs of each trainer, alternated (at least 3 for a spread: "
+                   "one run's median step varies by up to 40%% between runs of the same code here).")
     p.add_argument("--trl_dtype", nargs="+", choices=["auto", "float32"], default=["auto"],
                    help="The dtype TRL loads the weights in (its model_init_kwargs), one run each: auto (the "
                         "checkpoint's: a bf16 folder trains bf16 weights and AdamW states, TRL's default), float32 "
@@ -327,16 +331,40 @@ def launch_peak(spec: dict) -> float | None:
     return max(float(f.read_text()) for f in files if f.exists())
 
 
+def run_figures(run: dict, warmup: int) -> dict:
+    """One run's median step and its seconds per 1,000 generated tokens (a step lasts until its longest completion
+    ends, so runs that sampled longer completions take longer steps; per token they compare)."""
+    times, tokens = run["step_times"][warmup:], run["tokens"][warmup:]
+    return {"median_step_time_s": statistics.median(times), "s_per_1k_tokens": 1000 * sum(times) / sum(tokens)}
+
+
 def summarize(runs: list[dict], warmup: int) -> dict:
+    """A trainer's figures over its runs: medians over every measured step, and each run's own figures (the spread
+    between runs is what a single invocation cannot show)."""
     times = [t for r in runs for t in r["step_times"][warmup:]]
     tokens = [n for r in runs for n in r["tokens"][warmup:]]
+    per_run = [run_figures(r, warmup) for r in runs]
     out = {"median_step_time_s": statistics.median(times),
+           "step_time_range_s": [min(f["median_step_time_s"] for f in per_run),
+                                 max(f["median_step_time_s"] for f in per_run)],
            "tokens_per_s": sum(tokens) / sum(times),
+           "s_per_1k_tokens": 1000 * sum(times) / sum(tokens),
+           "s_per_1k_tokens_range": [min(f["s_per_1k_tokens"] for f in per_run),
+                                     max(f["s_per_1k_tokens"] for f in per_run)],
+           "per_run": per_run,
            "mean_completion_length": sum(tokens) / len(tokens) / runs[0]["batch"],
            "peak_memory_gb": max(r["peak_memory_gb"] for r in runs), "measured_steps": len(times)}
     if "phases" in runs[0]:
         out["phases"] = {k: statistics.median(p[k] for r in runs for p in r["phases"][warmup:]) for k in PHASES}
+        phase_total = {k: sum(p[k] for r in runs for p in r["phases"][warmup:]) for k in PHASES}
+        out["phases_s_per_1k_tokens"] = {k: 1000 * v / sum(tokens) for k, v in phase_total.items()}
     return out
+
+
+def round_ratios(ours: list[dict], peer: list[dict], key: str) -> dict:
+    """ours / peer for each round (the runs of one round ran next to each other): the median and the range."""
+    ratios = [a[key] / b[key] for a, b in zip(ours, peer)]
+    return {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)], "rounds": ratios}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -406,6 +434,9 @@ def main(argv: list[str] | None = None) -> dict:
         report["ratios"] = {"against": best,
                             "step_time": ours["median_step_time_s"] / peer["median_step_time_s"],
                             "tokens_per_s": ours["tokens_per_s"] / peer["tokens_per_s"],
+                            "s_per_1k_tokens": ours["s_per_1k_tokens"] / peer["s_per_1k_tokens"],
+                            "step_time_rounds": round_ratios(ours["per_run"], peer["per_run"], "median_step_time_s"),
+                            "per_token_rounds": round_ratios(ours["per_run"], peer["per_run"], "s_per_1k_tokens"),
                             "peak_memory": ours["peak_memory_gb"] / min(summary[x]["peak_memory_gb"]
                                                                         for x in trl_labels)}
     print(format_report(report))
@@ -439,24 +470,40 @@ def format_report(report: dict) -> str:
     memory = "peak GPU memory (GB)" if report["device"] == "cuda" else "peak RSS (GB)"
     labels = list(summary)
     head = ["", *labels] + (["ours / TRL"] if "ratios" in report else [])
-    rows = [("median step time (s)", "median_step_time_s", "step_time", "{:.2f}"),
-            ("generated tokens / s", "tokens_per_s", "tokens_per_s", "{:.1f}"),
-            (memory, "peak_memory_gb", "peak_memory", "{:.2f}"),
-            ("mean completion length", "mean_completion_length", None, "{:.1f}")]
+
+    def spread(label, key, fmt):
+        low, high = summary[label][key]
+        return f" ({fmt.format(low)}-{fmt.format(high)})"
+
+    rows = [("median step time (s)", "median_step_time_s", "step_time", "{:.2f}", "step_time_range_s"),
+            ("s per 1k generated tokens", "s_per_1k_tokens", "s_per_1k_tokens", "{:.2f}", "s_per_1k_tokens_range"),
+            ("generated tokens / s", "tokens_per_s", "tokens_per_s", "{:.1f}", None),
+            (memory, "peak_memory_gb", "peak_memory", "{:.2f}", None),
+            ("mean completion length", "mean_completion_length", None, "{:.1f}", None)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, key, ratio, fmt in rows:
-        cells = [fmt.format(summary[label][key]) for label in labels]
+    for name, key, ratio, fmt, range_key in rows:
+        cells = [fmt.format(summary[label][key]) + (spread(label, range_key, fmt) if range_key else "")
+                 for label in labels]
         if "ratios" in report:
             cells.append(f"{report['ratios'][ratio]:.2f}x" if ratio else "")
         lines.append("| " + " | ".join([name, *cells]) + " |")
     if "ratios" in report:
-        lines.append(f"\nratios against {report['ratios']['against']} (the faster TRL precision), "
-                     f"{summary[labels[0]]['measured_steps']} measured steps each")
+        r = report["ratios"]
+        rounds = len(r["step_time_rounds"]["rounds"])
+        lines.append(f"\n(ranges: the lowest and highest run's own figure.) Ratios against {r['against']} (the "
+                     f"faster TRL precision), {summary[labels[0]]['measured_steps']} measured steps each; round by "
+                     f"round over {rounds} alternated rounds:")
+        for name, key in (("median step", "step_time_rounds"), ("per generated token", "per_token_rounds")):
+            x = r[key]
+            lines.append(f"  {name:<20} median {x['median']:.2f}x, range {x['range'][0]:.2f}-{x['range'][1]:.2f}x "
+                         f"({', '.join(f'{v:.2f}' for v in x['rounds'])})")
     if "phases" in summary.get("ours", {}):
         phases = summary["ours"]["phases"]
+        per_token = summary["ours"]["phases_s_per_1k_tokens"]
         total = summary["ours"]["median_step_time_s"]
-        lines.append("\nwhere our step time goes (medians; the rest is bookkeeping):")
-        lines += [f"  {k:<12} {v:7.2f} s  {100 * v / total:5.1f}%" for k, v in phases.items()]
+        lines.append("\nwhere our step time goes (medians, and s per 1k generated tokens; the rest is bookkeeping):")
+        lines += [f"  {k:<12} {v:7.2f} s  {100 * v / total:5.1f}%  {per_token[k]:7.3f} s/1k tokens"
+                  for k, v in phases.items()]
     return "\n".join(lines)
 
 
