@@ -34,30 +34,28 @@ The algorithm, step by step (`train` below calls one function per phase, in this
 The method's parts (how it samples, its advantage rule, its controllers) are chosen once, before the loop, by
 lib/methods.choose_method; `--algo` picks a preset of them (docs/methods.md section 9) and any key you set overrides it.
 
-How this differs from TRL's GRPOTrainer (same names, same math; docs/methods.md section 1):
-  1. The loop is this file, not an inherited Trainer: phases in a fixed order, every metric visible.
-  2. Each prompt is prefilled once and its keys/values shared by its G completions, in sampling and in the
-     training forward (exact: same values and gradients as the full forward); logits only at completion tokens,
-     one vocabulary chunk at a time; rows of similar length run together; finished rows leave the decode batch.
-  3. On a CPU with bf16 the sampler keeps a bf16 copy of the weights (linear layers prepacked for oneDNN), synced
-     after each optimizer step; training keeps fp32 master weights under bf16 autocast. With use_vllm a colocated
-     vLLM engine samples instead, and truncated importance sampling corrects for its probabilities.
-  4. The loss is normalised over the global batch explicitly (lib/losses.aggregate_loss), so one batch of B and
-     two accumulated batches of B/2 give the same gradient, on one process or several, for every loss type but
-     bnpo (TRL's per-micro-batch token mean, whose value depends on how the batch is split).
-  5. Defaults are sized for the CPU demo (short completions, 2 prompts a step); recipes set real-model values.
-  6. Before the first step the run's memory is estimated and checked against max_memory (lib/extras/memory.py).
+How this differs from TRL's GRPOTrainer (same names, same math; docs/methods.md section 1): the loop is
+this file, not an inherited Trainer; each prompt is prefilled once and its keys/values shared by its G
+completions, in sampling and in the (exact) training forward, logits only at completion tokens
+(docs/performance.md 2.1); on a CPU with bf16 the sampler keeps a bf16 copy of the fp32 master weights, or
+with use_vllm a vLLM engine samples, corrected by truncated importance sampling (docs/performance.md 4); the
+loss is normalised over the global batch explicitly (lib/losses.aggregate_loss), so gradient accumulation
+and processes do not change the gradient (but for bnpo); defaults are sized for the CPU demo; and the run's
+memory is checked against max_memory before the first step (docs/performance.md 3).
 
-The settings that shape the loop (all in lib/config.py, `--help` and docs/configuration.md): `num_generations` (G),
-`per_device_train_batch_size` (completions per micro-batch and process), `gradient_accumulation_steps` (micro-batches
-per optimizer step), `steps_per_generation` and `num_iterations` (optimizer steps one generation batch serves),
-`max_steps`, `learning_rate`, `temperature`, `max_completion_length`; the loss's `beta`, `epsilon` / `epsilon_high`,
-`eta`, `loss_type`, `importance_sampling_level`; the advantages' `scale_rewards`; and `algo`, the method's preset.
+The settings that shape the loop (all in lib/config.py, `--help` and docs/configuration.md):
+`num_generations` (G), `per_device_train_batch_size` (completions per micro-batch and process),
+`gradient_accumulation_steps` (micro-batches per optimizer step), `steps_per_generation` and
+`num_iterations` (optimizer steps one generation batch serves), `max_steps`, `learning_rate`,
+`temperature`, `max_completion_length`; the loss's `beta`, `epsilon` / `epsilon_high`, `eta`,
+`loss_type`, `importance_sampling_level`; the advantages' `scale_rewards`; and `algo`, the method's
+preset.
 
-This file is the loop and its phases. Building a run (`Run`, `TrainerState`, `Geometry`) is lib/setup.py; saving
-and stopping (checkpoints, final/, signals, non-finite values) lib/save_and_stop.py; the logs lib/logs.py. The
-optional parts (lib/extras/: the hub, the health warnings, the memory check, the reward worker, the generation
-server's client) are wired here, in `setup`: the core never imports them.
+This file is the loop and its phases. Building a run (`Run`, `TrainerState`, `Geometry`) is
+lib/setup.py; saving and stopping (checkpoints, final/, signals, non-finite values)
+lib/save_and_stop.py; the logs lib/logs.py. The optional parts (lib/extras/: the hub, the health
+warnings, the memory check, the reward worker, the generation server's client) are wired here, in
+`setup`: the core never imports them.
 """
 
 from __future__ import annotations
@@ -81,15 +79,17 @@ from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.runs import read_jsonl
 from lib.logs import append_jsonl, batch_metrics, dense_line
-from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, policy_ratio, truncated_importance_weights
+from lib.losses import (aggregate_loss, clipped_surrogate, kl_penalty, mean_of, per_row, policy_ratio,
+                        truncated_importance_weights)
 from lib.methods import Sampled, TrainValues, choose_method
 from lib.modeling import adapter_disabled, offloaded_activations, pad_cat, resolve_model_path
 from lib.rollout import Rollout
-from lib.save_and_stop import nonfinite_rewards, save_checkpoint, save_final, stop_for_signal, stop_if_nonfinite, \
-    stop_requested
-from lib.setup import Geometry, Run, TrainerState, clock, close, load_checked_tokenizer, load_data, load_models, \
-    load_rewards, make_engine, policy_optimizer, prepare_output_dir, prepare_policy, record_and_seed, \
-    resolve_rewards, restore, rollout_context, start_accelerator
+from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, stop_for_signal,
+                               stop_if_nonfinite, stop_requested)
+from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_tokenizer, load_data,
+                       load_models, load_rewards, make_engine, policy_optimizer, prepare_output_dir,
+                       prepare_policy, record_and_seed, resolve_rewards, restore, rollout_context,
+                       start_accelerator)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -107,7 +107,6 @@ def main(argv: list[str] | None = None) -> dict:
         return train(run, state)
     finally:
         close(run)
-
 
 
 # =====================================================================================================================
@@ -555,67 +554,61 @@ def evaluate(run: Run, step: int) -> dict:
 
 
 def setup(cfg: Config) -> tuple[Run, TrainerState]:
-    """Everything before the first step, in the order that fails fastest: configuration and data errors before any
-    model loads, the memory check before any sampling. Raises ConfigError with the field and the fix. The optional
-    parts (lib/extras/) are made here and handed to the core as plain objects."""
+    """Everything before the first step (lib/setup.py), in the order that fails fastest:
+    configuration and data errors before any model loads, the memory check before any sampling.
+    Raises ConfigError with the field and the fix. The optional parts (lib/extras/) are made here
+    and handed to the core as plain objects."""
     accelerator, bf16, sharded, partitioned = start_accelerator(cfg)
-    # push_to_hub: the hub reachable, a write token, the repository ready, before any data or model loads
+    rank, world = accelerator.process_index, accelerator.num_processes
+    # push_to_hub: the hub reachable, a write token, the repository ready, before data and models
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
     reward_specs, reward_funcs = resolve_rewards(cfg)
     train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print)
-    resolve_epochs(cfg, len(train_records), accelerator.num_processes)  # max_steps -1, and the epoch strategies
+    resolve_epochs(cfg, len(train_records), world)  # max_steps -1, and the epoch strategies
     resume = prepare_output_dir(cfg, accelerator)
-    # reward functions run in a worker process with a time limit per call (lib/extras/reward_worker.py); it starts
-    # now and loads them while the models load
-    worker = RewardWorker(reward_specs, reward_options(cfg), cfg.reward_timeout) if cfg.reward_timeout else None
-    if worker is not None:
+    # reward functions run in a worker process with a time limit per call
+    # (lib/extras/reward_worker.py); it starts now and loads them while the models load
+    worker = None
+    if cfg.reward_timeout:
+        worker = RewardWorker(reward_specs, reward_options(cfg), cfg.reward_timeout)
         worker.start()
     out = record_and_seed(cfg, accelerator)
 
     model_path = resolve_model_path(cfg.model_name_or_path)
     tokenizer = load_checked_tokenizer(cfg, model_path, train_records[:1] + eval_records[:1])
-    policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded, partitioned)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    if cfg.use_vllm and cfg.vllm_mode == "server":  # one engine on devices of its own (serve_vllm.py)
+    policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded,
+                                    partitioned)
+    if cfg.use_vllm and cfg.vllm_mode == "server":  # an engine on its own devices (serve_vllm.py)
         engine = server_rollout(cfg, policy, tokenizer, rank, partitioned, world)
     else:
         engine = make_engine(cfg, policy, tokenizer, model_path, bf16, rank, partitioned)
     reward_funcs = load_rewards(cfg, reward_funcs, accelerator.device)
     optimizer = policy_optimizer(cfg, policy)
-    memory_line = memory.check_run(cfg, policy, accelerator.device, bf16)  # a run that would not fit stops here
+    estimate = memory.check_run(cfg, policy, accelerator.device, bf16)  # stops a run that won't fit
     if accelerator.is_main_process:
-        tqdm.write(memory_line)
-    scorer, optimizer, scheduler, params = prepare_policy(cfg, accelerator, policy, optimizer, sharded, partitioned)
+        tqdm.write(estimate)
+    scorer, optimizer, scheduler, params = prepare_policy(cfg, accelerator, policy, optimizer,
+                                                          sharded, partitioned)
 
     geometry = Geometry.of(cfg, rank, world)
     method = choose_method(cfg, geometry.steps_per_rollout)
     state = restore(resume, accelerator, scorer, optimizer, scheduler, engine, method, sharded)
     if cfg.report_to:
-        # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists and None);
-        # to_dict leaves the token out, and so does the command line wandb records
-        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in to_dict(cfg).items()}
+        # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists
+        # and None); to_dict leaves the token out, and so does the command line wandb records
+        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                   for k, v in to_dict(cfg).items()}
+        trackers = hub.tracker_init_kwargs(cfg.report_to, cfg.run_name or out.name, str(out))
         with hub.argv_without_secrets():
-            accelerator.init_trackers(cfg.project, config=hparams, init_kwargs=hub.tracker_init_kwargs(
-                cfg.report_to, cfg.run_name or out.name, str(out)))
-    ctx = rollout_context(cfg, engine, tokenizer, reward_funcs, train_records, accelerator, geometry, worker)
-    watch = health.Watch(to_dict(cfg), read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None)
-    return Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method, params, optimizer,
-               scheduler, eval_records, geometry, ckpt.StopRequest(), sharded, watch=watch,
-               hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None), state
-
-
-# =====================================================================================================================
-# Small helpers
-
-
-def per_row(value: float | torch.Tensor, rows: slice) -> float | torch.Tensor:
-    """A per-completion tensor's rows of one micro-batch, or the scalar itself."""
-    return value[rows] if isinstance(value, torch.Tensor) else value
-
-
-def mean_of(value: float | torch.Tensor) -> float:
-    """The mean of a per-completion tensor, or the scalar itself."""
-    return float(value.mean()) if isinstance(value, torch.Tensor) else value
+            accelerator.init_trackers(cfg.project, config=hparams, init_kwargs=trackers)
+    ctx = rollout_context(cfg, engine, tokenizer, reward_funcs, train_records, accelerator,
+                          geometry, worker)
+    history = read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None
+    run = Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method,
+              params, optimizer, scheduler, eval_records, geometry, ckpt.StopRequest(), sharded,
+              watch=health.Watch(to_dict(cfg), history),
+              hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None)
+    return run, state
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Saving a run and stopping it safely: checkpoints and final/, the stop on a signal (SIGTERM / SIGUSR1) where
-resuming is exact, and the non-finite guard (a reward, loss or gradient norm that is not finite moves no weight;
-max_nonfinite_steps such steps in a row stop the run). The checkpoint format itself is lib/checkpoint.py; what to
-do when a run stops is docs/faults.md.
+"""Saving a run and stopping it safely: checkpoints and final/, the stop on a signal (SIGTERM /
+SIGUSR1) where resuming is exact, and the non-finite guard (a reward, loss or gradient norm that is
+not finite moves no weight; max_nonfinite_steps such steps in a row stop the run). The checkpoint
+format itself is lib/checkpoint.py; what to do when a run stops is docs/faults.md.
 """
 
 from __future__ import annotations
@@ -25,29 +25,35 @@ from lib.setup import Run, TrainerState
 
 
 def nonfinite_rewards(run: Run, sampled: Sampled, advantages: torch.Tensor) -> tuple[str, dict]:
-    """(what was not finite, "" if nothing; the per-function counts to log). A reward of inf, -inf or NaN (None is
-    not one: it means 'does not apply') makes every advantage of the batch meaningless, so no step trains on it."""
+    """(what was not finite, "" if nothing; the per-function counts to log). A reward of inf,
+    -inf or NaN (None is not one: it means 'does not apply') makes every advantage of the batch
+    meaningless, so no step trains on it."""
     names, accelerator = run.ctx.reward_names, run.accelerator
-    counts = accelerator.reduce(torch.tensor([sampled.nonfinite.get(n, 0) for n in names], dtype=torch.float32,
-                                             device=accelerator.device), reduction="sum").tolist()
+    local = torch.tensor([sampled.nonfinite.get(n, 0) for n in names], dtype=torch.float32,
+                         device=accelerator.device)
+    counts = accelerator.reduce(local, reduction="sum").tolist()
     reasons = []
     for column, name, count in zip(sampled.rewards.T, names, counts):
         if count:
-            kinds = {"inf": int(torch.isposinf(column).sum()), "-inf": int(torch.isneginf(column).sum())}
-            kinds["nan"] = max(int(count) - kinds["inf"] - kinds["-inf"], 0)  # NaN: the explicit ones, not None's
+            kinds = {"inf": int(torch.isposinf(column).sum()),
+                     "-inf": int(torch.isneginf(column).sum())}
+            # NaN: the explicit ones, not None's
+            kinds["nan"] = max(int(count) - kinds["inf"] - kinds["-inf"], 0)
             seen = ", ".join(f"{number} x {kind}" for kind, number in kinds.items() if number)
             reasons.append(f"reward function '{name}' returned {seen or 'non-finite values'}")
     if not reasons and not torch.isfinite(advantages).all():
-        reasons.append("the advantages (from finite rewards: a reward too large for float32 arithmetic?)")
+        reasons.append("the advantages (from finite rewards: a reward too large for float32 "
+                       "arithmetic?)")
     return "; ".join(reasons), {f"nonfinite/rewards/{n}": c for n, c in zip(names, counts)}
 
 
 def save_checkpoint(run: Run, state: TrainerState) -> None:
-    """Phase 8: model (or adapter), optimizer, scheduler, RNG per process and trainer state, written to a staging
-    folder and renamed into place (lib/checkpoint.py). Never from non-finite weights. A write that fails (a full
-    disk) on any process removes the staging folder, leaves the previous checkpoint whole and stops the run with
-    the space a checkpoint needs."""
-    accelerator, main_process, step = run.accelerator, run.accelerator.is_main_process, state.global_step
+    """Phase 8: model (or adapter), optimizer, scheduler, RNG per process and trainer state,
+    written to a staging folder and renamed into place (lib/checkpoint.py). Never from non-finite
+    weights. A write that fails (a full disk) on any process removes the staging folder, leaves
+    the previous checkpoint whole and stops the run with the space a checkpoint needs."""
+    accelerator, step = run.accelerator, state.global_step
+    main_process = accelerator.is_main_process
     check_finite_weights(run, f"checkpoint-{step}")
     staging = ckpt.staging_dir(run.out, step)
     error = None
@@ -56,7 +62,8 @@ def save_checkpoint(run: Run, state: TrainerState) -> None:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         accelerator.wait_for_everyone()
-        ckpt.write_rng(staging, accelerator.process_index, ckpt.rng_state({"rollout": run.engine.state_dict()}))
+        ckpt.write_rng(staging, accelerator.process_index,
+                       ckpt.rng_state({"rollout": run.engine.state_dict()}))
         if run.sharded:  # every process writes its shards of the model and the optimizer states
             distributed.save_sharded(accelerator, run.scorer, run.optimizer, staging)
         if main_process:
@@ -65,13 +72,13 @@ def save_checkpoint(run: Run, state: TrainerState) -> None:
                 torch.save(run.optimizer.state_dict(), staging / "optimizer.pt")
             run.tokenizer.save_pretrained(staging)
             torch.save(run.scheduler.state_dict(), staging / "scheduler.pt")
-    except Exception as exc:  # noqa: BLE001 - OSError, or torch.save's RuntimeError around one: reported below
+    except Exception as exc:  # noqa: BLE001 - OSError, or torch.save's RuntimeError around one
         error = f"{type(exc).__name__}: {exc}"
     error = first_error(run, error)
     if error is None and main_process:
         try:
-            ckpt.commit_checkpoint(run.out, step, {**dataclasses.asdict(state), "config": to_dict(run.cfg)},
-                                   run.cfg.save_total_limit)
+            trainer_state = {**dataclasses.asdict(state), "config": to_dict(run.cfg)}
+            ckpt.commit_checkpoint(run.out, step, trainer_state, run.cfg.save_total_limit)
         except OSError as exc:  # a full disk while writing trainer_state.json
             error = f"{type(exc).__name__}: {exc}"
     error = first_error(run, error)
@@ -84,7 +91,8 @@ def save_checkpoint(run: Run, state: TrainerState) -> None:
 
 
 def first_error(run: Run, error: str | None) -> str | None:
-    """The first process's error, on every process (a collective: every process calls it at the same point)."""
+    """The first process's error, on every process (a collective: every process calls it at the
+    same point)."""
     if run.accelerator.num_processes == 1:
         return error
     return next((e for e in run.ctx.gather_object([error]) if e is not None), None)
@@ -96,48 +104,56 @@ def save_failed_message(run: Run, what: str, error: str) -> str:
     if previous is not None:
         needed = ckpt.folder_bytes(previous)
     else:  # model (adapter) and optimizer states, as written
-        weights = run.params if hasattr(unwrapped, "peft_config") else list(unwrapped.state_dict().values())
-        states = [v for s in run.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        weights = run.params if hasattr(unwrapped, "peft_config") \
+            else list(unwrapped.state_dict().values())
+        states = [v for s in run.optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor)]
         needed = sum(t.numel() * t.element_size() for t in [*weights, *states])
     free = shutil.disk_usage(run.out).free
     cause = f"out of space; {error}" if free < needed else error
-    return (f"{what} could not be written to '{run.out}' ({cause}). A checkpoint needs about {needed / 2**20:.1f} "
-            f"MiB; {free / 2**20:.1f} MiB are free. The partial files were removed and "
-            f"{previous.name + ' is whole' if previous else 'no earlier checkpoint exists'}. Free some space and "
-            f"resume with --resume_from_checkpoint latest")
+    kept = f"{previous.name} is whole" if previous else "no earlier checkpoint exists"
+    return (f"{what} could not be written to '{run.out}' ({cause}). A checkpoint needs about "
+            f"{needed / 2**20:.1f} MiB; {free / 2**20:.1f} MiB are free. The partial files were "
+            f"removed and {kept}. Free some space and resume with --resume_from_checkpoint latest")
 
 
 def check_finite_weights(run: Run, what: str) -> None:
-    """Refuse to save weights that are not finite (the trained ones; frozen ones never change). Every process
-    calls it: sharded, each checks its shards and all take the same decision."""
+    """Refuse to save weights that are not finite (the trained ones; frozen ones never change).
+    Every process calls it: sharded, each checks its shards and all take the same decision."""
     finite = all(bool(torch.isfinite(distributed.local_tensor(p)).all()) for p in run.params)
     if run.sharded:
-        finite = bool(run.accelerator.reduce(torch.tensor(float(finite), device=run.accelerator.device),
-                                             reduction="sum") == run.accelerator.num_processes)
+        votes = torch.tensor(float(finite), device=run.accelerator.device)
+        agreed = run.accelerator.reduce(votes, reduction="sum")
+        finite = bool(agreed == run.accelerator.num_processes)
     if not finite:
-        raise ckpt.RunStopped(f"{what} not written: the weights are not finite (an optimizer step on finite "
-                              f"gradients overflowed: lower learning_rate). The last checkpoint is "
-                              f"{getattr(ckpt.latest_checkpoint(run.out), 'name', 'none')}")
+        last = getattr(ckpt.latest_checkpoint(run.out), "name", "none")
+        raise ckpt.RunStopped(f"{what} not written: the weights are not finite (an optimizer step "
+                              f"on finite gradients overflowed: lower learning_rate). The last "
+                              f"checkpoint is {last}")
 
 
 def stop_if_nonfinite(run: Run, state: TrainerState, reason: str) -> None:
-    """Say that a step was skipped for a non-finite value; stop after max_nonfinite_steps in a row."""
+    """Say that a step was skipped for a non-finite value; stop after max_nonfinite_steps in a
+    row."""
     cfg, step = run.cfg, state.global_step
     if run.accelerator.is_main_process:
-        tqdm.write(f"step {step}: optimizer step skipped, the weights unchanged: {reason} not finite "
-                   f"({state.nonfinite_streak} of max_nonfinite_steps {cfg.max_nonfinite_steps} in a row)")
+        tqdm.write(f"step {step}: optimizer step skipped, the weights unchanged: {reason} not "
+                   f"finite ({state.nonfinite_streak} of max_nonfinite_steps "
+                   f"{cfg.max_nonfinite_steps} in a row)")
     if state.nonfinite_streak >= cfg.max_nonfinite_steps:
         latest = ckpt.latest_checkpoint(run.out)
         raise ckpt.RunStopped(
-            f"step {step}: {state.nonfinite_streak} optimizer steps in a row skipped for non-finite values, the last "
-            f"because {reason} was not finite (max_nonfinite_steps {cfg.max_nonfinite_steps}). No weight was "
-            f"updated from them and final/ was not written; the last checkpoint is "
+            f"step {step}: {state.nonfinite_streak} optimizer steps in a row skipped for "
+            f"non-finite values, the last because {reason} was not finite (max_nonfinite_steps "
+            f"{cfg.max_nonfinite_steps}). No weight was updated from them and final/ was not "
+            f"written; the last checkpoint is "
             f"{latest.name if latest else 'none'}. Fix the cause (docs/faults.md) and resume with "
             f"--resume_from_checkpoint latest")
 
 
 def stop_requested(run: Run) -> str | None:
-    """The stop signal any process received (SIGTERM / SIGUSR1), the same answer on every process."""
+    """The stop signal any process received (SIGTERM / SIGUSR1), the same answer on every
+    process."""
     name = run.stop.signal_name
     if run.accelerator.num_processes > 1:
         names = ckpt.StopRequest.SIGNALS
@@ -151,41 +167,48 @@ def stop_for_signal(run: Run, state: TrainerState, signal_name: str, saved: bool
     """Preemption: a checkpoint at this step (resuming from it is exact) and a stop."""
     if not saved:
         save_checkpoint(run, state)
-    raise ckpt.RunStopped(f"{signal_name} received: stopped at step {state.global_step} of {run.cfg.max_steps} with "
-                          f"checkpoint-{state.global_step} written; continue with --resume_from_checkpoint latest",
+    raise ckpt.RunStopped(f"{signal_name} received: stopped at step {state.global_step} of "
+                          f"{run.cfg.max_steps} with checkpoint-{state.global_step} written; "
+                          f"continue with --resume_from_checkpoint latest",
                           exit_code=128 + int(getattr(signal, signal_name)))
 
 
 def save_final(run: Run, end_eval: dict, step: int, write_files: Callable | None = None) -> None:
-    """final/: a model (or adapter) folder that transformers / peft load as is, renamed into place. `write_files`,
-    given by the entry script, adds files before the rename: lib/extras/hub.write_final_files's model card and
-    generation_config.json (docs/hub.md 2)."""
+    """final/: a model (or adapter) folder that transformers / peft load as is, renamed into
+    place. `write_files`, given by the entry script, adds files before the rename:
+    lib/extras/hub.write_final_files's model card and generation_config.json (docs/hub.md 2)."""
     check_finite_weights(run, "final/")
-    # sharded: the whole model gathered on the main process (a collective), saved as one plain folder
+    # sharded: the whole model gathered on the main process (a collective), saved as one folder
     state = distributed.full_state_dict(run.accelerator, run.scorer) if run.sharded else None
     if run.accelerator.is_main_process:
         final, staging = run.out / "final", run.out / ".final.partial"
         shutil.rmtree(staging, ignore_errors=True)
         try:
             model = run.accelerator.unwrap_model(run.scorer).model
-            if state is not None:  # (a tied output layer is one parameter: saved once, as save_pretrained does)
-                kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-                model.save_pretrained(staging, state_dict={name: v for k, v in state.items()
-                                                           if (name := k.removeprefix("model.")) in kept})
+            if state is not None:  # a tied output layer is one parameter: saved once, as
+                # save_pretrained does
+                kept = {name for name, _ in model.named_parameters()} \
+                    | {name for name, _ in model.named_buffers()}
+                model.save_pretrained(staging, state_dict={
+                    name: v for k, v in state.items()
+                    if (name := k.removeprefix("model.")) in kept})
             else:
                 model.save_pretrained(staging)
             run.tokenizer.save_pretrained(staging)
-            # the model card and the sampling the run trained with go in before the rename, so that final/ never
-            # exists without them (docs/hub.md 2)
+            # the model card and the sampling the run trained with go in before the rename, so that
+            # final/ never exists without them (docs/hub.md 2)
             if write_files is not None:
                 write_files(staging, run.cfg, end_ids=end_token_ids(run.policy, run.tokenizer),
                             generation_config=getattr(run.policy, "generation_config", None),
-                            adapter=hasattr(model, "peft_config"), metrics_path=run.out / "metrics.jsonl",
-                            after=end_eval, step=step, argv=sys.argv, num_processes=run.accelerator.num_processes,
+                            adapter=hasattr(model, "peft_config"),
+                            metrics_path=run.out / "metrics.jsonl", after=end_eval, step=step,
+                            argv=sys.argv, num_processes=run.accelerator.num_processes,
                             repo_id=run.hub.target.repo_id if run.hub else None)
-        except (OSError, RuntimeError) as exc:  # a full disk (safetensors raises either): the checkpoint is whole
+        # a full disk (safetensors raises either): the checkpoint is whole
+        except (OSError, RuntimeError) as exc:
             shutil.rmtree(staging, ignore_errors=True)
-            raise ckpt.RunStopped(save_failed_message(run, "final/", f"{type(exc).__name__}: {exc}")) from exc
+            message = save_failed_message(run, "final/", f"{type(exc).__name__}: {exc}")
+            raise ckpt.RunStopped(message) from exc
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         score_text = f"accuracy {end_eval['eval/accuracy']:.3f}; " if end_eval else ""

@@ -496,25 +496,29 @@ def describe_recipe(parts: dict[str, int], step: StepMemory, budget: int | None)
 
 
 def check_run(cfg, policy: torch.nn.Module, device: torch.device, bf16: bool) -> str:
-    """The memory guard train_agrpo.setup runs once the models, the sampler, the reward models and the optimizer are
-    loaded, before any sampling or training: the step's estimated peak (on top of what loading left resident)
-    against the budget. A run that would not fit stops here (ConfigError) with the setting to lower; else the line
-    that says the estimate."""
-    estimate = estimate_step_memory(policy, resident=resident_bytes(device), optim=cfg.optim, bf16=bf16,
-                                    vllm=cfg.use_vllm, gradient_checkpointing=cfg.gradient_checkpointing,
-                                    activation_offloading=cfg.activation_offloading and device.type == "cuda",
+    """The memory guard train_agrpo.setup runs once the models, the sampler, the reward models and
+    the optimizer are loaded, before any sampling or training: the step's estimated peak (on top of
+    what loading left resident) against the budget. A run that would not fit stops here
+    (ConfigError) with the setting to lower; else the line that says the estimate."""
+    estimate = estimate_step_memory(policy, resident=resident_bytes(device), optim=cfg.optim,
+                                    bf16=bf16, vllm=cfg.use_vllm,
+                                    gradient_checkpointing=cfg.gradient_checkpointing,
+                                    activation_offloading=cfg.activation_offloading
+                                    and device.type == "cuda",
                                     **step_token_counts(cfg))
     try:
-        check_step_memory(estimate, *memory_budget(device, cfg.max_memory), use_peft=hasattr(policy, "peft_config"),
+        check_step_memory(estimate, *memory_budget(device, cfg.max_memory),
+                          use_peft=hasattr(policy, "peft_config"),
                           gradient_checkpointing=cfg.gradient_checkpointing, optim=cfg.optim)
     except MemoryError as error:
         raise ConfigError(str(error)) from error
-    return f"memory: a step is estimated at {estimate.total / 2**30:.1f} GB (in GB: {estimate.describe()})"
+    return (f"memory: a step is estimated at {estimate.total / 2**30:.1f} GB "
+            f"(in GB: {estimate.describe()})")
 
 
 def estimate_only(cfg) -> dict:
-    """estimate_memory_only: the recipe's memory from the model's configuration alone (no weights, no
-    accelerator), printed; {"estimated_peak_bytes": the step's estimated peak}."""
+    """estimate_memory_only: the recipe's memory from the model's configuration alone (no
+    weights, no accelerator), printed; {"estimated_peak_bytes": the step's estimated peak}."""
     budget = int(cfg.max_memory * GB) if cfg.max_memory else None
     try:
         parts, step = recipe_memory(cfg, gpu_bytes=budget)
