@@ -114,12 +114,13 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def train(run: Run, state: TrainerState) -> dict:
-    """The eight steps of the docstring, one phase function each. `run` (lib/setup.Run) holds what set-up built:
-    the configuration, the accelerator, the tokenizer, the policy and its scorer, the reference, the sampler
-    (`engine`), the method's parts (`method`: refill, advantages, controllers) and what sampling reads (`ctx`), the
-    optimizer and scheduler, the held-out records, the batch `geometry` and the stop request. `state`
-    (lib/setup.TrainerState) is what the loop advances and a checkpoint saves: the step, the data position, the
-    tokens generated, the controllers' state, the non-finite streak."""
+    """The eight steps of the docstring, one phase function each. `run` (lib/setup.Run) holds
+    what set-up built: the configuration, the accelerator, the tokenizer, the policy and its scorer,
+    the reference, the sampler (`engine`), the method's parts (`method`: refill, advantages,
+    controllers) and what sampling reads (`ctx`), the optimizer and scheduler, the held-out records,
+    the batch `geometry` and the stop request. `state` (lib/setup.TrainerState) is what the loop
+    advances and a checkpoint saves: the step, the data position, the tokens generated, the
+    controllers' state, the non-finite streak."""
     cfg, geo, controllers = run.cfg, run.geometry, run.method.controllers
     resumed_at_end = state.global_step > 0 and finished(cfg, state, geo.steps_per_rollout)  # only the end is left
     if not resumed_at_end and (state.global_step == 0 or (cfg.eval_steps and state.global_step % cfg.eval_steps == 0)):
@@ -147,8 +148,8 @@ def train(run: Run, state: TrainerState) -> dict:
             # ------------------------------------------------------------------------------ 4. controllers (per batch)
             # per-batch values from the old log-probs' entropy (AGPO-DSF's clip range of each group)
             controllers.batch_values(
-                partial(distributed.group_token_means, run.accelerator, batch.old_entropy, batch.rollout.completion_mask,
-                        batch.group_size), batch.prompt_of_row)
+                partial(distributed.group_token_means, run.accelerator, batch.old_entropy,
+                        batch.rollout.completion_mask, batch.group_size), batch.prompt_of_row)
 
         # ---------------------------------------------------------------------------------- 4. controllers (per step)
         # the values this step trains with: fixed, or from the controllers' current state
@@ -203,7 +204,7 @@ def train(run: Run, state: TrainerState) -> dict:
     end_eval = evaluate(run, state.global_step)
     if cfg.save_strategy != "no":  # TRL's `no`: final/ only
         save_checkpoint(run, state)
-    save_final(run, end_eval, state.global_step, write_files=hub.write_final_files)  # with the model card
+    save_final(run, end_eval, state.global_step, write_files=hub.write_final_files)  # + model card
     return {"eval": end_eval, "global_step": state.global_step}
 
 
@@ -485,8 +486,8 @@ def step_drift(run: Run, batch: Batch, timing: dict) -> list[float]:
         after = pad_cat([scorer(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows], roll.completion_ids[rows],
                                 roll.completion_mask[rows], roll.temperatures[rows], with_entropy=False)[0]
                          for rows in run.geometry.micro])
-    drift = distributed.group_token_means(run.accelerator, batch.old_logp[:, : after.shape[1]] - after, roll.completion_mask,
-                              batch.group_size)
+    drift = distributed.group_token_means(run.accelerator, batch.old_logp[:, : after.shape[1]] - after,
+                                          roll.completion_mask, batch.group_size)
     timing["step_kl"] = clock(run) - t0
     return drift
 
@@ -510,10 +511,11 @@ def log_step(run: Run, step: int, metrics: dict, batch: Batch) -> None:
 
 
 def watch_health(run: Run, step: int, metrics: dict) -> None:
-    """Say each kind of lib/extras/health.py warning (zero-spread groups, truncation, entropy collapse, reward hacking, a KL
-    above its target) once, at the first logged line where it holds, with its numbers and what to try: on the
-    console and in warnings.jsonl. A warning an evaluation raised carries an eval/ key, so that a resume at this
-    step, which redoes the evaluation, sets it aside with the evaluation's line (lib/checkpoint.trim_jsonl)."""
+    """Say each kind of lib/extras/health.py warning (zero-spread groups, truncation, entropy
+    collapse, reward hacking, a KL above its target) once, at the first logged line where it holds,
+    with its numbers and what to try: on the console and in warnings.jsonl. A warning an evaluation
+    raised carries an eval/ key, so that a resume at this step, which redoes the evaluation, sets it
+    aside with the evaluation's line (lib/checkpoint.trim_jsonl)."""
     if not run.accelerator.is_main_process:
         return
     fresh = run.watch.add({"step": step, **metrics})
