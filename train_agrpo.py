@@ -34,80 +34,68 @@ The algorithm, step by step (`train` below calls one function per phase, in this
 The method's parts (how it samples, its advantage rule, its controllers) are chosen once, before the loop, by
 lib/methods.choose_method; `--algo` picks a preset of them (docs/methods.md section 9) and any key you set overrides it.
 
-How this differs from TRL's GRPOTrainer (same names, same math; docs/methods.md section 1):
-  1. The loop is this file, not an inherited Trainer: phases in a fixed order, every metric visible.
-  2. Each prompt is prefilled once and its keys/values shared by its G completions, in sampling and in the
-     training forward (exact: same values and gradients as the full forward); logits only at completion tokens,
-     one vocabulary chunk at a time; rows of similar length run together; finished rows leave the decode batch.
-  3. On a CPU with bf16 the sampler keeps a bf16 copy of the weights (linear layers prepacked for oneDNN), synced
-     after each optimizer step; training keeps fp32 master weights under bf16 autocast. With use_vllm a colocated
-     vLLM engine samples instead, and truncated importance sampling corrects for its probabilities.
-  4. The loss is normalised over the global batch explicitly (lib/losses.aggregate_loss), so one batch of B and
-     two accumulated batches of B/2 give the same gradient, on one process or several, for every loss type but
-     bnpo (TRL's per-micro-batch token mean, whose value depends on how the batch is split).
-  5. Defaults are sized for the CPU demo (short completions, 2 prompts a step); recipes set real-model values.
-  6. Before the first step the run's memory is estimated and checked against max_memory (lib/extras/memory.py).
+How this differs from TRL's GRPOTrainer (same names, same math; docs/methods.md section 1): the loop is
+this file, not an inherited Trainer; each prompt is prefilled once and its keys/values shared by its G
+completions, in sampling and in the (exact) training forward, logits only at completion tokens
+(docs/performance.md 2.1); on a CPU with bf16 the sampler keeps a bf16 copy of the fp32 master weights, or
+with use_vllm a vLLM engine samples, corrected by truncated importance sampling (docs/performance.md 4); the
+loss is normalised over the global batch explicitly (lib/losses.aggregate_loss), so gradient accumulation
+and processes do not change the gradient (but for bnpo); defaults are sized for the CPU demo; and the run's
+memory is checked against max_memory before the first step (docs/performance.md 3).
+
+The settings that shape the loop (all in lib/config.py, `--help` and docs/configuration.md):
+`num_generations` (G), `per_device_train_batch_size` (completions per micro-batch and process),
+`gradient_accumulation_steps` (micro-batches per optimizer step), `steps_per_generation` and
+`num_iterations` (optimizer steps one generation batch serves), `max_steps`, `learning_rate`,
+`temperature`, `max_completion_length`; the loss's `beta`, `epsilon` / `epsilon_high`, `eta`,
+`loss_type`, `importance_sampling_level`; the advantages' `scale_rewards`; and `algo`, the method's
+preset.
+
+This file is the loop and its phases. Building a run (`Run`, `TrainerState`, `Geometry`) is
+lib/setup.py; saving and stopping (checkpoints, final/, signals, non-finite values)
+lib/save_and_stop.py; the logs lib/logs.py. The optional parts (lib/extras/: the hub, the health
+warnings, the memory check, the reward worker, the generation server's client) are wired here, in
+`setup`: the core never imports them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-import json
 import math
-import os
-import random
-import shutil
-import signal
 import sys
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
-import numpy as np
 import torch
-from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from tqdm.auto import tqdm
-from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
 from lib import distributed
-from lib.extras import health
-from lib.extras import hub
-from lib.config import Config, ConfigError, hf_sampler_note, parse_config, resolve_epochs, reward_options, save_yaml, \
-    reference_dtype, steps_per_rollout, to_dict, validate, warmup_steps, weights_dtype
-from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
+from lib.config import Config, ConfigError, parse_config, reward_options, resolve_epochs, to_dict
 from lib.evaluation import generate_and_score, summarize
-from lib.extras.generation_server import ServerError, ServerRollout
-from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, policy_ratio, truncated_importance_weights
-from lib.extras.memory import (GB, build_optimizer, check_step_memory, describe_recipe, estimate_step_memory, memory_budget,
-                        recipe_memory, resident_bytes, step_token_counts)
-from lib.methods import Method, RolloutContext, Sampled, TrainValues, choose_method
-from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_token_ids, gpu_without_bf16,
-                          is_adapter_folder, load_policy, load_reference, load_tokenizer, native_bf16,
-                          offloaded_activations, resolve_model_path)
-from lib.reward_models import load_reward_models
+from lib.extras import health, hub, memory
+from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
-from lib.rewards import resolve_reward_funcs
-from lib.rollout import AnswerPhase, HFRollout, Rollout
-from lib.vllm_rollout import AdapterSyncError, VLLMRollout, adapter_ranks
 from lib.extras.runs import read_jsonl
-from lib.schedule import build_scheduler
+from lib.logs import append_jsonl, batch_metrics, dense_line
+from lib.losses import (aggregate_loss, clipped_surrogate, kl_penalty, mean_of, per_row, policy_ratio,
+                        truncated_importance_weights)
+from lib.methods import Sampled, TrainValues, choose_method
+from lib.modeling import adapter_disabled, offloaded_activations, pad_cat, resolve_model_path
+from lib.rollout import Rollout
+from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, stop_for_signal,
+                               stop_if_nonfinite, stop_requested)
+from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_tokenizer, load_data,
+                       load_models, load_rewards, make_engine, policy_optimizer, prepare_output_dir,
+                       prepare_policy, record_and_seed, resolve_rewards, restore, rollout_context,
+                       start_accelerator)
 
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(argv)
     if cfg.estimate_memory_only:  # arithmetic on the model's configuration: no weights, no accelerator
-        budget = int(cfg.max_memory * GB) if cfg.max_memory else None
-        try:
-            parts, step = recipe_memory(cfg, gpu_bytes=budget)
-        except ValueError as error:
-            raise ConfigError(f"estimate_memory_only: {error}") from None
-        print(describe_recipe(parts, step, budget))
-        return {"estimated_peak_bytes": step.total}
+        return memory.estimate_only(cfg)
     try:
         run, state = setup(cfg)
     except BaseException:
@@ -126,6 +114,13 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def train(run: Run, state: TrainerState) -> dict:
+    """The eight steps of the docstring, one phase function each. `run` (lib/setup.Run) holds
+    what set-up built: the configuration, the accelerator, the tokenizer, the policy and its scorer,
+    the reference, the sampler (`engine`), the method's parts (`method`: refill, advantages,
+    controllers) and what sampling reads (`ctx`), the optimizer and scheduler, the held-out records,
+    the batch `geometry` and the stop request. `state` (lib/setup.TrainerState) is what the loop
+    advances and a checkpoint saves: the step, the data position, the tokens generated, the
+    controllers' state, the non-finite streak."""
     cfg, geo, controllers = run.cfg, run.geometry, run.method.controllers
     resumed_at_end = state.global_step > 0 and finished(cfg, state, geo.steps_per_rollout)  # only the end is left
     if not resumed_at_end and (state.global_step == 0 or (cfg.eval_steps and state.global_step % cfg.eval_steps == 0)):
@@ -153,8 +148,8 @@ def train(run: Run, state: TrainerState) -> dict:
             # ------------------------------------------------------------------------------ 4. controllers (per batch)
             # per-batch values from the old log-probs' entropy (AGPO-DSF's clip range of each group)
             controllers.batch_values(
-                partial(group_token_means, run.accelerator, batch.old_entropy, batch.rollout.completion_mask,
-                        batch.group_size), batch.prompt_of_row)
+                partial(distributed.group_token_means, run.accelerator, batch.old_entropy,
+                        batch.rollout.completion_mask, batch.group_size), batch.prompt_of_row)
 
         # ---------------------------------------------------------------------------------- 4. controllers (per step)
         # the values this step trains with: fixed, or from the controllers' current state
@@ -209,27 +204,9 @@ def train(run: Run, state: TrainerState) -> dict:
     end_eval = evaluate(run, state.global_step)
     if cfg.save_strategy != "no":  # TRL's `no`: final/ only
         save_checkpoint(run, state)
-    save_final(run, end_eval, state.global_step)
+    save_final(run, end_eval, state.global_step, write_files=hub.write_final_files)  # + model card
     return {"eval": end_eval, "global_step": state.global_step}
 
-
-def clock(run: Run) -> float:
-    """time.perf_counter once the device has run what was queued: on a GPU a kernel runs after the call that
-    queued it, so an unsynchronised phase time would land in the next phase that waits on a result."""
-    if run.accelerator.device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
-def close(run: Run) -> None:
-    """After the run, or when it stops early: the sampler, the reward worker, the trackers, the signal handlers."""
-    run.stop.restore()
-    run.engine.close()
-    if run.ctx.worker is not None:
-        run.ctx.worker.close()
-    if run.hub is not None:  # says which pushes an early stop abandons (docs/hub.md 3)
-        run.hub.close()
-    run.accelerator.end_training()
 
 
 def finished(cfg: Config, state: TrainerState, per_rollout: int) -> bool:
@@ -343,24 +320,6 @@ def prepare_batch(run: Run, sampled: Sampled) -> Batch:
         texts=run.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True),
         prompts=[ctx.prompt_text(r) for r in owners], answers=[r.get("answer") for r in owners],
         nonfinite=nonfinite)
-
-
-def nonfinite_rewards(run: Run, sampled: Sampled, advantages: torch.Tensor) -> tuple[str, dict]:
-    """(what was not finite, "" if nothing; the per-function counts to log). A reward of inf, -inf or NaN (None is
-    not one: it means 'does not apply') makes every advantage of the batch meaningless, so no step trains on it."""
-    names, accelerator = run.ctx.reward_names, run.accelerator
-    counts = accelerator.reduce(torch.tensor([sampled.nonfinite.get(n, 0) for n in names], dtype=torch.float32,
-                                             device=accelerator.device), reduction="sum").tolist()
-    reasons = []
-    for column, name, count in zip(sampled.rewards.T, names, counts):
-        if count:
-            kinds = {"inf": int(torch.isposinf(column).sum()), "-inf": int(torch.isneginf(column).sum())}
-            kinds["nan"] = max(int(count) - kinds["inf"] - kinds["-inf"], 0)  # NaN: the explicit ones, not None's
-            seen = ", ".join(f"{number} x {kind}" for kind, number in kinds.items() if number)
-            reasons.append(f"reward function '{name}' returned {seen or 'non-finite values'}")
-    if not reasons and not torch.isfinite(advantages).all():
-        reasons.append("the advantages (from finite rewards: a reward too large for float32 arithmetic?)")
-    return "; ".join(reasons), {f"nonfinite/rewards/{n}": c for n, c in zip(names, counts)}
 
 
 def reference_and_old_logps(run: Run, roll: Rollout):
@@ -527,33 +486,10 @@ def step_drift(run: Run, batch: Batch, timing: dict) -> list[float]:
         after = pad_cat([scorer(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows], roll.completion_ids[rows],
                                 roll.completion_mask[rows], roll.temperatures[rows], with_entropy=False)[0]
                          for rows in run.geometry.micro])
-    drift = group_token_means(run.accelerator, batch.old_logp[:, : after.shape[1]] - after, roll.completion_mask,
-                              batch.group_size)
+    drift = distributed.group_token_means(run.accelerator, batch.old_logp[:, : after.shape[1]] - after,
+                                          roll.completion_mask, batch.group_size)
     timing["step_kl"] = clock(run) - t0
     return drift
-
-
-def batch_metrics(run: Run, batch: Batch) -> dict:
-    """The generation batch's rewards, lengths and errors (TRL's key names), as logged with each step on it."""
-    accelerator, names, rewards = run.accelerator, run.ctx.reward_names, batch.rewards
-    lengths = accelerator.gather(batch.rollout.completion_mask.sum(1).float())
-    truncated = accelerator.gather(batch.rollout.is_truncated.float())
-    present = [rewards[:, k][~torch.isnan(rewards[:, k])] for k in range(len(names))]
-    errors = accelerator.reduce(torch.tensor([batch.errors[n] for n in names], device=accelerator.device,
-                                             dtype=torch.float32), reduction="sum")
-    return {
-        "reward": float(batch.total.mean()),
-        "reward_std": float(batch.adv_stats["reward_std"]),
-        "frac_reward_zero_std": float(batch.adv_stats["frac_reward_zero_std"]),
-        **{f"rewards/{n}/mean": float(torch.nanmean(rewards[:, k])) for k, n in enumerate(names)},
-        **{f"rewards/{n}/std": float(p.std()) if p.numel() > 1 else 0.0 for n, p in zip(names, present)},
-        "completions/mean_length": float(lengths.mean()),
-        "completions/min_length": float(lengths.min()),
-        "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": float(truncated.mean()),
-        "num_generations": batch.group_size,
-        **{f"rewards/{n}/errors": float(c) for n, c in zip(names, errors)},
-    }
 
 
 def log_step(run: Run, step: int, metrics: dict, batch: Batch) -> None:
@@ -575,10 +511,11 @@ def log_step(run: Run, step: int, metrics: dict, batch: Batch) -> None:
 
 
 def watch_health(run: Run, step: int, metrics: dict) -> None:
-    """Say each kind of lib/extras/health.py warning (zero-spread groups, truncation, entropy collapse, reward hacking, a KL
-    above its target) once, at the first logged line where it holds, with its numbers and what to try: on the
-    console and in warnings.jsonl. A warning an evaluation raised carries an eval/ key, so that a resume at this
-    step, which redoes the evaluation, sets it aside with the evaluation's line (lib/checkpoint.trim_jsonl)."""
+    """Say each kind of lib/extras/health.py warning (zero-spread groups, truncation, entropy
+    collapse, reward hacking, a KL above its target) once, at the first logged line where it holds,
+    with its numbers and what to try: on the console and in warnings.jsonl. A warning an evaluation
+    raised carries an eval/ key, so that a resume at this step, which redoes the evaluation, sets it
+    aside with the evaluation's line (lib/checkpoint.trim_jsonl)."""
     if not run.accelerator.is_main_process:
         return
     fresh = run.watch.add({"step": step, **metrics})
@@ -587,12 +524,6 @@ def watch_health(run: Run, step: int, metrics: dict) -> None:
     after_eval = {"eval/raised_by_evaluation": True} if any(k.startswith("eval/") for k in metrics) else {}
     append_jsonl(run, "warnings.jsonl", [{"step": step, "kind": w.kind, "title": w.title, "first_step": w.first_step,
                                           "evidence": w.evidence, "advice": w.advice, **after_eval} for w in fresh])
-
-
-def append_jsonl(run: Run, name: str, records: list[dict]) -> None:
-    if run.accelerator.is_main_process and records:
-        with open(run.out / name, "a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in records))
 
 
 def evaluate(run: Run, step: int) -> dict:
@@ -620,624 +551,66 @@ def evaluate(run: Run, step: int) -> dict:
     return metrics
 
 
-def save_checkpoint(run: Run, state: TrainerState) -> None:
-    """Phase 8: model (or adapter), optimizer, scheduler, RNG per process and trainer state, written to a staging
-    folder and renamed into place (lib/checkpoint.py). Never from non-finite weights. A write that fails (a full
-    disk) on any process removes the staging folder, leaves the previous checkpoint whole and stops the run with
-    the space a checkpoint needs."""
-    accelerator, main_process, step = run.accelerator, run.accelerator.is_main_process, state.global_step
-    check_finite_weights(run, f"checkpoint-{step}")
-    staging = ckpt.staging_dir(run.out, step)
-    error = None
-    try:
-        if main_process:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        accelerator.wait_for_everyone()
-        ckpt.write_rng(staging, accelerator.process_index, ckpt.rng_state({"rollout": run.engine.state_dict()}))
-        if run.sharded:  # every process writes its shards of the model and the optimizer states
-            distributed.save_sharded(accelerator, run.scorer, run.optimizer, staging)
-        if main_process:
-            if not run.sharded:
-                accelerator.unwrap_model(run.scorer).model.save_pretrained(staging)
-                torch.save(run.optimizer.state_dict(), staging / "optimizer.pt")
-            run.tokenizer.save_pretrained(staging)
-            torch.save(run.scheduler.state_dict(), staging / "scheduler.pt")
-    except Exception as exc:  # noqa: BLE001 - OSError, or torch.save's RuntimeError around one: reported below
-        error = f"{type(exc).__name__}: {exc}"
-    error = first_error(run, error)
-    if error is None and main_process:
-        try:
-            ckpt.commit_checkpoint(run.out, step, {**dataclasses.asdict(state), "config": to_dict(run.cfg)},
-                                   run.cfg.save_total_limit)
-        except OSError as exc:  # a full disk while writing trainer_state.json
-            error = f"{type(exc).__name__}: {exc}"
-    error = first_error(run, error)
-    if error is not None:
-        if main_process:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise ckpt.RunStopped(save_failed_message(run, f"checkpoint-{step}", error))
-    if run.hub is not None:  # main process; in the background, never waited on here (docs/hub.md 3)
-        run.hub.push_checkpoint(run.out / f"checkpoint-{step}", step)
-
-
-def first_error(run: Run, error: str | None) -> str | None:
-    """The first process's error, on every process (a collective: every process calls it at the same point)."""
-    if run.accelerator.num_processes == 1:
-        return error
-    return next((e for e in run.ctx.gather_object([error]) if e is not None), None)
-
-
-def save_failed_message(run: Run, what: str, error: str) -> str:
-    unwrapped = run.accelerator.unwrap_model(run.scorer).model
-    previous = ckpt.latest_checkpoint(run.out)
-    if previous is not None:
-        needed = ckpt.folder_bytes(previous)
-    else:  # model (adapter) and optimizer states, as written
-        weights = run.params if hasattr(unwrapped, "peft_config") else list(unwrapped.state_dict().values())
-        states = [v for s in run.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        needed = sum(t.numel() * t.element_size() for t in [*weights, *states])
-    free = shutil.disk_usage(run.out).free
-    cause = f"out of space; {error}" if free < needed else error
-    return (f"{what} could not be written to '{run.out}' ({cause}). A checkpoint needs about {needed / 2**20:.1f} "
-            f"MiB; {free / 2**20:.1f} MiB are free. The partial files were removed and "
-            f"{previous.name + ' is whole' if previous else 'no earlier checkpoint exists'}. Free some space and "
-            f"resume with --resume_from_checkpoint latest")
-
-
-def check_finite_weights(run: Run, what: str) -> None:
-    """Refuse to save weights that are not finite (the trained ones; frozen ones never change). Every process
-    calls it: sharded, each checks its shards and all take the same decision."""
-    finite = all(bool(torch.isfinite(distributed.local_tensor(p)).all()) for p in run.params)
-    if run.sharded:
-        finite = bool(run.accelerator.reduce(torch.tensor(float(finite), device=run.accelerator.device),
-                                             reduction="sum") == run.accelerator.num_processes)
-    if not finite:
-        raise ckpt.RunStopped(f"{what} not written: the weights are not finite (an optimizer step on finite "
-                              f"gradients overflowed: lower learning_rate). The last checkpoint is "
-                              f"{getattr(ckpt.latest_checkpoint(run.out), 'name', 'none')}")
-
-
-def stop_if_nonfinite(run: Run, state: TrainerState, reason: str) -> None:
-    """Say that a step was skipped for a non-finite value; stop after max_nonfinite_steps in a row."""
-    cfg, step = run.cfg, state.global_step
-    if run.accelerator.is_main_process:
-        tqdm.write(f"step {step}: optimizer step skipped, the weights unchanged: {reason} not finite "
-                   f"({state.nonfinite_streak} of max_nonfinite_steps {cfg.max_nonfinite_steps} in a row)")
-    if state.nonfinite_streak >= cfg.max_nonfinite_steps:
-        latest = ckpt.latest_checkpoint(run.out)
-        raise ckpt.RunStopped(
-            f"step {step}: {state.nonfinite_streak} optimizer steps in a row skipped for non-finite values, the last "
-            f"because {reason} was not finite (max_nonfinite_steps {cfg.max_nonfinite_steps}). No weight was "
-            f"updated from them and final/ was not written; the last checkpoint is "
-            f"{latest.name if latest else 'none'}. Fix the cause (docs/faults.md) and resume with "
-            f"--resume_from_checkpoint latest")
-
-
-def stop_requested(run: Run) -> str | None:
-    """The stop signal any process received (SIGTERM / SIGUSR1), the same answer on every process."""
-    name = run.stop.signal_name
-    if run.accelerator.num_processes > 1:
-        names = ckpt.StopRequest.SIGNALS
-        index = run.accelerator.reduce(torch.tensor(names.index(name) + 1 if name else 0,
-                                                    device=run.accelerator.device), reduction="max")
-        name = names[int(index) - 1] if int(index) else None
-    return name
-
-
-def stop_for_signal(run: Run, state: TrainerState, signal_name: str, saved: bool) -> None:
-    """Preemption: a checkpoint at this step (resuming from it is exact) and a stop."""
-    if not saved:
-        save_checkpoint(run, state)
-    raise ckpt.RunStopped(f"{signal_name} received: stopped at step {state.global_step} of {run.cfg.max_steps} with "
-                          f"checkpoint-{state.global_step} written; continue with --resume_from_checkpoint latest",
-                          exit_code=128 + int(getattr(signal, signal_name)))
-
-
-def save_final(run: Run, end_eval: dict, step: int) -> None:
-    """final/: a model (or adapter) folder that transformers / peft load as is, renamed into place."""
-    check_finite_weights(run, "final/")
-    # sharded: the whole model gathered on the main process (a collective), saved as one plain folder
-    state = distributed.full_state_dict(run.accelerator, run.scorer) if run.sharded else None
-    if run.accelerator.is_main_process:
-        final, staging = run.out / "final", run.out / ".final.partial"
-        shutil.rmtree(staging, ignore_errors=True)
-        try:
-            model = run.accelerator.unwrap_model(run.scorer).model
-            if state is not None:  # (a tied output layer is one parameter: saved once, as save_pretrained does)
-                kept = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-                model.save_pretrained(staging, state_dict={name: v for k, v in state.items()
-                                                           if (name := k.removeprefix("model.")) in kept})
-            else:
-                model.save_pretrained(staging)
-            run.tokenizer.save_pretrained(staging)
-            # the model card and the sampling the run trained with go in before the rename, so that final/ never
-            # exists without them (docs/hub.md 2)
-            hub.write_final_files(staging, run.cfg, end_ids=end_token_ids(run.policy, run.tokenizer),
-                                  generation_config=getattr(run.policy, "generation_config", None),
-                                  adapter=hasattr(model, "peft_config"), metrics_path=run.out / "metrics.jsonl",
-                                  after=end_eval, step=step, argv=sys.argv,
-                                  num_processes=run.accelerator.num_processes,
-                                  repo_id=run.hub.target.repo_id if run.hub else None)
-        except (OSError, RuntimeError) as exc:  # a full disk (safetensors raises either): the checkpoint is whole
-            shutil.rmtree(staging, ignore_errors=True)
-            raise ckpt.RunStopped(save_failed_message(run, "final/", f"{type(exc).__name__}: {exc}")) from exc
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-        score_text = f"accuracy {end_eval['eval/accuracy']:.3f}; " if end_eval else ""
-        tqdm.write(f"eval step {step}: {score_text}final model in {final}")
-    run.accelerator.wait_for_everyone()
-    if run.hub is not None:  # main process, after the barrier: the others do not wait on the upload
-        error = run.hub.push_final(run.out / "final", step)
-        if error is not None:
-            raise ckpt.RunStopped(error)
-
-
 # =====================================================================================================================
-# Set-up: configuration, data, models, the sampling backend, the optimizer and the resumed state
-
-
-@dataclass
-class TrainerState:
-    """What the loop advances; saved as trainer_state.json in every checkpoint and restored on resume."""
-
-    global_step: int = 0
-    data_position: int = 0  # prompts taken from the data order so far (lib/data.prompts_for_step)
-    num_tokens: int = 0  # tokens generated on all processes, probes and discarded rounds included
-    controller_state: dict = dataclasses.field(default_factory=dict)
-    nonfinite_streak: int = 0  # optimizer steps skipped in a row for non-finite values
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Batch geometry, TRL semantics: per_device_train_batch_size counts completions; the group size may change from
-    one generation batch to the next (adaptive_group_size), the batch size never does. A generation batch serves
-    steps_per_generation / gradient_accumulation_steps optimizer steps (times num_iterations): each process samples a
-    contiguous share of it, and step s of the batch trains on the s-th slice of every process's share."""
-
-    world: int
-    local_completions: int  # per optimizer step and process
-    global_completions: int  # per optimizer step
-    local_rollout: int  # per generation batch and process
-    first: int  # this process's first completion in the generation batch's global order
-    steps_per_rollout: int  # optimizer steps one generation batch serves
-    micro: list[slice]  # every micro-batch of this process's share
-
-    @classmethod
-    def of(cls, cfg: Config, rank: int, world: int) -> Geometry:
-        local = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-        local_rollout = local * cfg.optimizer_steps_per_generation
-        micro = [slice(i, i + cfg.per_device_train_batch_size)
-                 for i in range(0, local_rollout, cfg.per_device_train_batch_size)]
-        return cls(world, local, local * world, local_rollout, rank * local_rollout, steps_per_rollout(cfg), micro)
-
-
-@dataclass
-class Run:
-    """Everything set-up builds and the loop reads; the phases take it as their first argument."""
-
-    cfg: Config
-    accelerator: Accelerator
-    out: Path
-    tokenizer: object
-    policy: torch.nn.Module  # the model being trained (PEFT-wrapped with LoRA)
-    scorer: torch.nn.Module  # CompletionScorer(policy), prepared by Accelerate (DDP, or FSDP2 when sharded)
-    reference: CompletionScorer | None  # the frozen reference; None when beta is 0 or with LoRA (adapter off)
-    engine: HFRollout | VLLMRollout  # the sampler
-    ctx: RolloutContext
-    method: Method
-    params: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    eval_records: list[dict]
-    geometry: Geometry
-    stop: ckpt.StopRequest  # SIGTERM / SIGUSR1 received
-    watch: health.Watch  # the run's metric history, for the console warnings
-    hub: hub.HubPusher | None = None  # push_to_hub's uploads, on the main process (lib/extras/hub.py)
-    sharded: bool = False  # FSDP2: weights, gradients and optimizer states sharded over the processes
+# Set-up (lib/setup.py), with the optional parts wired in
 
 
 def setup(cfg: Config) -> tuple[Run, TrainerState]:
-    """Everything before the first step, in the order that fails fastest: configuration and data errors before any
-    model loads, the memory check before any sampling. Raises ConfigError with the field and the fix."""
-    hf_logging.disable_progress_bar()  # per-file loading bars would drown the one training bar
-    bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16(
-        "cuda" if torch.cuda.is_available() and not cfg.use_cpu else "cpu")
-    accelerator, sharded, partitioned = start_accelerator(cfg, bf16)
-    if cfg.tf32 is not None and accelerator.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
-    # push_to_hub: the hub reachable, a write token, the repository ready, before any data or model loads
+    """Everything before the first step (lib/setup.py), in the order that fails fastest:
+    configuration and data errors before any model loads, the memory check before any sampling.
+    Raises ConfigError with the field and the fix. The optional parts (lib/extras/) are made here
+    and handed to the core as plain objects."""
+    accelerator, bf16, sharded, partitioned = start_accelerator(cfg)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    # push_to_hub: the hub reachable, a write token, the repository ready, before data and models
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
     reward_specs, reward_funcs = resolve_rewards(cfg)
     train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print)
-    resolve_epochs(cfg, len(train_records), accelerator.num_processes)  # max_steps -1, and the epoch strategies
+    resolve_epochs(cfg, len(train_records), world)  # max_steps -1, and the epoch strategies
     resume = prepare_output_dir(cfg, accelerator)
-    # reward functions run in a worker process with a time limit per call (lib/extras/reward_worker.py); it starts now and
-    # loads them while the models load
-    worker = RewardWorker(reward_specs, reward_options(cfg), cfg.reward_timeout) if cfg.reward_timeout else None
-    if worker is not None:
+    # reward functions run in a worker process with a time limit per call
+    # (lib/extras/reward_worker.py); it starts now and loads them while the models load
+    worker = None
+    if cfg.reward_timeout:
+        worker = RewardWorker(reward_specs, reward_options(cfg), cfg.reward_timeout)
         worker.start()
-    out = Path(cfg.output_dir)
-    if accelerator.is_main_process:
-        save_yaml(cfg, out / "config.yaml")
+    out = record_and_seed(cfg, accelerator)
 
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
     model_path = resolve_model_path(cfg.model_name_or_path)
     tokenizer = load_checked_tokenizer(cfg, model_path, train_records[:1] + eval_records[:1])
-    policy, reference, engine = load_models(cfg, accelerator, model_path, tokenizer, resume, bf16, sharded,
-                                            partitioned)
-    # reward models score in this process, on its device, a micro-batch at a time (lib/reward_models.py); loaded
-    # before the memory check, which counts them as resident
-    try:
-        reward_funcs = load_reward_models(reward_funcs, accelerator.device, cfg.per_device_train_batch_size,
-                                          trust_remote_code=cfg.trust_remote_code,
-                                          chat_template_kwargs=cfg.chat_template_kwargs)
-    except ValueError as error:
-        raise ConfigError(f"reward_funcs: {error}") from error
+    policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded,
+                                    partitioned)
+    if cfg.use_vllm and cfg.vllm_mode == "server":  # an engine on its own devices (serve_vllm.py)
+        engine = server_rollout(cfg, policy, tokenizer, rank, partitioned, world)
+    else:
+        engine = make_engine(cfg, policy, tokenizer, model_path, bf16, rank, partitioned)
+    reward_funcs = load_rewards(cfg, reward_funcs, accelerator.device)
+    optimizer = policy_optimizer(cfg, policy)
+    estimate = memory.check_run(cfg, policy, accelerator.device, bf16)  # stops a run that won't fit
+    if accelerator.is_main_process:
+        tqdm.write(estimate)
+    scorer, optimizer, scheduler, params = prepare_policy(cfg, accelerator, policy, optimizer,
+                                                          sharded, partitioned)
 
-    scorer, optimizer, scheduler, params = prepare_policy(cfg, accelerator, policy, bf16, sharded, partitioned)
-
-    geometry = Geometry.of(cfg, accelerator.process_index, accelerator.num_processes)
+    geometry = Geometry.of(cfg, rank, world)
     method = choose_method(cfg, geometry.steps_per_rollout)
     state = restore(resume, accelerator, scorer, optimizer, scheduler, engine, method, sharded)
     if cfg.report_to:
-        # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists and None);
-        # to_dict leaves the token out, and so does the command line wandb records
-        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in to_dict(cfg).items()}
+        # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists
+        # and None); to_dict leaves the token out, and so does the command line wandb records
+        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                   for k, v in to_dict(cfg).items()}
+        trackers = hub.tracker_init_kwargs(cfg.report_to, cfg.run_name or out.name, str(out))
         with hub.argv_without_secrets():
-            accelerator.init_trackers(cfg.project, config=hparams, init_kwargs=hub.tracker_init_kwargs(
-                cfg.report_to, cfg.run_name or out.name, str(out)))
-    answer_phase = AnswerPhase.from_text(tokenizer, cfg.answer_marker, cfg.answer_temperature, cfg.answer_top_p) \
-        if cfg.answer_marker else None
-    reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
-    ctx = RolloutContext(cfg, engine, tokenizer, reward_funcs, reward_weights, train_records, accelerator,
-                         answer_phase, geometry.local_rollout, geometry.first, worker)
-    return Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method, params, optimizer,
-               scheduler, eval_records, geometry, ckpt.StopRequest(),
-               health.Watch(to_dict(cfg), read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None),
-               hub.HubPusher(hub_target, tqdm.write) if hub_target else None, sharded), state
-
-
-def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
-    """(the reward specs as given, the resolved functions): bad names stop here, before any data or model loads;
-    reward models load later, onto each process's device."""
-    # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
-    # (lib/rewards.py). Bad names stop here; reward models load below, onto this process's device.
-    specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
-    try:
-        reward_funcs = resolve_reward_funcs(specs, reward_options(cfg))
-    except ValueError as error:
-        raise ConfigError(f"reward_funcs: {error}") from error
-    if cfg.correctness_reward not in [name for name, _ in reward_funcs] and (
-            cfg.homogeneous_advantage > 0 or cfg.resample_schedule or cfg.dynamic_sampling_rounds):
-        raise ConfigError(f"correctness_reward: '{cfg.correctness_reward}' is not among reward_funcs "
-                          f"{[name for name, _ in reward_funcs]}; homogeneous_advantage, resample_schedule and "
-                          f"dynamic_sampling_rounds judge correctness with it. Add it to reward_funcs or name another "
-                          f"function")
-    return specs, reward_funcs
-
-
-def load_checked_tokenizer(cfg: Config, model_path: str, records: list[dict]):
-    """The tokenizer (with the configuration's chat template), checked to render the data's prompts: a conversation
-    needs a chat template, said before the model loads."""
-    tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.trust_remote_code, revision=cfg.model_revision)
-    if cfg.chat_template is not None:
-        tokenizer.chat_template = cfg.chat_template
-    try:  # a conversation needs a chat template: say so before the model loads
-        for record in records:
-            render_prompt(tokenizer, record, cfg.instruction, cfg.system_prompt, cfg.chat_template_kwargs)
-    except ValueError as error:
-        raise ConfigError(f"dataset_name: {error}") from error
-    return tokenizer
-
-
-def start_accelerator(cfg: Config, bf16: bool) -> tuple[Accelerator, bool, bool]:
-    """The Accelerator as launched (data parallel, FSDP2 or DeepSpeed; lib/distributed.py), its launch checked
-    against the configuration. Returns (accelerator, sharded, partitioned): sharded for FSDP2 and DeepSpeed,
-    partitioned where each process holds only part of the weights (FSDP2, ZeRO-3)."""
-    # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU) when launched
-    # with several processes, instead of running each process alone
-    # the scheduler is stepped by us once per optimizer step: its Accelerate wrapper must not step it once per process
-    # (except under DeepSpeed, which forms the group itself: lib/distributed.enable_deepspeed_on_cpu)
-    accelerator = Accelerator(cpu=(cfg.use_cpu or torch.accelerator.current_accelerator() is None)
-                              and not distributed.deepspeed_requested(),
-                              mixed_precision="bf16" if bf16 else "no", step_scheduler_with_optimizer=False,
-                              log_with=cfg.report_to or None, project_dir=cfg.output_dir)
-    try:  # FSDP2 / DeepSpeed (lib/distributed.py): on a CPU too, where Accelerate would not run them as launched
-        distributed.enable_deepspeed_on_cpu(accelerator)
-        sharded = distributed.enable_fsdp_on_cpu(accelerator) or distributed.is_sharded(accelerator)
-        distributed.check_supported(accelerator, use_peft=cfg.use_peft, load_in_4bit=cfg.load_in_4bit)
-    except distributed.ShardingError as error:
-        raise ConfigError(str(error)) from None
-    partitioned = distributed.partitions_weights(accelerator)  # FSDP2 or ZeRO-3: each process holds part of it
-    validate(cfg, accelerator.num_processes)  # the settings that depend on the number of processes
-    if distributed.is_deepspeed(accelerator):
-        distributed.configure_deepspeed(accelerator, micro_batch=cfg.per_device_train_batch_size,
-                                        accumulation=cfg.gradient_accumulation_steps,
-                                        max_grad_norm=cfg.max_grad_norm, bf16=bf16)
-    return accelerator, sharded, partitioned
-
-
-def load_models(cfg: Config, accelerator: Accelerator, model_path: str, tokenizer, resume: Path | None, bf16: bool,
-                sharded: bool, partitioned: bool) -> tuple[torch.nn.Module, CompletionScorer | None, object]:
-    """(policy, reference, sampler): the policy from the model (or an unsharded checkpoint), the frozen reference
-    (none when beta is 0; with LoRA the base with the adapter disabled, not a second copy), the sampler."""
-    device = accelerator.device
-    # a sharded checkpoint's weights are read into the sharded model below (lib/distributed.load_sharded)
-    policy = load_policy(str(resume) if resume and not sharded else model_path, dtype=weights_dtype(
-                             cfg.dtype, lora=cfg.use_peft, device=device.type, bf16=bf16),
-                         revision=cfg.model_revision, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
-                         lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                         lora_target_modules=cfg.lora_target_modules, use_rslora=cfg.use_rslora,
-                         load_in_4bit=cfg.load_in_4bit, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
-                         use_bnb_nested_quant=cfg.use_bnb_nested_quant,
-                         gradient_checkpointing=cfg.gradient_checkpointing,
-                         gradient_checkpointing_kwargs=cfg.gradient_checkpointing_kwargs,
-                         attn_implementation=cfg.attn_implementation, device=device,
-                         trust_remote_code=cfg.trust_remote_code)
-    if cfg.disable_dropout:  # TRL's disable_dropout: the scored distribution is then the sampled one
-        for module in policy.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
-    reference = None
-    if cfg.beta > 0 and not hasattr(policy, "peft_config"):
-        # bf16 on a bf16 GPU, else the policy's dtype (lib/config.reference_dtype)
-        dtype = reference_dtype(cfg.dtype, next(policy.parameters()).dtype, device=device.type, bf16=bf16)
-        reference = CompletionScorer(load_reference(model_path, dtype, device,
-                                                    trust_remote_code=cfg.trust_remote_code,
-                                                    revision=cfg.model_revision), fixed_calls=partitioned)
-        if sharded:
-            reference = distributed.shard_frozen(reference, accelerator)
-    return policy, reference, make_engine(cfg, policy, tokenizer, model_path, bf16, accelerator.process_index,
-                                          partitioned, accelerator.num_processes)
-
-
-def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Module, bf16: bool, sharded: bool,
-                   partitioned: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, object, list]:
-    """(scorer, optimizer, scheduler, trained parameters): the optimizer built, the step's memory checked against the
-    budget (a run that would not fit stops here with the setting to lower), the scorer prepared by Accelerate."""
-    device = accelerator.device
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, cfg.optim, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
-                                cfg.weight_decay, eps=cfg.adam_epsilon)
-    # memory guard: the step's estimated peak (on top of what loading left resident) against the budget, before any
-    # sampling or training; a run that would not fit stops here with the setting to lower
-    estimate = estimate_step_memory(policy, resident=resident_bytes(device), optim=cfg.optim, bf16=bf16,
-                                    vllm=cfg.use_vllm, gradient_checkpointing=cfg.gradient_checkpointing,
-                                    activation_offloading=cfg.activation_offloading and device.type == "cuda",
-                                    **step_token_counts(cfg))
-    try:
-        check_step_memory(estimate, *memory_budget(device, cfg.max_memory), use_peft=hasattr(policy, "peft_config"),
-                          gradient_checkpointing=cfg.gradient_checkpointing, optim=cfg.optim)
-    except MemoryError as error:
-        raise ConfigError(str(error)) from error
-    if accelerator.is_main_process:
-        tqdm.write(f"memory: a step is estimated at {estimate.total / 2**30:.1f} GB (in GB: {estimate.describe()})")
-        note = hf_sampler_note(cfg, device.type == "cuda", importlib.util.find_spec("vllm") is not None)
-        if note:
-            tqdm.write(note)
-        if cfg.activation_offloading and device.type != "cuda":
-            tqdm.write("activation_offloading: ignored on a CPU (the saved activations are already in its memory)")
-    scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
-                                num_warmup_steps=warmup_steps(cfg),
-                                kwargs=cfg.lr_scheduler_kwargs)
-    # DDP, or FSDP2: the policy's decoder layers sharded, the optimizer given the shards; or a DeepSpeed engine,
-    # whose optimizer follows our scheduler's rates (the scheduler stays ours: lib/distributed.py)
-    scorer = CompletionScorer(policy, fixed_calls=partitioned)
-    if distributed.is_deepspeed(accelerator):
-        scorer, optimizer = accelerator.prepare(scorer, optimizer)
-    else:
-        scorer, optimizer, scheduler = accelerator.prepare(scorer, optimizer, scheduler)
-    if sharded and accelerator.is_main_process:
-        tqdm.write(distributed.describe_sharding(scorer, accelerator.num_processes,
-                                                 distributed.zero_stage(accelerator)))
-    # the shards the optimizer holds, when sharded
-    return scorer, optimizer, scheduler, [p for p in scorer.parameters() if p.requires_grad]
-
-
-def restore(resume: Path | None, accelerator: Accelerator, scorer, optimizer, scheduler, engine, method: Method,
-            sharded: bool) -> TrainerState:
-    """The checkpoint's trainer state, optimizer and scheduler states, RNG and controllers (a fresh state without
-    one); a sharded checkpoint's weights too, which the sampler then gets."""
-    state = TrainerState()
-    if resume is None:
-        return state
-    saved = ckpt.read_trainer_state(resume)
-    state = TrainerState(**{f.name: saved[f.name] for f in dataclasses.fields(TrainerState) if f.name in saved})
-    if sharded:
-        distributed.load_sharded(accelerator, scorer, optimizer, resume)
-        engine.sync_weights(accelerator.unwrap_model(scorer).model)  # it was made from the base weights
-    else:
-        # read to the CPU first (load_state_dict then moves each state onto its parameter's device): a checkpoint
-        # written from GPU 0 would otherwise be rebuilt on GPU 0 by every process
-        optimizer.load_state_dict(torch.load(resume / "optimizer.pt", map_location="cpu", weights_only=False))
-    scheduler.load_state_dict(torch.load(resume / "scheduler.pt", map_location="cpu", weights_only=False))
-    rng = ckpt.read_rng(resume, accelerator.process_index)
-    if rng is not None:
-        ckpt.set_rng_state(rng)
-        engine.load_state_dict(rng["rollout"])
-    method.controllers.load_state_dict(state.controller_state)
-    return state
-
-
-def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, rank: int,
-                sharded: bool = False, world: int = 1) -> HFRollout | VLLMRollout | ServerRollout:
-    """The sampler: our HF decode loop, or a colocated vLLM engine per process, loaded from the base model and given
-    the policy's weights before the first sample and after every optimizer step: a LoRA policy's adapter alone
-    (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged. A policy
-    that will be sharded is sampled from a full copy (HF) or the engine's weights, given gathered weights."""
-    if not cfg.use_vllm:
-        return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16,
-                         seed=cfg.seed + rank, own_copy=sharded)
-    if cfg.vllm_mode == "server":  # one engine on devices of its own (serve_vllm.py, lib/extras/generation_server.py)
-        url = cfg.vllm_server_base_url or f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}"
-        engine = ServerRollout(url, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, seed=cfg.seed + rank,
-                               group_port=cfg.vllm_group_port, timeout_s=cfg.vllm_server_timeout, is_main=rank == 0,
-                               sharded=sharded, world=world)
-        engine.sync_weights(policy)
-        return engine
-    engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
-    options = dict(seed=cfg.seed + rank,
-                   max_model_len=cfg.vllm_max_model_length or cfg.max_prompt_length + cfg.max_completion_length,
-                   # the largest call (a CPU engine's KV cache): this process's generation batch or an evaluation batch
-                   max_num_seqs=max(cfg.per_device_train_batch_size * cfg.optimizer_steps_per_generation,
-                                    cfg.per_device_eval_batch_size),
-                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                   # a GPU without native bf16 (T4, V100: vLLM refuses bfloat16 there) samples in fp16
-                   dtype="bfloat16" if bf16 else "float16" if gpu_without_bf16() else "float32",
-                   enable_sleep_mode=cfg.vllm_enable_sleep_mode,
-                   sampling_kwargs=cfg.generation_kwargs, trust_remote_code=cfg.trust_remote_code)
-    args = (resolve_model_path(engine_path), end_token_ids(policy, tokenizer), tokenizer.pad_token_id)
-    gpu = next(policy.parameters()).device.type == "cuda"
-    sync = cfg.vllm_lora_sync if cfg.vllm_lora_sync != "auto" else "adapter" if gpu else "merge"
-    if hasattr(policy, "peft_config") and sync == "adapter":
-        engine = None
-        try:
-            engine = VLLMRollout(*args, **options, lora_rank=max(adapter_ranks(policy)))
-            engine.sync_weights(policy)
-            return engine
-        except AdapterSyncError as error:
-            if engine is not None:
-                engine.close()
-            tqdm.write(f"vllm_lora_sync: {error}; syncing merged weights instead (vllm_lora_sync merge)")
-    engine = VLLMRollout(*args, **options)
-    engine.sync_weights(policy)
-    return engine
-
-
-def load_data(cfg: Config, reward_funcs: list = (), say=print) -> tuple[list[dict], list[dict]]:
-    """(train records, eval records). Errors in the data surface here, before any model is loaded; so does a data set
-    with no gold answer trained with a reward function that needs one (lib/data.check_answers).
-
-    The held-out set is eval_dataset_name; else dataset_name's dataset_test_split where it has one (a folder or a hub
-    data set, as TRL evaluates on it); else, for a single file, a seeded share of its rows. Held-out data with no gold
-    answer cannot be scored: the evaluation is left out, and `say` says so in one line."""
-    try:
-        if cfg.dataset_name is None:
-            return builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train, num_eval=cfg.num_eval_samples)
-        columns = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column,
-                       skip_invalid_rows=cfg.skip_invalid_rows)
-        train = load_records(cfg.dataset_name, split=cfg.dataset_train_split, max_samples=cfg.max_train_samples,
-                             seed=cfg.seed, config=cfg.dataset_config, **columns)
-        check_answers(train, reward_funcs, "dataset_name", cfg.dataset_name)
-        evals, source = [], cfg.eval_dataset_name or cfg.dataset_name
-        if cfg.num_eval_samples == 0:
-            source = None  # no evaluation asked for
-        elif cfg.eval_dataset_name:
-            # dataset_config names a configuration of dataset_name (TRL's ScriptArguments); this set is read with its
-            # default one
-            evals = load_records(cfg.eval_dataset_name, split=cfg.dataset_test_split, max_samples=cfg.num_eval_samples,
-                                 seed=cfg.seed, **columns)
-        elif cfg.dataset_test_split != cfg.dataset_train_split and cfg.dataset_test_split in (
-                split_names(cfg.dataset_name, cfg.dataset_config) or ()):
-            evals = load_records(cfg.dataset_name, split=cfg.dataset_test_split, max_samples=cfg.num_eval_samples,
-                                 seed=cfg.seed, config=cfg.dataset_config, **columns)
-        elif "answer" in train[0]:
-            # a single file has no test split: hold out a seeded share of it, disjoint from what we train on
-            order = list(range(len(train)))
-            random.Random(cfg.seed).shuffle(order)
-            held = set(order[: min(cfg.num_eval_samples, len(train) // 10 or 1)])
-            evals = [r for i, r in enumerate(train) if i in held]
-            train = [r for i, r in enumerate(train) if i not in held]
-    except (ValueError, FileNotFoundError) as error:  # the loaders name the file, row and field
-        raise ConfigError(str(error)) from error
-    if not train:
-        raise ConfigError(f"dataset_name: '{cfg.dataset_name}' holds no training rows")
-    if source is not None and (not evals or "answer" not in evals[0]):
-        say(f"evaluation skipped: '{source}' has no gold answer column (answer, solution, Answer or target; "
-            f"--answer_column names another), so held-out accuracy cannot be scored")
-        evals = []
-    return train, evals
-
-
-RUN_LOGS = ("metrics.jsonl", "completions.jsonl", "warnings.jsonl")  # the run's JSON-lines logs, trimmed on resume
-
-
-def prepare_output_dir(cfg: Config, accelerator: Accelerator) -> Path | None:
-    """Refuse to write over an existing run unless asked; returns the checkpoint to resume from, if any."""
-    out = Path(cfg.output_dir)
-    try:  # every process: on several nodes each writes its RNG state into the same folder
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write_test_{accelerator.process_index}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise ConfigError(f"output_dir: cannot create or write '{out}' ({error.strerror or error}); pass a folder "
-                          f"you can write to") from error
-    if accelerator.is_main_process:  # what a kill in the middle of a save left behind
-        for line in ckpt.recover(out):
-            tqdm.write(f"output_dir: {line}")
-    accelerator.wait_for_everyone()
-    resume = None
-    if cfg.resume_from_checkpoint == "latest":
-        # a job script passes 'latest' every time: on the first start, or after a kill before the first checkpoint,
-        # there is none yet and the run starts from step 0 (what a killed run logged is set aside, not lost)
-        resume = ckpt.latest_checkpoint(out)
-        if resume is None and accelerator.is_main_process:
-            tqdm.write(f"resume_from_checkpoint: 'latest' found no checkpoint in '{out}': starting from step 0")
-            for name in RUN_LOGS:
-                ckpt.trim_jsonl(out / name, 0)
-    elif cfg.resume_from_checkpoint:
-        resume = Path(cfg.resume_from_checkpoint)
-    holds_run = (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size > 0 \
-        or bool(ckpt.list_checkpoints(out))
-    if holds_run and resume is None and not cfg.overwrite_output_dir:
-        raise ConfigError(f"output_dir: '{out}' already holds a run. Pass --resume_from_checkpoint latest to "
-                          f"continue it, --overwrite_output_dir true to start over, or another --output_dir")
-    if accelerator.is_main_process:
-        if holds_run and resume is None:  # overwrite_output_dir: start over, explicitly asked for
-            for old in [*ckpt.list_checkpoints(out), out / "final"]:
-                shutil.rmtree(old, ignore_errors=True)
-            for name in RUN_LOGS:
-                (out / name).unlink(missing_ok=True)
-        if resume is not None:  # lines written after the checkpoint are redone by this run: set them aside
-            step = ckpt.read_trainer_state(resume)["global_step"]
-            for name in RUN_LOGS:
-                ckpt.trim_jsonl(out / name, step)
-    accelerator.wait_for_everyone()
-    return resume
-
-
-# =====================================================================================================================
-# Small helpers
-
-
-def group_token_means(accelerator: Accelerator, values: torch.Tensor, mask: torch.Tensor,
-                      group_size: int) -> list[float]:
-    """Token mean of a (B_local, T) per-token quantity over each prompt group of the global batch."""
-    width = min(values.shape[1], mask.shape[1])
-    sums = torch.stack([(values[:, :width] * mask[:, :width]).sum(1), mask[:, :width].sum(1).float()], dim=1)
-    sums = accelerator.gather(sums).view(-1, group_size, 2).sum(1)
-    return (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
-
-
-def per_row(value: float | torch.Tensor, rows: slice) -> float | torch.Tensor:
-    """A per-completion tensor's rows of one micro-batch, or the scalar itself."""
-    return value[rows] if isinstance(value, torch.Tensor) else value
-
-
-def mean_of(value: float | torch.Tensor) -> float:
-    """The mean of a per-completion tensor, or the scalar itself."""
-    return float(value.mean()) if isinstance(value, torch.Tensor) else value
-
-
-def pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Stack (b_i, T_i) blocks into (sum b_i, max T_i), zero-padded on the right."""
-    width = max(p.shape[1] for p in parts)
-    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
-
-
-def dense_line(step: int, max_steps: int, m: dict, reward_names: list[str]) -> str:
-    """One line per logged step: the numbers to watch, in a fixed order."""
-    parts = [f"step {step}/{max_steps}", f"reward {m['reward']:.3f}±{m['reward_std']:.2f}"]
-    parts += [f"{n} {m[f'rewards/{n}/mean']:.2f}" for n in reward_names]
-    parts += [f"zero_std {m['frac_reward_zero_std']:.2f}", f"kl {m['kl']:.4f}", f"ent {m['entropy']:.2f}",
-              f"clip {m.get('clip_ratio/region_mean', 0.0):.3f}", f"len {m['completions/mean_length']:.0f}",
-              f"lr {m['learning_rate']:.1e}", f"gn {m['grad_norm']:.2f}",
-              f"{m['step_time']:.1f}s (gen {m.get('time/generation', 0.0):.1f})"]
-    return " | ".join(parts)
+            accelerator.init_trackers(cfg.project, config=hparams, init_kwargs=trackers)
+    ctx = rollout_context(cfg, engine, tokenizer, reward_funcs, train_records, accelerator,
+                          geometry, worker)
+    history = read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None
+    run = Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method,
+              params, optimizer, scheduler, eval_records, geometry, ckpt.StopRequest(), sharded,
+              watch=health.Watch(to_dict(cfg), history),
+              hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None)
+    return run, state
 
 
 if __name__ == "__main__":

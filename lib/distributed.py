@@ -363,3 +363,14 @@ def describe_sharding(model: torch.nn.Module, world: int, stage: int = 0) -> str
     return (f"FSDP2: the policy in {units} sharded units over {world} processes; this process holds "
             f"{mine / 2**20:.1f} MiB of its {whole / 2**20:.1f} MiB of weights (and their gradients and optimizer "
             f"states)")
+
+
+def group_token_means(accelerator: Accelerator, values: torch.Tensor, mask: torch.Tensor,
+                      group_size: int) -> list[float]:
+    """Token mean of a (B_local, T) per-token quantity over each prompt group of the global
+    batch (the trainer's AGPO-DSF statistics)."""
+    width = min(values.shape[1], mask.shape[1])
+    sums = torch.stack([(values[:, :width] * mask[:, :width]).sum(1),
+                        mask[:, :width].sum(1).float()], dim=1)
+    sums = accelerator.gather(sums).view(-1, group_size, 2).sum(1)
+    return (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()

@@ -361,3 +361,13 @@ def aggregate_loss(
     if loss_type == "bnpo":
         return masked_sum.sum() / mask.sum().clamp(min=1.0) / gradient_accumulation_steps
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def per_row(value: float | torch.Tensor, rows: slice) -> float | torch.Tensor:
+    """A per-completion tensor's rows of one micro-batch, or the scalar itself."""
+    return value[rows] if isinstance(value, torch.Tensor) else value
+
+
+def mean_of(value: float | torch.Tensor) -> float:
+    """The mean of a per-completion tensor, or the scalar itself."""
+    return float(value.mean()) if isinstance(value, torch.Tensor) else value

@@ -718,3 +718,9 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", heads) * head_dim * dtype_bytes
+
+
+def pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Stack (b_i, T_i) blocks into (sum b_i, max T_i), zero-padded on the right."""
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])

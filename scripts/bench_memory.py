@@ -22,7 +22,7 @@ runs it). Then, in that process:
   training step  one micro-batch: G completions of one prompt, every completion forced to full length (random
                  token ids: memory does not depend on the values), scored by lib/modeling.CompletionScorer under
                  bf16 autocast, lib/losses' clipped surrogate, k3 KL and grpo aggregation, backward, gradient
-                 clipping and one step of lib/extras/memory.build_optimizer's AdamW. The peak is read in three phases: the
+                 clipping and one step of lib/setup.build_optimizer's AdamW. The peak is read in three phases: the
                  decoder's forward (activations), the vocabulary chunks' forward and backward (logits), the decoder's
                  backward (the checkpointed blocks recomputed one at a time); then the gradients held after backward
                  and the optimizer states after the step.
@@ -197,10 +197,11 @@ def run_worker(spec: dict) -> dict:
 
     from lib.config import load_yaml, make_config, weights_dtype
     from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, token_logps_and_entropy
-    from lib.extras.memory import CHUNK_ELEMENTS, build_optimizer, estimate_step_memory, step_token_counts
+    from lib.extras.memory import CHUNK_ELEMENTS, estimate_step_memory, step_token_counts
     from lib.modeling import (CompletionScorer, OutputHead, adapter_disabled, load_policy, native_bf16,
                               unwrap_causal_lm)
     from lib.rollout import HFRollout, prefill
+    from lib.setup import build_optimizer
 
     clock = time.perf_counter()
 
@@ -214,7 +215,7 @@ def run_worker(spec: dict) -> dict:
         values["max_prompt_length"] = spec["max_prompt_length"]
     cfg = make_config(values)
     bf16 = native_bf16("cpu") if spec["bf16"] == "auto" else spec["bf16"] == "true"
-    accelerator = Accelerator(cpu=True, mixed_precision="bf16" if bf16 else "no")  # as train_agrpo.setup
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16" if bf16 else "no")  # as lib/setup.py
     if spec["dtype"] in ("gpu", "cpu"):
         dtype = weights_dtype(cfg.dtype, lora=cfg.use_peft, device="cuda" if spec["dtype"] == "gpu" else "cpu",
                               bf16=bf16)
@@ -230,7 +231,7 @@ def run_worker(spec: dict) -> dict:
     parts = out["parts"]
 
     say("loading the policy")
-    # the policy, as train_agrpo.setup loads it
+    # the policy, as lib/setup.py loads it
     t0 = time.perf_counter()
     before = resident()
     restart_peak()
@@ -267,7 +268,7 @@ def run_worker(spec: dict) -> dict:
     optimizer = build_optimizer(params, cfg.optim, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
                                 cfg.weight_decay, eps=cfg.adam_epsilon)
     counts = step_token_counts(cfg)
-    # what train_agrpo.setup estimates: after the policy and the sampler are loaded
+    # what train_agrpo.setup estimates (lib/extras/memory.check_run): after the policy and the sampler are loaded
     estimate = estimate_step_memory(policy, resident=resident(), optim=cfg.optim, bf16=bf16, vllm=False,
                                     gradient_checkpointing=cfg.gradient_checkpointing, **counts)
     out["estimate"] = {k: getattr(estimate, k) for k in ("resident", "gradients", "optimizer", "activations",

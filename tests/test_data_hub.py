@@ -133,7 +133,7 @@ def test_a_hub_id_that_cannot_be_reached_fails_at_once_with_the_fix(monkeypatch)
 
 def test_the_trainer_evaluates_on_the_test_split_and_holds_out_rows_of_a_single_file(gsm8k_hub, data_dir, tmp_path,
                                                                                      gsm8k_rows):
-    from train_agrpo import load_data
+    from lib.setup import load_data
 
     said = []
     train, held_out = load_data(parse_config(["--dataset_name", str(gsm8k_hub), "--dataset_config", "main"]),

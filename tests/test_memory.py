@@ -12,8 +12,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from lib.extras.memory import (GB, build_optimizer, check_step_memory, estimate_step_memory, memory_budget,
-                        step_token_counts)
+from lib.extras.memory import GB, check_step_memory, estimate_step_memory, memory_budget, step_token_counts
+from lib.setup import build_optimizer
 
 BASE = dict(resident=0, optim="adamw_torch", sampling_tokens=8 * 192, gradient_checkpointing=False, bf16=True)
 
@@ -42,8 +42,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lib.config import make_config
 from lib.losses import token_logps_and_entropy
-from lib.extras.memory import build_optimizer, estimate_step_memory, resident_bytes, step_token_counts
+from lib.extras.memory import estimate_step_memory, resident_bytes, step_token_counts
 from lib.modeling import completion_logps, default_attn_implementation
+from lib.setup import build_optimizer
 
 model_config, micro_batches = json.loads(sys.argv[1])
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lib.config import reference_dtype, weights_dtype
-from lib.extras.memory import build_optimizer
+from lib.setup import build_optimizer
 from lib.modeling import completion_logps, load_policy
 
 

@@ -31,6 +31,7 @@ from datetime import timedelta
 
 import torch
 
+from lib.modeling import end_token_ids
 from lib.rollout import AnswerPhase, Rollout, policy_weights
 from lib.vllm_rollout import refresh_tied_output_layer
 
@@ -316,3 +317,17 @@ def rollout_from_json(data: dict, device: torch.device | str = "cpu") -> Rollout
         return torch.tensor(entry["values"], dtype=getattr(torch, entry["dtype"])).reshape(entry["shape"]).to(device)
 
     return Rollout(**{name: tensor(data[name]) for name in ROLLOUT_FIELDS})
+
+
+def server_rollout(cfg, policy, tokenizer, rank: int, sharded: bool = False,
+                   world: int = 1) -> ServerRollout:
+    """vllm_mode server's sampler, as train_agrpo.setup makes it: the client of the server the
+    configuration names, given the policy's weights before the first sample (a policy that will be
+    sharded sends gathered weights)."""
+    url = cfg.vllm_server_base_url or f"http://{cfg.vllm_server_host}:{cfg.vllm_server_port}"
+    engine = ServerRollout(url, end_token_ids(policy, tokenizer), tokenizer.pad_token_id,
+                           seed=cfg.seed + rank, group_port=cfg.vllm_group_port,
+                           timeout_s=cfg.vllm_server_timeout, is_main=rank == 0, sharded=sharded,
+                           world=world)
+    engine.sync_weights(policy)
+    return engine

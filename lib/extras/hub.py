@@ -274,7 +274,7 @@ def write_final_files(folder: Path, cfg, *, end_ids: list[int], generation_confi
                       metrics_path: Path, after: dict, step: int, argv: list[str], num_processes: int,
                       repo_id: str | None) -> None:
     """README.md (the model card) and generation_config.json, written into final/'s staging folder before it is
-    renamed into place (train_agrpo.save_final), so that final/ never exists without them. The results before
+    renamed into place (lib/save_and_stop.save_final), so that final/ never exists without them. The results before
     training are the step-0 evaluation in metrics.jsonl (a resumed run did it in an earlier process)."""
     import copy
 

@@ -1,4 +1,4 @@
-"""Memory habits for a 16 GB card: the optimizer choice, a step's peak-memory estimate, and the guard that stops a
+"""Memory habits for a 16 GB card: the optimizer states' bytes, a step's peak-memory estimate, and the guard that stops a
 run which would not fit, naming the setting to lower, before any training step.
 
 The estimate adds what a step allocates on top of what is already resident after loading (the policy, the
@@ -57,27 +57,12 @@ from dataclasses import dataclass
 
 import torch
 
-from lib.config import reference_dtype, weights_dtype
+from lib.config import ConfigError, reference_dtype, weights_dtype
 from lib.data import HUB_TIMEOUT_S
 from lib.modeling import _lora_targets, adapter_base, is_adapter_folder, kv_bytes_per_token, resolve_model_path
 
 GB = 2**30
 CHUNK_ELEMENTS = 2**26  # lib/losses.token_logps_and_entropy's default
-
-
-def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float,
-                    eps: float = 1e-8):
-    """AdamW by `optim` name: torch's, or bitsandbytes' 8-bit / paged states (Dettmers et al. 2022, "8-bit
-    optimizers via block-wise quantization"): 2 bytes of state per parameter instead of 8; paged states are moved
-    to host memory by the CUDA driver when the GPU runs short instead of failing."""
-    if name in ("adamw_torch", "adamw_torch_fused"):  # fused: one kernel for all tensors on CUDA, the same update
-        fused = name == "adamw_torch_fused" and all(p.is_cuda for p in params)
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None)
-    import bitsandbytes as bnb
-
-    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
-           "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[name]
-    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def optimizer_state_bytes(optim: str) -> int:
@@ -508,3 +493,36 @@ def describe_recipe(parts: dict[str, int], step: StepMemory, budget: int | None)
         lines.append(f"{verdict} in {budget / GB:.1f} GB (max_memory)")
     lines.append("an estimate by arithmetic (lib/extras/memory.py, docs/performance.md 3), not a GPU measurement")
     return "\n".join(lines)
+
+
+def check_run(cfg, policy: torch.nn.Module, device: torch.device, bf16: bool) -> str:
+    """The memory guard train_agrpo.setup runs once the models, the sampler, the reward models and
+    the optimizer are loaded, before any sampling or training: the step's estimated peak (on top of
+    what loading left resident) against the budget. A run that would not fit stops here
+    (ConfigError) with the setting to lower; else the line that says the estimate."""
+    estimate = estimate_step_memory(policy, resident=resident_bytes(device), optim=cfg.optim,
+                                    bf16=bf16, vllm=cfg.use_vllm,
+                                    gradient_checkpointing=cfg.gradient_checkpointing,
+                                    activation_offloading=cfg.activation_offloading
+                                    and device.type == "cuda",
+                                    **step_token_counts(cfg))
+    try:
+        check_step_memory(estimate, *memory_budget(device, cfg.max_memory),
+                          use_peft=hasattr(policy, "peft_config"),
+                          gradient_checkpointing=cfg.gradient_checkpointing, optim=cfg.optim)
+    except MemoryError as error:
+        raise ConfigError(str(error)) from error
+    return (f"memory: a step is estimated at {estimate.total / 2**30:.1f} GB "
+            f"(in GB: {estimate.describe()})")
+
+
+def estimate_only(cfg) -> dict:
+    """estimate_memory_only: the recipe's memory from the model's configuration alone (no
+    weights, no accelerator), printed; {"estimated_peak_bytes": the step's estimated peak}."""
+    budget = int(cfg.max_memory * GB) if cfg.max_memory else None
+    try:
+        parts, step = recipe_memory(cfg, gpu_bytes=budget)
+    except ValueError as error:
+        raise ConfigError(f"estimate_memory_only: {error}") from None
+    print(describe_recipe(parts, step, budget))
+    return {"estimated_peak_bytes": step.total}

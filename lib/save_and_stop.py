@@ -1,0 +1,222 @@
+"""Saving a run and stopping it safely: checkpoints and final/, the stop on a signal (SIGTERM /
+SIGUSR1) where resuming is exact, and the non-finite guard (a reward, loss or gradient norm that is
+not finite moves no weight; max_nonfinite_steps such steps in a row stop the run). The checkpoint
+format itself is lib/checkpoint.py; what to do when a run stops is docs/faults.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import sys
+from collections.abc import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from lib import checkpoint as ckpt
+from lib import distributed
+from lib.config import to_dict
+from lib.methods import Sampled
+from lib.modeling import end_token_ids
+from lib.setup import Run, TrainerState
+
+
+def nonfinite_rewards(run: Run, sampled: Sampled, advantages: torch.Tensor) -> tuple[str, dict]:
+    """(what was not finite, "" if nothing; the per-function counts to log). A reward of inf,
+    -inf or NaN (None is not one: it means 'does not apply') makes every advantage of the batch
+    meaningless, so no step trains on it."""
+    names, accelerator = run.ctx.reward_names, run.accelerator
+    local = torch.tensor([sampled.nonfinite.get(n, 0) for n in names], dtype=torch.float32,
+                         device=accelerator.device)
+    counts = accelerator.reduce(local, reduction="sum").tolist()
+    reasons = []
+    for column, name, count in zip(sampled.rewards.T, names, counts):
+        if count:
+            kinds = {"inf": int(torch.isposinf(column).sum()),
+                     "-inf": int(torch.isneginf(column).sum())}
+            # NaN: the explicit ones, not None's
+            kinds["nan"] = max(int(count) - kinds["inf"] - kinds["-inf"], 0)
+            seen = ", ".join(f"{number} x {kind}" for kind, number in kinds.items() if number)
+            reasons.append(f"reward function '{name}' returned {seen or 'non-finite values'}")
+    if not reasons and not torch.isfinite(advantages).all():
+        reasons.append("the advantages (from finite rewards: a reward too large for float32 "
+                       "arithmetic?)")
+    return "; ".join(reasons), {f"nonfinite/rewards/{n}": c for n, c in zip(names, counts)}
+
+
+def save_checkpoint(run: Run, state: TrainerState) -> None:
+    """Phase 8: model (or adapter), optimizer, scheduler, RNG per process and trainer state,
+    written to a staging folder and renamed into place (lib/checkpoint.py). Never from non-finite
+    weights. A write that fails (a full disk) on any process removes the staging folder, leaves
+    the previous checkpoint whole and stops the run with the space a checkpoint needs."""
+    accelerator, step = run.accelerator, state.global_step
+    main_process = accelerator.is_main_process
+    check_finite_weights(run, f"checkpoint-{step}")
+    staging = ckpt.staging_dir(run.out, step)
+    error = None
+    try:
+        if main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        ckpt.write_rng(staging, accelerator.process_index,
+                       ckpt.rng_state({"rollout": run.engine.state_dict()}))
+        if run.sharded:  # every process writes its shards of the model and the optimizer states
+            distributed.save_sharded(accelerator, run.scorer, run.optimizer, staging)
+        if main_process:
+            if not run.sharded:
+                accelerator.unwrap_model(run.scorer).model.save_pretrained(staging)
+                torch.save(run.optimizer.state_dict(), staging / "optimizer.pt")
+            run.tokenizer.save_pretrained(staging)
+            torch.save(run.scheduler.state_dict(), staging / "scheduler.pt")
+    except Exception as exc:  # noqa: BLE001 - OSError, or torch.save's RuntimeError around one
+        error = f"{type(exc).__name__}: {exc}"
+    error = first_error(run, error)
+    if error is None and main_process:
+        try:
+            trainer_state = {**dataclasses.asdict(state), "config": to_dict(run.cfg)}
+            ckpt.commit_checkpoint(run.out, step, trainer_state, run.cfg.save_total_limit)
+        except OSError as exc:  # a full disk while writing trainer_state.json
+            error = f"{type(exc).__name__}: {exc}"
+    error = first_error(run, error)
+    if error is not None:
+        if main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise ckpt.RunStopped(save_failed_message(run, f"checkpoint-{step}", error))
+    if run.hub is not None:  # main process; in the background, never waited on here (docs/hub.md 3)
+        run.hub.push_checkpoint(run.out / f"checkpoint-{step}", step)
+
+
+def first_error(run: Run, error: str | None) -> str | None:
+    """The first process's error, on every process (a collective: every process calls it at the
+    same point)."""
+    if run.accelerator.num_processes == 1:
+        return error
+    return next((e for e in run.ctx.gather_object([error]) if e is not None), None)
+
+
+def save_failed_message(run: Run, what: str, error: str) -> str:
+    unwrapped = run.accelerator.unwrap_model(run.scorer).model
+    previous = ckpt.latest_checkpoint(run.out)
+    if previous is not None:
+        needed = ckpt.folder_bytes(previous)
+    else:  # model (adapter) and optimizer states, as written
+        weights = run.params if hasattr(unwrapped, "peft_config") \
+            else list(unwrapped.state_dict().values())
+        states = [v for s in run.optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor)]
+        needed = sum(t.numel() * t.element_size() for t in [*weights, *states])
+    free = shutil.disk_usage(run.out).free
+    cause = f"out of space; {error}" if free < needed else error
+    kept = f"{previous.name} is whole" if previous else "no earlier checkpoint exists"
+    return (f"{what} could not be written to '{run.out}' ({cause}). A checkpoint needs about "
+            f"{needed / 2**20:.1f} MiB; {free / 2**20:.1f} MiB are free. The partial files were "
+            f"removed and {kept}. Free some space and resume with --resume_from_checkpoint latest")
+
+
+def check_finite_weights(run: Run, what: str) -> None:
+    """Refuse to save weights that are not finite (the trained ones; frozen ones never change).
+    Every process calls it: sharded, each checks its shards and all take the same decision."""
+    finite = all(bool(torch.isfinite(distributed.local_tensor(p)).all()) for p in run.params)
+    if run.sharded:
+        votes = torch.tensor(float(finite), device=run.accelerator.device)
+        agreed = run.accelerator.reduce(votes, reduction="sum")
+        finite = bool(agreed == run.accelerator.num_processes)
+    if not finite:
+        last = getattr(ckpt.latest_checkpoint(run.out), "name", "none")
+        raise ckpt.RunStopped(f"{what} not written: the weights are not finite (an optimizer step "
+                              f"on finite gradients overflowed: lower learning_rate). The last "
+                              f"checkpoint is {last}")
+
+
+def stop_if_nonfinite(run: Run, state: TrainerState, reason: str) -> None:
+    """Say that a step was skipped for a non-finite value; stop after max_nonfinite_steps in a
+    row."""
+    cfg, step = run.cfg, state.global_step
+    if run.accelerator.is_main_process:
+        tqdm.write(f"step {step}: optimizer step skipped, the weights unchanged: {reason} not "
+                   f"finite ({state.nonfinite_streak} of max_nonfinite_steps "
+                   f"{cfg.max_nonfinite_steps} in a row)")
+    if state.nonfinite_streak >= cfg.max_nonfinite_steps:
+        latest = ckpt.latest_checkpoint(run.out)
+        raise ckpt.RunStopped(
+            f"step {step}: {state.nonfinite_streak} optimizer steps in a row skipped for "
+            f"non-finite values, the last because {reason} was not finite (max_nonfinite_steps "
+            f"{cfg.max_nonfinite_steps}). No weight was updated from them and final/ was not "
+            f"written; the last checkpoint is "
+            f"{latest.name if latest else 'none'}. Fix the cause (docs/faults.md) and resume with "
+            f"--resume_from_checkpoint latest")
+
+
+def stop_requested(run: Run) -> str | None:
+    """The stop signal any process received (SIGTERM / SIGUSR1), the same answer on every
+    process."""
+    name = run.stop.signal_name
+    if run.accelerator.num_processes > 1:
+        names = ckpt.StopRequest.SIGNALS
+        index = run.accelerator.reduce(torch.tensor(names.index(name) + 1 if name else 0,
+                                                    device=run.accelerator.device), reduction="max")
+        name = names[int(index) - 1] if int(index) else None
+    return name
+
+
+def stop_for_signal(run: Run, state: TrainerState, signal_name: str, saved: bool) -> None:
+    """Preemption: a checkpoint at this step (resuming from it is exact) and a stop."""
+    if not saved:
+        save_checkpoint(run, state)
+    raise ckpt.RunStopped(f"{signal_name} received: stopped at step {state.global_step} of "
+                          f"{run.cfg.max_steps} with checkpoint-{state.global_step} written; "
+                          f"continue with --resume_from_checkpoint latest",
+                          exit_code=128 + int(getattr(signal, signal_name)))
+
+
+def save_final(run: Run, end_eval: dict, step: int, write_files: Callable | None = None) -> None:
+    """final/: a model (or adapter) folder that transformers / peft load as is, renamed into
+    place. `write_files`, given by the entry script, adds files before the rename:
+    lib/extras/hub.write_final_files's model card and generation_config.json (docs/hub.md 2)."""
+    check_finite_weights(run, "final/")
+    # sharded: the whole model gathered on the main process (a collective), saved as one folder
+    state = distributed.full_state_dict(run.accelerator, run.scorer) if run.sharded else None
+    if run.accelerator.is_main_process:
+        final, staging = run.out / "final", run.out / ".final.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            model = run.accelerator.unwrap_model(run.scorer).model
+            if state is not None:  # a tied output layer is one parameter: saved once, as
+                # save_pretrained does
+                kept = {name for name, _ in model.named_parameters()} \
+                    | {name for name, _ in model.named_buffers()}
+                model.save_pretrained(staging, state_dict={
+                    name: v for k, v in state.items()
+                    if (name := k.removeprefix("model.")) in kept})
+            else:
+                model.save_pretrained(staging)
+            run.tokenizer.save_pretrained(staging)
+            # the model card and the sampling the run trained with go in before the rename, so that
+            # final/ never exists without them (docs/hub.md 2)
+            if write_files is not None:
+                write_files(staging, run.cfg, end_ids=end_token_ids(run.policy, run.tokenizer),
+                            generation_config=getattr(run.policy, "generation_config", None),
+                            adapter=hasattr(model, "peft_config"),
+                            metrics_path=run.out / "metrics.jsonl", after=end_eval, step=step,
+                            argv=sys.argv, num_processes=run.accelerator.num_processes,
+                            repo_id=run.hub.target.repo_id if run.hub else None)
+        # a full disk (safetensors raises either): the checkpoint is whole
+        except (OSError, RuntimeError) as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            message = save_failed_message(run, "final/", f"{type(exc).__name__}: {exc}")
+            raise ckpt.RunStopped(message) from exc
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        score_text = f"accuracy {end_eval['eval/accuracy']:.3f}; " if end_eval else ""
+        tqdm.write(f"eval step {step}: {score_text}final model in {final}")
+    run.accelerator.wait_for_everyone()
+    if run.hub is not None:  # main process, after the barrier: the others do not wait on the upload
+        error = run.hub.push_final(run.out / "final", step)
+        if error is not None:
+            raise ckpt.RunStopped(error)
+
+

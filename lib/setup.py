@@ -1,0 +1,514 @@
+"""Building a run: everything train_agrpo.py does before its first step, and what the loop reads.
+
+`Run` holds what set-up builds (the accelerator, the policy and its scorer, the reference, the
+sampler, the method, the optimizer and scheduler, the data); `TrainerState` what the loop advances
+and a checkpoint saves; `Geometry` the batch sizes. The functions below are the set-up's steps,
+which train_agrpo.setup calls in the order that fails fastest: configuration and data errors before
+any model loads, the memory check before any sampling.
+
+This module is core: it never imports lib/extras/. The optional parts a run may use (the hub, the
+health warnings, the memory check, the reward worker, the generation server) are made by
+train_agrpo.setup and held here as plain objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
+
+from lib import checkpoint as ckpt
+from lib import distributed
+from lib.config import (Config, ConfigError, hf_sampler_note, reference_dtype, reward_options,
+                        save_yaml, steps_per_rollout, validate, warmup_steps, weights_dtype)
+from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
+from lib.methods import Method, RolloutContext
+from lib.modeling import (CompletionScorer, adapter_base, end_token_ids, gpu_without_bf16,
+                          is_adapter_folder, load_policy, load_reference, load_tokenizer,
+                          native_bf16, resolve_model_path)
+from lib.reward_models import load_reward_models
+from lib.rewards import resolve_reward_funcs
+from lib.rollout import AnswerPhase, HFRollout
+from lib.schedule import build_scheduler
+from lib.vllm_rollout import AdapterSyncError, VLLMRollout, adapter_ranks
+
+# the run's JSON-lines logs (lib/logs.py), trimmed to the checkpoint on resume
+RUN_LOGS = ("metrics.jsonl", "completions.jsonl", "warnings.jsonl")
+
+
+@dataclass
+class TrainerState:
+    """What the loop advances; saved as trainer_state.json in every checkpoint and restored on
+    resume."""
+
+    global_step: int = 0
+    data_position: int = 0  # prompts taken from the data order so far (lib/data.prompts_for_step)
+    num_tokens: int = 0  # tokens generated on all processes, probes and discarded rounds included
+    controller_state: dict = dataclasses.field(default_factory=dict)
+    nonfinite_streak: int = 0  # optimizer steps skipped in a row for non-finite values
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Batch geometry, TRL semantics: per_device_train_batch_size counts completions; the group
+    size may change from one generation batch to the next (adaptive_group_size), the batch size
+    never does. A generation batch serves steps_per_generation / gradient_accumulation_steps
+    optimizer steps (times num_iterations): each process samples a contiguous share of it, and
+    step s of the batch trains on the s-th slice of every process's share."""
+
+    world: int
+    local_completions: int  # per optimizer step and process
+    global_completions: int  # per optimizer step
+    local_rollout: int  # per generation batch and process
+    first: int  # this process's first completion in the generation batch's global order
+    steps_per_rollout: int  # optimizer steps one generation batch serves
+    micro: list[slice]  # every micro-batch of this process's share
+
+    @classmethod
+    def of(cls, cfg: Config, rank: int, world: int) -> Geometry:
+        local = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+        local_rollout = local * cfg.optimizer_steps_per_generation
+        micro = [slice(i, i + cfg.per_device_train_batch_size)
+                 for i in range(0, local_rollout, cfg.per_device_train_batch_size)]
+        return cls(world, local, local * world, local_rollout, rank * local_rollout,
+                   steps_per_rollout(cfg), micro)
+
+
+@dataclass
+class Run:
+    """Everything set-up builds and the loop reads; the phases take it as their first argument."""
+
+    cfg: Config
+    accelerator: Accelerator
+    out: Path
+    tokenizer: object
+    policy: torch.nn.Module  # the model being trained (PEFT-wrapped with LoRA)
+    scorer: torch.nn.Module  # CompletionScorer(policy), prepared by Accelerate (DDP, FSDP2, ...)
+    reference: CompletionScorer | None  # frozen; None when beta is 0 or with LoRA (the adapter off)
+    engine: HFRollout | VLLMRollout  # the sampler (or lib/extras/generation_server.ServerRollout)
+    ctx: RolloutContext
+    method: Method
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    eval_records: list[dict]
+    geometry: Geometry
+    stop: ckpt.StopRequest  # SIGTERM / SIGUSR1 received
+    sharded: bool = False  # FSDP2 / DeepSpeed: weights, gradients, optimizer states sharded
+    # optional parts, made by train_agrpo.setup from lib/extras/ (which the core does not import):
+    watch: object = None  # lib/extras/health.Watch: the metric history behind the console warnings
+    hub: object = None  # lib/extras/hub.HubPusher: push_to_hub's uploads (main process), or None
+
+
+def start_accelerator(cfg: Config) -> tuple[Accelerator, bool, bool, bool]:
+    """The Accelerator as launched (data parallel, FSDP2 or DeepSpeed; lib/distributed.py), its
+    launch checked against the configuration. Returns (accelerator, bf16, sharded, partitioned):
+    sharded for FSDP2 and DeepSpeed, partitioned where each process holds only part of the
+    weights (FSDP2, ZeRO-3)."""
+    hf_logging.disable_progress_bar()  # per-file loading bars would drown the one training bar
+    bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16(
+        "cuda" if torch.cuda.is_available() and not cfg.use_cpu else "cpu")
+    # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU)
+    # when launched with several processes, instead of running each process alone
+    # the scheduler is stepped by us once per optimizer step: its Accelerate wrapper must not step
+    # it once per process (except under DeepSpeed, which forms the group itself:
+    # lib/distributed.enable_deepspeed_on_cpu)
+    accelerator = Accelerator(cpu=(cfg.use_cpu or torch.accelerator.current_accelerator() is None)
+                              and not distributed.deepspeed_requested(),
+                              mixed_precision="bf16" if bf16 else "no",
+                              step_scheduler_with_optimizer=False, log_with=cfg.report_to or None,
+                              project_dir=cfg.output_dir)
+    # FSDP2 / DeepSpeed (lib/distributed.py): on a CPU too, where Accelerate would not run them
+    try:
+        distributed.enable_deepspeed_on_cpu(accelerator)
+        sharded = distributed.enable_fsdp_on_cpu(accelerator) or distributed.is_sharded(accelerator)
+        distributed.check_supported(accelerator, use_peft=cfg.use_peft,
+                                    load_in_4bit=cfg.load_in_4bit)
+    except distributed.ShardingError as error:
+        raise ConfigError(str(error)) from None
+    # FSDP2 or ZeRO-3: each process holds part of the weights
+    partitioned = distributed.partitions_weights(accelerator)
+    validate(cfg, accelerator.num_processes)  # the settings that depend on the number of processes
+    if distributed.is_deepspeed(accelerator):
+        distributed.configure_deepspeed(accelerator, micro_batch=cfg.per_device_train_batch_size,
+                                        accumulation=cfg.gradient_accumulation_steps,
+                                        max_grad_norm=cfg.max_grad_norm, bf16=bf16)
+    if cfg.tf32 is not None and accelerator.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
+    return accelerator, bf16, sharded, partitioned
+
+
+def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
+    """(the reward specs as given, the resolved functions): bad names stop here, before any data
+    or model loads; reward models load later, onto each process's device."""
+    # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a
+    # reward model too (lib/rewards.py). Bad names stop here; reward models load below, onto this
+    # process's device.
+    specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
+    try:
+        reward_funcs = resolve_reward_funcs(specs, reward_options(cfg))
+    except ValueError as error:
+        raise ConfigError(f"reward_funcs: {error}") from error
+    names = [name for name, _ in reward_funcs]
+    if cfg.correctness_reward not in names and (
+            cfg.homogeneous_advantage > 0 or cfg.resample_schedule or cfg.dynamic_sampling_rounds):
+        raise ConfigError(f"correctness_reward: '{cfg.correctness_reward}' is not among "
+                          f"reward_funcs {names}; homogeneous_advantage, resample_schedule and "
+                          f"dynamic_sampling_rounds judge correctness with it. Add it to "
+                          f"reward_funcs or name another function")
+    return specs, reward_funcs
+
+
+def load_data(cfg: Config, reward_funcs: list = (), say=print) -> tuple[list[dict], list[dict]]:
+    """(train records, eval records). Errors in the data surface here, before any model is loaded;
+    so does a data set with no gold answer trained with a reward function that needs one
+    (lib/data.check_answers).
+
+    The held-out set is eval_dataset_name; else dataset_name's dataset_test_split where it has
+    one (a folder or a hub data set, as TRL evaluates on it); else, for a single file, a seeded
+    share of its rows. Held-out data with no gold answer cannot be scored: the evaluation is left
+    out, and `say` says so in one line."""
+    try:
+        if cfg.dataset_name is None:
+            return builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train,
+                                num_eval=cfg.num_eval_samples)
+        columns = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column,
+                       skip_invalid_rows=cfg.skip_invalid_rows)
+        train = load_records(cfg.dataset_name, split=cfg.dataset_train_split,
+                             max_samples=cfg.max_train_samples, seed=cfg.seed,
+                             config=cfg.dataset_config, **columns)
+        check_answers(train, reward_funcs, "dataset_name", cfg.dataset_name)
+        evals, source = [], cfg.eval_dataset_name or cfg.dataset_name
+        if cfg.num_eval_samples == 0:
+            source = None  # no evaluation asked for
+        elif cfg.eval_dataset_name:
+            # dataset_config names a configuration of dataset_name (TRL's ScriptArguments); this set
+            # is read with its default one
+            evals = load_records(cfg.eval_dataset_name, split=cfg.dataset_test_split,
+                                 max_samples=cfg.num_eval_samples, seed=cfg.seed, **columns)
+        elif cfg.dataset_test_split != cfg.dataset_train_split and cfg.dataset_test_split in (
+                split_names(cfg.dataset_name, cfg.dataset_config) or ()):
+            evals = load_records(cfg.dataset_name, split=cfg.dataset_test_split,
+                                 max_samples=cfg.num_eval_samples, seed=cfg.seed,
+                                 config=cfg.dataset_config, **columns)
+        elif "answer" in train[0]:
+            # a single file has no test split: hold out a seeded share of it, disjoint from what we
+            # train on
+            order = list(range(len(train)))
+            random.Random(cfg.seed).shuffle(order)
+            held = set(order[: min(cfg.num_eval_samples, len(train) // 10 or 1)])
+            evals = [r for i, r in enumerate(train) if i in held]
+            train = [r for i, r in enumerate(train) if i not in held]
+    except (ValueError, FileNotFoundError) as error:  # the loaders name the file, row and field
+        raise ConfigError(str(error)) from error
+    if not train:
+        raise ConfigError(f"dataset_name: '{cfg.dataset_name}' holds no training rows")
+    if source is not None and (not evals or "answer" not in evals[0]):
+        say(f"evaluation skipped: '{source}' has no gold answer column (answer, solution, Answer "
+            f"or target; --answer_column names another), so held-out accuracy cannot be scored")
+        evals = []
+    return train, evals
+
+
+def prepare_output_dir(cfg: Config, accelerator: Accelerator) -> Path | None:
+    """Refuse to write over an existing run unless asked; returns the checkpoint to resume from,
+    if any."""
+    out = Path(cfg.output_dir)
+    try:  # every process: on several nodes each writes its RNG state into the same folder
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_test_{accelerator.process_index}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"output_dir: cannot create or write '{out}' "
+                          f"({error.strerror or error}); pass a folder you can write to") from error
+    if accelerator.is_main_process:  # what a kill in the middle of a save left behind
+        for line in ckpt.recover(out):
+            tqdm.write(f"output_dir: {line}")
+    accelerator.wait_for_everyone()
+    resume = None
+    if cfg.resume_from_checkpoint == "latest":
+        # a job script passes 'latest' every time: on the first start, or after a kill before the
+        # first checkpoint, there is none yet and the run starts from step 0 (what a killed run
+        # logged is set aside, not lost)
+        resume = ckpt.latest_checkpoint(out)
+        if resume is None and accelerator.is_main_process:
+            tqdm.write(f"resume_from_checkpoint: 'latest' found no checkpoint in '{out}': "
+                       f"starting from step 0")
+            for name in RUN_LOGS:
+                ckpt.trim_jsonl(out / name, 0)
+    elif cfg.resume_from_checkpoint:
+        resume = Path(cfg.resume_from_checkpoint)
+    holds_run = (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size > 0 \
+        or bool(ckpt.list_checkpoints(out))
+    if holds_run and resume is None and not cfg.overwrite_output_dir:
+        raise ConfigError(f"output_dir: '{out}' already holds a run. Pass --resume_from_checkpoint "
+                          f"latest to continue it, --overwrite_output_dir true to start over, or "
+                          f"another --output_dir")
+    if accelerator.is_main_process:
+        if holds_run and resume is None:  # overwrite_output_dir: start over, explicitly asked for
+            for old in [*ckpt.list_checkpoints(out), out / "final"]:
+                shutil.rmtree(old, ignore_errors=True)
+            for name in RUN_LOGS:
+                (out / name).unlink(missing_ok=True)
+        if resume is not None:  # lines written after the checkpoint are redone: set them aside
+            step = ckpt.read_trainer_state(resume)["global_step"]
+            for name in RUN_LOGS:
+                ckpt.trim_jsonl(out / name, step)
+    accelerator.wait_for_everyone()
+    return resume
+
+
+def record_and_seed(cfg: Config, accelerator: Accelerator) -> Path:
+    """config.yaml in output_dir (the main process), then Python, NumPy and torch seeded; returns
+    output_dir."""
+    out = Path(cfg.output_dir)
+    if accelerator.is_main_process:
+        save_yaml(cfg, out / "config.yaml")
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    return out
+
+
+def load_checked_tokenizer(cfg: Config, model_path: str, records: list[dict]):
+    """The tokenizer (with the configuration's chat template), checked to render the data's
+    prompts: a conversation needs a chat template, said before the model loads."""
+    tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.trust_remote_code,
+                               revision=cfg.model_revision)
+    if cfg.chat_template is not None:
+        tokenizer.chat_template = cfg.chat_template
+    try:  # a conversation needs a chat template: say so before the model loads
+        for record in records:
+            render_prompt(tokenizer, record, cfg.instruction, cfg.system_prompt,
+                          cfg.chat_template_kwargs)
+    except ValueError as error:
+        raise ConfigError(f"dataset_name: {error}") from error
+    return tokenizer
+
+
+def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: Path | None,
+                bf16: bool, sharded: bool, partitioned: bool
+                ) -> tuple[torch.nn.Module, CompletionScorer | None]:
+    """(policy, reference): the policy from the model (or an unsharded checkpoint), the frozen
+    reference (none when beta is 0; with LoRA the base with the adapter disabled, not a second
+    copy). The sampler comes next (make_engine)."""
+    device = accelerator.device
+    # a sharded checkpoint's weights are read into the sharded model below
+    # (lib/distributed.load_sharded)
+    policy = load_policy(str(resume) if resume and not sharded else model_path, dtype=weights_dtype(
+                             cfg.dtype, lora=cfg.use_peft, device=device.type, bf16=bf16),
+                         revision=cfg.model_revision, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
+                         lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                         lora_target_modules=cfg.lora_target_modules, use_rslora=cfg.use_rslora,
+                         load_in_4bit=cfg.load_in_4bit, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
+                         use_bnb_nested_quant=cfg.use_bnb_nested_quant,
+                         gradient_checkpointing=cfg.gradient_checkpointing,
+                         gradient_checkpointing_kwargs=cfg.gradient_checkpointing_kwargs,
+                         attn_implementation=cfg.attn_implementation, device=device,
+                         trust_remote_code=cfg.trust_remote_code)
+    if cfg.disable_dropout:  # TRL's disable_dropout: the scored distribution is the sampled one
+        for module in policy.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    reference = None
+    if cfg.beta > 0 and not hasattr(policy, "peft_config"):
+        # bf16 on a bf16 GPU, else the policy's dtype (lib/config.reference_dtype)
+        dtype = reference_dtype(cfg.dtype, next(policy.parameters()).dtype, device=device.type,
+                                bf16=bf16)
+        frozen = load_reference(model_path, dtype, device, trust_remote_code=cfg.trust_remote_code,
+                                revision=cfg.model_revision)
+        reference = CompletionScorer(frozen, fixed_calls=partitioned)
+        if sharded:
+            reference = distributed.shard_frozen(reference, accelerator)
+    return policy, reference
+
+
+def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, rank: int,
+                sharded: bool = False) -> HFRollout | VLLMRollout:
+    """The sampler: our HF decode loop, or a colocated vLLM engine per process, loaded from the
+    base model and given the policy's weights before the first sample and after every optimizer
+    step: a LoRA policy's adapter alone (vllm_lora_sync adapter) where the engine can serve it,
+    else every weight with the adapter merged. A policy that will be sharded is sampled from a
+    full copy (HF) or the engine's weights, given gathered weights. (vllm_mode server, one engine
+    on devices of its own, is lib/extras/generation_server.server_rollout.)"""
+    if not cfg.use_vllm:
+        return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id,
+                         bf16=bf16, seed=cfg.seed + rank, own_copy=sharded)
+    engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
+    options = dict(seed=cfg.seed + rank,
+                   max_model_len=cfg.vllm_max_model_length
+                   or cfg.max_prompt_length + cfg.max_completion_length,
+                   # the largest call (a CPU engine's KV cache): this process's generation batch or
+                   # an evaluation batch
+                   max_num_seqs=max(cfg.per_device_train_batch_size
+                                    * cfg.optimizer_steps_per_generation,
+                                    cfg.per_device_eval_batch_size),
+                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                   # a GPU without native bf16 (T4, V100: vLLM refuses bfloat16 there) samples in
+                   # fp16
+                   dtype="bfloat16" if bf16 else "float16" if gpu_without_bf16() else "float32",
+                   enable_sleep_mode=cfg.vllm_enable_sleep_mode,
+                   sampling_kwargs=cfg.generation_kwargs, trust_remote_code=cfg.trust_remote_code)
+    args = (resolve_model_path(engine_path), end_token_ids(policy, tokenizer),
+            tokenizer.pad_token_id)
+    gpu = next(policy.parameters()).device.type == "cuda"
+    sync = cfg.vllm_lora_sync if cfg.vllm_lora_sync != "auto" else "adapter" if gpu else "merge"
+    if hasattr(policy, "peft_config") and sync == "adapter":
+        engine = None
+        try:
+            engine = VLLMRollout(*args, **options, lora_rank=max(adapter_ranks(policy)))
+            engine.sync_weights(policy)
+            return engine
+        except AdapterSyncError as error:
+            if engine is not None:
+                engine.close()
+            tqdm.write(f"vllm_lora_sync: {error}; syncing merged weights instead "
+                       f"(vllm_lora_sync merge)")
+    engine = VLLMRollout(*args, **options)
+    engine.sync_weights(policy)
+    return engine
+
+
+def load_rewards(cfg: Config, reward_funcs: list, device: torch.device) -> list:
+    """The reward functions with their reward models loaded: each scores in this process, on its
+    device, a micro-batch at a time (lib/reward_models.py). Loaded before the memory check, which
+    counts them as resident."""
+    try:
+        return load_reward_models(reward_funcs, device, cfg.per_device_train_batch_size,
+                                  trust_remote_code=cfg.trust_remote_code,
+                                  chat_template_kwargs=cfg.chat_template_kwargs)
+    except ValueError as error:
+        raise ConfigError(f"reward_funcs: {error}") from error
+
+
+def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float,
+                    eps: float = 1e-8):
+    """AdamW by `optim` name: torch's, or bitsandbytes' 8-bit / paged states (Dettmers et al.
+    2022, "8-bit optimizers via block-wise quantization"): 2 bytes of state per parameter instead
+    of 8; paged states are moved to host memory by the CUDA driver when the GPU runs short
+    instead of failing."""
+    if name in ("adamw_torch", "adamw_torch_fused"):
+        # fused: one kernel for all tensors on CUDA, the same update
+        fused = name == "adamw_torch_fused" and all(p.is_cuda for p in params)
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 fused=fused or None)
+    import bitsandbytes as bnb  # an optional dependency: imported only for an 8-bit optimizer
+
+    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+           "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[name]
+    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def policy_optimizer(cfg: Config, policy: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer over the policy's trained parameters (all of them, or LoRA's adapter)."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    return build_optimizer(params, cfg.optim, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
+                           cfg.weight_decay, eps=cfg.adam_epsilon)
+
+
+def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer, sharded: bool, partitioned: bool
+                   ) -> tuple[torch.nn.Module, torch.optim.Optimizer, object, list]:
+    """(scorer, optimizer, scheduler, trained parameters): the scheduler built, the scorer and
+    the optimizer prepared by Accelerate. Called after the memory check, which needs the
+    optimizer built."""
+    device = accelerator.device
+    if accelerator.is_main_process:
+        note = hf_sampler_note(cfg, device.type == "cuda",
+                               importlib.util.find_spec("vllm") is not None)
+        if note:
+            tqdm.write(note)
+        if cfg.activation_offloading and device.type != "cuda":
+            tqdm.write("activation_offloading: ignored on a CPU (the saved activations are already "
+                       "in its memory)")
+    scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
+                                num_warmup_steps=warmup_steps(cfg), kwargs=cfg.lr_scheduler_kwargs)
+    # DDP, or FSDP2: the policy's decoder layers sharded, the optimizer given the shards; or a
+    # DeepSpeed engine, whose optimizer follows our scheduler's rates (the scheduler stays ours:
+    # lib/distributed.py)
+    scorer = CompletionScorer(policy, fixed_calls=partitioned)
+    if distributed.is_deepspeed(accelerator):
+        scorer, optimizer = accelerator.prepare(scorer, optimizer)
+    else:
+        scorer, optimizer, scheduler = accelerator.prepare(scorer, optimizer, scheduler)
+    if sharded and accelerator.is_main_process:
+        tqdm.write(distributed.describe_sharding(scorer, accelerator.num_processes,
+                                                 distributed.zero_stage(accelerator)))
+    # the shards the optimizer holds, when sharded
+    return scorer, optimizer, scheduler, [p for p in scorer.parameters() if p.requires_grad]
+
+
+def restore(resume: Path | None, accelerator: Accelerator, scorer, optimizer, scheduler, engine,
+            method: Method, sharded: bool) -> TrainerState:
+    """The checkpoint's trainer state, optimizer and scheduler states, RNG and controllers (a
+    fresh state without one); a sharded checkpoint's weights too, which the sampler then gets."""
+    state = TrainerState()
+    if resume is None:
+        return state
+    saved = ckpt.read_trainer_state(resume)
+    state = TrainerState(**{f.name: saved[f.name] for f in dataclasses.fields(TrainerState)
+                            if f.name in saved})
+    if sharded:
+        distributed.load_sharded(accelerator, scorer, optimizer, resume)
+        # the sampler was made from the base weights
+        engine.sync_weights(accelerator.unwrap_model(scorer).model)
+    else:
+        # read to the CPU first (load_state_dict then moves each state onto its parameter's device):
+        # a checkpoint written from GPU 0 would otherwise be rebuilt on GPU 0 by every process
+        optimizer.load_state_dict(torch.load(resume / "optimizer.pt", map_location="cpu",
+                                             weights_only=False))
+    scheduler.load_state_dict(torch.load(resume / "scheduler.pt", map_location="cpu",
+                                         weights_only=False))
+    rng = ckpt.read_rng(resume, accelerator.process_index)
+    if rng is not None:
+        ckpt.set_rng_state(rng)
+        engine.load_state_dict(rng["rollout"])
+    method.controllers.load_state_dict(state.controller_state)
+    return state
+
+
+def rollout_context(cfg: Config, engine, tokenizer, reward_funcs: list, train_records: list[dict],
+                    accelerator: Accelerator, geometry: Geometry, worker=None) -> RolloutContext:
+    """What sampling and scoring read (lib/methods.RolloutContext): the sampler, the rewards and
+    their weights, the data, the answer phase (answer_marker: the answer sampled at its own
+    temperature), and the reward worker (lib/extras/reward_worker.RewardWorker, made by
+    train_agrpo.setup) or None."""
+    answer_phase = None
+    if cfg.answer_marker:
+        answer_phase = AnswerPhase.from_text(tokenizer, cfg.answer_marker, cfg.answer_temperature,
+                                             cfg.answer_top_p)
+    reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
+    return RolloutContext(cfg, engine, tokenizer, reward_funcs, reward_weights, train_records,
+                          accelerator, answer_phase, geometry.local_rollout, geometry.first, worker)
+
+
+def close(run: Run) -> None:
+    """After the run, or when it stops early: the sampler, the reward worker, the trackers, the
+    signal handlers."""
+    run.stop.restore()
+    run.engine.close()
+    if run.ctx.worker is not None:
+        run.ctx.worker.close()
+    if run.hub is not None:  # says which pushes an early stop abandons (docs/hub.md 3)
+        run.hub.close()
+    run.accelerator.end_training()
+
+
+def clock(run: Run) -> float:
+    """time.perf_counter once the device has run what was queued: on a GPU a kernel runs after
+    the call that queued it, so an unsynchronised phase time would land in the next phase that
+    waits on a result."""
+    if run.accelerator.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
