@@ -46,7 +46,7 @@ from lib.losses import weighted_rewards
 from lib.reward_models import load_reward_models
 from lib.rewards import resolve_reward_funcs, reward_arguments, score_completions
 from lib.rollout import HFRollout
-from lib.vllm_rollout import VLLMRollout
+from lib.extras.vllm_rollout import VLLMRollout
 
 BUILTIN = "builtin"
 

@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from lib.modeling import load_tokenizer, resolve_model_path
-    from lib.vllm_rollout import VLLMRollout
+    from lib.extras.vllm_rollout import VLLMRollout
 
     args = parse_args(argv)
     path = resolve_model_path(args.model)

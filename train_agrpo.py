@@ -77,6 +77,7 @@ from lib.evaluation import generate_and_score, summarize
 from lib.extras import health, hub, memory
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
+from lib.extras.vllm_rollout import colocated_rollout
 from lib.extras.runs import read_jsonl
 from lib.logs import append_jsonl, batch_metrics, dense_line
 from lib.losses import (aggregate_loss, clipped_surrogate, kl_penalty, mean_of, per_row, policy_ratio,
@@ -582,8 +583,10 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
                                     partitioned)
     if cfg.use_vllm and cfg.vllm_mode == "server":  # an engine on its own devices (serve_vllm.py)
         engine = server_rollout(cfg, policy, tokenizer, rank, partitioned, world)
+    elif cfg.use_vllm:  # a vLLM engine in each process
+        engine = colocated_rollout(cfg, policy, tokenizer, model_path, bf16, rank)
     else:
-        engine = make_engine(cfg, policy, tokenizer, model_path, bf16, rank, partitioned)
+        engine = make_engine(cfg, policy, tokenizer, bf16, rank, partitioned)
     reward_funcs = load_rewards(cfg, reward_funcs, accelerator.device)
     optimizer = policy_optimizer(cfg, policy)
     estimate = memory.check_run(cfg, policy, accelerator.device, bf16)  # stops a run that won't fit

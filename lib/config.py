@@ -1107,7 +1107,7 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 def validate_sampling(cfg: Config) -> None:
     """The sampling keys, after moving those given in generation_kwargs into their own keys (TRL: they override
-    them); any other generation_kwargs key needs vLLM (lib/vllm_rollout.py `check_sampling_kwargs` checks it there)."""
+    them); any other generation_kwargs key needs vLLM (lib/extras/vllm_rollout.py `check_sampling_kwargs` checks it there)."""
     extra = dict(cfg.generation_kwargs or {})
     given = [key for key in SAMPLING_KEYS if key in extra]
     try:

@@ -33,14 +33,12 @@ from lib.config import (Config, ConfigError, hf_sampler_note, reference_dtype, r
                         save_yaml, steps_per_rollout, validate, warmup_steps, weights_dtype)
 from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
 from lib.methods import Method, RolloutContext
-from lib.modeling import (CompletionScorer, adapter_base, end_token_ids, gpu_without_bf16,
-                          is_adapter_folder, load_policy, load_reference, load_tokenizer,
-                          native_bf16, resolve_model_path)
+from lib.modeling import (CompletionScorer, end_token_ids, load_policy, load_reference,
+                          load_tokenizer, native_bf16)
 from lib.reward_models import load_reward_models
 from lib.rewards import resolve_reward_funcs
 from lib.rollout import AnswerPhase, HFRollout
 from lib.schedule import build_scheduler
-from lib.vllm_rollout import AdapterSyncError, VLLMRollout, adapter_ranks
 
 # the run's JSON-lines logs (lib/logs.py), trimmed to the checkpoint on resume
 RUN_LOGS = ("metrics.jsonl", "completions.jsonl", "warnings.jsonl")
@@ -95,7 +93,7 @@ class Run:
     policy: torch.nn.Module  # the model being trained (PEFT-wrapped with LoRA)
     scorer: torch.nn.Module  # CompletionScorer(policy), prepared by Accelerate (DDP, FSDP2, ...)
     reference: CompletionScorer | None  # frozen; None when beta is 0 or with LoRA (the adapter off)
-    engine: HFRollout | VLLMRollout  # the sampler (or lib/extras/generation_server.ServerRollout)
+    engine: HFRollout  # the sampler, or one with its interface: lib/extras' VLLMRollout, ServerRollout
     ctx: RolloutContext
     method: Method
     params: list[torch.nn.Parameter]
@@ -334,50 +332,14 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
     return policy, reference
 
 
-def make_engine(cfg: Config, policy, tokenizer, model_path: str, bf16: bool, rank: int,
-                sharded: bool = False) -> HFRollout | VLLMRollout:
-    """The sampler: our HF decode loop, or a colocated vLLM engine per process, loaded from the
-    base model and given the policy's weights before the first sample and after every optimizer
-    step: a LoRA policy's adapter alone (vllm_lora_sync adapter) where the engine can serve it,
-    else every weight with the adapter merged. A policy that will be sharded is sampled from a
-    full copy (HF) or the engine's weights, given gathered weights. (vllm_mode server, one engine
-    on devices of its own, is lib/extras/generation_server.server_rollout.)"""
-    if not cfg.use_vllm:
-        return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id,
-                         bf16=bf16, seed=cfg.seed + rank, own_copy=sharded)
-    engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
-    options = dict(seed=cfg.seed + rank,
-                   max_model_len=cfg.vllm_max_model_length
-                   or cfg.max_prompt_length + cfg.max_completion_length,
-                   # the largest call (a CPU engine's KV cache): this process's generation batch or
-                   # an evaluation batch
-                   max_num_seqs=max(cfg.per_device_train_batch_size
-                                    * cfg.optimizer_steps_per_generation,
-                                    cfg.per_device_eval_batch_size),
-                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                   # a GPU without native bf16 (T4, V100: vLLM refuses bfloat16 there) samples in
-                   # fp16
-                   dtype="bfloat16" if bf16 else "float16" if gpu_without_bf16() else "float32",
-                   enable_sleep_mode=cfg.vllm_enable_sleep_mode,
-                   sampling_kwargs=cfg.generation_kwargs, trust_remote_code=cfg.trust_remote_code)
-    args = (resolve_model_path(engine_path), end_token_ids(policy, tokenizer),
-            tokenizer.pad_token_id)
-    gpu = next(policy.parameters()).device.type == "cuda"
-    sync = cfg.vllm_lora_sync if cfg.vllm_lora_sync != "auto" else "adapter" if gpu else "merge"
-    if hasattr(policy, "peft_config") and sync == "adapter":
-        engine = None
-        try:
-            engine = VLLMRollout(*args, **options, lora_rank=max(adapter_ranks(policy)))
-            engine.sync_weights(policy)
-            return engine
-        except AdapterSyncError as error:
-            if engine is not None:
-                engine.close()
-            tqdm.write(f"vllm_lora_sync: {error}; syncing merged weights instead "
-                       f"(vllm_lora_sync merge)")
-    engine = VLLMRollout(*args, **options)
-    engine.sync_weights(policy)
-    return engine
+def make_engine(cfg: Config, policy, tokenizer, bf16: bool, rank: int,
+                sharded: bool = False) -> HFRollout:
+    """The HF sampler (lib/rollout.py): our decode loop over a copy of the policy's weights where
+    that is faster, refreshed after every optimizer step; a policy that will be sharded is sampled
+    from a full copy. (A vLLM engine is lib/extras/vllm_rollout.colocated_rollout, one on devices
+    of its own lib/extras/generation_server.server_rollout; the trainer picks.)"""
+    return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id,
+                     bf16=bf16, seed=cfg.seed + rank, own_copy=sharded)
 
 
 def load_rewards(cfg: Config, reward_funcs: list, device: torch.device) -> list:

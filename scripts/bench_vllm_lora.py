@@ -5,7 +5,7 @@
     python scripts/bench_vllm_lora.py --load_in_4bit --rounds 5 --max_new_tokens 64
 
 `merge` (every weight with the adapter merged in, sent each step) and `adapter` (vLLM's LoRA: the base once, the
-adapter each step), each in a fresh child process one after the other, through lib/vllm_rollout.VLLMRollout as the
+adapter each step), each in a fresh child process one after the other, through lib/extras/vllm_rollout.VLLMRollout as the
 trainer builds it. Every completion runs to --max_new_tokens (ignore_eos), so both decode the same number of tokens.
 Prints the median seconds of a sampling call and of a sync per mode, and their ratio (docs/performance.md 4.1).
 """
@@ -29,7 +29,7 @@ def worker(args) -> dict:
     import torch
 
     from lib.modeling import load_policy, load_tokenizer, resolve_model_path
-    from lib.vllm_rollout import VLLMRollout, adapter_ranks
+    from lib.extras.vllm_rollout import VLLMRollout, adapter_ranks
 
     path = resolve_model_path(args.model_name_or_path)
     tokenizer = load_tokenizer(path)

@@ -134,7 +134,7 @@ def missing_references(page: Path) -> list[str]:
                     missing.append(f"no file matches {path}")
                 continue
             module = re.fullmatch(r"(lib/(?:extras/)?\w+)\.(\w+)(?:\.\w+)*", path)
-            if module and not (REPO / path).exists():  # lib/vllm_rollout.VLLMRollout
+            if module and not (REPO / path).exists():  # lib/extras/vllm_rollout.VLLMRollout
                 path, name = module.group(1) + ".py", module.group(2)
             if not (REPO / path).exists():
                 missing.append(f"path {path}")
@@ -145,7 +145,7 @@ def missing_references(page: Path) -> list[str]:
 
 def test_the_reference_finder_catches_a_stale_path_a_stale_name_and_a_stale_section(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# Top\n`lib/vllm_rollout.VLLMRollout`, `lib/data.py::builtin_task`, scripts/recipes/*.yaml, "
+    page.write_text("# Top\n`lib/extras/vllm_rollout.VLLMRollout`, `lib/data.py::builtin_task`, scripts/recipes/*.yaml, "
                     "[ok](#top), `lib/data.py::builtin_t...`\n"
                     "`lib/rollout.NoSuchThing`, lib/nowhere.py, [gone](#nowhere), docs/*.nothing\n")
     assert missing_references(page) == ["section #nowhere", "lib/rollout.py defines no NoSuchThing",

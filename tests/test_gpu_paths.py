@@ -47,7 +47,7 @@ from accelerate import Accelerator
 
 if __name__ == "__main__":
     accelerator = Accelerator(cpu=True)
-    from lib.vllm_rollout import VLLMRollout
+    from lib.extras.vllm_rollout import VLLMRollout
     engine = VLLMRollout(sys.argv[1], [2], 0, max_model_len=128, seed=accelerator.process_index, max_num_seqs=4)
     worker = engine.llm.llm_engine.model_executor.driver_worker.worker
     prompts = torch.randint(100, 1000, (1, 5), generator=torch.Generator().manual_seed(0))
@@ -92,7 +92,7 @@ ENGINE_SCRIPT = r"""
 import json, sys
 import torch
 from lib.modeling import load_policy
-from lib.vllm_rollout import VLLMRollout
+from lib.extras.vllm_rollout import VLLMRollout
 
 if __name__ == "__main__":
     path = sys.argv[1]

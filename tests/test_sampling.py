@@ -99,7 +99,7 @@ import json, sys, time
 t0 = time.time()
 import torch
 sys.path.insert(0, sys.argv[1])
-from lib.vllm_rollout import VLLMRollout
+from lib.extras.vllm_rollout import VLLMRollout
 
 if __name__ == "__main__":
     t1 = time.time()

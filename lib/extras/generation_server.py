@@ -33,7 +33,7 @@ import torch
 
 from lib.modeling import end_token_ids
 from lib.rollout import AnswerPhase, Rollout, policy_weights
-from lib.vllm_rollout import refresh_tied_output_layer
+from lib.extras.vllm_rollout import refresh_tied_output_layer
 
 ROLLOUT_FIELDS = [f.name for f in dataclasses.fields(Rollout)]
 

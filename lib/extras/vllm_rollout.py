@@ -10,8 +10,10 @@ import os
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
-from lib.modeling import kv_bytes_per_token
+from lib.modeling import (adapter_base, end_token_ids, gpu_without_bf16, is_adapter_folder, kv_bytes_per_token,
+                          resolve_model_path)
 from lib.rollout import AnswerPhase, Rollout, policy_weights
 
 
@@ -451,3 +453,43 @@ def stop_kind(sample) -> str:
     if sample.finish_reason != "stop":
         return "length"
     return "marker" if isinstance(sample.stop_reason, str) else "end"
+
+
+def colocated_rollout(cfg, policy, tokenizer, model_path: str, bf16: bool, rank: int) -> VLLMRollout:
+    """A colocated vLLM engine per process (`use_vllm`, `vllm_mode colocate`), loaded from the base model and
+    given the policy's weights before the first sample and after every optimizer step: a LoRA policy's adapter
+    alone (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged. A
+    policy that will be sharded gives gathered weights (lib/distributed.full_parameters)."""
+    engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
+    options = dict(seed=cfg.seed + rank,
+                   max_model_len=cfg.vllm_max_model_length
+                   or cfg.max_prompt_length + cfg.max_completion_length,
+                   # the largest call (a CPU engine's KV cache): this process's generation batch or
+                   # an evaluation batch
+                   max_num_seqs=max(cfg.per_device_train_batch_size
+                                    * cfg.optimizer_steps_per_generation,
+                                    cfg.per_device_eval_batch_size),
+                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                   # a GPU without native bf16 (T4, V100: vLLM refuses bfloat16 there) samples in
+                   # fp16
+                   dtype="bfloat16" if bf16 else "float16" if gpu_without_bf16() else "float32",
+                   enable_sleep_mode=cfg.vllm_enable_sleep_mode,
+                   sampling_kwargs=cfg.generation_kwargs, trust_remote_code=cfg.trust_remote_code)
+    args = (resolve_model_path(engine_path), end_token_ids(policy, tokenizer),
+            tokenizer.pad_token_id)
+    gpu = next(policy.parameters()).device.type == "cuda"
+    sync = cfg.vllm_lora_sync if cfg.vllm_lora_sync != "auto" else "adapter" if gpu else "merge"
+    if hasattr(policy, "peft_config") and sync == "adapter":
+        engine = None
+        try:
+            engine = VLLMRollout(*args, **options, lora_rank=max(adapter_ranks(policy)))
+            engine.sync_weights(policy)
+            return engine
+        except AdapterSyncError as error:
+            if engine is not None:
+                engine.close()
+            tqdm.write(f"vllm_lora_sync: {error}; syncing merged weights instead "
+                       f"(vllm_lora_sync merge)")
+    engine = VLLMRollout(*args, **options)
+    engine.sync_weights(policy)
+    return engine
