@@ -82,10 +82,10 @@ from lib.config import Config, ConfigError, hf_sampler_note, parse_config, resol
 from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
 from lib.evaluation import generate_and_score, summarize
 from lib.extras.generation_server import ServerError, ServerRollout
-from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, policy_ratio, truncated_importance_weights
+from lib.losses import aggregate_loss, kl_penalty, policy_loss, policy_ratio, truncated_importance_weights
 from lib.extras.memory import (GB, build_optimizer, check_step_memory, describe_recipe, estimate_step_memory, memory_budget,
                         recipe_memory, resident_bytes, step_token_counts)
-from lib.methods import Method, RolloutContext, Sampled, TrainValues, choose_method
+from lib.methods import Method, TrainValues, choose_method
 from lib.modeling import (CompletionScorer, adapter_base, adapter_disabled, end_token_ids, gpu_without_bf16,
                           is_adapter_folder, load_policy, load_reference, load_tokenizer, native_bf16,
                           offloaded_activations, resolve_model_path)
@@ -93,6 +93,7 @@ from lib.reward_models import load_reward_models
 from lib.extras.reward_worker import RewardWorker
 from lib.rewards import resolve_reward_funcs
 from lib.rollout import AnswerPhase, HFRollout, Rollout
+from lib.sampling import RolloutContext, Sampled
 from lib.vllm_rollout import AdapterSyncError, VLLMRollout, adapter_ranks
 from lib.extras.runs import read_jsonl
 from lib.schedule import build_scheduler
@@ -419,8 +420,8 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
             mask = batch.loss_mask[rows]
             width = logp.shape[1]
             old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
-            per_token, clip_stats = clipped_surrogate(
-                logp, old, batch.advantages[rows], mask, per_row(values.epsilon_low, rows),
+            per_token, clip_stats = policy_loss(  # the loss_type's per-token loss (lib/losses.LOSS_TYPES)
+                cfg.loss_type, logp, old, batch.advantages[rows], mask, per_row(values.epsilon_low, rows),
                 per_row(values.epsilon_high, rows), cfg.importance_sampling_level, dual_clip=cfg.dual_clip)
             if tis:
                 sampling = roll.sampling_logps[rows, :width]

@@ -141,7 +141,7 @@ def test_user_keys_override_a_preset_and_config_yaml_records_the_resolved_values
     ({"steps_per_generation": 0}, r"steps_per_generation \(0\) counts micro-batches \(TRL's meaning\) and must be a "
      r"positive multiple of gradient_accumulation_steps \(1\)"),
     ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, r"steps_per_generation \(3\) counts micro"),
-    ({"dynamic_sampling_rounds": -1}, r"dynamic_sampling_rounds must be >= 0 \(0 = off\), got -1"),
+    ({"dynamic_sampling_rounds": -1}, r"dynamic_sampling_rounds must be at least 0 \(0 = off\), got -1"),
     ({"algo": "dapo", "dsf": True}, "cannot be combined with resample_schedule .* or dsf"),
     ({"algo": "adagrpo", "dynamic_sampling_rounds": 2}, "set dynamic_sampling_rounds 0 or turn those off"),
     ({"overlong_buffer_length": 100}, "overlong_buffer_length .100. must not exceed max_completion_length .64."),
@@ -153,7 +153,8 @@ def test_bad_method_values_fail_with_the_field_and_the_fix(values, message):
 
 
 def test_adaptive_group_size_needs_a_batch_that_splits_into_every_reachable_size():
-    from lib.config import reachable_group_sizes, validate
+    from lib.config import validate
+    from lib.methods import reachable_group_sizes
 
     cfg = make_config({"adaptive_group_size": True, "num_generations": 8, "per_device_train_batch_size": 16})
     assert reachable_group_sizes(cfg) == [4, 8, 16]
