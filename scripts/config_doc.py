@@ -145,7 +145,7 @@ def trl_section(number: int) -> str:
             "A YAML recipe or command line written for TRL's `GRPOConfig` + `ModelConfig` + `ScriptArguments` (what\n"
             "`trl/scripts/grpo.py` and open-r1 parse) runs here as it is: every key above has TRL's meaning where TRL\n"
             "has the key, and each other key of theirs is handled as the tables below say (`lib/compat.py`;\n"
-            "`tests/test_compat.py` checks them against TRL's own dataclasses). `--flag` alone means true.\n\n"
+            "`tests/test_trl_keys.py` checks them against TRL's own dataclasses). `--flag` alone means true.\n\n"
             "Renamed: the value goes to our key (a note is printed for our own old names).\n\n"
             + "\n".join(renamed) + "\n\nIgnored, with one warning line each:\n\n" + "\n".join(ignored_rows)
             + "\n\nNot implemented: accepted at TRL's default (the recipe then asks for what this trainer does), "
