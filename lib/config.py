@@ -32,9 +32,8 @@ from lib.compat import leftover_values, resolve_keys
 from lib.data import looks_local, one_line
 from lib.methods import METHODS
 from lib.schedule import schedule_options
-from lib.settings import (EMBEDDED_MODEL, FIELDS, FULL_LEARNING_RATE, HUB_STRATEGIES, LORA_LEARNING_RATE,  # noqa: F401
-                          PRESETS, REPORT_TO_CHOICES, SECRET_KEYS, SECTIONS, TRACKERS, Config, ConfigError)
-# (the names above that this module does not use are read from here by the scripts and the tests)
+from lib.settings import (EMBEDDED_MODEL, FIELDS, PRESETS, REPORT_TO_CHOICES, SECRET_KEYS, SECTIONS, TRACKERS, Config,
+                          ConfigError)
 
 # ---- reading: YAML recipes and the command line ----------------------------------------------------------------------
 
@@ -212,9 +211,10 @@ def build_parser() -> HfArgumentParser:
     TRL), with every default set to 'not given' so that precedence stays explicit. Values stay text here and are
     read by `_coerce`, the same reader a YAML recipe goes through."""
     # no abbreviations: argparse would read `--lr 1e-5` as --lr_scheduler_type 1e-5
-    parser = HfArgumentParser([_help_only(section) for section in SECTIONS], description="GRPO and adaptive variants, one visible training loop. Keys "
-                              "follow TRL's GRPOConfig / ModelConfig / ScriptArguments; a TRL or open-r1 recipe "
-                              "runs as it is (docs/configuration.md).", allow_abbrev=False)
+    parser = HfArgumentParser([_help_only(section) for section in SECTIONS], description="GRPO and adaptive "
+                              "variants, one visible training loop. Keys follow TRL's GRPOConfig / ModelConfig / "
+                              "ScriptArguments; a TRL or open-r1 recipe runs as it is (docs/configuration.md).",
+                              allow_abbrev=False)
     parser.add_argument("--config", help="YAML recipe; command-line flags override its values.",
                         default=argparse.SUPPRESS)
     for action in parser._actions:

@@ -6,8 +6,8 @@ Accelerator, no globals, no `.item()`: the training loop reduces and logs. Shape
 Formulas: docs/methods.md section 1 (DeepSeekMath GRPO, TRL's implementation, DAPO, Dr. GRPO, GSPO, CISPO).
 
 The choices a configuration offers are the keys of the registries here: `LOSS_TYPES` (the per-token policy loss and
-how it is averaged), `KL_ESTIMATORS`, `SCALE_REWARDS`, plus `DISPERSIONS` and `IMPORTANCE_SAMPLING_LEVELS`; lib/config.py
-reads its choices from them. Adding a loss: docs/methods.md 11.
+how it is averaged), `KL_ESTIMATORS`, `SCALE_REWARDS`, plus `DISPERSIONS` and `IMPORTANCE_SAMPLING_LEVELS`;
+lib/settings.py reads its choices from them. Adding a loss: docs/methods.md 11.
 """
 
 from __future__ import annotations
