@@ -80,11 +80,12 @@ from lib.extras.reward_worker import RewardWorker
 from lib.extras.vllm_rollout import colocated_rollout
 from lib.extras.runs import read_jsonl
 from lib.logs import append_jsonl, batch_metrics, dense_line
-from lib.losses import (aggregate_loss, clipped_surrogate, kl_penalty, mean_of, per_row, policy_ratio,
+from lib.losses import (aggregate_loss, kl_penalty, mean_of, per_row, policy_loss, policy_ratio,
                         truncated_importance_weights)
-from lib.methods import Sampled, TrainValues, choose_method
+from lib.methods import TrainValues, choose_method
 from lib.modeling import adapter_disabled, offloaded_activations, pad_cat, resolve_model_path
 from lib.rollout import Rollout
+from lib.sampling import Sampled
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, stop_for_signal,
                                stop_if_nonfinite, stop_requested)
 from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_tokenizer, load_data,
@@ -379,8 +380,8 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
             mask = batch.loss_mask[rows]
             width = logp.shape[1]
             old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
-            per_token, clip_stats = clipped_surrogate(
-                logp, old, batch.advantages[rows], mask, per_row(values.epsilon_low, rows),
+            per_token, clip_stats = policy_loss(  # the loss_type's per-token loss (lib/losses.LOSS_TYPES)
+                cfg.loss_type, logp, old, batch.advantages[rows], mask, per_row(values.epsilon_low, rows),
                 per_row(values.epsilon_high, rows), cfg.importance_sampling_level, dual_clip=cfg.dual_clip)
             if tis:
                 sampling = roll.sampling_logps[rows, :width]

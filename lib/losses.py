@@ -3,22 +3,33 @@
 Everything here takes tensors and returns tensors (plus a dict of detached statistics). No model forward, no
 Accelerator, no globals, no `.item()`: the training loop reduces and logs. Shapes use B = completions in the
 (micro-)batch, T = completion tokens (padded), V = vocabulary, G = group size (`num_generations`).
-Formulas: docs/methods.md section 1 (DeepSeekMath GRPO, TRL's implementation, DAPO, Dr. GRPO, GSPO).
+Formulas: docs/methods.md section 1 (DeepSeekMath GRPO, TRL's implementation, DAPO, Dr. GRPO, GSPO, CISPO).
+
+The choices a configuration offers are the keys of the registries here: `LOSS_TYPES` (the per-token policy loss and
+how it is averaged), `KL_ESTIMATORS`, `SCALE_REWARDS`, plus `DISPERSIONS` and `IMPORTANCE_SAMPLING_LEVELS`;
+lib/settings.py reads its choices from them. Adding a loss: docs/methods.md 11.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
-SCALE_REWARDS = ("group", "batch", "mix", "none")
 DISPERSIONS = ("std", "mad", "iqr")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-KL_ESTIMATORS = ("k1", "k3", "forward", "symmetric")
+
+# scale_rewards (TRL's key) -> the advantages from the centred rewards r - mean_g, their two scaled forms and the mix
+# weight (docs/methods.md 6.2; `group_advantages` says which paper each comes from)
+SCALE_REWARDS: dict[str, Callable] = {
+    "group": lambda centred, by_group, by_batch, w: by_group,
+    "batch": lambda centred, by_group, by_batch, w: by_batch,
+    "mix": lambda centred, by_group, by_batch, w: w * by_group + (1.0 - w) * by_batch,
+    "none": lambda centred, by_group, by_batch, w: centred,
+}
 
 # TRL (and adaGRPO, which inherits it) divide by std + 1e-4; docs/methods.md 1.1 picks that for parity with TRL.
 STD_EPS = 1e-4
@@ -93,16 +104,9 @@ def group_advantages(
     centred = grouped - mean_g
     by_group = centred / (spread_g + STD_EPS)
     by_batch = centred / (dispersion(rewards, dispersion_kind) + STD_EPS)
-    if scale_rewards == "group":
-        advantages = by_group
-    elif scale_rewards == "batch":
-        advantages = by_batch
-    elif scale_rewards == "mix":
-        advantages = mix_weight * by_group + (1.0 - mix_weight) * by_batch
-    elif scale_rewards == "none":
-        advantages = centred
-    else:
-        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {tuple(SCALE_REWARDS)}, got {scale_rewards!r}")
+    advantages = SCALE_REWARDS[scale_rewards](centred, by_group, by_batch, mix_weight)
     if homogeneous_value > 0:
         if correct is None:
             raise ValueError("homogeneous_value needs `correct`, the per-completion correctness")
@@ -201,26 +205,26 @@ def token_logps_and_entropy(
     return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of a KL between the policy and the reference, from sampled tokens (o ~ pi_theta).
+# kl_estimator -> the per-token KL from log u and u, u = pi_ref / pi_theta of a sampled token (o ~ pi_theta):
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    # Schulman's k1: unbiased for KL(pi_theta || pi_ref), can be negative
+    "k1": lambda log_u, u: -log_u,
+    # DeepSeekMath eq. 4, Schulman's k3: unbiased, >= 0
+    "k3": lambda log_u, u: u - log_u - 1.0,
+    # unbiased for KL(pi_ref || pi_theta) under o ~ pi_theta, >= 0
+    "forward": lambda log_u, u: u * log_u - u + 1.0,
+    # A-GRPO's symmetric KL, k3 + forward (docs/methods.md 2.2 [RECON])
+    "symmetric": lambda log_u, u: (u - log_u - 1.0) + (u * log_u - u + 1.0),
+}
 
-    logp, ref_logp: (B, T). With u = pi_ref / pi_theta = exp(ref_logp - logp) (log u clamped to [-20, 20]):
-      k1:        -log u                      (Schulman's k1: unbiased for KL(pi_theta || pi_ref), can be negative)
-      k3:        u - log u - 1               (DeepSeekMath eq. 4, Schulman's k3: unbiased, >= 0)
-      forward:   u log u - u + 1             (unbiased for KL(pi_ref || pi_theta) under o ~ pi_theta, >= 0)
-      symmetric: k3 + forward                (A-GRPO's symmetric KL, docs/methods.md 2.2 [RECON])
-    """
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of a KL between the policy and the reference, from sampled tokens: logp, ref_logp (B, T)
+    -> (B, T), by KL_ESTIMATORS[estimator] with log u = ref_logp - logp clamped to [-20, 20]."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl estimator must be one of {tuple(KL_ESTIMATORS)}, got {estimator!r}")
     log_u = (ref_logp - logp).clamp(-20.0, 20.0)
-    u = torch.exp(log_u)
-    if estimator == "k1":
-        return -log_u
-    if estimator == "k3":
-        return u - log_u - 1.0
-    if estimator == "forward":
-        return u * log_u - u + 1.0
-    if estimator == "symmetric":
-        return (u - log_u - 1.0) + (u * log_u - u + 1.0)
-    raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    return KL_ESTIMATORS[estimator](log_u, torch.exp(log_u))
 
 
 def policy_ratio(logp: torch.Tensor, old_logp: torch.Tensor, completion_mask: torch.Tensor,
@@ -296,6 +300,39 @@ def clipped_surrogate(
     return per_token, stats
 
 
+def cispo_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    epsilon_low: float | torch.Tensor,
+    epsilon_high: float | torch.Tensor,
+    importance_sampling_level: str = "token",
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO's per-token loss (MiniMax-M1, arXiv 2506.13585, eq. 4-5): the importance weight is clipped and detached,
+    so every token keeps a gradient (the PPO clip drops the gradient of a clipped token entirely):
+
+        l_it = -sg(min(rho_it, epsilon_high)) A_i log pi(o_it)
+
+    Arguments and shapes as `clipped_surrogate`. As TRL's loss_type "cispo" reads it, the weight is capped from above
+    only, at epsilon_high itself (ScaleRL's eps_max, arXiv 2510.13786, which recommends 5): the paper leaves the lower
+    bound unset, so epsilon_low and dual_clip are not used. On-policy rho = 1 and the gradient is -A grad log pi.
+    Statistics: the share of tokens whose weight the cap lowered on a positive advantage (TRL's cispo_clip_ratio).
+    """
+    mask = completion_mask.to(logp.dtype)
+    ratio = policy_ratio(logp, old_logp, completion_mask, importance_sampling_level)  # (B, T) or (B, 1)
+    cap = torch.as_tensor(epsilon_high, dtype=ratio.dtype, device=ratio.device).reshape(-1, 1)
+    adv = advantages.unsqueeze(1)
+    per_token = -torch.minimum(ratio, cap).detach() * adv * logp
+    with torch.no_grad():
+        capped = ((ratio.expand_as(logp) > cap) & (adv > 0)).to(mask.dtype)
+        share = (capped * mask).sum() / mask.sum().clamp(min=1.0)
+        stats = {"clip_ratio/low_mean": torch.zeros_like(share), "clip_ratio/high_mean": share,
+                 "clip_ratio/region_mean": share}
+    return per_token, stats
+
+
 def truncated_importance_weights(train_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor,
                                  mode: str = "token_truncate", cap: float = 3.0) -> torch.Tensor:
     """Importance weights correcting for a sampler whose probabilities differ from the trainer's (B, T), no grad.
@@ -324,6 +361,63 @@ def truncated_importance_weights(train_logp: torch.Tensor, sampling_logp: torch.
     return weight * mask
 
 
+# How a loss type averages its per-token losses (l_it masked to the completion tokens, `masked_sum`) into the scalar
+# to call backward on, scaled so that summing the micro-batches' gradients and averaging over processes (DDP) gives
+# the gradient of the global batch's loss. N = completions in the global batch, L = max_completion_length.
+
+
+def sequence_mean(masked_sum, mask, num_sequences, num_tokens, max_length, num_processes, accumulation):
+    """(1/N) sum_i (1/|o_i|) sum_t l_it (DeepSeekMath eq. 3)."""
+    per_seq = masked_sum.sum(1) / mask.sum(1).clamp(min=1.0)
+    return per_seq.sum() * num_processes / num_sequences
+
+
+def token_mean(masked_sum, mask, num_sequences, num_tokens, max_length, num_processes, accumulation):
+    """(1/sum_i |o_i|) sum_i sum_t l_it: the token mean over the global batch (DAPO eq. 8)."""
+    # every token masked (all truncated, or every advantage 0 under the AGPO loss mask): a zero loss, not 0 / 0
+    tokens = torch.as_tensor(num_tokens, dtype=masked_sum.dtype, device=masked_sum.device).clamp(min=1.0)
+    return masked_sum.sum() * num_processes / tokens
+
+
+def constant_length_mean(masked_sum, mask, num_sequences, num_tokens, max_length, num_processes, accumulation):
+    """(1/(N L)) sum_i sum_t l_it (Dr. GRPO, arXiv 2503.20783)."""
+    return masked_sum.sum() * num_processes / (num_sequences * max_length)
+
+
+def local_token_mean(masked_sum, mask, num_sequences, num_tokens, max_length, num_processes, accumulation):
+    """The token mean of the local micro-batch, averaged over micro-batches and processes (TRL's bnpo; the only one
+    whose value depends on how the batch is split, kept for parity with TRL 0.17-0.21)."""
+    return masked_sum.sum() / mask.sum().clamp(min=1.0) / accumulation
+
+
+@dataclass(frozen=True)
+class LossType:
+    """A `loss_type`: its per-token policy loss, (logp, old_logp, advantages, mask, epsilon_low, epsilon_high,
+    importance_sampling_level, dual_clip) -> ((B, T) loss, statistics), and how it is averaged (`aggregate_loss`)."""
+
+    surrogate: Callable
+    average: Callable
+    summary: str  # for --help and docs/configuration.md
+
+
+# loss_type (TRL's names) -> its entry. Adding a loss: a pure function above and one line here (docs/methods.md 11).
+LOSS_TYPES: dict[str, LossType] = {
+    "grpo": LossType(clipped_surrogate, sequence_mean, "per-sequence mean"),
+    "bnpo": LossType(clipped_surrogate, local_token_mean, "local token mean"),
+    "dapo": LossType(clipped_surrogate, token_mean, "global token mean"),
+    "dr_grpo": LossType(clipped_surrogate, constant_length_mean, "sum over N x max_completion_length"),
+    "cispo": LossType(cispo_surrogate, token_mean, "detached IS weight capped at epsilon_high x log pi, "
+                      "global token mean; ScaleRL recommends epsilon_high 5"),
+}
+
+
+def policy_loss(loss_type: str, *args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token policy loss (B, T) of `loss_type` and its statistics; arguments as `clipped_surrogate`."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPES)}, got {loss_type!r}")
+    return LOSS_TYPES[loss_type].surrogate(*args, **kwargs)
+
+
 def aggregate_loss(
     per_token_loss: torch.Tensor,
     completion_mask: torch.Tensor,
@@ -335,32 +429,15 @@ def aggregate_loss(
     num_processes: int = 1,
     gradient_accumulation_steps: int = 1,
 ) -> torch.Tensor:
-    """Reduce a (B, T) per-token loss of one local micro-batch to the scalar to call backward on.
-
-    The result is scaled so that summing the gradients of all micro-batches of an optimizer step and averaging
-    them over processes (what DDP does) gives the gradient of the loss of the *global* batch:
-      grpo:    (1/N) sum_i (1/|o_i|) sum_t l_it      N = completions in the global batch (DeepSeekMath eq. 3)
-      dapo:    (1/sum_i |o_i|) sum_i sum_t l_it      token mean over the global batch (DAPO, TRL "dapo")
-      dr_grpo: (1/(N L)) sum_i sum_t l_it            L = max_completion_length (Dr. GRPO, TRL "dr_grpo")
-      bnpo:    token mean over the local micro-batch, averaged over micro-batches and processes (TRL "bnpo";
-               the only type whose value depends on how the batch is split, kept for parity with TRL 0.17-0.21).
-    `global_num_sequences` and `global_num_tokens` are counted over every micro-batch and process of the step.
-    """
+    """Reduce a (B, T) per-token loss of one local micro-batch to the scalar to call backward on, as
+    LOSS_TYPES[loss_type].average says (the averages above). `global_num_sequences` and `global_num_tokens` are
+    counted over every micro-batch and process of the step. DDP averages gradients over processes; multiplying by
+    num_processes turns that average into a sum."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPES)}, got {loss_type!r}")
     mask = completion_mask.to(per_token_loss.dtype)
-    masked_sum = per_token_loss * mask
-    # DDP averages gradients over processes; multiplying by num_processes turns that average into a sum
-    if loss_type == "grpo":
-        per_seq = masked_sum.sum(1) / mask.sum(1).clamp(min=1.0)
-        return per_seq.sum() * num_processes / global_num_sequences
-    if loss_type == "dapo":
-        # every token masked (all truncated, or every advantage 0 under the AGPO loss mask): a zero loss, not 0 / 0
-        tokens = torch.as_tensor(global_num_tokens, dtype=masked_sum.dtype, device=masked_sum.device).clamp(min=1.0)
-        return masked_sum.sum() * num_processes / tokens
-    if loss_type == "dr_grpo":
-        return masked_sum.sum() * num_processes / (global_num_sequences * max_completion_length)
-    if loss_type == "bnpo":
-        return masked_sum.sum() / mask.sum().clamp(min=1.0) / gradient_accumulation_steps
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    return LOSS_TYPES[loss_type].average(per_token_loss * mask, mask, global_num_sequences, global_num_tokens,
+                                         max_completion_length, num_processes, gradient_accumulation_steps)
 
 
 def per_row(value: float | torch.Tensor, rows: slice) -> float | torch.Tensor:

@@ -1,9 +1,11 @@
-"""A method's parts, chosen once before the training loop: how a generation batch is refilled, the advantage rule
-and the controllers.
+"""One place per method: the registry `METHODS`, where each method is one entry holding its preset (the keys
+`--algo NAME` sets), the check of its keys, its refill rule, its advantage options and its controllers; and the
+parts those entries are made of.
 
-Every method (docs/methods.md section 9) is GRPO plus some of the parts below. `choose_method(cfg)` picks them from
-the configuration, so the loop in train_agrpo.py calls the same hooks whatever the method and never asks which one
-it runs (docs/methods.md 6.1):
+Every method (docs/methods.md section 9) is GRPO plus some of the parts below, switched on by its keys (so a part
+can also be used under another preset: `--algo grpo --adaptive_kl true`). `choose_method(cfg)` collects the parts of
+every entry whose keys are on, so the loop in train_agrpo.py calls the same hooks whatever the method and never asks
+which one it runs (docs/methods.md 6.1):
 
     refill        after scoring: nothing (GRPO), DAPO's dynamic sampling (a group whose answers are all right or all
                   wrong gives way to the next prompt), or adaGRPO's retries (a group with no correct answer is
@@ -15,187 +17,23 @@ it runs (docs/methods.md 6.1):
 
 The pure state transitions live in lib/controllers.py; the objects here hold a state, call those transitions at
 fixed hooks, and save / restore the state with every checkpoint. Each hook's docstring says when the loop calls it.
+The `ctx` the hooks take is lib/sampling.RolloutContext. lib/config.py reads the presets, the `--algo` choices and
+the checks from `METHODS`; adding a method: docs/methods.md 11.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
+import math
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable
 
 import torch
-from accelerate.utils import gather_object
 
 from lib import controllers
-from lib.data import prompts_for_step, render_prompt, tokenize_prompts
-from lib.losses import dispersion, group_advantages, group_skewness, weighted_rewards
-from lib.rewards import RewardState, extract_answer, is_conversational, reward_arguments, score_completions
-from lib.rollout import Rollout, replace_completions
-
-# ---------------------------------------------------------------------------------------------------------------------
-# What the sampling parts work with
-
-
-@dataclass
-class Prompts:
-    """The prompts of one generation batch, and the share of them this process samples for.
-
-    slots: record index of every prompt of the generation batch, in global order (P entries).
-    used: (P_local,) the global indices of the prompts this process samples for (its completions are a contiguous
-      share of the generation batch, so a prompt's group may be split between two processes).
-    records, ids, mask: those prompts' records and left-padded token ids (P_local, Lp).
-    counts: (P_local,) how many completions of each this process samples.
-    """
-
-    slots: list[int]
-    used: torch.Tensor
-    records: list[dict]
-    ids: torch.Tensor
-    mask: torch.Tensor
-    counts: torch.Tensor
-
-
-@dataclass
-class Sampled:
-    """A generation batch as sampled and scored (phases 1 and 2), before its advantages are computed.
-
-    temperatures: (P_local,) the temperature each of this process's prompt groups was sampled at.
-    scores: (B_local, K) each reward function's score of this process's completions; rewards: (B_global, K) every
-    process's, gathered, in global completion order; total: (B_global,) the weighted sum.
-    rounds: (P, G) total rewards of every sampling round of each prompt (adaGRPO pools their statistics), the first
-    being the batch itself and later ones NaN for prompts that were not sampled again.
-    counters: this batch's sampling events (probe / discarded / dropped tokens, rounds, replaced groups), logged once,
-    on the step that sampled it.
-    """
-
-    prompts: Prompts
-    temperatures: torch.Tensor  # (P_local,) the temperature each prompt's group was sampled at
-    rollout: Rollout
-    scores: torch.Tensor
-    rewards: torch.Tensor
-    total: torch.Tensor
-    errors: dict[str, int]
-    group_size: int
-    data_position: int
-    rounds: list[torch.Tensor]
-    counters: dict[str, float] = field(default_factory=dict)
-    reward_seconds: float = 0.0  # time spent in reward functions
-    nonfinite: dict[str, int] = field(default_factory=dict)  # completions each function scored inf / -inf / NaN
-    generation_seconds: float = 0.0  # time spent sampling (probes and refills included), rewards excepted
-
-
-class RolloutContext:
-    """The engine, the data, the reward functions and the process group, as the sampling parts need them."""
-
-    def __init__(self, cfg, engine, tokenizer, reward_funcs, reward_weights: torch.Tensor, train_records: list[dict],
-                 accelerator, answer_phase, local_rollout: int, first: int, worker=None):
-        self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
-        self.reward_funcs, self.reward_weights = reward_funcs, reward_weights
-        self.reward_names = [name for name, _ in reward_funcs]
-        self.correct_index = (self.reward_names.index(cfg.correctness_reward)
-                              if cfg.correctness_reward in self.reward_names else None)
-        self.train_records, self.accelerator, self.answer_phase = train_records, accelerator, answer_phase
-        self.local_rollout, self.first = local_rollout, first
-        self.device = accelerator.device
-        self.reward_seconds = 0.0  # time spent in reward functions, reported apart from generation
-        self.worker = worker  # lib.extras.reward_worker.RewardWorker (reward_timeout > 0), or None: called in this process
-        self.nonfinite = dict.fromkeys(self.reward_names, 0)  # completions scored inf / -inf / NaN, this batch
-        self.trainer_state = RewardState(0, cfg.max_steps, 0.0)  # the reward functions' `trainer_state`
-
-    def start_batch(self, step: int = 0, data_position: int = 0) -> None:
-        """Reset the per-batch tallies (reward time, non-finite rewards). `step` (optimizer steps done) and
-        `data_position` (prompts drawn so far) are the progress the reward functions get as `trainer_state`."""
-        self.reward_seconds = 0.0
-        self.nonfinite = dict.fromkeys(self.reward_names, 0)
-        self.trainer_state = RewardState(step, self.cfg.max_steps, data_position / len(self.train_records))
-
-    def prompt_text(self, record: dict) -> str:
-        """The text the model is prompted with (lib/data.render_prompt: TRL's prompt as it is or through the chat
-        template, or a math problem with the instruction)."""
-        return render_prompt(self.tokenizer, record, self.cfg.instruction, self.cfg.system_prompt,
-                             self.cfg.chat_template_kwargs)
-
-    def next_slots(self, position: int, count: int) -> list[int]:
-        seed = self.cfg.seed if self.cfg.data_seed is None else self.cfg.data_seed
-        return prompts_for_step(position, count, len(self.train_records), seed, self.cfg.shuffle_dataset)
-
-    def prompts(self, slots: list[int], group_size: int) -> Prompts:
-        local_slots = torch.arange(self.first, self.first + self.local_rollout) // group_size  # global prompt of each
-        used = torch.unique(local_slots)
-        records = [self.train_records[slots[s]] for s in used.tolist()]
-        counts = torch.bincount(local_slots - used[0], minlength=len(used)).to(self.device)
-        ids, mask = tokenize_prompts(self.tokenizer, [self.prompt_text(r) for r in records],
-                                     self.cfg.max_prompt_length, self.device)
-        return Prompts(slots, used, records, ids, mask, counts)
-
-    def generate(self, prompts: Prompts, temperature, top_p: float, rows: torch.Tensor | None = None,
-                 answer_phase: bool = True) -> Rollout:
-        """Sample this process's completions of `prompts` (or of the prompt rows `rows` only)."""
-        ids, mask, counts = prompts.ids, prompts.mask, prompts.counts
-        if rows is not None:
-            ids, mask, counts = ids[rows], mask[rows], counts[rows]
-        return self.engine.generate(ids, mask, counts, self.cfg.max_completion_length, temperature=temperature,
-                                    top_p=top_p, top_k=self.cfg.top_k,
-                                    answer_phase=self.answer_phase if answer_phase else None,
-                                    min_p=self.cfg.min_p or 0.0, repetition_penalty=self.cfg.repetition_penalty)
-
-    def score(self, rollout: Rollout, records: list[dict]) -> tuple[torch.Tensor, dict[str, int], list[str]]:
-        """Every reward function on a rollout's completions, called as TRL calls them (lib/rewards.py; prompts and
-        completions as messages for a conversational record, as text otherwise): (B, K) rewards, error counts,
-        decoded texts."""
-        t0 = time.perf_counter()
-        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        index = rollout.prompt_index.tolist()
-        owners = [records[i] for i in index]
-        # each text prompt as rendered for the policy, once per prompt (a conversation is passed as its messages)
-        rendered = {i: self.prompt_text(records[i]) for i in set(index) if not is_conversational(records[i])}
-        prompts, completions, columns, model_prompts = reward_arguments(
-            owners, [rendered.get(i) for i in index], texts, instruction=self.cfg.instruction,
-            system_prompt=self.cfg.system_prompt)
-        lengths = rollout.completion_mask.sum(1).tolist()
-        columns["completion_length"] = lengths  # tokens, for length-based rewards
-        ids = [row[:n].tolist() for row, n in zip(rollout.completion_ids.cpu(), lengths)]  # the mask is a prefix
-        nonfinite = {}
-        per_func, errors = score_completions(self.reward_funcs, prompts, completions, columns,
-                                             error_value=self.cfg.reward_error_value,
-                                             call=self.worker.run if self.worker is not None else None,
-                                             nonfinite=nonfinite, completion_ids=ids,
-                                             trainer_state=self.trainer_state, model_prompts=model_prompts)
-        self.nonfinite = {n: self.nonfinite[n] + nonfinite[n] for n in self.reward_names}
-        self.reward_seconds += time.perf_counter() - t0
-        return torch.tensor(per_func, dtype=torch.float32, device=self.device).T, errors, texts
-
-    def gather_rewards(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(every process's (B_global, K) rewards, their (B_global,) weighted totals)."""
-        rewards = self.accelerator.gather(scores)
-        return rewards, weighted_rewards(rewards, self.reward_weights.to(rewards.device))
-
-    def correct(self, rewards: torch.Tensor) -> torch.Tensor:
-        """(B,) bool: the completions the correctness reward scores above 0."""
-        return rewards[:, self.correct_index] > 0
-
-    def sample_again(self, sampled: Sampled, flagged: torch.Tensor, temperature, top_p: float) -> tuple[Sampled, int]:
-        """The groups of this process's prompt rows `flagged` (bool, P_local) sampled again, at `temperature` /
-        `top_p`, in place of their completions, and scored (adaGRPO's retries, DAPO's dynamic sampling). Returns the
-        new batch (its rewards not yet gathered) and the number of tokens the new completions replaced."""
-        again = flagged.nonzero().squeeze(1)
-        redo = self.generate(sampled.prompts, temperature, top_p, rows=again)
-        rows = flagged[sampled.rollout.prompt_index].nonzero().squeeze(1)
-        replaced_tokens = int(sampled.rollout.completion_mask[rows].sum())
-        rollout = replace_completions(sampled.rollout, rows, redo, self.tokenizer.pad_token_id)
-        redo_scores, redo_errors, _ = self.score(redo, [sampled.prompts.records[i] for i in again.tolist()])
-        scores = sampled.scores.clone()
-        scores[rows] = redo_scores
-        errors = {n: sampled.errors[n] + redo_errors[n] for n in sampled.errors}
-        return dataclasses.replace(sampled, rollout=rollout, scores=scores, errors=errors), replaced_tokens
-
-    def gather_object(self, values: list) -> list:
-        return gather_object(values)
-
-    def reduce_sum(self, value: float) -> float:
-        return float(self.accelerator.reduce(torch.tensor(float(value), device=self.device), reduction="sum"))
-
+from lib.losses import dispersion, group_advantages, group_skewness
+from lib.rewards import extract_answer
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Refill rules: after the batch is scored, sample again the groups that carry no signal
@@ -204,9 +42,8 @@ class RolloutContext:
 class NoRefill:
     """GRPO: the batch is trained on as sampled."""
 
-    def __call__(self, ctx: RolloutContext, sampled: Sampled, step: int) -> Sampled:
+    def __call__(self, ctx, sampled, step: int):
         return sampled
-
 
 
 class DynamicSampling:
@@ -221,7 +58,7 @@ class DynamicSampling:
     def __init__(self, rounds: int):
         self.rounds = rounds
 
-    def __call__(self, ctx: RolloutContext, sampled: Sampled, step: int) -> Sampled:
+    def __call__(self, ctx, sampled, step: int):
         num_prompts, group_size = len(sampled.prompts.slots), sampled.group_size
         replaced_groups, rounds, dropped = 0, 0, 0
         for _ in range(self.rounds):
@@ -263,7 +100,7 @@ class RetryUntilCorrect:
     def __init__(self, schedule: list[dict]):
         self.schedule = schedule
 
-    def __call__(self, ctx: RolloutContext, sampled: Sampled, step: int) -> Sampled:
+    def __call__(self, ctx, sampled, step: int):
         num_prompts, group_size = len(sampled.prompts.slots), sampled.group_size
         rounds = [sampled.total.view(num_prompts, group_size)]
         resampled_prompts, discarded = 0, 0
@@ -307,7 +144,7 @@ class Controller:
         """Before sampling: the group size of the next generation batch."""
         return size
 
-    def prompt_temperatures(self, ctx: RolloutContext, prompts: Prompts, group_size: int,
+    def prompt_temperatures(self, ctx, prompts, group_size: int,
                             temperatures: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Before sampling: each prompt's temperature (P_local,), and counters of the work it took."""
         return temperatures, {}
@@ -400,7 +237,7 @@ class DSFController(Controller):
         self.probe: dict[str, list[float]] = {}
         self.ranges: torch.Tensor | None = None
 
-    def prompt_temperatures(self, ctx: RolloutContext, prompts: Prompts, group_size: int,
+    def prompt_temperatures(self, ctx, prompts, group_size: int,
                             temperatures: torch.Tensor) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         probe = ctx.generate(prompts, cfg.temperature, cfg.top_p, answer_phase=False)
@@ -510,15 +347,193 @@ class Method:
 
 
 def choose_method(cfg, steps_per_rollout: int) -> Method:
-    if cfg.dynamic_sampling_rounds:
-        refill = DynamicSampling(cfg.dynamic_sampling_rounds)
-    elif cfg.resample_schedule:
-        refill = RetryUntilCorrect(cfg.resample_schedule)
-    else:
-        refill = NoRefill()
-    parts = ([KLController(cfg)] if cfg.adaptive_kl else []) + \
-        ([GroupSizeController(cfg)] if cfg.adaptive_group_size else []) + ([DSFController(cfg)] if cfg.dsf else [])
+    """The parts of every registered method whose keys are on, in registry order (at most one refill rule: the
+    checks refuse two)."""
+    used = [method for method in METHODS.values() if method.uses(cfg)]
+    refills = [rule for rule in (m.refill(cfg) for m in used) if rule is not None]
+    options = {key: value for m in used for key, value in m.advantages(cfg).items()}
     advantages = partial(group_advantages, scale_rewards=cfg.scale_rewards, dispersion_kind=cfg.reward_dispersion,
-                         mix_weight=cfg.scale_rewards_mix, homogeneous_value=cfg.homogeneous_advantage)
-    return Method(refill, advantages, Controllers(parts), old_logps=steps_per_rollout > 1 or cfg.dsf,
-                  old_entropy=cfg.dsf)
+                         mix_weight=cfg.scale_rewards_mix, **options)
+    parts = [part for m in used for part in m.controllers(cfg)]
+    old_entropy = any(m.old_entropy for m in used)
+    return Method(refills[0] if refills else NoRefill(), advantages, Controllers(parts),
+                  old_logps=steps_per_rollout > 1 or old_entropy, old_entropy=old_entropy)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The registry: one entry per method
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    """One method. `preset`: the keys `--algo NAME` sets (docs/methods.md 9; any key the user sets wins). The rest
+    applies whenever `uses(cfg)`, whatever the preset: `check(cfg, global_batch)` refuses its keys' bad values and
+    combinations with a ValueError naming the key and the fix (lib/config.py makes it a ConfigError; ranges and
+    choices are the fields' metadata in lib/settings.py instead); `refill(cfg)` its refill rule or None;
+    `advantages(cfg)` its options of lib/losses.group_advantages; `controllers(cfg)` its controllers; `old_entropy`:
+    it reads the policy's entropy from the pi_old pass."""
+
+    name: str
+    summary: str  # the method and its source, one line (the model card, docs/configuration.md)
+    preset: dict = field(default_factory=dict)
+    uses: Callable = lambda cfg: False
+    check: Callable = lambda cfg, global_batch: None
+    refill: Callable = lambda cfg: None
+    advantages: Callable = lambda cfg: {}
+    controllers: Callable = lambda cfg: []
+    old_entropy: bool = False
+
+
+METHODS: dict[str, MethodEntry] = {}
+
+
+def register(entry: MethodEntry) -> MethodEntry:
+    METHODS[entry.name] = entry
+    return entry
+
+
+def _ordered(cfg, low: str, high: str) -> None:
+    if getattr(cfg, low) > getattr(cfg, high):
+        raise ValueError(f"{low} ({getattr(cfg, low)}) must not exceed {high} ({getattr(cfg, high)})")
+
+
+def reachable_group_sizes(cfg) -> list[int]:
+    """Every num_generations a run can use: the fixed one, or with adaptive_group_size every doubling and halving
+    of it within [group_size_min, group_size_max]."""
+    sizes = {cfg.num_generations}
+    if cfg.adaptive_group_size:
+        size = cfg.num_generations
+        while size * 2 <= cfg.group_size_max:
+            size *= 2
+            sizes.add(size)
+        size = cfg.num_generations
+        while size // 2 >= cfg.group_size_min:
+            size //= 2
+            sizes.add(size)
+    return sorted(sizes)
+
+
+def _check_agrpo(cfg, global_batch: int | None) -> None:
+    """A-GRPO's controller bounds and the group sizes it can reach (docs/methods.md 2.2)."""
+    if cfg.adaptive_kl:
+        if cfg.beta <= 0:
+            raise ValueError("adaptive_kl scales beta multiplicatively, so beta must be > 0 (A-GRPO starts at "
+                             "0.001); for no KL term turn the controller off as well: --beta 0 --adaptive_kl false")
+        _ordered(cfg, "beta_min", "beta_max")
+        _ordered(cfg, "epsilon_min", "epsilon_max")
+        # the controller clips beta_t and epsilon_t into these bounds after its first step (lib/controllers.py), so
+        # a starting value outside them would hold for one step only: refused rather than silently undone
+        for name, low, high, fix in (("beta", "beta_min", "beta_max", "--adaptive_kl false"),
+                                     ("epsilon", "epsilon_min", "epsilon_max", "")):
+            value, lo, hi = getattr(cfg, name), getattr(cfg, low), getattr(cfg, high)
+            if not lo <= value <= hi:
+                pin = f"--{low} {value} --{high} {value}"
+                raise ValueError(f"{name} {value} is outside [{low} {lo}, {high} {hi}], the range adaptive_kl "
+                                 f"(A-GRPO's controller) keeps it in, so it would hold for one step only; for a "
+                                 f"fixed {name} give {f'{fix} or ' if fix else ''}{pin}, or a value inside the range")
+    if cfg.adaptive_group_size:
+        _ordered(cfg, "group_size_min", "num_generations")
+        _ordered(cfg, "num_generations", "group_size_max")
+        bad = [g for g in reachable_group_sizes(cfg) if global_batch is not None and global_batch % g]
+        if bad:
+            raise ValueError(f"adaptive_group_size can reach group sizes {reachable_group_sizes(cfg)}, but the "
+                             f"generation batch of {global_batch} completions does not split into groups of {bad}; "
+                             f"make per_device_train_batch_size x processes x gradient_accumulation_steps x "
+                             f"steps_per_generation a multiple of group_size_max ({cfg.group_size_max}) or narrow "
+                             f"the range")
+
+
+def _check_adagrpo(cfg, global_batch: int | None) -> None:
+    """adaGRPO's retry schedule (read into its list form here) and think/answer sampler (docs/methods.md 4)."""
+    if cfg.resample_schedule is not None:
+        try:
+            cfg.resample_schedule = controllers.parse_resample_schedule(cfg.resample_schedule)
+        except TypeError as error:  # a temperature or top_p that is not a number
+            raise ValueError(f"resample_schedule: {error}; each retry's temperature and top_p are numbers") from None
+        for trigger in cfg.resample_schedule:
+            for params in trigger["params"]:
+                if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                           for v in params.values()) or isinstance(trigger["step"], bool):
+                    raise ValueError(f"resample_schedule: step {trigger['step']!r} with {params!r}: the step is an "
+                                     f"integer and each retry's temperature and top_p are finite numbers")
+    if cfg.answer_marker is not None and not cfg.answer_marker.strip():
+        raise ValueError("answer_marker is empty; give the text that starts the answer (e.g. 'Answer:')")
+
+
+def _check_dsf(cfg, global_batch: int | None) -> None:
+    """AGPO-DSF's bounds (docs/methods.md 5.1)."""
+    if not 0 < cfg.dsf_tau_min <= cfg.dsf_tau_max:
+        raise ValueError(f"dsf_tau_min ({cfg.dsf_tau_min}) must be > 0 and <= dsf_tau_max ({cfg.dsf_tau_max})")
+    if not 0 < cfg.dsf_eps_min <= cfg.dsf_eps_max:
+        raise ValueError(f"dsf_eps_min ({cfg.dsf_eps_min}) must be > 0 and <= dsf_eps_max ({cfg.dsf_eps_max})")
+    _ordered(cfg, "dsf_entropy_h_min", "dsf_entropy_h_max")
+
+
+def _check_dapo(cfg, global_batch: int | None) -> None:
+    """DAPO's dynamic sampling replaces groups with new prompts (docs/methods.md 1.3)."""
+    if cfg.resample_schedule or cfg.dsf:
+        raise ValueError("dynamic_sampling_rounds (DAPO) replaces flat groups with new prompts, and cannot be "
+                         "combined with resample_schedule (adaGRPO re-samples the same prompt) or dsf (each prompt's "
+                         "temperature comes from its own probe); set dynamic_sampling_rounds 0 or turn those off")
+
+
+# The methods, in the order of docs/methods.md section 9's table. The presets hold only method keys: the task,
+# model, sampling temperature and optimiser stay the user's (or the recipe's).
+
+# DeepSeekMath: beta 0.04 k3, epsilon 0.2, loss grpo, group scaling (the dataclass defaults)
+register(MethodEntry("grpo", "GRPO (DeepSeekMath, arXiv 2402.03300)"))
+
+# A-GRPO (docs/methods.md 2.2, [RECON] but beta_0): symmetric KL with beta_t / epsilon_t from its moving average,
+# entropy bonus, group mean / batch std advantages, token-mean loss; the adaptive group size stays off
+register(MethodEntry(
+    "agrpo", "A-GRPO (adaptive KL and clip from a moving average of the KL, entropy bonus)",
+    preset={"beta": 0.001, "kl_estimator": "symmetric", "adaptive_kl": True, "epsilon": 0.2, "eta": 1e-3,
+            "scale_rewards": "batch", "loss_type": "dapo"},
+    uses=lambda cfg: cfg.adaptive_kl or cfg.adaptive_group_size, check=_check_agrpo,
+    controllers=lambda cfg: ([KLController(cfg)] if cfg.adaptive_kl else [])
+    + ([GroupSizeController(cfg)] if cfg.adaptive_group_size else [])))
+
+# AGPO (Li et al., docs/methods.md 3.2 (a) + (b) + v3 loss mask): a fixed advantage for homogeneous groups, a length
+# reward, zero-advantage completions masked out of a token-mean loss; dual_clip off. Both signals damped from v1's
+# +-1 and weight 1 to 0.1 (why: docs/results.md 2.2)
+register(MethodEntry(
+    "agpo", "AGPO (Li, Liu, Yang, arXiv 2503.15952: fixed advantages for homogeneous groups, a length reward)",
+    preset={"homogeneous_advantage": 0.1, "reward_funcs": ["accuracy", "length"], "reward_weights": [1.0, 0.1],
+            "loss_mask_zero_advantage": True, "loss_type": "dapo"},
+    uses=lambda cfg: cfg.homogeneous_advantage > 0,
+    advantages=lambda cfg: {"homogeneous_value": cfg.homogeneous_advantage}))
+
+# adaGRPO (docs/methods.md 4): groups with no correct answer sampled again on the upstream schedule, pooled
+# statistics; TRL 0.18.1's bnpo loss and beta 0.04
+register(MethodEntry(
+    "adagrpo", "adaGRPO (groups with no correct answer sampled again with hotter settings)",
+    preset={"resample_schedule": controllers.ADAGRPO_SCHEDULE, "loss_type": "bnpo"},
+    uses=lambda cfg: cfg.resample_schedule is not None or cfg.answer_marker is not None, check=_check_adagrpo,
+    refill=lambda cfg: RetryUntilCorrect(cfg.resample_schedule) if cfg.resample_schedule else None))
+
+# AGPO-DSF (docs/methods.md 5): probe groups, adaptive temperature and clip, 4 update epochs, beta_ref 0.03; k3
+# instead of the upstream code's k1 (why: docs/methods.md 5.3)
+register(MethodEntry(
+    "agpo_dsf", "AGPO-DSF (Hu et al., arXiv 2605.20722: per-prompt temperature and clip range from probe groups)",
+    preset={"dsf": True, "num_iterations": 4, "beta": 0.03, "kl_estimator": "k3", "loss_type": "grpo"},
+    uses=lambda cfg: cfg.dsf, check=_check_dsf, controllers=lambda cfg: [DSFController(cfg)], old_entropy=True))
+
+# DAPO (docs/methods.md 1.3): clip-higher, token-mean loss, overlong filtering, no KL, and dynamic sampling (each
+# round re-samples only the flat groups' slots; verl over-samples 3x)
+register(MethodEntry(
+    "dapo", "DAPO (arXiv 2503.14476: clip-higher, token-mean loss, dynamic sampling)",
+    preset={"beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": "dapo",
+            "mask_truncated_completions": True, "dynamic_sampling_rounds": 10},
+    uses=lambda cfg: cfg.dynamic_sampling_rounds > 0, check=_check_dapo,
+    refill=lambda cfg: DynamicSampling(cfg.dynamic_sampling_rounds)))
+
+# Dr. GRPO (arXiv 2503.20783): no length or spread normalisation
+register(MethodEntry("dr_grpo", "Dr. GRPO (arXiv 2503.20783: no std scaling, constant normaliser)",
+                     preset={"beta": 0.0, "loss_type": "dr_grpo", "scale_rewards": "none"}))
+
+# GSPO (arXiv 2507.18071 section 5.1, TRL's GSPO settings): each rollout trains 4 minibatches, so all but the first
+# are off-policy and the sequence-level clip acts (with one step per rollout s_i is exactly 1)
+register(MethodEntry(
+    "gspo", "GSPO (arXiv 2507.18071: one clipped ratio per sequence)",
+    preset={"beta": 0.0, "importance_sampling_level": "sequence", "loss_type": "grpo", "epsilon": 3e-4,
+            "epsilon_high": 4e-4, "steps_per_generation": 4}))

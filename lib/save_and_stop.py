@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import to_dict
-from lib.methods import Sampled
+from lib.sampling import Sampled
 from lib.modeling import end_token_ids
 from lib.setup import Run, TrainerState
 

@@ -32,7 +32,8 @@ from lib import distributed
 from lib.config import (Config, ConfigError, hf_sampler_note, reference_dtype, reward_options,
                         save_yaml, steps_per_rollout, validate, warmup_steps, weights_dtype)
 from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
-from lib.methods import Method, RolloutContext
+from lib.methods import Method
+from lib.sampling import RolloutContext
 from lib.modeling import (CompletionScorer, end_token_ids, load_policy, load_reference,
                           load_tokenizer, native_bf16)
 from lib.reward_models import load_reward_models

@@ -21,7 +21,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PRESETS = ("grpo", "agrpo", "agpo", "adagrpo", "agpo_dsf", "dapo", "dr_grpo", "gspo")
+sys.path.insert(0, str(REPO))
+
+from lib.methods import METHODS  # noqa: E402  (the repository root is put on the path just above)
+
+PRESETS = tuple(METHODS)  # every registered method's preset
 # metric names that measure the machine, not the algorithm
 MACHINE = ("time", "seconds", "_s", "per_s", "memory", "mem_", "peak", "throughput", "tokens_per", "wall", "eta")
 TINY = ["--max_steps", "3", "--per_device_train_batch_size", "8", "--num_generations", "4",
@@ -34,7 +38,6 @@ def build_tiny(folder: Path) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sys.path.insert(0, str(REPO))
     from lib.modeling import embedded_model_path, load_tokenizer
 
     tokenizer = load_tokenizer(str(embedded_model_path()))

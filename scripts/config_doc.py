@@ -1,12 +1,13 @@
-"""Write docs/configuration.md from the configuration dataclass, so that the page cannot drift from the code.
+"""Write docs/configuration.md from the configuration dataclass and the method registry, so that the page cannot
+drift from the code.
 
     python scripts/config_doc.py                 # print the page
     python scripts/config_doc.py --write         # write it to docs/configuration.md
     python scripts/config_doc.py --check         # exit 1 if docs/configuration.md is out of date
 
-Every field of `lib.config.Config` becomes a row (key, type, default, its help string), one section per section
-dataclass of lib/config.py (its --help title and docstring), in their order; then one table of the keys each
-`--algo` preset sets (`lib.config.PRESETS`). tests/test_config_doc.py fails when the page differs from this output.
+Every field of `lib.settings.Config` becomes a row (key, type, default, its help string and the values it accepts),
+one section per section dataclass of lib/settings.py (its --help title and docstring), in their order; then one
+table of the keys each `--algo` preset sets (`lib.methods.METHODS`). tests/test_config_doc.py fails when the page differs from this output.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lib import trl_keys  # noqa: E402
+from lib import compat  # noqa: E402
 from lib.config import FIELDS, PRESETS, SECTIONS  # noqa: E402
+from lib.methods import METHODS  # noqa: E402
 from lib.config import _type_hints as type_hints  # noqa: E402  (the repository root is put on the path just above)
 from lib.controllers import ADAGRPO_SCHEDULE  # noqa: E402
 
@@ -35,9 +37,9 @@ HEADER = f"""# Configuration: every key
 [README](../README.md) · [methods](methods.md) · [results](results.md) · [performance](performance.md) ·
 **configuration** · [troubleshooting](troubleshooting.md)
 
-<!-- Generated from lib/config.py by `{COMMAND}`; edit the help strings there, not this page. -->
+<!-- Generated from lib/settings.py and lib/methods.py by `{COMMAND}`; edit the help strings there, not this page. -->
 
-Every key of the trainer's one configuration surface (`lib/config.py` `Config`; names follow TRL's `GRPOConfig`).
+Every key of the trainer's one configuration surface (`lib/settings.py` `Config`; names follow TRL's `GRPOConfig`).
 Set a key in a YAML recipe (`--config recipe.yaml`) or as a flag (`--learning_rate 1e-5`; a list takes several
 values, `--reward_funcs accuracy format`; a boolean takes `true` / `false`). Precedence: the defaults below < the
 `--algo` preset ([section 9](#9-presets)) < the YAML file < the command line. An unknown key is an error that names
@@ -48,7 +50,7 @@ run directory. `python train_agrpo.py --help` prints the same help strings.
 
 
 def groups() -> list[tuple[str, str, list[str]]]:
-    """(section title, its introduction, field names) per section dataclass of lib/config.py, in their order: the
+    """(section title, its introduction, field names) per section dataclass of lib/settings.py, in their order: the
     title HfArgumentParser gives its --help section (`_argument_group_name`), the class's docstring, its fields."""
     result = [(section._argument_group_name, " ".join(section.__doc__.split()),
                [f.name for f in dataclasses.fields(section)]) for section in SECTIONS]
@@ -86,13 +88,17 @@ def title_case(text: str) -> str:
 
 
 def type_text(annotation) -> str:
-    """A field's type as written in lib/config.py ("int | None"), from its resolved annotation (not `Field.type`,
-    which HfArgumentParser rewrites in place, Optional removed, when it builds the parser)."""
+    """A field's type as written in lib/settings.py ("int | None"), from its resolved annotation."""
     return annotation.__name__ if isinstance(annotation, type) and not typing.get_args(annotation) else str(annotation)
 
 
 def default_of(f: dataclasses.Field):
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def accepted(f: dataclasses.Field) -> str:
+    """The range a field's metadata gives it, as the check reads it (lib/config.check_fields)."""
+    return f" Range: `{f.metadata['range']}`." if "range" in f.metadata else ""
 
 
 def render() -> str:
@@ -111,7 +117,7 @@ def render() -> str:
         for key in names:
             f = FIELDS[key]
             rows.append(f"| `{key}` | `{cell(type_text(type_hints()[key]))}` | `{cell(value_text(default_of(f)))}` | "
-                        f"{cell(linked(f.metadata.get('help', '')))} |")
+                        f"{cell(linked(f.metadata.get('help', '') + accepted(f)))} |")
         parts.append(f"## {i}. {title_case(name)}\n\n{linked(intro)}\n\n" + "\n".join(rows) + "\n")
     parts.append(presets_section(len(sections) + 1))
     parts.append(trl_section(len(sections) + 2))
@@ -119,26 +125,26 @@ def render() -> str:
 
 
 def trl_section(number: int) -> str:
-    """lib/trl_keys.py's tables: what a recipe written for TRL or open-r1 gets for each key that is not a field."""
+    """lib/compat.py's tables: what a recipe written for TRL or open-r1 gets for each key that is not a field."""
     renamed = ["| key | read as | note |", "|---|---|---|"] + [
         f"| `{k}` | `{target}` | {cell(note or 'the same setting')} |"
-        for k, (target, note) in trl_keys.RENAMED.items()]
+        for k, (target, note) in compat.RENAMED.items()]
     renamed.append("| `dataset_configs` | `dataset_config` | open-r1's list form; one configuration |")
     ignored: dict[str, list[str]] = {}
-    for key, why in trl_keys.IGNORED.items():
+    for key, why in compat.IGNORED.items():
         ignored.setdefault(why, []).append(f"`{key}`")
     ignored_rows = ["| keys | why ignoring them cannot change what is trained |", "|---|---|"] + [
         f"| {', '.join(keys)} | {cell(why)} |" for why, keys in ignored.items()]
     refused = ["| key | accepted at (TRL's default) | otherwise refused because |", "|---|---|---|"] + [
         f"| `{k}` | `{cell(value_text(default))}` | {cell(why)} |"
-        for k, (default, why) in trl_keys.UNSUPPORTED.items()]
+        for k, (default, why) in compat.UNSUPPORTED.items()]
     differ = ["| key | TRL's default | ours, and why |", "|---|---|---|"] + [
         f"| `{k}` | `{cell(value_text(trl))}` | `{cell(value_text(default_of(FIELDS[k])))}`: {cell(linked(why))} |"
-        for k, (trl, why) in trl_keys.DIFFERENT_DEFAULTS.items()]
+        for k, (trl, why) in compat.DIFFERENT_DEFAULTS.items()]
     return (f"## {number}. Recipes written for TRL or open-r1\n\n"
             "A YAML recipe or command line written for TRL's `GRPOConfig` + `ModelConfig` + `ScriptArguments` (what\n"
             "`trl/scripts/grpo.py` and open-r1 parse) runs here as it is: every key above has TRL's meaning where TRL\n"
-            "has the key, and each other key of theirs is handled as the tables below say (`lib/trl_keys.py`;\n"
+            "has the key, and each other key of theirs is handled as the tables below say (`lib/compat.py`;\n"
             "`tests/test_trl_keys.py` checks them against TRL's own dataclasses). `--flag` alone means true.\n\n"
             "Renamed: the value goes to our key (a note is printed for our own old names).\n\n"
             + "\n".join(renamed) + "\n\nIgnored, with one warning line each:\n\n" + "\n".join(ignored_rows)
@@ -157,10 +163,11 @@ def presets_section(number: int) -> str:
         values = [f"`{cell(value_text(PRESETS[a][key]))}`" if key in PRESETS[a] else "" for a in algos]
         rows.append(f"| `{key}` | `{cell(value_text(default_of(FIELDS[key])))}` | " + " | ".join(values) + " |")
     return (f"## {number}. Presets\n\n"
-            "The keys each `--algo` preset sets (`lib/config.py` `PRESETS`); an empty cell keeps the default, and\n"
+            "The keys each `--algo` preset sets (`lib/methods.py` `METHODS`); an empty cell keeps the default, and\n"
             "any key you set yourself wins. `ADAGRPO_SCHEDULE` is the upstream retry schedule\n"
             "([methods 4.2](methods.md#42-the-schedule-and-the-published-settings)). Why each preset has its values:\n"
             "[methods section 9](methods.md#9-presets-the-choices-this-package-makes).\n\n"
+            + "".join(f"- `{name}`: {cell(method.summary)}\n" for name, method in METHODS.items()) + "\n"
             + "\n".join(rows) + "\n")
 
 

@@ -150,7 +150,7 @@ QWEN3_STYLE_TEMPLATE = (
 def test_chat_template_kwargs_reach_the_template(tmp_path, embedded_model):
     from accelerate import Accelerator
 
-    from lib.methods import RolloutContext
+    from lib.sampling import RolloutContext
 
     tokenizer = load_tokenizer(embedded_model)
     tokenizer.chat_template = QWEN3_STYLE_TEMPLATE

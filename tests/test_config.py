@@ -141,7 +141,7 @@ def test_user_keys_override_a_preset_and_config_yaml_records_the_resolved_values
     ({"steps_per_generation": 0}, r"steps_per_generation \(0\) counts micro-batches \(TRL's meaning\) and must be a "
      r"positive multiple of gradient_accumulation_steps \(1\)"),
     ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, r"steps_per_generation \(3\) counts micro"),
-    ({"dynamic_sampling_rounds": -1}, r"dynamic_sampling_rounds must be >= 0 \(0 = off\), got -1"),
+    ({"dynamic_sampling_rounds": -1}, r"dynamic_sampling_rounds must be at least 0 \(0 = off\), got -1"),
     ({"algo": "dapo", "dsf": True}, "cannot be combined with resample_schedule .* or dsf"),
     ({"algo": "adagrpo", "dynamic_sampling_rounds": 2}, "set dynamic_sampling_rounds 0 or turn those off"),
     ({"overlong_buffer_length": 100}, "overlong_buffer_length .100. must not exceed max_completion_length .64."),
@@ -153,7 +153,8 @@ def test_bad_method_values_fail_with_the_field_and_the_fix(values, message):
 
 
 def test_adaptive_group_size_needs_a_batch_that_splits_into_every_reachable_size():
-    from lib.config import reachable_group_sizes, validate
+    from lib.config import validate
+    from lib.methods import reachable_group_sizes
 
     cfg = make_config({"adaptive_group_size": True, "num_generations": 8, "per_device_train_batch_size": 16})
     assert reachable_group_sizes(cfg) == [4, 8, 16]
@@ -217,3 +218,45 @@ def test_the_default_learning_rate_follows_what_is_trained(tmp_path):
     save_yaml(lora, tmp_path / "config.yaml")
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["learning_rate"] == 2e-4
     assert parse_config(["--config", str(tmp_path / "config.yaml"), "--use_peft", "false"]).learning_rate == 2e-4
+
+
+def test_the_method_registry_is_the_one_source_of_presets_choices_and_parts():
+    """lib/methods.py METHODS (docs/methods.md 11): `--algo`'s choices, the presets and the parts choose_method
+    picks all come from the one entry per method."""
+    from lib.config import FIELDS, PRESETS, steps_per_rollout
+    from lib.losses import LOSS_TYPES
+    from lib.methods import METHODS, DynamicSampling, NoRefill, RetryUntilCorrect, choose_method
+
+    assert FIELDS["algo"].metadata["choices"] == tuple(METHODS) == tuple(PRESETS)
+    assert FIELDS["loss_type"].metadata["choices"] == tuple(LOSS_TYPES)
+    refills = {"dapo": DynamicSampling, "adagrpo": RetryUntilCorrect}
+    controllers = {"agrpo": ["kl"], "agpo_dsf": ["dsf"]}
+    for name, entry in METHODS.items():
+        assert set(entry.preset) <= set(FIELDS), name
+        cfg = make_config({"algo": name})
+        method = choose_method(cfg, steps_per_rollout(cfg))
+        assert type(method.refill) is refills.get(name, NoRefill), name
+        assert [part.name for part in method.controllers.parts] == controllers.get(name, []), name
+        assert method.advantages.keywords.get("homogeneous_value", 0.0) == (0.1 if name == "agpo" else 0.0), name
+        assert method.old_entropy == (name == "agpo_dsf") and method.old_logps == (steps_per_rollout(cfg) > 1 or
+                                                                                 name == "agpo_dsf"), name
+    # a part follows its keys, not the preset's name: A-GRPO's group-size controller under --algo grpo
+    cfg = make_config({"adaptive_group_size": True})
+    assert [part.name for part in choose_method(cfg, 1).controllers.parts] == ["group_size"]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"top_p": 0}, r"^top_p must be in \(0, 1\], got 0"),
+    ({"warmup_ratio": 1.0}, r"^warmup_ratio must be in \[0, 1\), got 1.0"),
+    ({"max_train_samples": 0}, r"^max_train_samples must be at least 1 or null, got 0"),
+    ({"beta": -1}, r"^beta must be >= 0, got -1"),
+    ({"optim": "sgd"}, r"^optim: 'sgd' is not one of adamw_torch, "),
+    ({"vllm_mode": "remote"}, r"^vllm_mode: 'remote' is not one of colocate, server"),
+    ({"run_name": " "}, r"^run_name is empty; give a value or leave it out \(null\)"),
+    ({"kl_target": 0}, r"^kl_target must be > 0, got 0"),
+])
+def test_ranges_and_choices_come_from_the_fields_metadata(values, message):
+    """lib/settings.py's metadata, read by one loop (lib/config.check_fields): the message names the field, what it
+    accepts and the value given."""
+    with pytest.raises(ConfigError, match=message):
+        make_config(values)

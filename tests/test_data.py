@@ -340,7 +340,7 @@ def test_the_default_run_prompts_are_byte_for_byte_what_they_were(tokenizer):
     from types import SimpleNamespace
 
     from lib.config import Config
-    from lib.methods import RolloutContext
+    from lib.sampling import RolloutContext
 
     cfg = Config()
     train, held_out = builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train, num_eval=cfg.num_eval_samples)

@@ -83,7 +83,7 @@ def test_the_sharded_estimate_divides_the_policy_reference_gradients_and_states_
 
     with pytest.raises(ConfigError, match="estimate_processes: FSDP2 and DeepSpeed shard full fine-tuning"):
         make_config({**base, "estimate_processes": 2, "use_peft": True})
-    with pytest.raises(ConfigError, match="estimate_sharding must be fsdp2, zero2 or zero3"):
+    with pytest.raises(ConfigError, match="estimate_sharding: 'zero1' is not one of fsdp2, zero2, zero3"):
         make_config({**base, "estimate_processes": 2, "estimate_sharding": "zero1"})
 
     # DeepSpeed: ZeRO-3 as FSDP2 with a bf16 partition and its fp32 master copy, and the gradient bucket; ZeRO-2 with

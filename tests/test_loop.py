@@ -253,3 +253,19 @@ def test_a_run_refused_in_set_up_leaves_no_accelerate_state(tmp_path):
         assert Accelerator(cpu=True, mixed_precision="no").mixed_precision == "no"
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_cispo_loss_type_trains_through_the_registry(tmp_path, tiny_model):
+    """`--loss_type cispo` (lib/losses.LOSS_TYPES, docs/methods.md 1.7) reaches the loop's loss: on-policy every
+    weight is 1, so its gradient is DAPO's (-A grad log pi over the global batch's tokens) and one step leaves the
+    same weights, while the logged loss is the CISPO value, -A log pi, not DAPO's -A."""
+    runs = {}
+    for loss_type in ("dapo", "cispo"):
+        out = tmp_path / loss_type
+        lines = train(tiny_model, out, "--loss_type", loss_type, "--epsilon_high", "5", "--max_steps", "1",
+                      "--beta", "0")
+        runs[loss_type] = (lines[0], load_file(out / "final" / "model.safetensors"))
+    (dapo, dapo_weights), (cispo, cispo_weights) = runs["dapo"], runs["cispo"]
+    assert "clip_ratio/high_mean" in cispo and cispo["loss"] != pytest.approx(dapo["loss"])
+    assert all(torch.allclose(cispo_weights[k], dapo_weights[k], atol=1e-6) for k in dapo_weights)
+    assert moved_tensors(tmp_path / "cispo", tiny_model) > 10

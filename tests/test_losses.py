@@ -7,6 +7,7 @@ import torch
 
 from conftest import assert_close_to_scale, assert_rel_close
 from lib.losses import (aggregate_loss, clipped_surrogate, dispersion, group_advantages, group_skewness, kl_penalty,
+                        LOSS_TYPES, policy_loss,
                         truncated_importance_weights, weighted_rewards,
                         token_logps_and_entropy)
 
@@ -329,7 +330,7 @@ def test_entropy_bonus_gradient_chunked_equals_full_and_unit_temperature():
     assert_close_to_scale(unit, -(own.exp() * own).sum(1), 1e-5, "entropies at temperature 1")
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
 def test_a_fully_masked_batch_gives_a_zero_loss_not_nan(loss_type):
     logp = torch.randn(2, 3, requires_grad=True)
     loss = aggregate_loss(logp * 2.0, torch.zeros(2, 3), loss_type, global_num_sequences=2, global_num_tokens=0,
@@ -377,3 +378,73 @@ def test_robust_probe_spread_has_no_std_fallback():
         assert dispersion(one_right, kind, dim=1, fallback_to_std=False).item() == 0.0
     spread = torch.tensor([[4.0, 0.0, 1.0, 2.0, 3.0]])  # MAD: 1.4826 * median |r - 2| = 1.4826
     assert dispersion(spread, "mad", dim=1, fallback_to_std=False).item() == pytest.approx(1.4826)
+
+
+def _cispo_batch():
+    """Ratios on both sides of the cap (1.2), positive and negative advantages, one padded position."""
+    torch.manual_seed(0)
+    old = -torch.rand(3, 4) - 0.5
+    logp = (old + torch.tensor([[0.0, 0.4, -0.3, 0.25], [0.3, -0.1, 0.0, 0.5], [0.2, 0.1, -0.4, 0.0]])).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    return logp, old, torch.tensor([1.0, -0.5, 2.0]), mask
+
+
+def test_cispo_loss_and_gradient_match_the_formula():
+    """CISPO (MiniMax-M1, arXiv 2506.13585): l_it = -sg(min(rho_it, eps_max)) A_i log pi, averaged over the tokens of
+    the global batch; every token keeps its gradient -w A grad log pi, also where the weight is capped."""
+    logp, old, adv, mask = _cispo_batch()
+    cap = 1.2
+    per_token, stats = policy_loss("cispo", logp, old, adv, mask, 0.2, cap)
+    loss = aggregate_loss(per_token, mask, "cispo", global_num_sequences=3, global_num_tokens=mask.sum(),
+                          max_completion_length=4)
+    loss.backward()
+    ours = logp.grad.clone()
+
+    leaf = logp.detach().clone().requires_grad_()
+    weight = torch.exp(leaf - old).clamp(max=cap).detach()
+    direct = (-(weight * adv[:, None] * leaf) * mask).sum() / mask.sum()
+    direct.backward()
+    assert torch.allclose(loss, direct) and torch.allclose(ours, leaf.grad)
+    ratio = torch.exp(logp.detach() - old)
+    assert bool(((ratio > cap) & (mask > 0)).any()) and bool((ours[(ratio > cap) & (mask > 0)] != 0).all())
+    # the capped share on positive advantages, TRL's cispo_clip_ratio
+    capped = ((ratio > cap) & (adv[:, None] > 0)).float()
+    assert torch.allclose(stats["clip_ratio/high_mean"], (capped * mask).sum() / mask.sum())
+    # on-policy every weight is 1: the gradient is -A grad log pi / tokens, as the clipped surrogate's
+    fresh = logp.detach().clone().requires_grad_()
+    on_policy, _ = policy_loss("cispo", fresh, fresh.detach(), adv, mask, 0.2, cap)
+    aggregate_loss(on_policy, mask, "cispo", global_num_sequences=3, global_num_tokens=mask.sum(),
+                   max_completion_length=4).backward()
+    assert torch.allclose(fresh.grad, -adv[:, None] * mask / mask.sum())
+
+
+def test_cispo_matches_trls_grpo_trainer_loss():
+    """TRL's GRPOTrainer._compute_loss with loss_type "cispo" (its model pass replaced by our log-probs): the same
+    value and the same gradient as policy_loss + aggregate_loss."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    trainer_module = pytest.importorskip("trl.trainer.grpo_trainer")
+    logp, old, adv, mask = _cispo_batch()
+    cap = 1.2
+    per_token, _ = policy_loss("cispo", logp, old, adv, mask, 0.2, cap)
+    ours = aggregate_loss(per_token, mask, "cispo", global_num_sequences=3, global_num_tokens=mask.sum(),
+                          max_completion_length=4)
+    ours.backward()
+
+    leaf = logp.detach().clone().requires_grad_()
+    trainer = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (leaf, torch.zeros_like(leaf), None),
+        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level="token", beta=0.0, loss_type="cispo", epsilon_low=0.2, epsilon_high=cap,
+        use_vllm=False, _entropy_bonus_enabled=False, current_gradient_accumulation_steps=1,
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+        model=SimpleNamespace(training=True), _metrics=defaultdict(lambda: defaultdict(list)),
+        accelerator=SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x))
+    inputs = {"prompt_ids": torch.zeros(3, 2, dtype=torch.long), "prompt_mask": torch.ones(3, 2, dtype=torch.long),
+              "completion_ids": torch.zeros(3, 4, dtype=torch.long), "completion_mask": mask, "advantages": adv,
+              "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+    theirs = trainer_module.GRPOTrainer._compute_loss(trainer, None, inputs)
+    theirs.backward()
+    assert torch.allclose(ours, theirs) and torch.allclose(logp.grad, leaf.grad)
+    assert trainer._metrics["train"]["cispo_clip_ratio"]  # TRL took its cispo branch

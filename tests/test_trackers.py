@@ -17,7 +17,7 @@ import yaml
 
 from conftest import REPO
 from lib.extras import hub
-from lib.config import ConfigError, make_config, parse_config
+from lib.config import ConfigError, make_config, parse_config, resolve_report_to
 
 REWARDS = str(REPO / "tests" / "tiny_rewards.py")
 TINY = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4",
@@ -29,17 +29,17 @@ TOKEN = "hf_test_secret_never_written"
 
 def test_report_to_takes_a_name_or_a_list_as_trl_does(tmp_path):
     installed = {"tensorboard", "wandb"}.__contains__
-    assert hub.resolve_report_to("none", installed) == [] and hub.resolve_report_to(None, installed) == []
-    assert hub.resolve_report_to("wandb", installed) == ["wandb"]
-    assert hub.resolve_report_to(["wandb", "tensorboard", "wandb"], installed) == ["wandb", "tensorboard"]
-    assert hub.resolve_report_to(["all"], installed) == ["tensorboard", "wandb"]  # the installed ones
+    assert resolve_report_to("none", installed) == [] and resolve_report_to(None, installed) == []
+    assert resolve_report_to("wandb", installed) == ["wandb"]
+    assert resolve_report_to(["wandb", "tensorboard", "wandb"], installed) == ["wandb", "tensorboard"]
+    assert resolve_report_to(["all"], installed) == ["tensorboard", "wandb"]  # the installed ones
     with pytest.raises(ValueError, match=r"^report_to: 'trackio' needs its package: pip install trackio \(or remove "
                                          r"it from report_to\)$"):
-        hub.resolve_report_to(["tensorboard", "trackio"], installed)
+        resolve_report_to(["tensorboard", "trackio"], installed)
     with pytest.raises(ValueError, match=r"^report_to: 'mlflow' is not one of none, all, tensorboard, wandb, trackio"):
-        hub.resolve_report_to("mlflow", installed)
+        resolve_report_to("mlflow", installed)
     with pytest.raises(ValueError, match=r"^report_to: 'none' cannot be combined with other trackers"):
-        hub.resolve_report_to(["none", "wandb"], installed)
+        resolve_report_to(["none", "wandb"], installed)
     # the configuration: a YAML list, a list of flags, TRL's `report_to: none`; config.yaml keeps the resolved list
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("report_to: [tensorboard]\nrun_name: first\n")

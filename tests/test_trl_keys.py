@@ -1,4 +1,4 @@
-"""TRL's and open-r1's configuration keys (lib/trl_keys.py, lib/config.py resolve_keys): a recipe or command line
+"""TRL's and open-r1's configuration keys (lib/compat.py): a recipe or command line
 written for TRL's GRPOConfig + ModelConfig + ScriptArguments, or an open-r1 recipe, parses here as it is; keys with
 TRL's name have TRL's meaning; keys that are not implemented are ignored with a line only where that cannot change
 what is trained, and refused otherwise."""
@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from lib import trl_keys
+from lib import compat as trl_keys
 from lib.config import (FIELDS, ConfigError, build_parser, make_config, parse_config, resolve_epochs,
                         steps_per_rollout, validate, warmup_steps)
 from lib.losses import kl_penalty, policy_ratio

