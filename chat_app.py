@@ -46,7 +46,8 @@ from lib.extras import page
 from lib.extras import runs as run_data
 from lib.modeling import EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference, \
     model_folder_problem
-from lib.rewards import REWARD_FUNCS, resolve_reward_funcs, score_completions
+from lib.rewards import REWARD_FUNCS
+from lib.reward_funcs import resolve_reward_funcs, score_completions
 
 DEFAULT_RUN = Path("runs/agrpo/final")
 RUN_PLOTS = 30  # plot slots of the run view; a run logs fewer varying panels than this (docs/watching.md 2)

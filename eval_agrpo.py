@@ -43,8 +43,8 @@ from lib.evaluation import (cache_key, completion_kl_entropy, generate_and_score
 from lib.modeling import (EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference,
                           model_folder_problem, native_bf16, resolve_model_path)
 from lib.losses import weighted_rewards
-from lib.reward_models import load_reward_models
-from lib.rewards import resolve_reward_funcs, reward_arguments, score_completions
+from lib.extras.reward_models import load_reward_models
+from lib.reward_funcs import resolve_reward_funcs, reward_arguments, score_completions
 from lib.rollout import HFRollout
 from lib.extras.vllm_rollout import VLLMRollout
 
@@ -334,7 +334,7 @@ def reseed(backend, seed: int) -> None:
 def reward_totals(reward_funcs, weights: list[float], prompts: list[str], records: list[dict],
                   results: list[dict], args: argparse.Namespace) -> list[list[float]]:
     """Weighted total reward of every completion, per problem (the trainer's `reward`), the functions called as the
-    trainer calls them (lib/rewards.py), without a trainer_state: there is no run."""
+    trainer calls them (lib/reward_funcs.py), without a trainer_state: there is no run."""
     owners = [i for i, r in enumerate(results) for _ in r["completions"]]
     texts = [c for r in results for c in r["completions"]]
     call_prompts, completions, columns, model_prompts = reward_arguments(
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hf_logging.disable_progress_bar()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = args.bf16 if args.bf16 is not None else native_bf16(device)
-    # reward models (a folder or hub id in --reward_funcs) load once, onto the device (lib/reward_models.py)
+    # reward models (a folder or hub id in --reward_funcs) load once, onto the device (lib/extras/reward_models.py)
     try:
         reward_funcs = load_reward_models(resolve_reward_funcs(args.reward_funcs), device, args.batch_size,
                                           trust_remote_code=args.trust_remote_code,

@@ -74,7 +74,7 @@ from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import Config, ConfigError, parse_config, reward_options, resolve_epochs, to_dict
 from lib.evaluation import generate_and_score, summarize
-from lib.extras import health, hub, memory
+from lib.extras import health, hub, memory, reward_models
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.vllm_rollout import colocated_rollout
@@ -89,7 +89,7 @@ from lib.sampling import Sampled
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, stop_for_signal,
                                stop_if_nonfinite, stop_requested)
 from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_tokenizer, load_data,
-                       load_models, load_rewards, make_engine, policy_optimizer, prepare_output_dir,
+                       load_models, make_engine, policy_optimizer, prepare_output_dir,
                        prepare_policy, record_and_seed, resolve_rewards, restore, rollout_context,
                        start_accelerator)
 
@@ -588,7 +588,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
         engine = colocated_rollout(cfg, policy, tokenizer, model_path, bf16, rank)
     else:
         engine = make_engine(cfg, policy, tokenizer, bf16, rank, partitioned)
-    reward_funcs = load_rewards(cfg, reward_funcs, accelerator.device)
+    reward_funcs = reward_models.load_rewards(cfg, reward_funcs, accelerator.device)
     optimizer = policy_optimizer(cfg, policy)
     estimate = memory.check_run(cfg, policy, accelerator.device, bf16)  # stops a run that won't fit
     if accelerator.is_main_process:

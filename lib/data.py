@@ -6,7 +6,7 @@ them as keyword arguments, as in TRL), in one of two forms (docs/troubleshooting
   - the recognised math formats and the built-in task: {"problem": str, "answer": str, ...}; the prompt is rendered
     from `problem` with the instruction appended, the system prompt and the chat template;
   - TRL's prompt format, a `prompt` column: {"prompt": str | list[dict], ...}; a string is the prompt as it is (TRL's
-    standard format), a list of {role, content} messages a conversation (lib/rewards.is_conversational), rendered
+    standard format), a list of {role, content} messages a conversation (lib/reward_funcs.is_conversational), rendered
     with the chat template. Such a record has no `problem` unless the data set has that column.
 `answer` is the gold answer as a string when the data set has an answer column, and absent when it has none (a
 data set for reward functions that need no gold). Files are validated row by row at load time, so a bad row stops

@@ -13,7 +13,7 @@ from accelerate.utils import gather_object
 
 from lib.data import prompts_for_step, render_prompt, tokenize_prompts
 from lib.losses import weighted_rewards
-from lib.rewards import RewardState, is_conversational, reward_arguments, score_completions
+from lib.reward_funcs import RewardState, is_conversational, reward_arguments, score_completions
 from lib.rollout import Rollout, replace_completions
 
 
@@ -121,7 +121,7 @@ class RolloutContext:
                                     min_p=self.cfg.min_p or 0.0, repetition_penalty=self.cfg.repetition_penalty)
 
     def score(self, rollout: Rollout, records: list[dict]) -> tuple[torch.Tensor, dict[str, int], list[str]]:
-        """Every reward function on a rollout's completions, called as TRL calls them (lib/rewards.py; prompts and
+        """Every reward function on a rollout's completions, called as TRL calls them (lib/reward_funcs.py; prompts and
         completions as messages for a conversational record, as text otherwise): (B, K) rewards, error counts,
         decoded texts."""
         t0 = time.perf_counter()

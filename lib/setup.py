@@ -36,8 +36,7 @@ from lib.methods import Method
 from lib.sampling import RolloutContext
 from lib.modeling import (CompletionScorer, end_token_ids, load_policy, load_reference,
                           load_tokenizer, native_bf16)
-from lib.reward_models import load_reward_models
-from lib.rewards import resolve_reward_funcs
+from lib.reward_funcs import resolve_reward_funcs
 from lib.rollout import AnswerPhase, HFRollout
 from lib.schedule import build_scheduler
 
@@ -151,7 +150,7 @@ def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
     """(the reward specs as given, the resolved functions): bad names stop here, before any data
     or model loads; reward models load later, onto each process's device."""
     # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a
-    # reward model too (lib/rewards.py). Bad names stop here; reward models load below, onto this
+    # reward model too (lib/reward_funcs.py). Bad names stop here; reward models load below, onto this
     # process's device.
     specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
     try:
@@ -341,18 +340,6 @@ def make_engine(cfg: Config, policy, tokenizer, bf16: bool, rank: int,
     of its own lib/extras/generation_server.server_rollout; the trainer picks.)"""
     return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id,
                      bf16=bf16, seed=cfg.seed + rank, own_copy=sharded)
-
-
-def load_rewards(cfg: Config, reward_funcs: list, device: torch.device) -> list:
-    """The reward functions with their reward models loaded: each scores in this process, on its
-    device, a micro-batch at a time (lib/reward_models.py). Loaded before the memory check, which
-    counts them as resident."""
-    try:
-        return load_reward_models(reward_funcs, device, cfg.per_device_train_batch_size,
-                                  trust_remote_code=cfg.trust_remote_code,
-                                  chat_template_kwargs=cfg.chat_template_kwargs)
-    except ValueError as error:
-        raise ConfigError(f"reward_funcs: {error}") from error
 
 
 def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float,

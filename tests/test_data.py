@@ -445,7 +445,7 @@ def test_messages_outside_the_prompt_column_and_a_prompt_column_left_aside_are_r
 
 def test_reward_functions_that_need_the_gold_answer_are_named_with_the_fix():
     from lib.data import answer_needed, check_answers
-    from lib.rewards import resolve_reward_funcs
+    from lib.reward_funcs import resolve_reward_funcs
 
     tiny = f"{REPO / 'tests' / 'tiny_rewards.py'}:characters"
     funcs = resolve_reward_funcs(["accuracy", "format", "length", "cosine", "repetition", tiny])

@@ -1,4 +1,4 @@
-"""Reward models (lib/reward_models.py) on a small random-weight LlamaForSequenceClassification saved with the embedded
+"""Reward models (lib/extras/reward_models.py) on a small random-weight LlamaForSequenceClassification saved with the embedded
 model's tokenizer: a completion's score is the model's own forward on the conversation in its chat template, in
 batches, and a training run on the tiny policy scores and logs with it (docs/methods.md 2.5)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import assert_close_to_scale
-from lib.reward_models import load_reward_models
-from lib.rewards import RewardModelSpec, resolve_reward_funcs, reward_arguments, score_completions
+from lib.extras.reward_models import load_reward_models
+from lib.reward_funcs import RewardModelSpec, resolve_reward_funcs, reward_arguments, score_completions
 from test_loop import REWARDS, train
 
 TRL_STYLE = REWARDS.replace("tiny_rewards.py", "trl_style_rewards.py")

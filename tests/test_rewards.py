@@ -11,24 +11,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from lib.rewards import (
-    REWARD_FUNCS,
-    RewardState,
-    accuracy_reward,
-    answers_match,
-    cosine_reward,
-    extract_answer,
-    format_reward,
-    length_reward,
-    reasoning_steps_reward,
-    repetition_reward,
-    resolve_reward_funcs,
-    reward_arguments,
-    score_completions,
-    soft_overlong_reward,
-    tag_count_reward,
-    think_format_reward,
-)
+from lib.rewards import (REWARD_FUNCS, accuracy_reward, answers_match, cosine_reward, extract_answer, format_reward,
+                         length_reward, reasoning_steps_reward, repetition_reward, soft_overlong_reward,
+                         tag_count_reward, think_format_reward)
+from lib.reward_funcs import RewardState, resolve_reward_funcs, reward_arguments, score_completions
 
 EMMA = "Emma has 18 cards, so Emma has 18 + 34 = 52 cards.\nAnswer: 52."
 THINK = "<think>\nEmma has 18 + 24 = 42 cards.\n</think>\n<answer>\n42\n</answer>"
@@ -579,7 +565,7 @@ def test_trl_names_map_to_ours_or_are_refused_with_what_to_use():
 
 
 def test_reward_model_specs_are_told_apart_from_functions_before_anything_loads(tmp_path, monkeypatch):
-    from lib.rewards import RewardModelSpec
+    from lib.reward_funcs import RewardModelSpec
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_rm").mkdir()

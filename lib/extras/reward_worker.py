@@ -5,13 +5,13 @@ backtracks, a symbolic simplification that never ends), some crash the interpret
 `os._exit`). In the trainer's own process either would stop the run. Here they run in a child process that the
 trainer starts once and talks to over a pipe: a call that does not answer within `timeout` seconds is abandoned (the
 child is killed and started again on the next call) and one whose child dies is reported the same way; both raise
-`RewardCallFailed`, which `lib.rewards.score_completions` scores as a failure and counts, exactly as it does for a
+`RewardCallFailed`, which `lib.reward_funcs.score_completions` scores as a failure and counts, exactly as it does for a
 function that raises. The child resolves the reward specs itself (`resolve_reward_funcs`), so built-ins,
 `module:function` and `file.py:function` all work without pickling functions; reward models (a folder or hub id in
 the specs) stay in the trainer, on its device, and are never sent here.
 
 A request is a list of jobs, (function index, TRL's keyword arguments): one call of a synchronous function, or
-several calls of `async def` functions, which the child runs at once on its event loop (lib.rewards.run_jobs), each
+several calls of `async def` functions, which the child runs at once on its event loop (lib.reward_funcs.run_jobs), each
 cancelled at `timeout`; the trainer waits `timeout` plus ASYNC_GRACE_S for those (a coroutine that blocks instead of
 awaiting cannot be cancelled, and then the child is killed like any hung call).
 
@@ -34,7 +34,7 @@ import sys
 import time
 from multiprocessing.connection import Connection, wait
 
-from lib.rewards import describe_failure, resolve_reward_funcs, run_jobs
+from lib.reward_funcs import describe_failure, resolve_reward_funcs, run_jobs
 
 # Extra seconds the trainer waits for a request of async calls, past the child's own cancellation at `timeout`, so that
 # a call that is cancelled in time reports itself instead of having the child killed under it.
@@ -44,7 +44,7 @@ ASYNC_GRACE_S = 1.0
 class RewardCallFailed(Exception):
     """A reward call that did not return: it raised in the worker, ran past the time limit, or killed the worker.
     Its message is a predicate of the function ("raised ValueError: ...", "gave no answer within ..."), which
-    lib.rewards.score_completions puts after the function's name."""
+    lib.reward_funcs.score_completions puts after the function's name."""
 
     predicate = True
 
@@ -52,9 +52,9 @@ class RewardCallFailed(Exception):
 class RewardWorker:
     """A child process that runs the reward functions `specs` (resolved there with `options`), one request at a time.
 
-    `run(jobs, concurrent)` returns each job's list of rewards or a RewardCallFailed (lib.rewards.score_completions'
-    `call`); `call(index, prompts, completions, columns)` runs one and raises. The child starts on the first request
-    (about a second: it imports lib.rewards) and again after a request that killed it or ran out of time.
+    `run(jobs, concurrent)` returns each job's list of rewards or a RewardCallFailed (what
+    lib.reward_funcs.score_completions' `call` gets); `call(index, prompts, completions, columns)` runs one and raises.
+    The child starts on the first request (about a second: it imports lib.reward_funcs) and again after a request that killed it or ran out of time.
     `start_seconds` and `restarts` say what that cost.
     """
 

@@ -1,7 +1,7 @@
 """Reward models: a sequence-classification model that scores prompt + completion, used as a reward function
 (docs/methods.md 2.5).
 
-A folder or hub id in reward_funcs (or reward_model_name_or_path) names one; lib/rewards.py resolves it to a
+A folder or hub id in reward_funcs (or reward_model_name_or_path) names one; lib/reward_funcs.py resolves it to a
 RewardModelSpec, checked before anything loads, and load_reward_models loads it onto the trainer's device. It scores
 as TRL's GRPOTrainer scores one: the prompt's messages and the completion as one conversation in the reward model's
 own chat template (prompt text + completion where its tokenizer has none), tokenized with its own tokenizer without
@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import torch
 
+from lib.config import ConfigError
 from lib.modeling import load_tokenizer
-from lib.rewards import RewardModelSpec, completion_text, reward_model_name
+from lib.reward_funcs import RewardModelSpec, reward_model_name
+from lib.rewards import completion_text
 
 
 class RewardModel:
     """A loaded reward model, called like a reward function: model(prompts=..., completions=..., **columns) returns one
     float per completion. A prompt may be messages (read with the model's chat template) or text (TRL's plain form:
-    text + completion, no template); the trainer passes lib.rewards.reward_arguments' `model_prompts`. A completion
+    text + completion, no template); the trainer passes lib.reward_funcs.reward_arguments' `model_prompts`. A completion
     may be either form."""
 
-    is_reward_model = True  # lib.rewards.is_reward_model: in this process, given `model_prompts` as its prompts
+    is_reward_model = True  # lib.reward_funcs.is_reward_model: in this process, given `model_prompts` as its prompts
 
     def __init__(self, model: torch.nn.Module, tokenizer, name: str, batch_size: int = 8,
                  chat_template_kwargs: dict | None = None):
@@ -90,7 +92,19 @@ def load_reward_model(path: str, device: torch.device | str, batch_size: int = 8
 
 def load_reward_models(reward_funcs: list[tuple[str, object]], device: torch.device | str, batch_size: int = 8, *,
                        trust_remote_code: bool = False, chat_template_kwargs: dict | None = None) -> list[tuple]:
-    """`reward_funcs` (lib.rewards.resolve_reward_funcs) with every RewardModelSpec loaded; functions unchanged."""
+    """`reward_funcs` (lib.reward_funcs.resolve_reward_funcs) with every RewardModelSpec loaded; functions unchanged."""
     return [(name, load_reward_model(func.path, device, batch_size, name=name, trust_remote_code=trust_remote_code,
                                      chat_template_kwargs=chat_template_kwargs))
             if isinstance(func, RewardModelSpec) else (name, func) for name, func in reward_funcs]
+
+
+def load_rewards(cfg, reward_funcs: list, device: torch.device) -> list:
+    """The reward functions with their reward models loaded: each scores in this process, on its
+    device, a micro-batch at a time (load_reward_models). Loaded before the memory check, which
+    counts them as resident."""
+    try:
+        return load_reward_models(reward_funcs, device, cfg.per_device_train_batch_size,
+                                  trust_remote_code=cfg.trust_remote_code,
+                                  chat_template_kwargs=cfg.chat_template_kwargs)
+    except ValueError as error:
+        raise ConfigError(f"reward_funcs: {error}") from error

@@ -1,0 +1,469 @@
+"""Which reward functions a run uses, and calling them: `--reward_funcs` specs resolved (our built-in names, TRL's,
+'module:function', 'file.py:function', a reward model's folder or hub id), the keyword arguments TRL passes them
+(prompts, completions, completion_ids, trainer_state and every other column), and scoring a batch (sync and `async
+def` functions, a time limit per call, failures counted, None skipped). The functions themselves are lib/rewards.py.
+"""
+
+import asyncio
+import functools
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import numbers
+import os
+import re
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from lib.rewards import REWARD_FUNCS, RewardFunc
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Other projects' names (docs/methods.md 2.5)
+
+# TRL's built-in reward names (trl/scripts/grpo.py) that mean what one of ours means: the name is logged as ours.
+TRL_NAMES = {
+    # 1 when math-verify finds the completion's answer equal to the gold, else 0. TRL reads the gold from the column
+    # `solution`, we from `answer`, which lib/data.py fills from the data's answer column (MATH's solution too).
+    "accuracy_reward": "accuracy",
+    # DAPO's soft overlong punishment, the same formula on completion tokens. TRL's script fixes L_max 1280 and
+    # L_cache 256; here they are max_completion_length and overlong_buffer_length.
+    "get_soft_overlong_punishment": "soft_overlong",
+}
+# TRL's names that mean something none of ours does: refused, with what to use instead.
+TRL_REFUSED = {
+    "think_format_reward": (
+        "TRL's think_format_reward scores 1 for a completion that opens with one <think>...</think> block, whatever "
+        "follows; this package's think_format (open-r1's format reward) also requires an <answer>...</answer> block "
+        "after it. Pass think_format for that layout, or TRL's own function as 'trl.rewards:think_format_reward'"),
+    "reasoning_accuracy_reward": (
+        "TRL's reasoning_accuracy_reward checks only the answer after the last </think> and scores 0 without one; "
+        "this package's accuracy reads the answer wherever it is (an <answer> block, an 'Answer:' line, \\boxed{}, "
+        "the last number). Pass accuracy (with think_format for the layout), or TRL's own function as "
+        "'trl.rewards:reasoning_accuracy_reward'"),
+}
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Resolving `--reward_funcs`
+
+_HOW_TO_CUSTOM = (
+    "Built-in reward functions: {names} (TRL's accuracy_reward and get_soft_overlong_punishment map to accuracy and "
+    "soft_overlong). For your own, pass 'module:function' or 'module.function' (a module on sys.path) or "
+    "'path/to/file.py:function', called as TRL calls it: function(prompts=..., completions=..., **columns) returns "
+    "one float (or None to skip) per completion; columns holds per-completion lists such as answer. A reward model "
+    "is a folder or hub id of a sequence-classification model (num_labels=1)."
+)
+
+# A hub id ("org/name"); a dotted Python name ("package.module.function", TRL's form).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+
+
+def _spec_error(spec: str, problem: str) -> ValueError:
+    return ValueError(f"reward function {spec!r}: {problem}. " + _HOW_TO_CUSTOM.format(names=", ".join(REWARD_FUNCS)))
+
+
+@dataclass(frozen=True)
+class RewardModelSpec:
+    """A reward model named in reward_funcs (a local folder or a hub id of a sequence-classification model), not
+    loaded yet: lib/extras/reward_models.load_reward_models loads it onto the trainer's device. It scores nothing itself."""
+
+    path: str
+
+
+def reward_model_name(spec: str) -> str:
+    """A reward model's name in the logs (`rewards/<name>/mean`): the folder's name, or the part of a hub id after the
+    '/' (TRL's naming)."""
+    return Path(spec.rstrip("/\\")).name
+
+
+def _reward_model(spec: str) -> RewardModelSpec | None:
+    """The reward model `spec` names (a local folder, or a hub id 'org/name'), or None when it names a function.
+    Raises on a folder that holds no sequence-classification model: a causal LM would get a new, random score head
+    (transformers initialises what the checkpoint lacks) and train the policy on noise."""
+    if ":" in spec:
+        return None
+    path = Path(os.path.expanduser(spec))
+    if path.is_dir():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except FileNotFoundError:
+            raise _spec_error(spec, "a folder without config.json, so not a model; a reward model folder is what "
+                                    "AutoModelForSequenceClassification.save_pretrained writes") from None
+        except (OSError, ValueError) as exc:
+            raise _spec_error(spec, f"its config.json cannot be read ({exc})") from exc
+        architectures = config.get("architectures") or []
+        if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+            held = ", ".join(map(str, architectures)) or "model with no 'architectures' entry"
+            raise _spec_error(spec, f"the folder holds a {held}, not a sequence-classification model; a reward model "
+                                    "has a one-score head (AutoModelForSequenceClassification, num_labels=1)")
+        return RewardModelSpec(str(path))
+    if spec.endswith(".py"):
+        raise _spec_error(spec, f"name the function in the file: '{spec}:function'")
+    if spec.startswith((".", "/", "~", "\\")):
+        raise _spec_error(spec, "no such folder (a reward model is a folder or a hub id)")
+    if _HUB_ID.fullmatch(spec):
+        return RewardModelSpec(spec)
+    return None
+
+
+def _load_module(spec: str, module_part: str):
+    """Import `module_part`, a dotted module name or a path to a .py file (relative to the working directory)."""
+    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+        path = Path(module_part)
+        if not path.is_file():
+            raise _spec_error(spec, f"file {module_part!r} not found")
+        # importlib recipe "Importing a source file directly"; the prefix keeps 'math.py' from shadowing math.
+        module_spec = importlib.util.spec_from_file_location(f"_agrpo_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(module_part)
+    except ImportError as exc:
+        raise _spec_error(spec, f"cannot import module {module_part!r} ({exc})") from exc
+
+
+def _keyword_only(func) -> set[str]:
+    """Names of `func`'s keyword-only parameters; none for a callable whose signature Python cannot read."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _bind_options(spec: str, func: RewardFunc, options: dict) -> RewardFunc:
+    """`func` with the entries of `options` that name one of its keyword-only parameters bound (functools.partial).
+
+    Only keyword-only parameters: a function that takes **columns would otherwise receive every option as if it were
+    a data-set column. A built-in is called once on an empty batch, so that a bad value (a buffer longer than the
+    limit) fails here, at start-up, instead of on every step inside score_completions, which would score it as an
+    error and go on.
+    """
+    bound = {key: value for key, value in options.items() if key in _keyword_only(func)}
+    if not bound:
+        return func
+    func = functools.partial(func, **bound)
+    if spec in REWARD_FUNCS:
+        try:
+            func([], [], answer=[], completion_length=[])
+        except ValueError as exc:
+            raise ValueError(f"reward function {spec!r}: {exc}") from exc
+    return func
+
+
+def resolve_reward_funcs(specs: list[str], options: dict | None = None) -> list[tuple[str, RewardFunc]]:
+    """(name, function) per spec, in order. A spec is a built-in name, one of TRL's names that maps to one
+    (TRL_NAMES), 'module:function', 'module.function' (TRL's form) or 'file.py:function', or a reward model (a
+    folder or a hub id, resolved to a RewardModelSpec for lib/extras/reward_models.py to load). A custom function is named by
+    its `__name__`, a built-in by our name, a reward model by its folder. Raises ValueError naming the spec and the
+    fix on any bad spec.
+
+    `options` (e.g. {"max_len": 1000, "ngram_size": 3}): each function gets, bound, the entries whose key is one of its
+    keyword-only parameters, and nothing else; the name stays the spec's. A built-in with a bad value raises here."""
+    options = options or {}
+    resolved = []
+    for spec in specs:
+        if spec in TRL_REFUSED:
+            raise ValueError(f"reward function {spec!r}: {TRL_REFUSED[spec]}")
+        name = TRL_NAMES.get(spec, spec)
+        if name in REWARD_FUNCS:
+            resolved.append((name, _bind_options(name, REWARD_FUNCS[name], options)))
+            continue
+        model = _reward_model(spec)
+        if model is not None:
+            resolved.append((reward_model_name(spec), model))
+            continue
+        if ":" in spec:
+            module_part, _, attr = spec.rpartition(":")
+        elif _DOTTED.fullmatch(spec):
+            module_part, _, attr = spec.rpartition(".")
+        else:
+            raise _spec_error(spec, "unknown name")
+        if not module_part or not attr:
+            raise _spec_error(spec, "unknown name")
+        func = getattr(_load_module(spec, module_part), attr, None)
+        if func is None:
+            raise _spec_error(spec, f"module {module_part!r} has no attribute {attr!r}")
+        if not callable(func):
+            raise _spec_error(spec, f"{attr!r} is a {type(func).__name__}, not a function")
+        resolved.append((getattr(func, "__name__", attr), _bind_options(spec, func, options)))
+    names = [name for name, _ in resolved]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        # Rewards are logged and weighted by name, so two functions with one name would overwrite each other.
+        raise ValueError(f"reward function names must be unique, got {duplicates} more than once in {specs}")
+    return resolved
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a reward function is given
+
+
+@dataclass(frozen=True)
+class RewardState:
+    """The run's progress, passed as `trainer_state` (TRL passes transformers' TrainerState, which has these three
+    among others): optimizer steps done, the run's length in steps, and epochs of the training data drawn so far
+    (a float). Plain and picklable, so that it crosses into the reward worker."""
+
+    global_step: int
+    max_steps: int
+    epoch: float
+
+
+def is_conversational(record: dict) -> bool:
+    """A record whose prompt is a conversation: a list of {role, content} messages under `prompt`, TRL's
+    conversational format (lib/data.py checks the messages when it loads them)."""
+    return isinstance(record.get("prompt"), list)
+
+
+def prompt_messages(problem: str, instruction: str = "", system_prompt: str | None = None) -> list[dict]:
+    """The messages of a math-format record's prompt, as lib/data.format_prompt renders them: the system prompt if
+    any, then `problem + "\n" + instruction` from the user. A reward model reads them with its own chat template."""
+    content = f"{problem}\n{instruction}" if instruction else problem
+    return [{"role": "system", "content": system_prompt}] * bool(system_prompt) + [{"role": "user", "content": content}]
+
+
+# Keys of a record never passed as columns: the names TRL passes itself (and leaves out of its columns).
+_NOT_COLUMNS = ("prompt", "completion", "completion_ids", "prompts", "completions", "trainer_state")
+
+
+def reward_arguments(records: list[dict], prompt_texts: list[str | None], texts: list[str], *, instruction: str = "",
+                     system_prompt: str | None = None) -> tuple[list, list, dict[str, list], list]:
+    """TRL's arguments for one batch, from each completion's record, its prompt as rendered for the policy
+    (lib/data.render_prompt; None for a conversational record) and its decoded text: (prompts, completions,
+    columns, model_prompts). The records' forms are lib/data.py's:
+
+    - a conversation under `prompt`: prompts are its messages as the data holds them, completions
+      [{"role": "assistant", "content": text}] (TRL's conversational form);
+    - a text `prompt` (TRL's standard form) or a math-format record (`problem`): prompts are the rendered prompt
+      text, completions the text.
+
+    columns: every other key of the records, one value per completion; not the prompt (`prompt`, or `problem` for a
+    record without `prompt`, whose prompt it is), as TRL leaves out its `prompt` column. model_prompts: what a reward
+    model reads as the prompt (lib/extras/reward_models.py): a conversation's messages with the system prompt added where
+    it has no system turn, as the policy's prompt was rendered; a text prompt as it is (TRL joins text and
+    completion); a math-format record's messages, the problem and the instruction (prompt_messages), since its
+    rendered text is in the policy's chat template, not the reward model's.
+    """
+    prompts, completions, model_prompts = [], [], []
+    for record, prompt_text, text in zip(records, prompt_texts, texts, strict=True):
+        if is_conversational(record):
+            messages = record["prompt"]
+            prompts.append(messages)
+            completions.append([{"role": "assistant", "content": text}])
+            has_system = any(m.get("role") == "system" for m in messages)
+            model_prompts.append(messages if has_system or not system_prompt
+                                 else [{"role": "system", "content": system_prompt}, *messages])
+        else:
+            prompts.append(prompt_text)
+            completions.append(text)
+            model_prompts.append(record["prompt"] if "prompt" in record
+                                 else prompt_messages(record["problem"], instruction, system_prompt))
+    keys = dict.fromkeys(key for r in records for key in r)  # every record's keys, in the order first seen
+    prompt_key = "problem" if records and "prompt" not in records[0] else None
+    columns = {key: [r.get(key) for r in records] for key in keys if key not in _NOT_COLUMNS and key != prompt_key}
+    return prompts, completions, columns, model_prompts
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running the functions
+
+def is_async(func) -> bool:
+    """Whether calling `func` gives a coroutine: an `async def` function, a functools.partial of one (options
+    bound), or an object whose __call__ is `async def` (inspect.iscoroutinefunction looks at the object itself)."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(type(func), "__call__", None))
+
+
+def is_reward_model(func) -> bool:
+    """A loaded reward model (lib/extras/reward_models.RewardModel) or one still to load: it runs in the trainer's process,
+    on its device, never in the reward worker."""
+    return isinstance(func, RewardModelSpec) or getattr(func, "is_reward_model", False)
+
+
+class RewardTimeout(Exception):
+    """An async call that ran past its time limit. Its message is a predicate of the function, like
+    lib/extras/reward_worker.RewardCallFailed's."""
+
+    predicate = True
+
+
+def describe_failure(exc: BaseException) -> str:
+    """What a failed call did, as a predicate of the function's name ("raised KeyError: 'x'", "gave no answer ...")."""
+    return str(exc) if getattr(exc, "predicate", False) else f"raised {type(exc).__name__}: {exc}"
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """This process's event loop for async reward functions, run by a daemon thread (TRL runs them the same way):
+    one loop serves every call, so a client a function keeps (an HTTP session) stays bound to a live loop, and the
+    caller may itself be inside a running loop (a notebook), where asyncio.run would refuse."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="agrpo-async-rewards", daemon=True).start()
+            _loop = loop
+    return _loop
+
+
+def run_jobs(funcs: list[RewardFunc], jobs: list[tuple[int, dict]], timeout: float = 0.0) -> list:
+    """Reward calls in this process. A job is (function index, keyword arguments). Synchronous functions run one after
+    another, `async def` ones all at once on the event loop, each for at most `timeout` seconds (0: no limit; a
+    coroutine is stopped only where it awaits, so the reward worker's own deadline covers one that blocks). Returns
+    per job its output, or the exception it raised: this never raises for a function."""
+    results: list = [None] * len(jobs)
+    waiting = []
+    for j, (k, kwargs) in enumerate(jobs):
+        if is_async(funcs[k]):
+            waiting.append(j)
+            continue
+        try:
+            results[j] = funcs[k](**kwargs)
+        # User code can raise anything; catching Exception (not BaseException: Ctrl-C still stops) is the point here.
+        except Exception as exc:  # noqa: BLE001
+            results[j] = exc
+    if waiting:
+        async def one(k: int, kwargs: dict):
+            try:
+                coroutine = funcs[k](**kwargs)
+                return await (asyncio.wait_for(coroutine, timeout) if timeout > 0 else coroutine)
+            except TimeoutError:
+                return RewardTimeout(f"gave no answer within reward_timeout = {timeout:g} s; the call was cancelled")
+            except Exception as exc:  # noqa: BLE001
+                return exc
+
+        async def together():
+            return await asyncio.gather(*(one(*jobs[j]) for j in waiting))
+
+        for j, out in zip(waiting, asyncio.run_coroutine_threadsafe(together(), _event_loop()).result()):
+            results[j] = out
+    return results
+
+
+def _as_floats(name: str, values, expected: int) -> list[float]:
+    """Check one function's output: a list of `expected` numbers or None (-> NaN). A wrong shape or type is a bug in
+    the function, not a flaky completion, so it raises ValueError instead of being scored."""
+    if not isinstance(values, (list, tuple)) or len(values) != expected:
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+        raise ValueError(f"reward function {name!r} returned {got} for {expected} completions; "
+                         "it must return a list with one float (or None) per completion")
+    floats = []
+    for value in values:
+        if value is None:
+            floats.append(math.nan)
+        elif isinstance(value, numbers.Real):
+            floats.append(float(value))
+        else:
+            raise ValueError(f"reward function {name!r} returned {value!r} ({type(value).__name__}); "
+                             "each reward must be a float or None")
+    return floats
+
+
+def score_completions(
+    reward_funcs: list[tuple[str, RewardFunc]],
+    prompts: list,
+    completions: list,
+    columns: dict[str, list],
+    error_value: float | None = 0.0,
+    call: Callable | None = None,
+    nonfinite: dict[str, int] | None = None,
+    *,
+    completion_ids: list[list[int]] | None = None,
+    trainer_state: RewardState | None = None,
+    model_prompts: list | None = None,
+) -> tuple[list[list[float]], dict[str, int]]:
+    """Run every reward function on the batch, as TRL calls them: keyword arguments prompts, completions,
+    completion_ids (if given), trainer_state (if given) and the columns. Synchronous functions run one after
+    another, then the `async def` ones together (TRL's order).
+
+    Returns (rewards, errors): rewards[k][i] is function k's reward for completion i (NaN where the function returned
+    None); errors[name] counts the completions on which that function raised and got `error_value` (None -> NaN).
+    A function that raises on the batch is retried one completion at a time (an async one on all of them at once),
+    so one bad completion costs one reward, not the whole batch. Raises ValueError for a wrong-length or non-numeric
+    result, a column of the wrong length, or a reward model not loaded.
+
+    call(jobs, concurrent): how the functions run, jobs being (function index, keyword arguments), returning each
+    job's output or exception (default: run_jobs, in this process; the trainer passes
+    lib.extras.reward_worker.RewardWorker.run, which runs them in a worker with a time limit and returns a timeout or a dead
+    worker as an exception, scored like any). Reward models always run in this process, on its device, and are given
+    `model_prompts` (reward_arguments) as their prompts when it is given. nonfinite: if given,
+    nonfinite[name] counts the completions the function scored inf, -inf or NaN (None is not counted: it means the
+    function does not apply).
+    """
+    funcs = [func for _, func in reward_funcs]
+    unloaded = [name for name, func in reward_funcs if isinstance(func, RewardModelSpec)]
+    if unloaded:
+        raise ValueError(f"reward model(s) {unloaded} not loaded: lib/extras/reward_models.load_reward_models loads them "
+                         "onto the device before scoring")
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"got {len(prompts)} prompts for {n} completions; repeat each prompt once per completion")
+    per_completion = {**columns, "prompts": list(prompts), "completions": list(completions)}
+    if completion_ids is not None:
+        per_completion["completion_ids"] = completion_ids
+    for key, column in per_completion.items():
+        if len(column) != n:
+            raise ValueError(f"column {key!r} has {len(column)} values for {n} completions")
+    for_models = per_completion if model_prompts is None else {**per_completion, "prompts": model_prompts}
+    shared = {} if trainer_state is None else {"trainer_state": trainer_state}
+
+    def arguments(k: int, i: int | None = None) -> dict:
+        batch = for_models if is_reward_model(funcs[k]) else per_completion
+        if i is not None:
+            batch = {key: [column[i]] for key, column in batch.items()}
+        return {**batch, **shared}
+
+    def run(jobs: list[tuple[int, dict]]) -> list:
+        k = jobs[0][0]
+        if call is None or is_reward_model(funcs[k]):
+            return run_jobs(funcs, jobs)
+        return call(jobs, is_async(funcs[k]))
+
+    fallback = None if error_value is None else float(error_value)  # None: skipped, like a function's None
+    outputs = {k: run([(k, arguments(k))])[0] for k, func in enumerate(funcs) if not is_async(func)}
+    concurrent = [k for k, func in enumerate(funcs) if is_async(func)]
+    if concurrent:
+        outputs.update(zip(concurrent, run([(k, arguments(k)) for k in concurrent])))
+    rewards, errors = [], {}
+    for k, (name, func) in enumerate(reward_funcs):
+        errors[name] = 0
+        values = outputs[k]
+        if isinstance(values, Exception):
+            batch_exc = values
+            jobs = [(k, arguments(k, i)) for i in range(n)]
+            # one completion at a time; an async function's single-completion calls all at once
+            ones = run(jobs) if is_async(func) and jobs else [run([job])[0] for job in jobs]
+            warned = set()
+            values = []
+            for one in ones:
+                if isinstance(one, Exception):
+                    errors[name] += 1
+                    values.append(fallback)
+                    message = f"reward function {name!r} {describe_failure(one)}; scored {fallback}"
+                    if message not in warned:  # one line per distinct failure, no traceback per completion
+                        warnings.warn(message, RuntimeWarning, stacklevel=2)
+                        warned.add(message)
+                    continue
+                checked = _as_floats(name, one, 1)[0]
+                values.append(None if one[0] is None else checked)
+            if not errors[name]:
+                warnings.warn(f"reward function {name!r} {describe_failure(batch_exc)} on the batch but on no single "
+                              "completion", RuntimeWarning, stacklevel=2)
+        floats = _as_floats(name, values, n)
+        if nonfinite is not None:
+            nonfinite[name] = sum(v is not None and not math.isfinite(f) for v, f in zip(values, floats))
+        rewards.append(floats)
+    return rewards, errors
