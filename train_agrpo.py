@@ -34,16 +34,10 @@ The algorithm, step by step (`train` below calls one function per phase, in this
 The method's parts (how it samples, its advantage rule, its controllers) are chosen once, before the loop, by
 lib/methods.choose_method; `--algo` picks a preset of them (docs/methods.md section 9) and any key you set overrides it.
 
-How this differs from TRL's GRPOTrainer (same names, same math; docs/methods.md section 1): the loop is
-this file, not an inherited Trainer; each prompt is prefilled once and its keys/values shared by its G
-completions, in sampling and in the (exact) training forward, logits only at completion tokens
-(docs/performance.md 2.1); on a CPU with bf16 the sampler keeps a bf16 copy of the fp32 master weights, or
-with use_vllm a vLLM engine samples, corrected by truncated importance sampling (docs/performance.md 4); the
-loss is normalised over the global batch explicitly (lib/losses.aggregate_loss), so gradient accumulation
-and processes do not change the gradient (but for bnpo); defaults are sized for the CPU demo; and the run's
-memory is checked against max_memory before the first step (docs/performance.md 3).
+Same names and the same math as TRL's GRPOTrainer, with a loop of its own: what differs (the shared-prompt KV
+cache, the bf16 sampling copy, the explicit global-batch loss, the memory check) is in docs/methods.md 1.2.
 
-The settings that shape the loop (all in lib/config.py, `--help` and docs/configuration.md):
+The settings that shape the loop (declared in lib/settings.py; `--help`, docs/configuration.md):
 `num_generations` (G), `per_device_train_batch_size` (completions per micro-batch and process),
 `gradient_accumulation_steps` (micro-batches per optimizer step), `steps_per_generation` and
 `num_iterations` (optimizer steps one generation batch serves), `max_steps`, `learning_rate`,
