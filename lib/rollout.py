@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import DynamicCache
 
+from lib.decode import LlamaStep, ModelStep, llama_family
 from lib.distributed import full_parameters, full_tensor
 from lib.modeling import OutputHead, positions_from_mask, unwrap_causal_lm
 
@@ -237,8 +238,12 @@ class HFRollout:
         skips the adapter's two extra products and PEFT's wrappers on every layer; a sync recomputes only the
         adapted layers. It costs a copy of the weights in the sampler's dtype (on a 16 GB card with a 1.5B model:
         3 GB in bf16); `merge_adapter=False` samples with the policy itself under bf16 autocast instead.
-    On a CPU with oneDNN's bf16 kernel the bf16 copy's linear layers are prepacked (PackedLinear).
+    On a CPU with oneDNN's bf16 kernel the bf16 copy's linear layers are prepacked (PackedLinear). A copy of a
+    Llama-family model decodes with `lib.decode.LlamaStep` (the same logits, less per-step overhead), anything else
+    with its own forward (`fast_decode = False` forces that, for comparisons).
     """
+
+    fast_decode = True
 
     def __init__(self, policy: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int,
                  bf16: bool = False, seed: int = 0, merge_adapter: bool = True, own_copy: bool = False):
@@ -386,6 +391,10 @@ class HFRollout:
             # the whole cache at every step
             cache.reorder_cache(prompt_index)  # every layer kind (linear-attention states too)
             attention = prompt_mask[prompt_index]
+            if self.copy is not None and self.fast_decode and llama_family(model):
+                decoder = LlamaStep(model, cache, attention, max_new_tokens)
+            else:
+                decoder = ModelStep(model, cache, attention)
             next_pos = prompt_mask.long().sum(-1)[prompt_index]
 
             eos = self.eos_token_ids.to(device)
@@ -428,14 +437,11 @@ class HFRollout:
                     break
                 if done * 4 >= live.numel() and done:  # compact: keep the unfinished rows only
                     keep = (~finished[live]).nonzero().squeeze(1)
-                    cache.reorder_cache(keep)
-                    live, token, attention, next_pos = live[keep], token[keep], attention[keep], next_pos[keep]
+                    decoder.keep(keep)
+                    live, token, next_pos = live[keep], token[keep], next_pos[keep]
                     live_temps = live_temps[keep]
                     live_nucleus = live_nucleus if plain_nucleus else live_nucleus[keep]
-                attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-                out = model(input_ids=token[:, None], attention_mask=attention, position_ids=next_pos[:, None],
-                            past_key_values=cache, use_cache=True)
-                logits = out.logits[:, -1].float()
+                logits = decoder.step(token, next_pos)
                 next_pos = next_pos + 1
         if was_training:
             model.train()

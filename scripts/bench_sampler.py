@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attn", nargs="+", default=[None], help="Attention implementations to compare (default: the "
                    "trainer's for this device).")
+    p.add_argument("--decode", nargs="+", choices=["fast", "model"], default=["fast"], help="The sampler's decode "
+                   "step: fast (lib.decode.LlamaStep where the model is Llama-family) and/or model (its own forward); "
+                   "several are timed in alternation.")
     p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto")
     p.add_argument("--bandwidth_mb", type=int, default=None, help="Copy size for the bandwidth (default: 1024 on a "
                    "GPU, 256 on a CPU).")
@@ -99,22 +102,31 @@ def main(argv: list[str] | None = None) -> dict:
             prompts = torch.randint(10, 1000, (rows, args.prompt_length), generator=torch.Generator().manual_seed(0))
             prompts, mask = prompts.to(device), torch.ones_like(prompts).to(device)
 
-            def timed(new_tokens: int) -> float:
+            def timed(new_tokens: int, decode: str) -> float:
+                engine.fast_decode = decode == "fast"
                 sync(device)
                 t0 = time.perf_counter()
                 engine.generate(prompts, mask, 1, new_tokens, temperature=1.0)
                 sync(device)
                 return time.perf_counter() - t0
 
-            timed(args.short)  # warm-up
-            steps = [(timed(args.short + args.steps) - timed(args.short)) / args.steps for _ in range(args.repeats)]
-            step = statistics.median(steps)
+            steps: dict[str, list[float]] = {decode: [] for decode in args.decode}
+            for decode in args.decode:
+                timed(args.short, decode)  # warm-up
+            for _ in range(args.repeats):  # the variants alternate, so that a slow moment hits both
+                for decode in args.decode:
+                    long = timed(args.short + args.steps, decode)
+                    steps[decode].append((long - timed(args.short, decode)) / args.steps)
             context = args.prompt_length + args.short + args.steps / 2
             floor = (weight_bytes + rows * context * kv_token) / bw
-            results.append({"attn": name, "rows": rows, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
-                            "ratio": step / floor, "spread_ms": [min(steps) * 1e3, max(steps) * 1e3]})
-            print(f"{name:>12}  rows {rows:3d}: decode step {step * 1e3:7.2f} ms (spread {min(steps) * 1e3:.2f}-"
-                  f"{max(steps) * 1e3:.2f}), floor {floor * 1e3:6.2f} ms, {step / floor:5.1f}x", flush=True)
+            for decode, times in steps.items():
+                step = statistics.median(times)
+                results.append({"attn": name, "decode": decode, "rows": rows, "step_ms": step * 1e3,
+                                "floor_ms": floor * 1e3, "ratio": step / floor,
+                                "spread_ms": [min(times) * 1e3, max(times) * 1e3]})
+                print(f"{name:>12} {decode:>5}  rows {rows:3d}: decode step {step * 1e3:7.2f} ms (spread "
+                      f"{min(times) * 1e3:.2f}-{max(times) * 1e3:.2f}), floor {floor * 1e3:6.2f} ms, "
+                      f"{step / floor:5.1f}x", flush=True)
         del engine, policy, model
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "bf16": bf16,
               "model": args.shape or args.model, "bandwidth_gb_s": bw / 1e9, "results": results}

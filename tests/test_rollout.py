@@ -350,3 +350,57 @@ def test_vllm_on_a_cpu_gets_the_kv_cache_it_was_sized_and_samples_a_full_batch_w
     assert int(kv[1]) == int(kv[2]) == 23_040 * 320 * 64
     rows = next(line for line in proc.stdout.splitlines() if line.startswith("ROWS")).split()
     assert int(rows[1]) == 64 and 64 <= int(rows[2]) <= 64 * 32
+
+
+def _tiny(kind: str) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from lib.modeling import FAST_ATTENTION
+    torch.manual_seed(0)
+    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, attn_implementation=FAST_ATTENTION)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True))
+    if kind == "qwen2":  # biases on q, k and v
+        return Qwen2ForCausalLM(Qwen2Config(**shape))
+    return Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=16))  # RMSNorm on each head's query and key
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_the_written_out_decode_step_gives_the_models_own_logits_bit_for_bit(kind):
+    """lib.decode.LlamaStep against the model's forward over transformers' cache (ModelStep), on the sampler's bf16
+    copy (prepacked layers on a CPU with oneDNN's bf16 kernel): the same float32 logits at every step, through the
+    buffers' growth (a block of 8 here) and a compaction of the rows; then a sampled run takes the same tokens
+    either way, rows ending and leaving the batch included."""
+    from lib.decode import LlamaStep, ModelStep, llama_family
+    from lib.rollout import prefill
+
+    engine = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3)
+    model = engine.model
+    assert llama_family(model)
+    ids = torch.randint(3, 300, (3, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :4], ids[0, :4] = 0, 0  # a left-padded prompt
+    with torch.no_grad():
+        steps = []
+        for make in (lambda c, a: ModelStep(model, c, a), lambda c, a: LlamaStep(model, c, a, 30, block=8)):
+            _, cache = prefill(model, ids, mask)
+            steps.append(make(cache, mask))
+        tokens, positions = torch.randint(3, 300, (3, 30), generator=torch.Generator().manual_seed(2)), mask.sum(-1)
+        for t in range(30):
+            if t == 12:  # the middle row has ended: both keep the other two
+                rows = torch.tensor([0, 2])
+                for s in steps:
+                    s.keep(rows)
+                tokens, positions = tokens[rows], positions[rows]
+            reference, ours = (s.step(tokens[:, t], positions) for s in steps)
+            assert ours.dtype == torch.float32 and torch.equal(ours, reference), t
+            positions = positions + 1
+    runs = []
+    for fast in (False, True):
+        engine.fast_decode = fast
+        engine.generator.manual_seed(3)
+        runs.append(engine.generate(ids, mask, 4, 150, temperature=1.0))
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    lengths = runs[1].completion_mask.sum(-1)
+    assert lengths.min() < 150 and lengths.max() == 150  # some rows ended early, some ran past a growth

@@ -1,0 +1,168 @@
+"""The sampler's decode step: the next token's logits for every live row, from the cache its prompt was prefilled
+into. Two implementations behind one interface (`keep(rows)`, `step(tokens, positions) -> (B, V) float32 logits`):
+
+- `ModelStep`: the model's own forward over transformers' dynamic cache: any architecture, and the policy itself
+  (LoRA wrappers, 4-bit layers) when the sampler has no plain copy.
+- `LlamaStep`: the Llama-family decoder layer (Llama, SmolLM, Qwen2, Qwen3) written out over a cache allocated ahead,
+  for the plain copy the sampler owns (lib/rollout.HFRollout). It performs transformers' operations in the same order
+  on the same tensors, so its logits equal `ModelStep`'s bit for bit (tests/test_rollout.py); what it leaves out is
+  per-step overhead that a decode step of a small model is made of (docs/performance.md 2.4): concatenating every
+  layer's keys and values onto the cache (both, each layer, each token), building the 4-D mask, and the module
+  and keyword dispatch of about 15 modules a layer. q/k/v and gate/up are separate products, as in the model:
+  fusing them would change the kernels' blocking and so the last bits of the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+
+from lib.modeling import OutputHead
+
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3")
+
+
+class ModelStep:
+    """The model's forward, one token a row, over a transformers cache; `attention` is the (B, L) mask so far."""
+
+    def __init__(self, model: torch.nn.Module, cache: DynamicCache, attention: torch.Tensor):
+        self.model, self.cache, self.attention = model, cache, attention
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.cache.reorder_cache(rows)
+        self.attention = self.attention[rows]
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.attention = torch.cat([self.attention, torch.ones_like(self.attention[:, :1])], dim=1)
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.attention, position_ids=positions[:, None],
+                         past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1].float()
+
+
+def llama_family(lm: torch.nn.Module) -> bool:
+    """Whether `LlamaStep` computes what this model's own forward does: a Llama-family decoder whose every layer
+    attends to the whole context (no sliding window), with the attention we register for CPUs or SDPA."""
+    config = lm.config
+    if config.model_type not in LLAMA_FAMILY or not hasattr(lm, "get_decoder"):
+        return False
+    layers = lm.get_decoder().layers
+    return all(getattr(layer.self_attn, "sliding_window", None) is None for layer in layers) and \
+        config._attn_implementation in ("agrpo_sdpa", "sdpa")
+
+
+def _linear(module: torch.nn.Module):
+    """A layer's product as a plain function of x (a prepacked oneDNN layer's kernel called directly)."""
+    packed = getattr(module, "packed", None)
+    if packed is None:
+        return module
+    bias, out_features = module.bias, module.out_features
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+        return flat.reshape(*x.shape[:-1], out_features)
+
+    return forward
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Root-mean-square normalisation (Zhang & Sennrich 2019) in transformers' order: statistics in float32, the
+    result cast back before the gain."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) in the half-split layout: x cos + rotate_half(x) sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class LlamaStep:
+    """A Llama-family decode step over per-layer key/value buffers (B, KV heads, capacity, D) filled by the prefill,
+    grown by doubling (one copy per doubling, not one per token) up to the prompt plus `max_new_tokens`."""
+
+    def __init__(self, lm: torch.nn.Module, cache: DynamicCache, attention: torch.Tensor, max_new_tokens: int,
+                 block: int = 128):
+        decoder = lm.get_decoder()
+        self.embed, self.rotary, self.head = decoder.embed_tokens, decoder.rotary_emb, OutputHead(lm)
+        self.final_norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
+        self.layers = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qk_norms = None
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's query and key
+                qk_norms = ((attn.q_norm.weight, attn.q_norm.variance_epsilon),
+                            (attn.k_norm.weight, attn.k_norm.variance_epsilon))
+            self.layers.append((
+                (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+                _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj), _linear(attn.o_proj), qk_norms,
+                attn, (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+                _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj), mlp.act_fn))
+        self.head_dim = self.layers[0][6].head_dim
+        self.attention = AttentionInterface()[lm.config._attn_implementation]  # the function the model calls
+        prompt_len = attention.shape[1]
+        self.limit = prompt_len + max_new_tokens
+        capacity = min(self.limit, prompt_len + block)
+        self.keys, self.values = [], []
+        for layer in cache.layers:
+            shape = (*layer.keys.shape[:2], capacity, layer.keys.shape[-1])
+            keys = layer.keys.new_empty(shape)
+            values = layer.values.new_empty(shape)
+            keys[:, :, :prompt_len] = layer.keys
+            values[:, :, :prompt_len] = layer.values
+            self.keys.append(keys)
+            self.values.append(values)
+        cache.layers.clear()  # the prefill's tensors are copied: free them now
+        self.mask = torch.zeros(attention.shape[0], capacity, dtype=torch.bool, device=attention.device)
+        self.mask[:, :prompt_len] = attention.bool()
+        self.length = prompt_len
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.mask = self.mask[rows]
+
+    def _grow(self) -> None:
+        capacity = min(self.limit, 2 * self.mask.shape[1])
+
+        def widen(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_empty(*t.shape[:2], capacity, t.shape[-1])
+            out[:, :, : t.shape[2]] = t
+            return out
+
+        self.keys = [widen(k) for k in self.keys]
+        self.values = [widen(v) for v in self.values]
+        mask = self.mask.new_zeros(self.mask.shape[0], capacity)
+        mask[:, : self.mask.shape[1]] = self.mask
+        self.mask = mask
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.length == self.mask.shape[1]:
+            self._grow()
+        col = self.length
+        self.length += 1
+        self.mask[:, col] = True
+        mask = self.mask[:, None, None, : self.length]  # (B, 1, 1, L), True = attend
+        batch = tokens.shape[0]
+        hidden = self.embed(tokens[:, None])  # (B, 1, H)
+        cos, sin = self.rotary(hidden, positions[:, None])
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for i, (norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, attn, norm2, gate, up, down, act) in \
+                enumerate(self.layers):
+            x = _rms_norm(hidden, *norm1)
+            q = q_proj(x).view(batch, 1, -1, self.head_dim)
+            k = k_proj(x).view(batch, 1, -1, self.head_dim)
+            if qk_norms is not None:
+                q, k = _rms_norm(q, *qk_norms[0]), _rms_norm(k, *qk_norms[1])
+            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+            v = v_proj(x).view(batch, 1, -1, self.head_dim).transpose(1, 2)
+            self.keys[i][:, :, col] = k[:, :, 0]
+            self.values[i][:, :, col] = v[:, :, 0]
+            out, _ = self.attention(attn, q, self.keys[i][:, :, : self.length],
+                                              self.values[i][:, :, : self.length], mask, scaling=attn.scaling)
+            hidden = hidden + o_proj(out.reshape(batch, 1, -1).contiguous())
+            x = _rms_norm(hidden, *norm2)
+            hidden = hidden + down(act(gate(x)) * up(x))
+        return self.head(_rms_norm(hidden, *self.final_norm)[:, -1])
