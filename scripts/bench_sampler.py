@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{name:>12} {decode:>5}  rows {rows:3d}: decode step {step * 1e3:7.2f} ms (spread "
                       f"{min(times) * 1e3:.2f}-{max(times) * 1e3:.2f}), floor {floor * 1e3:6.2f} ms, "
                       f"{step / floor:5.1f}x", flush=True)
-        del engine, policy, model
+        engine = policy = model = None  # freed before the next attention implementation loads
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "bf16": bf16,
               "model": args.shape or args.model, "bandwidth_gb_s": bw / 1e9, "results": results}
     print(f"memory bandwidth (copy, read + written): {bw / 1e9:.0f} GB/s")
