@@ -127,6 +127,20 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
 }
 
 
+# Values of TRL's keys that are refused although the key itself is read (lib/config.py says the same when it refuses
+# one): (what, why). docs/configuration.md lists them under the tables above.
+REFUSED_VALUES: list[tuple[str, str]] = [
+    ("loss_type vespo, luspo", "not implemented (TRL 1.16 has them; the choices are lib/losses.LOSS_TYPES)"),
+    ("delta (read as dual_clip) below 1 + epsilon_high", "there TRL's two-sided clip and dual-clip PPO are different "
+     "losses; at 1 + epsilon_high and above they are the same for every sign of the advantage (docs/methods.md 1.9)"),
+    ("delta / dual_clip with loss_type cispo or sapo", "those losses have no clipped surrogate to cap; TRL ignores "
+     "delta there, this trainer says so instead"),
+    ("loss_type sapo with adaptive_kl or dsf", "SAPO has no clip range for their adaptive clip to move "
+     "(docs/methods.md 1.8)"),
+    ("vllm_importance_sampling_clip_min and _clip_max both null", "as TRL: at least one bound"),
+]
+
+
 def all_known() -> set[str]:
     """Every key these tables handle."""
     return set(RENAMED) | set(IGNORED) | set(UNSUPPORTED)

@@ -269,3 +269,21 @@ def test_cispo_loss_type_trains_through_the_registry(tmp_path, tiny_model):
     assert "clip_ratio/high_mean" in cispo and cispo["loss"] != pytest.approx(dapo["loss"])
     assert all(torch.allclose(cispo_weights[k], dapo_weights[k], atol=1e-6) for k in dapo_weights)
     assert moved_tensors(tmp_path / "cispo", tiny_model) > 10
+
+
+def test_issue_39_loss_keys_train_through_the_loop(tmp_path, tiny_model):
+    """TRL 1.16's newer loss keys reach the loop's loss (docs/methods.md 1.8-1.11): SAPO with the entropy and
+    off-policy masks, over a generation batch that serves two steps (the second off-policy, so pi_old differs from the
+    policy and the off-policy mask has a KL to read), and TRL's delta, read as dual_clip."""
+    out = tmp_path / "sapo"
+    lines = train(tiny_model, out, "--loss_type", "sapo", "--sapo_temperature_neg", "2", "--top_entropy_quantile",
+                  "0.2", "--off_policy_mask_threshold", "0", "--num_iterations", "2", "--beta", "0")
+    # about 80% of the loss tokens left out by the entropy mask, on every step
+    assert all(0.7 < m["entropy_masked"] < 0.85 for m in lines), [m["entropy_masked"] for m in lines]
+    # on-policy (step 1) the KL to pi_old is 0 and nothing is masked; after an update some negative sample is
+    assert lines[0]["off_policy_masked"] == 0 and lines[1]["off_policy_masked"] > 0
+    assert moved_tensors(out, tiny_model) > 10
+    assert yaml.safe_load((out / "config.yaml").read_text())["sapo_temperature_neg"] == 2.0
+    delta = train(tiny_model, tmp_path / "delta", "--delta", "3", "--loss_type", "dapo", "--max_steps", "1")
+    assert yaml.safe_load((tmp_path / "delta" / "config.yaml").read_text())["dual_clip"] == 3.0
+    assert "clip_ratio/dual_mean" in delta[0]
