@@ -222,7 +222,9 @@ def test_two_processes_split_groups_and_agree_on_the_adaptive_sampling(tmp_path,
     args = ["--model_name_or_path", tiny_model, *TINY, "--output_dir", str(out), "--per_device_train_batch_size", "2",
             "--max_steps", "8", "--num_generations", "8", "--steps_per_generation", "2", "--num_iterations", "2",
             "--algo", "agpo_dsf", "--resample_schedule", '[{"step": 1, "params": [{"temperature": 1.0}]}]',
-            "--answer_marker", "is", "--kl_estimator", "k1", "--save_steps", "4"]
+            "--answer_marker", "is", "--kl_estimator", "k1", "--save_steps", "4",
+            # the entropy mask's threshold is taken over both processes' tokens (lib/distributed.gather_ragged)
+            "--top_entropy_quantile", "0.5", "--off_policy_mask_threshold", "0.5"]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     proc = subprocess.run(launcher + [str(REPO / "train_agrpo.py"), *args], cwd=tmp_path, capture_output=True,
@@ -233,6 +235,7 @@ def test_two_processes_split_groups_and_agree_on_the_adaptive_sampling(tmp_path,
     assert lines[0]["num_tokens/probe"] > 0 and lines[4]["num_tokens/probe"] > 0 and "resample_rounds" in lines[0]
     assert [m["num_tokens/probe"] for m in lines[1:4] + lines[5:8]] == [0] * 6
     assert len({m["epsilon"] for m in lines[:4]}) == 1 and lines[3]["step_kl_ema"] > 0
+    assert all(0.2 < m["entropy_masked"] < 0.8 and "off_policy_masked" in m for m in lines)
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["data_position"] == 2  # one prompt per generation batch, across both processes
     assert (out / "checkpoint-8" / "rng_state_1.pt").exists() and not (out / "checkpoint-8" / "rng_state_2.pt").exists()
