@@ -382,12 +382,12 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                 keep = off_policy_sequence_mask(logp, old if sampling is None else sampling, batch.advantages[rows],
                                                 mask, cfg.off_policy_mask_threshold)
                 per_token = per_token * keep
-                clip_stats["off_policy_masked"] = ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
+                clip_stats["masked/off_policy"] = ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
             if cfg.top_entropy_quantile < 1.0:  # the 80/20 rule: the gradient of the high-entropy tokens only
                 pool = distributed.gather_ragged(accelerator, entropy.detach()[mask.bool()].float())
                 keep = high_entropy_mask(entropy, mask, cfg.top_entropy_quantile, pool)
                 per_token = per_token * keep
-                clip_stats["entropy_masked"] = ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
+                clip_stats["masked/low_entropy"] = ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
             if tis:
                 weight = truncated_importance_weights(old, sampling, mask, cfg.vllm_importance_sampling_mode,
                                                       cfg.vllm_importance_sampling_clip_max,

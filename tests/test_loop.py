@@ -235,7 +235,7 @@ def test_two_processes_split_groups_and_agree_on_the_adaptive_sampling(tmp_path,
     assert lines[0]["num_tokens/probe"] > 0 and lines[4]["num_tokens/probe"] > 0 and "resample_rounds" in lines[0]
     assert [m["num_tokens/probe"] for m in lines[1:4] + lines[5:8]] == [0] * 6
     assert len({m["epsilon"] for m in lines[:4]}) == 1 and lines[3]["step_kl_ema"] > 0
-    assert all(0.2 < m["entropy_masked"] < 0.8 and "off_policy_masked" in m for m in lines)
+    assert all(0.2 < m["masked/low_entropy"] < 0.8 and "masked/off_policy" in m for m in lines)
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["data_position"] == 2  # one prompt per generation batch, across both processes
     assert (out / "checkpoint-8" / "rng_state_1.pt").exists() and not (out / "checkpoint-8" / "rng_state_2.pt").exists()
@@ -282,9 +282,9 @@ def test_issue_39_loss_keys_train_through_the_loop(tmp_path, tiny_model):
     lines = train(tiny_model, out, "--loss_type", "sapo", "--sapo_temperature_neg", "2", "--top_entropy_quantile",
                   "0.2", "--off_policy_mask_threshold", "0", "--num_iterations", "2", "--beta", "0")
     # about 80% of the loss tokens left out by the entropy mask, on every step
-    assert all(0.7 < m["entropy_masked"] < 0.85 for m in lines), [m["entropy_masked"] for m in lines]
+    assert all(0.7 < m["masked/low_entropy"] < 0.85 for m in lines), [m["masked/low_entropy"] for m in lines]
     # on-policy (step 1) the KL to pi_old is 0 and nothing is masked; after an update some negative sample is
-    assert lines[0]["off_policy_masked"] == 0 and lines[1]["off_policy_masked"] > 0
+    assert lines[0]["masked/off_policy"] == 0 and lines[1]["masked/off_policy"] > 0
     assert moved_tensors(out, tiny_model) > 10
     assert yaml.safe_load((out / "config.yaml").read_text())["sapo_temperature_neg"] == 2.0
     delta = train(tiny_model, tmp_path / "delta", "--delta", "3", "--loss_type", "dapo", "--max_steps", "1")
