@@ -137,6 +137,8 @@ REFUSED_VALUES: list[tuple[str, str]] = [
      "delta there, this trainer says so instead"),
     ("loss_type sapo with adaptive_kl or dsf", "SAPO has no clip range for their adaptive clip to move "
      "(docs/methods.md 1.8)"),
+    ("loss_type cispo with dsf", "AGPO-DSF's per-group clip widths (about 0.2) would become CISPO's absolute cap "
+     "(docs/methods.md 1.7)"),
     ("vllm_importance_sampling_clip_min and _clip_max both null", "as TRL: at least one bound"),
 ]
 

@@ -428,7 +428,7 @@ def validate_loss(cfg: Config) -> None:
                               f"(the widest upper clip range this run reaches): there it would cap the loss inside "
                               f"the clip range, and TRL's delta and dual-clip PPO give different losses "
                               f"(docs/methods.md 1.9); give at least {1 + widest:g} (Ye et al. use 3, INTELLECT-2 4)")
-    if not entry.clip_range:
+    if entry.clip == "none":
         moving = [key for key in ("adaptive_kl", "dsf") if getattr(cfg, key)]
         if moving:
             raise ConfigError(f"loss_type {cfg.loss_type} has no clip range (its gate's width is set by "
@@ -437,6 +437,13 @@ def validate_loss(cfg: Config) -> None:
                               f"loss_type grpo, dapo or cispo with {' and '.join(moving)}, or turn "
                               f"{'it' if len(moving) == 1 else 'them'} off "
                               f"({', '.join(f'--{k} false' for k in moving)})")
+    if entry.clip == "cap" and cfg.dsf:
+        # AGPO-DSF sets epsilon_high to a band width per group (dsf_eps_min..dsf_eps_max, about 0.2), which as
+        # CISPO's absolute cap would scale every on-policy token's gradient by it
+        raise ConfigError(f"loss_type {cfg.loss_type} caps the importance weight at epsilon_high itself (e.g. 5), "
+                          f"while dsf sets a clip band's width per group (dsf_eps_min {cfg.dsf_eps_min} to dsf_eps_max "
+                          f"{cfg.dsf_eps_max}), which as that cap would scale every on-policy gradient by it; use "
+                          f"loss_type grpo or dapo with dsf, or --dsf false")
     low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
     if low is None and high is None:
         raise ConfigError("vllm_importance_sampling_clip_min and vllm_importance_sampling_clip_max are both null: "

@@ -492,14 +492,15 @@ class LossType:
     """A `loss_type`: its per-token policy loss, (logp, old_logp, advantages, mask, epsilon_low, epsilon_high,
     importance_sampling_level, **options) -> ((B, T) loss, statistics), and how it is averaged (`aggregate_loss`).
     `options`: the configuration keys the per-token loss also takes, as keyword arguments of the same names
-    (`loss_options` reads them). `clip_range`: whether it reads epsilon_low / epsilon_high, so that a controller
-    that moves the clip range (adaptive_kl, dsf) changes it; lib/config.py refuses those controllers otherwise."""
+    (`loss_options` reads them). `clip`: what it reads of the clip range: "band" (1 - epsilon_low, 1 + epsilon_high),
+    "cap" (epsilon_high itself, an absolute cap of the ratio) or "none"; lib/config.py refuses a controller whose clip
+    would not act on it (adaptive_kl scales epsilon, which a band and a cap both read; dsf sets band widths)."""
 
     surrogate: Callable
     average: Callable
     summary: str  # for --help and docs/configuration.md
     options: tuple[str, ...] = ()
-    clip_range: bool = True
+    clip: str = "band"
 
 
 # loss_type (TRL's names) -> its entry. Adding a loss: a pure function above and one line here (docs/methods.md 11).
@@ -510,10 +511,10 @@ LOSS_TYPES: dict[str, LossType] = {
     "dapo": LossType(clipped_surrogate, token_mean, "global token mean", _CLIP),
     "dr_grpo": LossType(clipped_surrogate, constant_length_mean, "sum over N x max_completion_length", _CLIP),
     "cispo": LossType(cispo_surrogate, token_mean, "detached IS weight capped at epsilon_high x log pi, "
-                      "global token mean; ScaleRL recommends epsilon_high 5"),
+                      "global token mean; ScaleRL recommends epsilon_high 5", clip="cap"),
     "sapo": LossType(sapo_surrogate, sequence_mean, "a sigmoid gate of the ratio instead of the clip "
                      "(sapo_temperature_pos / _neg), per-sequence mean",
-                     ("sapo_temperature_pos", "sapo_temperature_neg"), clip_range=False),
+                     ("sapo_temperature_pos", "sapo_temperature_neg"), clip="none"),
 }
 
 

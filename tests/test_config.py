@@ -138,6 +138,8 @@ def test_user_keys_override_a_preset_and_config_yaml_records_the_resolved_values
     ({"algo": "agrpo", "loss_type": "sapo"}, r"loss_type sapo has no clip range .* so adaptive_kl, which adapts the "
      r"clip range, would change nothing there.*--adaptive_kl false"),
     ({"loss_type": "sapo", "dsf": True}, r"so dsf, which adapts"),
+    ({"algo": "agpo_dsf", "loss_type": "cispo"}, r"loss_type cispo caps the importance weight at epsilon_high itself"
+     r".*--dsf false"),
     ({"sapo_temperature_neg": 0}, "sapo_temperature_neg must be > 0"),
     ({"top_entropy_quantile": 1.5}, r"top_entropy_quantile must be in \[0, 1\]"),
     ({"off_policy_mask_threshold": -0.1}, "off_policy_mask_threshold must be >= 0"),
