@@ -378,12 +378,12 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                 cfg.loss_type, logp, old, batch.advantages[rows], mask, per_row(values.epsilon_low, rows),
                 per_row(values.epsilon_high, rows), cfg.importance_sampling_level, **loss_options(cfg.loss_type, cfg))
             sampling = roll.sampling_logps[rows, :width] if roll.sampling_logps is not None else None
-            if cfg.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: drop stale negative samples
+            if cfg.off_policy_mask_threshold is not None:  # DeepSeek-V3.2, docs/methods.md 1.10
                 keep = off_policy_sequence_mask(logp, old if sampling is None else sampling, batch.advantages[rows],
                                                 mask, cfg.off_policy_mask_threshold)
                 per_token = per_token * keep
                 clip_stats["masked/off_policy"] = ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
-            if cfg.top_entropy_quantile < 1.0:  # the 80/20 rule: the gradient of the high-entropy tokens only
+            if cfg.top_entropy_quantile < 1.0:  # the 80/20 rule: high-entropy tokens only (docs/methods.md 1.11)
                 pool = distributed.gather_ragged(accelerator, entropy.detach()[mask.bool()].float())
                 keep = high_entropy_mask(entropy, mask, cfg.top_entropy_quantile, pool)
                 per_token = per_token * keep
