@@ -74,8 +74,8 @@ from lib.extras.reward_worker import RewardWorker
 from lib.extras.vllm_rollout import colocated_rollout
 from lib.extras.runs import read_jsonl
 from lib.logs import append_jsonl, batch_metrics, dense_line
-from lib.losses import (aggregate_loss, kl_penalty, mean_of, per_row, policy_loss, policy_ratio,
-                        truncated_importance_weights)
+from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
+                        per_row, policy_loss, policy_ratio, truncated_importance_weights)
 from lib.methods import TrainValues, choose_method
 from lib.modeling import adapter_disabled, offloaded_activations, pad_cat, resolve_model_path
 from lib.rollout import Rollout
@@ -356,7 +356,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     clip_sums = {}
     # truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
     # training"): the engine's sampling probabilities differ from the trainer's, so each token's policy-gradient term
-    # is weighted by min(pi_train / pi_vllm, C) (or per sequence, or masked above C)
+    # is weighted by pi_train / pi_vllm clamped into [C_min, C_max] (or per sequence, or zeroed outside it)
     tis = cfg.use_vllm and cfg.vllm_importance_sampling_correction and roll.sampling_logps is not None
     tis_sums = {"sum": zero(), "diff_sum": zero()}
     tis_highs = {"max": zero(), "diff_max": zero(), "neg_min": torch.full((), -math.inf, device=accelerator.device)}
@@ -376,11 +376,22 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
             old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
             per_token, clip_stats = policy_loss(  # the loss_type's per-token loss (lib/losses.LOSS_TYPES)
                 cfg.loss_type, logp, old, batch.advantages[rows], mask, per_row(values.epsilon_low, rows),
-                per_row(values.epsilon_high, rows), cfg.importance_sampling_level, dual_clip=cfg.dual_clip)
+                per_row(values.epsilon_high, rows), cfg.importance_sampling_level, **loss_options(cfg.loss_type, cfg))
+            sampling = roll.sampling_logps[rows, :width] if roll.sampling_logps is not None else None
+            if cfg.off_policy_mask_threshold is not None:  # DeepSeek-V3.2, docs/methods.md 1.10
+                keep = off_policy_sequence_mask(logp, old if sampling is None else sampling, batch.advantages[rows],
+                                                mask, cfg.off_policy_mask_threshold)
+                per_token = per_token * keep
+                clip_stats["masked/off_policy"] = ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
+            if cfg.top_entropy_quantile < 1.0:  # the 80/20 rule: high-entropy tokens only (docs/methods.md 1.11)
+                pool = distributed.gather_ragged(accelerator, entropy.detach()[mask.bool()].float())
+                keep = high_entropy_mask(entropy, mask, cfg.top_entropy_quantile, pool)
+                per_token = per_token * keep
+                clip_stats["masked/low_entropy"] = ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
             if tis:
-                sampling = roll.sampling_logps[rows, :width]
                 weight = truncated_importance_weights(old, sampling, mask, cfg.vllm_importance_sampling_mode,
-                                                      cfg.vllm_importance_sampling_clip_max)
+                                                      cfg.vllm_importance_sampling_clip_max,
+                                                      cfg.vllm_importance_sampling_clip_min)
                 per_token = per_token * weight
                 off = ~mask.bool()
                 gap = (old - sampling).abs().masked_fill(off, 0.0)

@@ -34,6 +34,9 @@ RENAMED: dict[str, tuple[str, str | None]] = {
     "dataset_prompt_column": ("prompt_column", None),  # open-r1's ScriptArguments
     "entropy_coef": ("eta", None),  # TRL's entropy bonus: the loss subtracts entropy_coef x the token entropy
     "vllm_importance_sampling_cap": ("vllm_importance_sampling_clip_max", None),  # TRL's older name
+    # INTELLECT-2's two-sided clipping: dual-clip PPO's loss for every sign of A at delta >= 1 + epsilon_high
+    # (lib/config.py refuses a smaller one; docs/methods.md 1.9)
+    "delta": ("dual_clip", None),
     "wandb_project": ("project", None),  # open-r1's GRPOConfig
 }
 
@@ -66,7 +69,7 @@ for _names, _why in [
     (("use_cache", "cache_implementation", "use_transformers_continuous_batching",
       "transformers_continuous_batching_config", "use_transformers_paged"),
      "sampling implementation only: the sampled distribution is the same"),
-    (("sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+    (("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
       "vespo_lambda_neg", "ref_model_mixup_alpha", "ref_model_sync_steps", "entropy_coef_min", "entropy_coef_max",
       "entropy_coef_delta", "entropy_target", "torch_compile_backend", "torch_compile_mode", "liger_kernel_config",
       "optim_target_modules", "metric_for_best_model", "greater_is_better"),
@@ -106,14 +109,9 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
     "vllm_tensor_parallel_size": (1, "a colocated engine runs on its process's GPU; a generation server spans "
                                      "several with python serve_vllm.py --tensor_parallel_size N (vllm_mode server)"),
     "vllm_structured_outputs_regex": (None, "structured outputs are not implemented"),
-    "vllm_importance_sampling_clip_min": (None, "the importance ratio is capped only from above "
-                                                "(vllm_importance_sampling_clip_max)"),
-    "delta": (None, "two-sided clipping (delta) is not implemented; see dual_clip for a cap on negative advantages"),
     "multi_objective_aggregation": ("sum_then_normalize", "rewards are summed with reward_weights, then normalised"),
     "sync_ref_model": (False, "the reference model is not refreshed during training"),
-    "top_entropy_quantile": (1.0, "every completion token is trained, not only the highest-entropy ones"),
     "use_adaptive_entropy": (False, "an adaptive entropy coefficient is not implemented; eta is fixed"),
-    "off_policy_mask_threshold": (None, "off-policy sequence masking is not implemented"),
     "max_tool_calling_iterations": (None, "tool calling is not implemented"),
     "lora_target_parameters": (None, "adapting parameters (MoE experts) directly is not implemented; use "
                                      "lora_target_modules"),
@@ -127,6 +125,22 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
                               "the data set's test split"),
     "dataset_mixture": (None, "data-set mixtures are not implemented; give one dataset_name"),
 }
+
+
+# Values of TRL's keys that are refused although the key itself is read (lib/config.py says the same when it refuses
+# one): (what, why). docs/configuration.md lists them under the tables above.
+REFUSED_VALUES: list[tuple[str, str]] = [
+    ("loss_type vespo, luspo", "not implemented (TRL 1.16 has them; the choices are lib/losses.LOSS_TYPES)"),
+    ("delta (read as dual_clip) below 1 + epsilon_high", "there TRL's two-sided clip and dual-clip PPO are different "
+     "losses; at 1 + epsilon_high and above they are the same for every sign of the advantage (docs/methods.md 1.9)"),
+    ("delta / dual_clip with loss_type cispo or sapo", "those losses have no clipped surrogate to cap; TRL ignores "
+     "delta there, this trainer says so instead"),
+    ("loss_type sapo with adaptive_kl or dsf", "SAPO has no clip range for their adaptive clip to move "
+     "(docs/methods.md 1.8)"),
+    ("loss_type cispo with dsf", "AGPO-DSF's per-group clip widths (about 0.2) would become CISPO's absolute cap "
+     "(docs/methods.md 1.7)"),
+    ("vllm_importance_sampling_clip_min and _clip_max both null", "as TRL: at least one bound"),
+]
 
 
 def all_known() -> set[str]:
@@ -241,7 +255,7 @@ def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None
     """The values of our fields, from a mapping that may use TRL's or open-r1's keys (lib/py): renamed keys
     moved to ours (a note for our old names), ignored keys dropped with one warning line each, unimplemented keys
     accepted at TRL's default and refused otherwise, anything else an error with the closest field."""
-    resolved = {}
+    resolved, given_as = {}, {}
     for key, value in values.items():
         if not isinstance(key, str):
             raise ConfigError(f"the key {key!r} in {where} is not a name; keys are field names such as learning_rate")
@@ -270,8 +284,10 @@ def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None
             hint = f" Did you mean '{close[0]}'?" if close else " See `python train_agrpo.py --help` for the keys."
             after = f", {follows[key]}" if follows and key in follows else ""
             raise ConfigError(f"unknown configuration key {key!r} ({where}{after}).{hint}")
-        if target in resolved and target != key:
-            raise ConfigError(f"{key} and {target} are the same setting, given twice in {where}; keep {target}")
+        if target in resolved and given_as[target] != key:  # in either order
+            other = key if key != target else given_as[target]
+            raise ConfigError(f"{other} and {target} are the same setting, given twice in {where}; keep {target}")
+        given_as[target] = key
         if target == "scale_rewards" and str(value).lower() in ("true", "false"):  # TRL's older boolean form
             value = "group" if str(value).lower() == "true" else "none"
         if target == "resume_from_checkpoint" and str(value).lower() == "true":  # transformers': the newest one

@@ -30,6 +30,7 @@ from transformers import HfArgumentParser
 
 from lib.compat import leftover_values, resolve_keys
 from lib.data import looks_local, one_line
+from lib.losses import LOSS_TYPES
 from lib.methods import METHODS
 from lib.schedule import schedule_options
 from lib.settings import (EMBEDDED_MODEL, FIELDS, PRESETS, REPORT_TO_CHOICES, SECRET_KEYS, SECTIONS, TRACKERS, Config,
@@ -355,6 +356,7 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
     except (TypeError, ValueError) as error:
         raise ConfigError(str(error)) from None
     validate_methods(cfg, global_batch if num_processes is not None else None)
+    validate_loss(cfg)
     if cfg.overlong_buffer_length is not None and cfg.overlong_buffer_length > cfg.max_completion_length:
         raise ConfigError(f"overlong_buffer_length ({cfg.overlong_buffer_length}) must not exceed "
                           f"max_completion_length ({cfg.max_completion_length})")
@@ -404,6 +406,51 @@ def validate_methods(cfg: Config, global_batch: int | None) -> None:
                 method.check(cfg, global_batch)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def validate_loss(cfg: Config) -> None:
+    """What the loss type reads, against the keys that would feed it (docs/methods.md 1.7-1.12): a key the loss
+    type would silently not use is refused, and so is a dual_clip (TRL's delta) in the range where the two differ."""
+    entry = LOSS_TYPES[cfg.loss_type]
+    if cfg.dual_clip is not None and "dual_clip" not in entry.options:
+        raise ConfigError(f"dual_clip (TRL's delta) caps the clipped surrogate's loss, and loss_type {cfg.loss_type} "
+                          f"has none, so it would change nothing; remove dual_clip, or use loss_type grpo, bnpo, "
+                          f"dapo or dr_grpo")
+    if cfg.dual_clip is not None:
+        # the widest upper clip range a step can train with: the controllers move it (lib/methods.py)
+        widest = cfg.resolved_epsilon_high()
+        if cfg.adaptive_kl and cfg.epsilon > 0:
+            widest = max(widest, widest * cfg.epsilon_max / cfg.epsilon)
+        if cfg.dsf:
+            widest = max(widest, cfg.dsf_eps_max)
+        if cfg.dual_clip < 1.0 + widest:
+            raise ConfigError(f"dual_clip (TRL's delta) {cfg.dual_clip} is below 1 + epsilon_high = {1 + widest:g} "
+                              f"(the widest upper clip range this run reaches): there it would cap the loss inside "
+                              f"the clip range, and TRL's delta and dual-clip PPO give different losses "
+                              f"(docs/methods.md 1.9); give at least {1 + widest:g} (Ye et al. use 3, INTELLECT-2 4)")
+    if entry.clip == "none":
+        moving = [key for key in ("adaptive_kl", "dsf") if getattr(cfg, key)]
+        if moving:
+            raise ConfigError(f"loss_type {cfg.loss_type} has no clip range (its gate's width is set by "
+                              f"{' and '.join(entry.options) or 'its own keys'}), so {' and '.join(moving)}, which "
+                              f"adapt{'s' * (len(moving) == 1)} the clip range, would change nothing there; use "
+                              f"loss_type grpo, dapo or cispo with {' and '.join(moving)}, or turn "
+                              f"{'it' if len(moving) == 1 else 'them'} off "
+                              f"({', '.join(f'--{k} false' for k in moving)})")
+    if entry.clip == "cap" and cfg.dsf:
+        # AGPO-DSF sets epsilon_high to a band width per group (dsf_eps_min..dsf_eps_max, about 0.2), which as
+        # CISPO's absolute cap would scale every on-policy token's gradient by it
+        raise ConfigError(f"loss_type {cfg.loss_type} caps the importance weight at epsilon_high itself (e.g. 5), "
+                          f"while dsf sets a clip band's width per group (dsf_eps_min {cfg.dsf_eps_min} to dsf_eps_max "
+                          f"{cfg.dsf_eps_max}), which as that cap would scale every on-policy gradient by it; use "
+                          f"loss_type grpo or dapo with dsf, or --dsf false")
+    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    if low is None and high is None:
+        raise ConfigError("vllm_importance_sampling_clip_min and vllm_importance_sampling_clip_max are both null: "
+                          "give at least one bound of the importance ratio (TRL's default: clip_max 3)")
+    if low is not None and high is not None and low >= high:
+        raise ConfigError(f"vllm_importance_sampling_clip_min ({low}) must be below vllm_importance_sampling_clip_max "
+                          f"({high})")
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -30,6 +30,7 @@ Every function that gathers is a collective: each process calls it at the same p
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -374,3 +375,14 @@ def group_token_means(accelerator: Accelerator, values: torch.Tensor, mask: torc
                         mask[:, :width].sum(1).float()], dim=1)
     sums = accelerator.gather(sums).view(-1, group_size, 2).sum(1)
     return (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
+
+
+def gather_ragged(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
+    """Every process's (M_p,) values, one after the other, (sum_p M_p,), where the counts differ between processes
+    (the loss tokens of a micro-batch, for lib/losses.high_entropy_mask's threshold). Each process pads to the longest
+    with -inf, which no entropy is, and the padding is dropped after the gather."""
+    if accelerator.num_processes == 1:
+        return values
+    padded = accelerator.pad_across_processes(values, dim=0, pad_index=-math.inf)
+    gathered = accelerator.gather(padded)
+    return gathered[gathered > -math.inf]

@@ -21,6 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 DISPERSIONS = ("std", "mad", "iqr")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# vllm_importance_sampling_mode (TRL 1.16's values): granularity x what happens outside [C_min, C_max]
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # scale_rewards (TRL's key) -> the advantages from the centred rewards r - mean_g, their two scaled forms and the mix
 # weight (docs/methods.md 6.2; `group_advantages` says which paper each comes from)
@@ -262,7 +264,9 @@ def clipped_surrogate(
     aggregated by `aggregate_loss`) and clip statistics (fractions of completion tokens, TRL's keys).
     dual_clip = c: for A < 0 the loss is also capped at c |A| (dual-clip PPO, Ye et al. 2020, arXiv 1912.09729;
     AGPO's "loss clip" reading C1, docs/methods.md 3.2 (c)): a token whose ratio has run far above 1 on a negative
-    advantage cannot dominate the batch.
+    advantage cannot dominate the batch. TRL's `delta` (INTELLECT-2's two-sided clipping, arXiv 2505.07291),
+    -min(min(rho, delta) A, clip(rho) A), is the same loss and gradient for every sign of A when delta >= 1 + eps_high
+    (docs/methods.md 1.9), so it is read as dual_clip; lib/config.py refuses a smaller value, where the two differ.
 
     token level (GRPO): rho_{i,t} = exp(logp - old_logp).
     sequence level (GSPO, arXiv 2507.18071): s_i = exp(mean_t (logp - old_logp)), one ratio per completion,
@@ -308,7 +312,6 @@ def cispo_surrogate(
     epsilon_low: float | torch.Tensor,
     epsilon_high: float | torch.Tensor,
     importance_sampling_level: str = "token",
-    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO's per-token loss (MiniMax-M1, arXiv 2506.13585, eq. 4-5): the importance weight is clipped and detached,
     so every token keeps a gradient (the PPO clip drops the gradient of a clipped token entirely):
@@ -317,7 +320,8 @@ def cispo_surrogate(
 
     Arguments and shapes as `clipped_surrogate`. As TRL's loss_type "cispo" reads it, the weight is capped from above
     only, at epsilon_high itself (ScaleRL's eps_max, arXiv 2510.13786, which recommends 5): the paper leaves the lower
-    bound unset, so epsilon_low and dual_clip are not used. On-policy rho = 1 and the gradient is -A grad log pi.
+    bound unset, so epsilon_low is not used (nor dual_clip, which lib/config.py refuses with it). On-policy rho = 1
+    and the gradient is -A grad log pi.
     Statistics: the share of tokens whose weight the cap lowered on a positive advantage (TRL's cispo_clip_ratio).
     """
     mask = completion_mask.to(logp.dtype)
@@ -333,31 +337,124 @@ def cispo_surrogate(
     return per_token, stats
 
 
+def sapo_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    epsilon_low: float | torch.Tensor,
+    epsilon_high: float | torch.Tensor,
+    importance_sampling_level: str = "token",
+    *,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO's per-token loss (Soft Adaptive Policy Optimization, Gao et al. 2025, arXiv 2511.20347): a smooth gate of
+    the ratio replaces the hard clip,
+
+        l_it = -f(rho_it) A_i,   f(rho) = (4 / tau) sigmoid(tau (rho - 1)),   tau = tau_pos if A_i > 0 else tau_neg
+
+    so grad l = -4 s (1 - s) A rho grad log pi with s = sigmoid(tau (rho - 1)): the weight 4 s (1 - s) is 1 on-policy
+    (the gradient is then GRPO's, -A grad log pi) and decays smoothly as rho leaves 1, instead of dropping to 0 at
+    1 +- epsilon; a larger tau narrows it. The paper takes tau_neg > tau_pos: tokens with a negative advantage push
+    probability off many other tokens, and a faster decay keeps that from destabilising training. A_i = 0 takes
+    tau_neg, as TRL's loss_type "sapo" (it contributes nothing either way). Arguments and shapes as
+    `clipped_surrogate`; the clip range is not read (lib/config.py refuses the controllers that move it).
+    Statistics: the share of tokens whose gate weight 4 s (1 - s) is below 1/2 (|rho - 1| beyond about 1.76 / tau),
+    logged as `clip_ratio/region_mean`, so that runs with a hard clip and with SAPO show a comparable number.
+    """
+    mask = completion_mask.to(logp.dtype)
+    ratio = policy_ratio(logp, old_logp, completion_mask, importance_sampling_level)  # (B, T) or (B, 1)
+    adv = advantages.unsqueeze(1)
+    tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg).to(ratio.dtype)  # (B, 1)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+    per_token = -gate * adv
+    if per_token.shape != logp.shape:  # sequence level: (B, 1) -> (B, T)
+        per_token = per_token.expand_as(logp)
+    with torch.no_grad():
+        s = torch.sigmoid(tau * (ratio - 1.0)).expand_as(logp)
+        faded = ((4.0 * s * (1.0 - s) < 0.5) & (adv != 0)).to(mask.dtype)
+        low = faded * (ratio.expand_as(logp) < 1.0)
+        n_tok = mask.sum().clamp(min=1.0)
+        stats = {"clip_ratio/low_mean": (low * mask).sum() / n_tok,
+                 "clip_ratio/high_mean": ((faded - low) * mask).sum() / n_tok,
+                 "clip_ratio/region_mean": (faded * mask).sum() / n_tok}
+    return per_token, stats
+
+
+def off_policy_sequence_mask(logp: torch.Tensor, sampling_logp: torch.Tensor, advantages: torch.Tensor,
+                             completion_mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence masking (arXiv 2512.02556, eq. 9), (B, 1) of 0 / 1, no grad:
+
+        M_i = 0  if A_i < 0 and (1/|o_i|) sum_t (log pi_sampling(o_it) - log pi_theta(o_it)) > threshold,  else 1
+
+    A completion with a negative advantage that the trained policy has drifted far from (a k1 estimate of
+    KL(pi_sampling || pi_theta) over its tokens) is dropped from the policy loss: pushing its probability down
+    further, on a sample the policy would no longer draw, is what destabilises off-policy training. Positive-advantage
+    completions always stay. `sampling_logp` is the sampler's own log-probability (vLLM's) where the rollout has one,
+    otherwise pi_old's (TRL's loss reads them the same way); logp is the current policy's, detached. A token whose
+    sampling log-prob is NaN (the engine could not score it) counts as 0, as in TRL. Padding does not count.
+    """
+    mask = completion_mask.to(logp.dtype)
+    gap = torch.nan_to_num(sampling_logp - logp.detach(), nan=0.0)
+    mean_gap = (gap * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+    drop = (advantages.unsqueeze(1) < 0) & (mean_gap > threshold)
+    return (~drop).to(logp.dtype)
+
+
+def high_entropy_mask(entropy: torch.Tensor, completion_mask: torch.Tensor, quantile: float,
+                      pool: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens whose entropy is in the top `quantile` of the pool, (B, T) of 0 / 1 (Wang et al. 2025, "Beyond the
+    80/20 rule", arXiv 2506.01939: the policy gradient of only the ~20% highest-entropy "forking" tokens trains as well
+    as or better than all of them; quantile 0.2 is the paper's).
+
+        keep_it = [H_it >= q],   q = the (1 - quantile) quantile of the pool, linearly interpolated (torch.quantile)
+
+    pool: (M,) the entropies the threshold is taken over; None = this micro-batch's loss tokens, entropy[mask]. TRL
+    takes it over one micro-batch's loss tokens gathered from every process (lib/distributed.gather_ragged), so the
+    threshold, like bnpo's average, depends on how a step is split into micro-batches. quantile 0 keeps the single
+    highest-entropy token (and ties); padding is never kept; an empty pool keeps nothing.
+    """
+    mask = completion_mask.bool()
+    pool = entropy.detach()[mask].float() if pool is None else pool.float()
+    if pool.numel() == 0:
+        return torch.zeros_like(entropy)
+    threshold = torch.quantile(pool, 1.0 - quantile)
+    return ((entropy.detach() >= threshold) & mask).to(entropy.dtype)
+
+
 def truncated_importance_weights(train_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor,
-                                 mode: str = "token_truncate", cap: float = 3.0) -> torch.Tensor:
+                                 mode: str = "token_truncate", clip_max: float | None = 3.0,
+                                 clip_min: float | None = None) -> torch.Tensor:
     """Importance weights correcting for a sampler whose probabilities differ from the trainer's (B, T), no grad.
 
     Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
     training"): the policy gradient is estimated on tokens drawn from the inference engine's pi_vllm, not the
     trained pi, so each token's term is weighted by w = pi(y_t) / pi_vllm(y_t), computed from log-probs
-    (`train_logp` of the policy that sampled, `sampling_logp` the engine's), and capped for variance:
-        token_truncate     w_t = min(w_t, cap)
-        token_mask         w_t if w_t <= cap else 0
-        sequence_truncate  one weight per completion, min(prod_t w_t, cap), on all its tokens
-        sequence_mask      prod_t w_t if it is <= cap else 0
-    Masked positions get weight 0.
+    (`train_logp` of the policy that sampled, `sampling_logp` the engine's), and bounded to [C_min, C_max] for
+    variance (TRL's vllm_importance_sampling_clip_min / _max; None = no bound on that side):
+        token_truncate     w_t = clamp(w_t, C_min, C_max)
+        token_mask         w_t inside [C_min, C_max], else 0: with both bounds, IcePop (Ling team 2025, arXiv
+                           2510.18855: tokens whose two probabilities disagree beyond a band leave the gradient)
+        sequence_truncate  one weight per completion, clamp(prod_t w_t, C_min, C_max), on all its tokens
+        sequence_mask      prod_t w_t inside [C_min, C_max], else 0 (masked importance sampling per sequence)
+    Masked positions get weight 0; a NaN sampling log-prob (a token the engine could not score) gives w = 1, as TRL.
     """
-    log_ratio = ((train_logp - sampling_logp) * mask).detach()
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode: {mode!r} is not one of {IMPORTANCE_SAMPLING_MODES}")
+    log_ratio = torch.nan_to_num((train_logp - sampling_logp) * mask, nan=0.0).detach()
     if mode.startswith("sequence"):
         log_ratio = log_ratio.sum(1, keepdim=True).expand_as(train_logp)
-    ratio = torch.exp(log_ratio.clamp(max=50.0))  # exp of a huge log-ratio overflows; any value above cap is capped
+    ratio = torch.exp(log_ratio.clamp(max=50.0))  # exp of a huge log-ratio overflows; e^50 is beyond any useful cap
     if mode.endswith("truncate"):
-        weight = ratio.clamp(max=cap)
-    elif mode.endswith("mask"):
-        weight = torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+        weight = ratio if clip_min is None and clip_max is None else ratio.clamp(min=clip_min, max=clip_max)
     else:
-        raise ValueError(f"vllm_importance_sampling_mode: {mode!r} is not one of token_truncate, token_mask, "
-                         f"sequence_truncate, sequence_mask")
+        inside = torch.ones_like(ratio, dtype=torch.bool)
+        if clip_min is not None:
+            inside &= ratio >= clip_min
+        if clip_max is not None:
+            inside &= ratio <= clip_max
+        weight = torch.where(inside, ratio, torch.zeros_like(ratio))
     return weight * mask
 
 
@@ -393,29 +490,49 @@ def local_token_mean(masked_sum, mask, num_sequences, num_tokens, max_length, nu
 @dataclass(frozen=True)
 class LossType:
     """A `loss_type`: its per-token policy loss, (logp, old_logp, advantages, mask, epsilon_low, epsilon_high,
-    importance_sampling_level, dual_clip) -> ((B, T) loss, statistics), and how it is averaged (`aggregate_loss`)."""
+    importance_sampling_level, **options) -> ((B, T) loss, statistics), and how it is averaged (`aggregate_loss`).
+    `options`: the configuration keys the per-token loss also takes, as keyword arguments of the same names
+    (`loss_options` reads them). `clip`: what it reads of the clip range: "band" (1 - epsilon_low, 1 + epsilon_high),
+    "cap" (epsilon_high itself, an absolute cap of the ratio) or "none"; lib/config.py refuses a controller whose clip
+    would not act on it (adaptive_kl scales epsilon, which a band and a cap both read; dsf sets band widths)."""
 
     surrogate: Callable
     average: Callable
     summary: str  # for --help and docs/configuration.md
+    options: tuple[str, ...] = ()
+    clip: str = "band"
 
 
 # loss_type (TRL's names) -> its entry. Adding a loss: a pure function above and one line here (docs/methods.md 11).
+_CLIP = ("dual_clip",)
 LOSS_TYPES: dict[str, LossType] = {
-    "grpo": LossType(clipped_surrogate, sequence_mean, "per-sequence mean"),
-    "bnpo": LossType(clipped_surrogate, local_token_mean, "local token mean"),
-    "dapo": LossType(clipped_surrogate, token_mean, "global token mean"),
-    "dr_grpo": LossType(clipped_surrogate, constant_length_mean, "sum over N x max_completion_length"),
+    "grpo": LossType(clipped_surrogate, sequence_mean, "per-sequence mean", _CLIP),
+    "bnpo": LossType(clipped_surrogate, local_token_mean, "local token mean", _CLIP),
+    "dapo": LossType(clipped_surrogate, token_mean, "global token mean", _CLIP),
+    "dr_grpo": LossType(clipped_surrogate, constant_length_mean, "sum over N x max_completion_length", _CLIP),
     "cispo": LossType(cispo_surrogate, token_mean, "detached IS weight capped at epsilon_high x log pi, "
-                      "global token mean; ScaleRL recommends epsilon_high 5"),
+                      "global token mean; ScaleRL recommends epsilon_high 5", clip="cap"),
+    "sapo": LossType(sapo_surrogate, sequence_mean, "a sigmoid gate of the ratio instead of the clip "
+                     "(sapo_temperature_pos / _neg), per-sequence mean",
+                     ("sapo_temperature_pos", "sapo_temperature_neg"), clip="none"),
 }
 
 
-def policy_loss(loss_type: str, *args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The per-token policy loss (B, T) of `loss_type` and its statistics; arguments as `clipped_surrogate`."""
+def loss_options(loss_type: str, settings) -> dict:
+    """The keyword arguments LOSS_TYPES[loss_type]'s per-token loss takes from a configuration (any object with
+    those attributes)."""
+    return {name: getattr(settings, name) for name in LOSS_TYPES[loss_type].options}
+
+
+def policy_loss(loss_type: str, *args, **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token policy loss (B, T) of `loss_type` and its statistics; arguments as `clipped_surrogate`, and
+    the options that loss type takes (LossType.options; e.g. dual_clip for the clipped ones)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPES)}, got {loss_type!r}")
-    return LOSS_TYPES[loss_type].surrogate(*args, **kwargs)
+    unknown = set(options) - set(LOSS_TYPES[loss_type].options)
+    if unknown:
+        raise ValueError(f"loss_type {loss_type} takes no {', '.join(sorted(unknown))}")
+    return LOSS_TYPES[loss_type].surrogate(*args, **options)
 
 
 def aggregate_loss(

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from lib.losses import DISPERSIONS, IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES, SCALE_REWARDS
+from lib.losses import (DISPERSIONS, IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES, KL_ESTIMATORS, LOSS_TYPES,
+                         SCALE_REWARDS)
 from lib.methods import METHODS
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
@@ -220,11 +221,19 @@ class GenerationArguments:
                                                       "2025); the ratios are logged under sampling/."})
     vllm_importance_sampling_mode: str = field(default="token_truncate", metadata={"help": "token_truncate | "
                                                "token_mask | sequence_truncate | sequence_mask: per-token or "
-                                               "per-sequence ratio, capped at the clip value or zeroed above it.",
-        "choices": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")})
-    vllm_importance_sampling_clip_max: float = field(default=3.0, metadata={"help": "Cap C of the importance "
-                                                     "ratio pi_train / pi_vllm (as TRL's default).",
+                                               "per-sequence ratio, clamped into [clip_min, clip_max] or zeroed "
+                                               "outside it (token_mask with both bounds is IcePop; docs/methods.md "
+                                               "1.12).",
+        "choices": IMPORTANCE_SAMPLING_MODES})
+    vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata={"help": "Upper bound C_max of "
+                                                            "the importance ratio pi_train / pi_vllm (as TRL's "
+                                                            "default; null = none, then give clip_min).",
         "range": "[1, inf)", "why": "a cap below 1 down-weights every on-policy token"})
+    vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={"help": "Lower bound C_min of "
+                                                            "the importance ratio (null = none, TRL's default): "
+                                                            "truncate modes raise smaller ratios to it, mask modes "
+                                                            "zero them.",
+        "range": "[0, 1]", "why": "a floor above 1 up-weights every on-policy token"})
     min_p: float | None = field(default=None, metadata={"help": "Min-p sampling: tokens below min_p x the top "
                                 "token's probability are not sampled (null or 0 = off; typical 0.01-0.2). As in TRL, "
                                 "training log-probs use the temperature only (docs/models.md 3).",
@@ -357,6 +366,21 @@ class GRPOArguments:
                                          "ratio pi / pi_old, which makes its gradient the unbiased reverse-KL "
                                          "gradient (DeepSeek-V3.2, arXiv 2512.02556; TRL's default is true). It "
                                          "changes the gradient even on-policy, where the ratio's value is 1."})
+    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "loss_type sapo: temperature tau of the "
+                                        "soft gate for positive advantages (larger = narrower; arXiv 2511.20347).",
+        "range": "(0, inf)", "why": "the gate is (4 / tau) sigmoid(tau (rho - 1))"})
+    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "loss_type sapo: tau for the other "
+                                        "tokens (the paper keeps it above sapo_temperature_pos).",
+        "range": "(0, inf)", "why": "the gate is (4 / tau) sigmoid(tau (rho - 1))"})
+    off_policy_mask_threshold: float | None = field(default=None, metadata={"help": "DeepSeek-V3.2 off-policy "
+                                                    "sequence masking: leave out of the policy loss a completion "
+                                                    "with a negative advantage whose mean log pi_sampling - log pi "
+                                                    "exceeds this (e.g. 0.5; null = off; docs/methods.md 1.10).",
+        "range": "[0, inf)", "why": "it bounds a KL estimate"})
+    top_entropy_quantile: float = field(default=1.0, metadata={"help": "Train only the tokens whose entropy is in "
+                                        "this top share of each micro-batch's (Wang et al. 2025's 80/20 rule: 0.2; "
+                                        "1 = every token; docs/methods.md 1.11).",
+        "range": "[0, 1]", "why": "it is a share of the tokens"})
     skip_zero_signal_updates: bool = field(default=False, metadata={"help": "Make no optimizer step on a "
                                            "generation batch whose advantages are all 0 (no group has a reward "
                                            "spread; why: docs/methods.md 6.1, phase 5). The step is still counted, "

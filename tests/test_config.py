@@ -128,6 +128,25 @@ def test_user_keys_override_a_preset_and_config_yaml_records_the_resolved_values
     ({"algo": "agrpo", "beta": 2.0}, r"beta 2.0 is outside \[beta_min 0.0001, beta_max 1.0\].*--adaptive_kl false"),
     ({"adaptive_kl": True, "beta_min": 0.5, "beta_max": 0.1}, "beta_min .* must not exceed beta_max"),
     ({"dual_clip": 1.0}, "dual_clip must be > 1"),
+    # the loss keys of issue 39 (docs/methods.md 1.8-1.12): a key the loss type would not read, a dual_clip (TRL's
+    # delta) where the two losses differ, reaching the widest clip range a controller can give, and bad bounds
+    ({"dual_clip": 1.1}, r"dual_clip \(TRL's delta\) 1.1 is below 1 \+ epsilon_high = 1.2 .*give at least 1.2"),
+    ({"algo": "agrpo", "dual_clip": 1.25}, r"below 1 \+ epsilon_high = 1.3 \(the widest upper clip range"),
+    ({"dsf": True, "dual_clip": 1.3}, r"below 1 \+ epsilon_high = 1.4"),
+    ({"loss_type": "cispo", "dual_clip": 3.0}, "loss_type cispo has none, so it would change nothing"),
+    ({"loss_type": "sapo", "dual_clip": 3.0}, "loss_type sapo has none"),
+    ({"algo": "agrpo", "loss_type": "sapo"}, r"loss_type sapo has no clip range .* so adaptive_kl, which adapts the "
+     r"clip range, would change nothing there.*--adaptive_kl false"),
+    ({"loss_type": "sapo", "dsf": True}, r"so dsf, which adapts"),
+    ({"algo": "agpo_dsf", "loss_type": "cispo"}, r"loss_type cispo caps the importance weight at epsilon_high itself"
+     r".*--dsf false"),
+    ({"sapo_temperature_neg": 0}, "sapo_temperature_neg must be > 0"),
+    ({"top_entropy_quantile": 1.5}, r"top_entropy_quantile must be in \[0, 1\]"),
+    ({"off_policy_mask_threshold": -0.1}, "off_policy_mask_threshold must be >= 0"),
+    ({"vllm_importance_sampling_clip_max": None}, "both null: give at least one bound"),
+    ({"vllm_importance_sampling_clip_min": 1.0, "vllm_importance_sampling_clip_max": 1.0},
+     r"clip_min \(1.0\) must be below vllm_importance_sampling_clip_max \(1.0\)"),
+    ({"vllm_importance_sampling_clip_min": 1.5}, r"vllm_importance_sampling_clip_min must be in \[0, 1\]"),
     ({"eta": -0.1}, "eta must be >= 0"),
     ({"scale_rewards": "mix", "scale_rewards_mix": 2.0}, r"scale_rewards_mix must be in \[0.0, 1.0\]"),
     ({"reward_dispersion": "var"}, "reward_dispersion: 'var' is not one of std, mad, iqr"),

@@ -222,7 +222,9 @@ def test_two_processes_split_groups_and_agree_on_the_adaptive_sampling(tmp_path,
     args = ["--model_name_or_path", tiny_model, *TINY, "--output_dir", str(out), "--per_device_train_batch_size", "2",
             "--max_steps", "8", "--num_generations", "8", "--steps_per_generation", "2", "--num_iterations", "2",
             "--algo", "agpo_dsf", "--resample_schedule", '[{"step": 1, "params": [{"temperature": 1.0}]}]',
-            "--answer_marker", "is", "--kl_estimator", "k1", "--save_steps", "4"]
+            "--answer_marker", "is", "--kl_estimator", "k1", "--save_steps", "4",
+            # the entropy mask's threshold is taken over both processes' tokens (lib/distributed.gather_ragged)
+            "--top_entropy_quantile", "0.5", "--off_policy_mask_threshold", "0.5"]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     proc = subprocess.run(launcher + [str(REPO / "train_agrpo.py"), *args], cwd=tmp_path, capture_output=True,
@@ -233,6 +235,7 @@ def test_two_processes_split_groups_and_agree_on_the_adaptive_sampling(tmp_path,
     assert lines[0]["num_tokens/probe"] > 0 and lines[4]["num_tokens/probe"] > 0 and "resample_rounds" in lines[0]
     assert [m["num_tokens/probe"] for m in lines[1:4] + lines[5:8]] == [0] * 6
     assert len({m["epsilon"] for m in lines[:4]}) == 1 and lines[3]["step_kl_ema"] > 0
+    assert all(0.2 < m["masked/low_entropy"] < 0.8 and "masked/off_policy" in m for m in lines)
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["data_position"] == 2  # one prompt per generation batch, across both processes
     assert (out / "checkpoint-8" / "rng_state_1.pt").exists() and not (out / "checkpoint-8" / "rng_state_2.pt").exists()
@@ -269,3 +272,21 @@ def test_cispo_loss_type_trains_through_the_registry(tmp_path, tiny_model):
     assert "clip_ratio/high_mean" in cispo and cispo["loss"] != pytest.approx(dapo["loss"])
     assert all(torch.allclose(cispo_weights[k], dapo_weights[k], atol=1e-6) for k in dapo_weights)
     assert moved_tensors(tmp_path / "cispo", tiny_model) > 10
+
+
+def test_issue_39_loss_keys_train_through_the_loop(tmp_path, tiny_model):
+    """TRL 1.16's newer loss keys reach the loop's loss (docs/methods.md 1.8-1.11): SAPO with the entropy and
+    off-policy masks, over a generation batch that serves two steps (the second off-policy, so pi_old differs from the
+    policy and the off-policy mask has a KL to read), and TRL's delta, read as dual_clip."""
+    out = tmp_path / "sapo"
+    lines = train(tiny_model, out, "--loss_type", "sapo", "--sapo_temperature_neg", "2", "--top_entropy_quantile",
+                  "0.2", "--off_policy_mask_threshold", "0", "--num_iterations", "2", "--beta", "0")
+    # about 80% of the loss tokens left out by the entropy mask, on every step
+    assert all(0.7 < m["masked/low_entropy"] < 0.85 for m in lines), [m["masked/low_entropy"] for m in lines]
+    # on-policy (step 1) the KL to pi_old is 0 and nothing is masked; after an update some negative sample is
+    assert lines[0]["masked/off_policy"] == 0 and lines[1]["masked/off_policy"] > 0
+    assert moved_tensors(out, tiny_model) > 10
+    assert yaml.safe_load((out / "config.yaml").read_text())["sapo_temperature_neg"] == 2.0
+    delta = train(tiny_model, tmp_path / "delta", "--delta", "3", "--loss_type", "dapo", "--max_steps", "1")
+    assert yaml.safe_load((tmp_path / "delta" / "config.yaml").read_text())["dual_clip"] == 3.0
+    assert "clip_ratio/dual_mean" in delta[0]

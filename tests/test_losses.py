@@ -7,6 +7,7 @@ import torch
 
 from conftest import assert_close_to_scale, assert_rel_close
 from lib.losses import (aggregate_loss, clipped_surrogate, dispersion, group_advantages, group_skewness, kl_penalty,
+                        high_entropy_mask, off_policy_sequence_mask,
                         LOSS_TYPES, policy_loss,
                         truncated_importance_weights, weighted_rewards,
                         token_logps_and_entropy)
@@ -344,16 +345,16 @@ def test_truncated_importance_weights_hand_values():
     sampler = torch.tensor([[-1.0, -3.0, 0.0], [-1.0, -1.0, -1.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # the second row's third token is padding
     e = math.e
-    token = truncated_importance_weights(train, sampler, mask, "token_truncate", cap=2.0)
+    token = truncated_importance_weights(train, sampler, mask, "token_truncate", clip_max=2.0)
     assert torch.allclose(token, torch.tensor([[1.0, 2.0, math.exp(-0.5)], [1.0, 1.0, 0.0]]))
-    masked = truncated_importance_weights(train, sampler, mask, "token_mask", cap=2.0)
+    masked = truncated_importance_weights(train, sampler, mask, "token_mask", clip_max=2.0)
     assert torch.allclose(masked, torch.tensor([[1.0, 0.0, math.exp(-0.5)], [1.0, 1.0, 0.0]]))
     # a sequence's ratio is the product of its tokens' ratios: exp(0 + 1 - 0.5) = e^0.5; padding does not count
-    seq = truncated_importance_weights(train, sampler, mask, "sequence_truncate", cap=10.0)
+    seq = truncated_importance_weights(train, sampler, mask, "sequence_truncate", clip_max=10.0)
     assert torch.allclose(seq, torch.tensor([[e ** 0.5] * 3, [1.0, 1.0, 0.0]]))
-    capped = truncated_importance_weights(train, sampler, mask, "sequence_truncate", cap=1.5)
+    capped = truncated_importance_weights(train, sampler, mask, "sequence_truncate", clip_max=1.5)
     assert torch.allclose(capped, torch.tensor([[1.5] * 3, [1.0, 1.0, 0.0]]))
-    dropped = truncated_importance_weights(train, sampler, mask, "sequence_mask", cap=1.5)
+    dropped = truncated_importance_weights(train, sampler, mask, "sequence_mask", clip_max=1.5)
     assert torch.allclose(dropped, torch.tensor([[0.0] * 3, [1.0, 1.0, 0.0]]))
     # equal engines: every weight is 1; weights carry no gradient
     logp = torch.tensor([[-0.3, -0.7]], requires_grad=True)
@@ -448,3 +449,264 @@ def test_cispo_matches_trls_grpo_trainer_loss():
     theirs.backward()
     assert torch.allclose(ours, theirs) and torch.allclose(logp.grad, leaf.grad)
     assert trainer._metrics["train"]["cispo_clip_ratio"]  # TRL took its cispo branch
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# TRL 1.16's own loss (GRPOTrainer._compute_loss, its model pass replaced by given log-probs and entropies) against
+# ours, composed as train_agrpo.update_policy composes it: policy_loss, the off-policy and entropy masks, the vLLM
+# importance weights, aggregate_loss. Same tensors, both signs of the advantage, padding, and two accumulated
+# micro-batches. docs/methods.md 1.7-1.11.
+
+def _mixed_batch():
+    """4 completions of up to 6 tokens, advantages of both signs, two rows padded; ratios from 0.6 to 2.7 so that
+    every clip, gate, cap and mask below acts on some tokens of each sign and not on others."""
+    torch.manual_seed(1)
+    old = -torch.rand(4, 6) * 2.0 - 0.2
+    shift = torch.tensor([[0.0, 0.4, -0.5, 0.25, 1.0, 0.1], [0.3, -0.1, 0.9, 0.5, -0.4, 0.0],
+                          [0.2, 0.1, -0.4, 0.0, 0.6, -0.2], [-1.0, -0.35, -0.3, 0.15, 0.0, 0.0]])
+    logp = old + shift
+    mask = torch.tensor([[1.0] * 6, [1.0] * 4 + [0.0] * 2, [1.0] * 6, [1.0] * 5 + [0.0]])
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5])
+    entropy = torch.rand(4, 6) * 3.0
+    sampling = old + torch.tensor([[0.3, -0.2, 0.5, 0.0, 0.1, -1.2], [0.9, 0.8, 0.7, 0.6, 0.0, 0.0],
+                                   [0.6, 0.4, 0.0, 0.2, 0.3, 0.1], [0.05, -0.05, 0.1, 0.0, -0.1, 0.0]])
+    return logp, old, adv, mask, entropy, sampling
+
+
+def _trl_compute_loss(logp, old, adv, mask, entropy, *, trainer=None, args=None, sampling=None, is_ratio=None,
+                      accumulation=1, num_items=None):
+    """TRL's GRPOTrainer._compute_loss on these tensors (one process; `num_items` the loss tokens of the whole
+    generation batch, as TRL's num_items_in_batch)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    grpo = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
+    settings = dict(delta=None, use_bias_correction_kl=False, steps_per_generation=accumulation,
+                    sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)
+    state = dict(aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+                 importance_sampling_level="token", beta=0.0, loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2,
+                 use_vllm=False, vllm_importance_sampling_correction=False, _entropy_bonus_enabled=False,
+                 current_gradient_accumulation_steps=accumulation, max_completion_length=logp.shape[1])
+    one_process = SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x,
+                                  pad_across_processes=lambda x, dim, pad_index: x)
+    fake = SimpleNamespace(**{**state, **(trainer or {})}, args=SimpleNamespace(**{**settings, **(args or {})}),
+                           model=SimpleNamespace(training=True), _metrics=defaultdict(lambda: defaultdict(list)),
+                           accelerator=one_process, get_off_policy_mask=grpo.get_off_policy_mask,
+                           _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropy, None))
+    fake.get_high_entropy_mask = lambda *a: grpo.get_high_entropy_mask(fake, *a)
+    b = logp.shape[0]
+    inputs = {"prompt_ids": torch.zeros(b, 2, dtype=torch.long), "prompt_mask": torch.ones(b, 2, dtype=torch.long),
+              "completion_ids": torch.zeros(logp.shape, dtype=torch.long), "completion_mask": mask,
+              "advantages": adv, "old_per_token_logps": old,
+              "num_items_in_batch": torch.as_tensor(mask.sum() if num_items is None else num_items)}
+    if sampling is not None:
+        inputs["sampling_per_token_logps"] = sampling
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
+    return grpo._compute_loss(fake, None, inputs), fake
+
+
+def _ours(loss_type, logp, old, adv, mask, entropy, *, options=None, eps=(0.2, 0.2), level="token", sampling=None,
+          off_policy=None, quantile=1.0, tis=None, accumulation=1, num_sequences=None, num_tokens=None):
+    """Our loss for one micro-batch, composed as train_agrpo.update_policy composes it."""
+    per_token, _ = policy_loss(loss_type, logp, old, adv, mask, eps[0], eps[1], level, **(options or {}))
+    if off_policy is not None:
+        per_token = per_token * off_policy_sequence_mask(logp, old if sampling is None else sampling, adv, mask,
+                                                         off_policy)
+    if quantile < 1.0:
+        per_token = per_token * high_entropy_mask(entropy, mask, quantile)
+    if tis is not None:
+        per_token = per_token * truncated_importance_weights(old, sampling, mask, *tis)
+    return aggregate_loss(per_token, mask, loss_type, global_num_sequences=num_sequences or logp.shape[0],
+                          global_num_tokens=mask.sum() if num_tokens is None else num_tokens,
+                          max_completion_length=logp.shape[1], gradient_accumulation_steps=accumulation)
+
+
+def _compare_with_trl(loss_type, ours_kwargs, trl_trainer, trl_args=None, *, accumulation=1, trl_extra=None):
+    """Loss and gradient over the mixed batch, in `accumulation` micro-batches, ours against TRL's. Returns the
+    largest absolute differences (loss, gradient) and the two gradients."""
+    logp, old, adv, mask, entropy, sampling = _mixed_batch()
+    ours_leaf, trl_leaf = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+    ours_total = theirs_total = 0.0
+    for rows in torch.arange(logp.shape[0]).chunk(accumulation):
+        part = [t[rows] for t in (old, adv, mask, entropy, sampling)]
+        ours = _ours(loss_type, ours_leaf[rows], part[0], part[1], part[2], part[3], accumulation=accumulation,
+                     num_sequences=logp.shape[0], num_tokens=mask.sum(), **{"sampling": part[4], **ours_kwargs})
+        extra = {key: value(part) for key, value in (trl_extra or {}).items()}
+        theirs, fake = _trl_compute_loss(trl_leaf[rows], part[0], part[1], part[2], part[3],
+                                         trainer={"loss_type": loss_type, **trl_trainer}, args=trl_args,
+                                         accumulation=accumulation, num_items=mask.sum(), **extra)
+        ours.backward()
+        theirs.backward()
+        ours_total, theirs_total = ours_total + ours.detach(), theirs_total + theirs.detach()
+    return (float((ours_total - theirs_total).abs()), float((ours_leaf.grad - trl_leaf.grad).abs().max()),
+            ours_leaf.grad, trl_leaf.grad)
+
+
+def _assert_same_as_trl(*args, **kwargs):
+    loss_gap, grad_gap, ours, _ = _compare_with_trl(*args, **kwargs)
+    assert loss_gap < 1e-6 and grad_gap < 1e-6, (loss_gap, grad_gap)
+    return ours
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("level, temperatures", [("token", (1.0, 1.05)), ("token", (0.5, 3.0)),
+                                                 ("sequence", (1.0, 1.05))])
+def test_sapo_matches_trls_loss_and_gradient(level, temperatures, accumulation):
+    """SAPO (arXiv 2511.20347, docs/methods.md 1.8): -(4 / tau) sigmoid(tau (rho - 1)) A, tau by the sign of A, the
+    per-sequence mean; the same value and gradient as TRL's loss_type "sapo"."""
+    options = {"sapo_temperature_pos": temperatures[0], "sapo_temperature_neg": temperatures[1]}
+    grad = _assert_same_as_trl("sapo", {"options": options, "level": level}, {"importance_sampling_level": level},
+                               options, accumulation=accumulation)
+    assert bool((grad != 0).any())
+
+
+def test_sapo_gate_by_hand_and_on_policy_gradient_is_grpos():
+    logp = torch.log(torch.tensor([[1.0, 1.5, 0.5]])).requires_grad_()
+    mask, old = torch.ones(1, 3), torch.zeros(1, 3)
+    loss, stats = policy_loss("sapo", logp, old, torch.tensor([-2.0]), mask, 0.2, 0.2, sapo_temperature_pos=1.0,
+                              sapo_temperature_neg=2.0)
+    # tau = 2 for A < 0: l = -(4 / 2) sigmoid(2 (rho - 1)) (-2) = 4 sigmoid(2 (rho - 1))
+    sig = torch.sigmoid(torch.tensor([0.0, 1.0, -1.0]))
+    assert loss[0].tolist() == pytest.approx((4 * sig).tolist(), rel=1e-6)
+    loss.sum().backward()
+    # d l / d log pi = 4 * 2 s (1 - s) * rho: the gate's weight 4 s (1 - s) times -A rho
+    rho = torch.tensor([1.0, 1.5, 0.5])
+    assert logp.grad[0].tolist() == pytest.approx((8 * sig * (1 - sig) * rho).tolist(), rel=1e-6)
+    assert float(stats["clip_ratio/region_mean"]) == 0.0  # every weight above 1/2 here
+    # on-policy the weight is exactly 1: GRPO's gradient -A grad log pi
+    fresh = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    on, _ = policy_loss("sapo", fresh, fresh.detach(), torch.tensor([0.7]), torch.ones(1, 2), 0.2, 0.2,
+                        sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)
+    on.sum().backward()
+    assert fresh.grad.tolist()[0] == pytest.approx([-0.7, -0.7])
+    with pytest.raises(ValueError, match="loss_type sapo takes no dual_clip"):
+        policy_loss("sapo", fresh, fresh.detach(), torch.tensor([0.7]), torch.ones(1, 2), 0.2, 0.2, dual_clip=3.0)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("loss_type, level", [("grpo", "token"), ("dapo", "token"), ("grpo", "sequence")])
+def test_delta_is_dual_clip_for_every_sign_above_one_plus_epsilon_high(loss_type, level, accumulation):
+    """TRL's delta (INTELLECT-2's two-sided clipping) read as our dual_clip (docs/methods.md 1.9): at
+    delta >= 1 + epsilon_high, the same loss and gradient for positive, negative and zero advantages."""
+    for delta in (1.2, 1.5, 2.2):  # 1 + epsilon_high itself, and ratios on both sides of the others
+        _assert_same_as_trl(loss_type, {"options": {"dual_clip": delta}, "level": level},
+                            {"importance_sampling_level": level}, {"delta": delta}, accumulation=accumulation)
+
+
+def test_delta_below_one_plus_epsilon_high_differs_from_dual_clip_and_is_refused():
+    """Below 1 + epsilon_high the two are different losses (docs/methods.md 1.9): for A < 0 dual-clip PPO caps the
+    loss at c |A| inside the clip range, TRL's delta leaves it rho |A| there (its cap falls back to 1 + eps_high); for
+    A > 0 TRL's delta caps rho at delta, dual-clip PPO leaves it alone. So lib/config.py refuses that range."""
+    from lib.config import ConfigError, make_config
+
+    rho = torch.tensor([[1.15, 1.3]])
+    logp, old, mask = torch.log(rho), torch.zeros(1, 2), torch.ones(1, 2)
+    negative, _ = clipped_surrogate(logp, old, torch.tensor([-1.0]), mask, 0.2, 0.2, dual_clip=1.1)
+    assert negative[0].tolist() == pytest.approx([1.1, 1.1])  # ours: capped at c |A| = 1.1
+    loss_gap, grad_gap, *_ = _compare_with_trl("grpo", {"options": {"dual_clip": 1.1}}, {}, {"delta": 1.1})
+    assert loss_gap > 1e-3 and grad_gap > 1e-3
+    with pytest.raises(ConfigError, match=r"dual_clip \(TRL's delta\) 1.1 is below 1 \+ epsilon_high = 1.2"):
+        make_config({"delta": 1.1})
+    assert make_config({"delta": 4.0}).dual_clip == 4.0
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("with_sampler", [True, False])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "sapo"])
+def test_off_policy_mask_matches_trls(loss_type, with_sampler, accumulation):
+    """DeepSeek-V3.2's off-policy sequence mask (docs/methods.md 1.10): the KL is taken to the sampler's log-probs
+    where the rollout has them (vLLM), else to pi_old's, as TRL's loss takes them."""
+    logp, old, adv, mask, _, sampling = _mixed_batch()
+    reference = sampling if with_sampler else old
+    keep = off_policy_sequence_mask(logp, reference, adv, mask, 0.1)
+    gap = ((reference - logp) * mask).sum(1) / mask.sum(1)
+    # it acts: a negative-advantage completion dropped, and a positive one kept although its KL is as high
+    assert keep[:, 0].tolist() == [float(not (a < 0 and g > 0.1)) for a, g in zip(adv.tolist(), gap.tolist())]
+    assert 0.0 in keep[:, 0].tolist()
+    assert not with_sampler or any(a > 0 and g > 0.1 for a, g in zip(adv.tolist(), gap.tolist()))
+    extra = {"sampling": lambda part: part[4]} if with_sampler else {}
+    ours = {"off_policy": 0.1} if with_sampler else {"off_policy": 0.1, "sampling": None}  # None: pi_old's
+    _assert_same_as_trl(loss_type, ours, {"off_policy_mask_threshold": 0.1}, trl_extra=extra,
+                        accumulation=accumulation)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("quantile", [0.0, 0.2, 0.5])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo"])
+def test_top_entropy_mask_matches_trls(loss_type, quantile, accumulation):
+    """The 80/20 rule (arXiv 2506.01939, docs/methods.md 1.11): the threshold is the (1 - quantile) quantile of one
+    micro-batch's loss tokens (padding left out), as TRL's get_high_entropy_mask."""
+    _assert_same_as_trl(loss_type, {"quantile": quantile}, {"top_entropy_quantile": quantile},
+                        accumulation=accumulation)
+
+
+def test_top_entropy_threshold_by_hand_padding_and_its_micro_batch_dependence():
+    entropy = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    # pool (7 loss tokens): 0.0 0.1 0.2 0.3 0.5 0.7 0.9; its 0.8 quantile sits at position 0.8 x 6 = 4.8: 0.66
+    kept = high_entropy_mask(entropy, mask, 0.2)
+    assert kept.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]  # padding (7.0) never counts nor is kept
+    assert high_entropy_mask(entropy, mask, 0.0).tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0] * 4]
+    assert high_entropy_mask(entropy, mask, 1.0).tolist() == mask.tolist()
+    assert not high_entropy_mask(entropy, torch.zeros(2, 4), 0.2).any()
+    # the threshold is each micro-batch's, as TRL's: at 0.4 the whole batch's is 0.42 (position 3.6), the second row's
+    # alone 0.28 (position 1.8 of its 4 tokens), so split into two micro-batches it keeps one token more
+    assert high_entropy_mask(entropy, mask, 0.4)[1].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert high_entropy_mask(entropy[1:], mask[1:], 0.4).tolist() == [[1.0, 1.0, 0.0, 0.0]]
+
+
+def _trls_importance_sampling_ratio(old, sampling, mask, mode, clip_max, clip_min):
+    """TRL's own lines that turn (pi_old, pi_vllm) log-probs into the importance weights (inside its
+    _generate_and_score_completions), run on these tensors."""
+    import inspect
+    import math as math_module
+    import textwrap
+    from types import SimpleNamespace
+
+    grpo = pytest.importorskip("trl.trainer.grpo_trainer").GRPOTrainer
+    lines = inspect.getsource(grpo._generate_and_score_completions).splitlines()
+    first = next(i for i, line in enumerate(lines) if "per_token_logps_diff = (old_per_token_logps - sampling" in line)
+    last = next(i for i in range(first, len(lines)) if "per-token log probabilities for the reference" in lines[i])
+    code = textwrap.dedent("\n".join(lines[first - 1:last]))
+    assert "vllm_importance_sampling_clip_min" in code  # TRL's block was found
+    scope = {"torch": torch, "math": math_module, "completion_mask": mask, "tool_mask": None,
+             "old_per_token_logps": old, "sampling_per_token_logps": sampling,
+             "self": SimpleNamespace(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=clip_max,
+                                     vllm_importance_sampling_clip_min=clip_min)}
+    exec(code, scope)
+    return scope["vllm_importance_sampling_ratio"]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("clip_max, clip_min", [(3.0, None), (1.5, 0.5), (None, 0.7), (1.3, 0.9)])
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_vllm_importance_sampling_matches_trls(mode, clip_max, clip_min, accumulation):
+    """Every vllm_importance_sampling_mode of TRL 1.16 with both bounds (token_mask with both is IcePop;
+    docs/methods.md 1.12): TRL's weights from its own lines, then its loss; ours from truncated_importance_weights."""
+    logp, old, adv, mask, _, sampling = _mixed_batch()
+    theirs = _trls_importance_sampling_ratio(old, sampling, mask, mode, clip_max, clip_min).expand_as(logp) * mask
+    ours = truncated_importance_weights(old, sampling, mask, mode, clip_max, clip_min)
+    assert torch.allclose(ours, theirs, atol=1e-6)
+    extra = {"is_ratio": lambda part: _trls_importance_sampling_ratio(part[0], part[4], part[2], mode, clip_max,
+                                                                      clip_min)}
+    _assert_same_as_trl("grpo", {"tis": (mode, clip_max, clip_min)},
+                        {"use_vllm": True, "vllm_importance_sampling_correction": True}, trl_extra=extra,
+                        accumulation=accumulation)
+
+
+def test_importance_weights_two_sided_by_hand():
+    train = torch.tensor([[-1.0, -2.0, -0.5, -1.0]])
+    sampler = torch.tensor([[-1.0, -3.0, 0.0, float("nan")]])  # ratios 1, e, e^-0.5, and an unscored token
+    mask = torch.ones(1, 4)
+    e = math.e
+    assert torch.allclose(truncated_importance_weights(train, sampler, mask, "token_truncate", 2.0, 0.7),
+                          torch.tensor([[1.0, 2.0, 0.7, 1.0]]))
+    assert torch.allclose(truncated_importance_weights(train, sampler, mask, "token_mask", 3.0, 0.7),
+                          torch.tensor([[1.0, e, 0.0, 1.0]]))  # IcePop: outside [0.7, 3] leaves the gradient
+    assert torch.allclose(truncated_importance_weights(train, sampler, mask, "token_mask", None, 0.7),
+                          torch.tensor([[1.0, e, 0.0, 1.0]]))
+    # the sequence ratio e^0.5 is inside [0.5, 2]; below a floor of 2 it is raised to it, or masked
+    assert torch.allclose(truncated_importance_weights(train, sampler, mask, "sequence_truncate", 3.0, 2.0),
+                          torch.full((1, 4), 2.0))
+    assert not truncated_importance_weights(train, sampler, mask, "sequence_mask", 3.0, 2.0).any()

@@ -175,13 +175,16 @@ def test_use_vllm_run_syncs_weights_and_corrects_with_importance_ratios(tmp_path
     out = tmp_path / "vllm"
     # fp32 on both sides: the engine's sampling log-probs and the trainer's agree to rounding, so every ratio is ~1
     run(TINY + ["--output_dir", str(out), "--use_vllm", "true", "--bf16", "false", "--reward_funcs", "accuracy",
-                "format", "--max_completion_length", "48", "--vllm_importance_sampling_clip_max", "1.5"], tmp_path)
+                "format", "--max_completion_length", "48", "--vllm_importance_sampling_clip_max", "1.5",
+                # two-sided and masked (IcePop, docs/methods.md 1.12): ratios of ~1 are all inside [0.5, 1.5]
+                "--vllm_importance_sampling_mode", "token_mask", "--vllm_importance_sampling_clip_min", "0.5"], tmp_path)
     steps = [r for r in read_jsonl(out / "metrics.jsonl") if "reward" in r]
     assert len(steps) == 2
     for r in steps:
         assert abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 0.01, r
         assert r["sampling/sampling_logp_difference/mean"] < 0.01, r
         assert r["sampling/importance_sampling_ratio/max"] <= 1.5 + 1e-6
+        assert r["sampling/importance_sampling_ratio/min"] >= 0.5
         assert r["completions/mean_length"] > 0 and r["time/weight_sync"] > 0
     assert max(r["grad_norm"] for r in steps) > 0  # a step with a learning signal (the format reward varies)
     # the engine sampled from the updated policy: the trained model differs from the start

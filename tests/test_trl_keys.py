@@ -143,7 +143,7 @@ def test_a_trl_command_line_reads_flags_alone_as_true_and_trls_names():
     ({"fp16": True}, r"fp16: True is not supported \(fp16 mixed precision is not implemented"),
     ({"sync_ref_model": "true"}, "sync_ref_model: 'true' is not supported"),
     ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size: 2 is not supported .*serve_vllm.py"),
-    ({"top_entropy_quantile": 0.2}, "top_entropy_quantile: 0.2 is not supported"),
+    ({"use_liger_loss": True}, "use_liger_loss: True is not supported"),
     ({"use_dora": True}, "use_dora"),
     ({"datasets": [{"path": "a"}]}, r"datasets: .* is not supported \(data-set mixtures are not implemented"),
 ])
@@ -153,6 +153,21 @@ def test_an_unimplemented_trl_key_is_accepted_at_trls_default_and_refused_otherw
     make_config({key: default})  # TRL's default: what this trainer does
     with pytest.raises(ConfigError, match=message):
         make_config(values)
+
+
+def test_trls_newer_loss_keys_are_read_with_trls_meaning():
+    """Issue 39's loss keys (docs/methods.md 1.8-1.12), as a TRL 1.16 recipe writes them."""
+    cfg = make_config({"loss_type": "sapo", "sapo_temperature_pos": 0.8, "sapo_temperature_neg": 1.2,
+                       "off_policy_mask_threshold": 0.5, "top_entropy_quantile": 0.2,
+                       "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5,
+                       "vllm_importance_sampling_clip_max": 2.0})
+    assert (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, cfg.off_policy_mask_threshold,
+            cfg.top_entropy_quantile, cfg.vllm_importance_sampling_clip_min) == (0.8, 1.2, 0.5, 0.2, 0.5)
+    assert make_config({"delta": 4.0, "epsilon_high": 0.28}).dual_clip == 4.0  # INTELLECT-2's two-sided clip
+    assert make_config({"vllm_importance_sampling_clip_max": None,
+                        "vllm_importance_sampling_clip_min": 0.5}).vllm_importance_sampling_clip_max is None
+    with pytest.raises(ConfigError, match="delta and dual_clip are the same setting"):
+        make_config({"delta": 4.0, "dual_clip": 3.0})
 
 
 def test_our_old_names_still_work_with_a_note_and_a_count_becomes_trls_pair(caplog):

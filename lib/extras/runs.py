@@ -221,6 +221,8 @@ PANELS = (
     PanelSpec("truncated", "Truncated completions (cut at max_completion_length)", "fraction of completions",
               ("completions/clipped_ratio", "eval/truncated_ratio")),
     PanelSpec("clip", "Clipped tokens (ratio outside the clip range)", "fraction of tokens", ("clip_ratio/*",)),
+    PanelSpec("masked", "Tokens left out of the policy loss (entropy and off-policy masks)", "fraction of tokens",
+              ("masked/*",)),
     PanelSpec("grad_norm", "Gradient norm (before clipping)", "L2 norm", ("grad_norm",)),
     PanelSpec("zero_spread", "Groups with zero reward spread", "fraction of groups", ("frac_reward_zero_std",)),
     PanelSpec("reward_std", "Reward spread", "standard deviation of the reward", ("reward_std", "rewards/*/std")),
