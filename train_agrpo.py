@@ -77,7 +77,7 @@ from lib.logs import append_jsonl, batch_metrics, dense_line
 from lib.losses import (aggregate_loss, kl_penalty, mean_of, per_row, policy_loss, policy_ratio,
                         truncated_importance_weights)
 from lib.methods import TrainValues, choose_method
-from lib.modeling import adapter_disabled, offloaded_activations, pad_cat, resolve_model_path
+from lib.modeling import adapter_disabled, mix_into_reference, offloaded_activations, pad_cat, resolve_model_path
 from lib.rollout import Rollout
 from lib.sampling import Sampled
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, stop_for_signal,
@@ -149,7 +149,7 @@ def train(run: Run, state: TrainerState) -> dict:
 
         # ---------------------------------------------------------------------------------- 4. controllers (per step)
         # the values this step trains with: fixed, or from the controllers' current state
-        values = controllers.step_values(TrainValues(cfg.beta, cfg.epsilon, cfg.resolved_epsilon_high()))
+        values = controllers.step_values(TrainValues(cfg.beta, cfg.epsilon, cfg.resolved_epsilon_high(), cfg.eta))
 
         # ---------------------------------------------------------------------------------- 5. policy update
         # one optimizer step on this step's slice of the generation batch
@@ -163,11 +163,14 @@ def train(run: Run, state: TrainerState) -> dict:
         # from what this step measured; after the last step on a batch, from what the batch's updates did (a step
         # skipped for a non-finite value teaches the controllers nothing)
         if not nonfinite:
-            controllers.after_step(update["kl"])
+            controllers.after_step(update)
         if step % geo.steps_per_rollout == 0 and not batch.nonfinite:
             controllers.after_batch(float(batch.adv_stats["frac_reward_zero_std"]),
                                     partial(step_drift, run, batch, timing))
         state.controller_state = controllers.state_dict()
+        if cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:  # TR-DPO's reference update (TRL's keys)
+            mix_into_reference(run.reference.model, run.accelerator.unwrap_model(run.scorer).model,
+                               cfg.ref_model_mixup_alpha)
 
         # ---------------------------------------------------------------------------------- 7. log
         # per-batch counters once, on the step that sampled the batch (0 on the steps that reuse it)
@@ -285,7 +288,8 @@ def prepare_batch(run: Run, sampled: Sampled) -> Batch:
     roll, group_size = sampled.rollout, sampled.group_size
     correct = ctx.correct(sampled.rewards) if ctx.correct_index is not None else None
     pooled = torch.cat(sampled.rounds, dim=1) if len(sampled.rounds) > 1 else None
-    advantages_all, adv_stats = run.method.advantages(sampled.total, group_size, correct=correct, pooled=pooled)
+    advantages_all, adv_stats = run.method.advantages(sampled.total, group_size, correct=correct, pooled=pooled,
+                                                      per_function=sampled.rewards, weights=ctx.reward_weights)
     advantages = advantages_all[geo.first: geo.first + geo.local_rollout]
     # a step's slice with no advantage on any process has no policy-gradient signal (the same answer everywhere)
     signal = (advantages_all.view(geo.world, cfg.optimizer_steps_per_generation, geo.local_completions) != 0
@@ -352,7 +356,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     step_rows = slice(part * geo.local_completions, (part + 1) * geo.local_completions)
     global_tokens, skip_update = batch.slice_tokens[part], batch.skip_updates[part]
     zero = partial(torch.zeros, (), device=accelerator.device)
-    sums = {"loss": zero(), "kl": zero(), "entropy": zero()}
+    sums = {"loss": zero(), "kl": zero(), "entropy": zero(), "trained_entropy": zero()}
     clip_sums = {}
     # truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
     # training"): the engine's sampling probabilities differ from the trainer's, so each token's policy-gradient term
@@ -370,7 +374,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
             with accelerator.autocast(), offloaded_activations(cfg.activation_offloading, accelerator.device):
                 logp, entropy = scorer(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows],
                                        roll.completion_ids[rows], roll.completion_mask[rows], roll.temperatures[rows],
-                                       entropy_grad=cfg.eta > 0)
+                                       entropy_grad=values.eta > 0)
             mask = batch.loss_mask[rows]
             width = logp.shape[1]
             old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
@@ -396,8 +400,8 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                     if cfg.use_bias_correction_kl else 1.0
                 per_token = per_token + values.beta * kl * kl_weight
                 sums["kl"] += (kl.detach() * mask).sum()
-            if cfg.eta > 0:  # A-GRPO entropy bonus: the gradient raises the full distribution's entropy
-                per_token = per_token - cfg.eta * entropy
+            if values.eta > 0:  # A-GRPO entropy bonus: the gradient raises the full distribution's entropy
+                per_token = per_token - values.eta * entropy
             loss = aggregate_loss(per_token, mask, cfg.loss_type, global_num_sequences=geo.global_completions,
                                   global_num_tokens=global_tokens, max_completion_length=cfg.max_completion_length,
                                   num_processes=geo.world, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
@@ -405,13 +409,15 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                 distributed.backward(accelerator, scorer, loss, last=sync)
         sums["loss"] += loss.detach() / geo.world
         sums["entropy"] += (entropy.detach() * roll.completion_mask[rows]).sum()
+        sums["trained_entropy"] += (entropy.detach() * mask).sum()  # what the adaptive entropy controller reads
         for k, v in clip_stats.items():
             clip_sums[k] = clip_sums.get(k, 0.0) + v * mask.sum()
     timing = {"time/policy": clock(run) - t0}
 
     t0 = clock(run)
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this update used
-    reduced = accelerator.reduce(torch.stack([sums["loss"], sums["kl"], sums["entropy"]]), reduction="sum")
+    reduced = accelerator.reduce(torch.stack([sums["loss"], sums["kl"], sums["entropy"], sums["trained_entropy"]]),
+                                 reduction="sum")
     grad_norm, nonfinite, moved = step_optimizer(run, reduced[0], skip_update, batch.nonfinite)
     timing["time/optimizer"] = clock(run) - t0
     t0 = clock(run)
@@ -425,6 +431,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     metrics = {
         "kl": float(reduced[1] / loss_tokens) if values.beta > 0 else 0.0,
         "entropy": float(reduced[2] / step_tokens),
+        "entropy/trained": float(reduced[3] / loss_tokens),  # over the loss's tokens (TRL's adaptive entropy's)
         **{k: float(accelerator.reduce(v, reduction="sum") / loss_tokens) for k, v in clip_sums.items()},
         "learning_rate": learning_rate, "loss": float(reduced[0]), "grad_norm": float(grad_norm),
         "temperature": float(temperature / step_tokens),

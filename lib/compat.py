@@ -67,8 +67,7 @@ for _names, _why in [
       "transformers_continuous_batching_config", "use_transformers_paged"),
      "sampling implementation only: the sampled distribution is the same"),
     (("sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-      "vespo_lambda_neg", "ref_model_mixup_alpha", "ref_model_sync_steps", "entropy_coef_min", "entropy_coef_max",
-      "entropy_coef_delta", "entropy_target", "torch_compile_backend", "torch_compile_mode", "liger_kernel_config",
+      "vespo_lambda_neg", "torch_compile_backend", "torch_compile_mode", "liger_kernel_config",
       "optim_target_modules", "metric_for_best_model", "greater_is_better"),
      "an option of a feature that is off (its own key is refused unless at TRL's default)"),
 ]:
@@ -101,7 +100,6 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
     "model_init_kwargs": (None, "give the loading keys directly: dtype, attn_implementation, model_revision, "
                                 "trust_remote_code"),
     "router_aux_loss_coef": (None, "the MoE router's auxiliary loss is not added"),
-    "cast_lm_head_to_fp32": (False, "the output layer runs in the policy's dtype (log-probs are computed in fp32)"),
     "vllm_model_impl": ("vllm", "only vLLM's own model implementations are used"),
     "vllm_tensor_parallel_size": (1, "a colocated engine runs on its process's GPU; a generation server spans "
                                      "several with python serve_vllm.py --tensor_parallel_size N (vllm_mode server)"),
@@ -109,10 +107,7 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
     "vllm_importance_sampling_clip_min": (None, "the importance ratio is capped only from above "
                                                 "(vllm_importance_sampling_clip_max)"),
     "delta": (None, "two-sided clipping (delta) is not implemented; see dual_clip for a cap on negative advantages"),
-    "multi_objective_aggregation": ("sum_then_normalize", "rewards are summed with reward_weights, then normalised"),
-    "sync_ref_model": (False, "the reference model is not refreshed during training"),
     "top_entropy_quantile": (1.0, "every completion token is trained, not only the highest-entropy ones"),
-    "use_adaptive_entropy": (False, "an adaptive entropy coefficient is not implemented; eta is fixed"),
     "off_policy_mask_threshold": (None, "off-policy sequence masking is not implemented"),
     "max_tool_calling_iterations": (None, "tool calling is not implemented"),
     "lora_target_parameters": (None, "adapting parameters (MoE experts) directly is not implemented; use "
@@ -126,6 +121,25 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
     "test_split_size": (None, "a held-out share of the training split is num_eval_samples rows (a single file) or "
                               "the data set's test split"),
     "dataset_mixture": (None, "data-set mixtures are not implemented; give one dataset_name"),
+}
+
+
+# TRL keys that are fields here, with TRL's meaning, but refused in some combinations or read differently in one
+# point: key -> what and why (the checks: lib/config.validate_objective, lib/setup.load_models, lib/methods.py,
+# lib/modeling.cast_lm_head_to_fp32; docs/configuration.md lists them, docs/methods.md 13 and 2.6 explain).
+LIMITED: dict[str, str] = {
+    "multi_objective_aggregation": "normalize_then_sum is refused with resample_schedule (adaGRPO pools the summed "
+                                   "reward over a prompt's rounds) and with scale_rewards none or mix (GDPO's own "
+                                   "normalisation replaces the rule; TRL ignores scale_rewards there). "
+                                   "frac_reward_zero_std stays the share of groups whose total reward is flat (TRL "
+                                   "logs the batch's there)",
+    "sync_ref_model": "refused with beta 0 (no reference is loaded) and with LoRA / QLoRA (the reference is the base "
+                      "with the adapter off: no copy to mix into), as TRL refuses both; refused under FSDP / "
+                      "DeepSpeed, where mixing a sharded reference is not implemented",
+    "use_adaptive_entropy": "the bonus eta x entropy is averaged as loss_type says (TRL: always a token mean over the "
+                            "micro-batch), the same for dapo; a step skipped for a non-finite value does not move eta",
+    "cast_lm_head_to_fp32": "refused when the output layer is adapted (lm_head in lora_target_modules), as TRL "
+                            "refuses it; the bf16 sampling copy and vLLM sample with their own output layer",
 }
 
 

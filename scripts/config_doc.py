@@ -138,6 +138,8 @@ def trl_section(number: int) -> str:
     refused = ["| key | accepted at (TRL's default) | otherwise refused because |", "|---|---|---|"] + [
         f"| `{k}` | `{cell(value_text(default))}` | {cell(why)} |"
         for k, (default, why) in compat.UNSUPPORTED.items()]
+    limited = ["| key | refused in, or read otherwise in |", "|---|---|"] + [
+        f"| `{k}` | {cell(why)} |" for k, why in compat.LIMITED.items()]
     differ = ["| key | TRL's default | ours, and why |", "|---|---|---|"] + [
         f"| `{k}` | `{cell(value_text(trl))}` | `{cell(value_text(default_of(FIELDS[k])))}`: {cell(linked(why))} |"
         for k, (trl, why) in compat.DIFFERENT_DEFAULTS.items()]
@@ -150,6 +152,8 @@ def trl_section(number: int) -> str:
             + "\n".join(renamed) + "\n\nIgnored, with one warning line each:\n\n" + "\n".join(ignored_rows)
             + "\n\nNot implemented: accepted at TRL's default (the recipe then asks for what this trainer does), "
             "refused with this reason otherwise:\n\n" + "\n".join(refused)
+            + "\n\nImplemented with TRL's meaning, but refused in some combinations (with the reason) or read "
+            "otherwise in one point:\n\n" + "\n".join(limited)
             + "\n\nSame meaning, another default: a TRL recipe that leaves these out trains with ours; write the key "
             "to get TRL's.\n\n" + "\n".join(differ) + "\n")
 

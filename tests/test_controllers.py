@@ -171,3 +171,84 @@ def test_states_round_trip_through_json_exactly():
         assert controllers.from_dict(type(state), json.loads(text)) == state
     with pytest.raises(ValueError, match="unknown fields"):
         controllers.from_dict(DSFState, {"temperature": 1.0})
+
+
+# ---- adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy) ----------------------------------------------
+
+def test_entropy_controller_hand_values_and_bounds():
+    """c moves by delta toward keeping e at the target, within [min, max]; the bonus weight is c while the last
+    measured e is at or below the target, 0 above it and before any measurement (docs/methods.md 2.6)."""
+    cfg = SimpleNamespace(eta=0.01, entropy_target=0.2, entropy_coef_delta=0.005, entropy_coef_min=0.0,
+                          entropy_coef_max=0.02)
+    state = controllers.init_entropy_controller(cfg)
+    assert state == controllers.EntropyControllerState(eta=0.01, entropy=None)
+    assert controllers.entropy_bonus_weight(state, cfg) == 0.0  # nothing measured yet (TRL: +inf)
+    state = controllers.update_entropy_controller(state, 0.1, cfg)  # below the target: up
+    assert state.eta == pytest.approx(0.015) and controllers.entropy_bonus_weight(state, cfg) == state.eta
+    state = controllers.update_entropy_controller(state, 0.2, cfg)  # at the target counts as below
+    state = controllers.update_entropy_controller(state, 0.2, cfg)
+    assert state.eta == 0.02  # capped at entropy_coef_max
+    state = controllers.update_entropy_controller(state, 0.3, cfg)  # above: down, and no bonus
+    assert state.eta == pytest.approx(0.015) and controllers.entropy_bonus_weight(state, cfg) == 0.0
+    for _ in range(5):
+        state = controllers.update_entropy_controller(state, 0.3, cfg)
+    assert state.eta == 0.0  # floored at entropy_coef_min
+    assert controllers.from_dict(controllers.EntropyControllerState,
+                                 json.loads(json.dumps(controllers.to_dict(state)))) == state
+
+
+def test_entropy_controller_matches_trls_grpo_trainer_over_steps():
+    """TRL's GRPOTrainer._compute_loss with use_adaptive_entropy, five optimizer steps of one micro-batch each (its
+    model pass replaced by our log-probs and entropies): the same loss and gradients (policy term plus the bonus the
+    controller applies) and the same coefficient after every step as EntropyController in front of
+    policy_loss + aggregate_loss (loss_type dapo, whose token mean is TRL's bonus normalisation)."""
+    from collections import defaultdict
+
+    import torch
+
+    from lib.losses import aggregate_loss, policy_loss
+    from lib.methods import EntropyController, TrainValues
+
+    trainer_module = pytest.importorskip("trl.trainer.grpo_trainer")
+    cfg = SimpleNamespace(eta=0.02, entropy_target=0.2, entropy_coef_delta=0.05, entropy_coef_min=0.0,
+                          entropy_coef_max=0.08)
+    ours = EntropyController(cfg)
+    args = SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1,
+                           entropy_target=cfg.entropy_target, entropy_coef_delta=cfg.entropy_coef_delta,
+                           entropy_coef_min=cfg.entropy_coef_min, entropy_coef_max=cfg.entropy_coef_max)
+    trainer = SimpleNamespace(
+        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level="token", beta=0.0, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
+        use_vllm=False, _entropy_bonus_enabled=True, use_adaptive_entropy=True, entropy_coef=cfg.eta,
+        _last_world_entropy=float("inf"), _entropy_window_stats=None, current_gradient_accumulation_steps=1,
+        args=args, model=SimpleNamespace(training=True), _metrics=defaultdict(lambda: defaultdict(list)),
+        accelerator=SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x,
+                                    sync_gradients=True))
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)  # padding included
+    adv = torch.tensor([0.7, -1.1, 0.4])  # both signs
+    applied = []
+    for scale in (0.3, 0.1, 0.15, 0.5, 0.05):  # the steps' entropies around the 0.2 target
+        logp = (-torch.rand(3, 4, generator=generator)).requires_grad_()
+        entropy = (scale * 2 * torch.rand(3, 4, generator=generator)).requires_grad_()
+        old = logp.detach() - 0.05 * torch.randn(3, 4, generator=generator)
+        eta = ours.step_values(TrainValues(0.0, 0.2, 0.2, cfg.eta)).eta
+        applied.append(eta)
+        per_token, _ = policy_loss("dapo", logp, old, adv, mask, 0.2, 0.2)
+        loss = aggregate_loss(per_token - eta * entropy, mask, "dapo", global_num_sequences=3,
+                              global_num_tokens=mask.sum(), max_completion_length=4)
+        loss.backward()
+        ours.after_step({"entropy/trained": float((entropy.detach() * mask).sum() / mask.sum())})
+
+        leaf, leaf_entropy = logp.detach().clone().requires_grad_(), entropy.detach().clone().requires_grad_()
+        trainer._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, leaf_entropy, None)
+        inputs = {"prompt_ids": torch.zeros(3, 2, dtype=torch.long), "prompt_mask": torch.ones(3, 2, dtype=torch.long),
+                  "completion_ids": torch.zeros(3, 4, dtype=torch.long), "completion_mask": mask,
+                  "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+        theirs = trainer_module.GRPOTrainer._compute_loss(trainer, None, inputs)
+        theirs.backward()
+        assert torch.allclose(loss, theirs, atol=1e-7)
+        assert torch.allclose(logp.grad, leaf.grad, atol=1e-7) and torch.allclose(entropy.grad, leaf_entropy.grad)
+        assert ours.state.eta == pytest.approx(trainer.entropy_coef, abs=1e-12)
+        assert ours.metrics()["entropy_coef"] == pytest.approx(trainer._metrics["train"]["entropy_coef"][-1])
+    assert applied == pytest.approx([0.0, 0.0, 0.05, 0.08, 0.0])  # the bonus acted, and was held back, both

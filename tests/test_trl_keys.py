@@ -141,7 +141,7 @@ def test_a_trl_command_line_reads_flags_alone_as_true_and_trls_names():
 
 @pytest.mark.parametrize("values, message", [
     ({"fp16": True}, r"fp16: True is not supported \(fp16 mixed precision is not implemented"),
-    ({"sync_ref_model": "true"}, "sync_ref_model: 'true' is not supported"),
+    ({"torch_compile": "true"}, "torch_compile: 'true' is not supported"),
     ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size: 2 is not supported .*serve_vllm.py"),
     ({"top_entropy_quantile": 0.2}, "top_entropy_quantile: 0.2 is not supported"),
     ({"use_dora": True}, "use_dora"),
