@@ -268,6 +268,7 @@ def test_fp32_head_matches_trls_fused_head_on_bf16_weights(tied):
     index = torch.tensor([0, 1, 1])
     args = (prompt, torch.ones_like(prompt), index, completion, completion_mask, torch.ones(3))
     ours, _ = completion_logps(model, *args, share_prompt_prefix=False)
+    ours.sum().backward()
 
     theirs.lm_head.float()  # what TRL's trainer does to the head before it adds the fused head, and, tied, to the
     if tied:  # embeddings' output (GRPOTrainer.__init__, cast_lm_head_to_fp32)
@@ -275,13 +276,16 @@ def test_fp32_head_matches_trls_fused_head_on_bf16_weights(tied):
     trl_utils.add_fused_lm_head(theirs, temperature=1.0, cast_lm_head_to_fp32=True)
     ids = torch.cat([prompt[index], completion], 1)
     labels = ids.masked_fill(torch.cat([torch.zeros_like(prompt[index]), completion_mask], 1) == 0, -100)
-    with torch.no_grad():
-        out = theirs(input_ids=ids, attention_mask=torch.cat([torch.ones_like(prompt[index]), completion_mask], 1),
-                     labels=labels, fused_lm_head=True)
+    out = theirs(input_ids=ids, attention_mask=torch.cat([torch.ones_like(prompt[index]), completion_mask], 1),
+                 labels=labels, fused_lm_head=True)
     trl_logp = out.log_probs[:, prompt.shape[1] - 1:].float()
-    gap = (ours - trl_logp).abs().max()
-    bf16_gap = (completion_logps(plain, *args, share_prompt_prefix=False)[0] - trl_logp).abs().max()
+    trl_logp.sum().backward()
+    gap = (ours.detach() - trl_logp.detach()).abs().max()
+    with torch.no_grad():
+        bf16_gap = (completion_logps(plain, *args, share_prompt_prefix=False)[0] - trl_logp).abs().max()
     assert gap < 1e-5 < bf16_gap
+    # the output layer's gradient (float32 on both sides), the same to float rounding
+    assert_rel_close(model.lm_head.weight.grad, theirs.lm_head.weight.grad, 1e-5, "the output layer's gradient")
 
 
 def test_fp32_head_refuses_an_adapted_head():
