@@ -24,11 +24,12 @@ The algorithm, step by step (`train` below calls one function per phase, in this
   3. advantages: A_i = (r_i - mean of its group) / (spread of its group, of the batch, a mix, or 1), or AGPO's
      fixed values for groups that are all right or all wrong; then the reference and old log-probs, once per batch.
   4. controllers: the values this step trains with: beta and epsilon fixed, from A-GRPO's KL controller, or one clip
-     range per prompt group from AGPO-DSF's statistics.
+     range per prompt group from AGPO-DSF's statistics; eta fixed or from the adaptive entropy controller.
   5. policy update: per token, -min(rho A, clip(rho, 1-eps, 1+eps_high) A) (+ dual clip) + beta KL(pi || pi_ref)
      - eta H(pi), averaged as `loss_type` says over the global batch; one optimizer step on this step's slice of the
      generation batch (steps_per_generation / gradient_accumulation_steps slices, each used num_iterations times).
-  6. controller update: state = update(state, what this step measured); saved in every checkpoint.
+  6. controller update: state = update(state, what this step measured); saved in every checkpoint. With
+     sync_ref_model, every ref_model_sync_steps the reference moves toward the policy (TR-DPO).
   7. log: one dense line per step, metrics.jsonl and the tracker.
   8. evaluate and save.
 The method's parts (how it samples, its advantage rule, its controllers) are chosen once, before the loop, by

@@ -241,6 +241,30 @@ def test_two_processes_split_groups_and_agree_on_the_adaptive_sampling(tmp_path,
     assert (out / "checkpoint-8" / "rng_state_1.pt").exists() and not (out / "checkpoint-8" / "rng_state_2.pt").exists()
 
 
+@pytest.mark.slow
+def test_two_processes_with_gdpo_adaptive_entropy_and_reference_updates(tmp_path, tiny_model):
+    """normalize_then_sum, the adaptive entropy controller and sync_ref_model with every group split across two
+    processes (gloo): the advantages come from the gathered rewards, the controller reads the entropy reduced over
+    both, and each process mixes its own reference copy from the same policy."""
+    out = tmp_path / "ddp"
+    # 2 completions a process: each step's group of 4 has half its completions on each process
+    args = ["--model_name_or_path", tiny_model, *TINY, "--output_dir", str(out), "--per_device_train_batch_size", "2",
+            "--max_steps", "4", "--multi_objective_aggregation", "normalize_then_sum", "--algo", "agrpo",
+            "--use_adaptive_entropy", "true", "--entropy_target", "100", "--sync_ref_model", "true",
+            "--ref_model_sync_steps", "2", "--ref_model_mixup_alpha", "0.5", "--save_steps", "2"]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    proc = subprocess.run(launcher + [str(REPO / "train_agrpo.py"), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = steps_of(out)
+    assert [m["eta"] for m in lines[1:]] == pytest.approx([m["entropy_coef"] for m in lines[:-1]])
+    base = load_file(Path(tiny_model) / "model.safetensors")
+    policy = load_file(out / "checkpoint-2" / "model.safetensors")
+    mixed = load_file(out / "checkpoint-2" / "reference" / "model.safetensors")
+    assert all(torch.allclose(mixed[k], 0.5 * policy[k] + 0.5 * base[k], atol=1e-7) for k in base)
+
+
 def test_a_run_refused_in_set_up_leaves_no_accelerate_state(tmp_path):
     """Accelerate keeps one state per process: a run refused after its Accelerator was made (here by the batch check,
     in bf16) made every later run in the same process with another precision fail to start."""
