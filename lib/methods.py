@@ -297,7 +297,7 @@ class DSFController(Controller):
         self.ranges = torch.tensor(ranges, device=prompt_of_row.device)[prompt_of_row]
 
     def step_values(self, values: TrainValues) -> TrainValues:
-        return TrainValues(values.beta, self.ranges, self.ranges)
+        return dataclasses.replace(values, epsilon_low=self.ranges, epsilon_high=self.ranges)
 
     def after_batch(self, frac_reward_zero_std: float, step_drift) -> None:
         drift = step_drift()  # per group; negative values (noise) clamped, as the AGPO-DSF code does

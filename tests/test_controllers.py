@@ -327,3 +327,20 @@ def test_entropy_controller_matches_trl_under_gradient_accumulation(loss_type):
         ours.after_step({"entropy/trained": measured / float(window_tokens)})
         assert ours.state.eta == pytest.approx(trainer.entropy_coef, abs=1e-12)
     assert applied == pytest.approx([0.0, 0.05, 0.07])  # the bonus acted with two different weights
+
+
+def test_every_controller_passes_on_the_values_it_does_not_set():
+    """Each controller's step_values changes only its own values: the entropy weight reaches the loss under A-GRPO's
+    KL controller and AGPO-DSF's per-group clip, and the clip and beta under the entropy controller."""
+    import torch
+
+    from lib.methods import Controllers, DSFController, EntropyController, KLController, TrainValues
+
+    cfg = make_config({"algo": "agpo_dsf", "adaptive_kl": True, "beta": 0.03, "eta": 0.01})
+    dsf = DSFController(cfg)
+    dsf.ranges = torch.tensor([0.1, 0.3])
+    values = Controllers([KLController(cfg), dsf]).step_values(TrainValues(0.03, 0.2, 0.2, 0.01))
+    assert values.eta == 0.01 and values.epsilon_low.tolist() == pytest.approx([0.1, 0.3])
+    entropy = EntropyController(make_config({"use_adaptive_entropy": True, "eta": 0.01}))
+    entropy.state = controllers.EntropyControllerState(eta=0.02, entropy=0.1)
+    assert entropy.step_values(TrainValues(0.04, 0.2, 0.28, 0.01)) == TrainValues(0.04, 0.2, 0.28, 0.02)
