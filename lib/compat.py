@@ -11,7 +11,8 @@ Every such key is in exactly one table:
 - UNSUPPORTED: keys that would change what is trained and are not implemented; accepted only at TRL's default value
   (the recipe then asks for what this package does), refused otherwise with the reason.
 tests/test_trl_keys.py checks the tables against TRL's own dataclasses when TRL is installed: every key of theirs is
-a field here or in one table, and every UNSUPPORTED default is TRL's.
+a field here or in one table, and every UNSUPPORTED default is TRL's. Two more tables are about fields: LIMITED (TRL
+keys implemented with TRL's meaning but refused in some combinations) and DIFFERENT_DEFAULTS.
 """
 
 from __future__ import annotations

@@ -268,3 +268,11 @@ def test_a_tiny_run_with_trls_keys_trains_the_weights_in_the_asked_dtype(tmp_pat
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert (saved["max_steps"], saved["dtype"], saved["num_eval_samples"]) == (8, "bfloat16", 0)
     assert "eval/accuracy" not in (out / "metrics.jsonl").read_text()
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="TRL is not installed (pip install -r requirements-bench.txt)")
+def test_limited_keys_are_trls_keys_implemented_here():
+    """lib/compat.LIMITED (docs/configuration.md 10) names TRL keys that are fields here, with TRL's default."""
+    fields = trl_fields()
+    for key in trl_keys.LIMITED:
+        assert key in FIELDS and key in fields and FIELDS[key].default == fields[key], key
