@@ -137,8 +137,9 @@ LIMITED: dict[str, str] = {
     "sync_ref_model": "refused with beta 0 (no reference is loaded) and with LoRA / QLoRA (the reference is the base "
                       "with the adapter off: no copy to mix into), as TRL refuses both; refused under FSDP / "
                       "DeepSpeed, where mixing a sharded reference is not implemented",
-    "use_adaptive_entropy": "the bonus eta x entropy is averaged as loss_type says (TRL: always a token mean over the "
-                            "micro-batch), the same for dapo; a step skipped for a non-finite value does not move eta",
+    "use_adaptive_entropy": "the bonus eta x entropy is averaged as loss_type says, like the policy term (TRL: each "
+                            "micro-batch's token mean), which is TRL's for bnpo and for dapo with one micro-batch a "
+                            "step; a step skipped for a non-finite value does not move eta",
     "cast_lm_head_to_fp32": "refused when the output layer is adapted (lm_head in lora_target_modules), as TRL "
                             "refuses it; the bf16 sampling copy and vLLM sample with their own output layer",
 }
