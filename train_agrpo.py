@@ -24,11 +24,12 @@ The algorithm, step by step (`train` below calls one function per phase, in this
   3. advantages: A_i = (r_i - mean of its group) / (spread of its group, of the batch, a mix, or 1), or AGPO's
      fixed values for groups that are all right or all wrong; then the reference and old log-probs, once per batch.
   4. controllers: the values this step trains with: beta and epsilon fixed, from A-GRPO's KL controller, or one clip
-     range per prompt group from AGPO-DSF's statistics.
+     range per prompt group from AGPO-DSF's statistics; eta fixed or from the adaptive entropy controller.
   5. policy update: per token, -min(rho A, clip(rho, 1-eps, 1+eps_high) A) (+ dual clip) + beta KL(pi || pi_ref)
      - eta H(pi), averaged as `loss_type` says over the global batch; one optimizer step on this step's slice of the
      generation batch (steps_per_generation / gradient_accumulation_steps slices, each used num_iterations times).
-  6. controller update: state = update(state, what this step measured); saved in every checkpoint.
+  6. controller update: state = update(state, what this step measured); saved in every checkpoint. With
+     sync_ref_model, every ref_model_sync_steps the reference moves toward the policy (TR-DPO).
   7. log: one dense line per step, metrics.jsonl and the tracker.
   8. evaluate and save.
 The method's parts (how it samples, its advantage rule, its controllers) are chosen once, before the loop, by
@@ -77,7 +78,7 @@ from lib.logs import append_jsonl, batch_metrics, dense_line
 from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
                         per_row, policy_loss, policy_ratio, truncated_importance_weights)
 from lib.methods import TrainValues, choose_method
-from lib.modeling import adapter_disabled, offloaded_activations, pad_cat, resolve_model_path
+from lib.modeling import adapter_disabled, mix_into_reference, offloaded_activations, pad_cat, resolve_model_path
 from lib.rollout import Rollout
 from lib.sampling import Sampled
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, stop_for_signal,
@@ -149,7 +150,7 @@ def train(run: Run, state: TrainerState) -> dict:
 
         # ---------------------------------------------------------------------------------- 4. controllers (per step)
         # the values this step trains with: fixed, or from the controllers' current state
-        values = controllers.step_values(TrainValues(cfg.beta, cfg.epsilon, cfg.resolved_epsilon_high()))
+        values = controllers.step_values(TrainValues(cfg.beta, cfg.epsilon, cfg.resolved_epsilon_high(), cfg.eta))
 
         # ---------------------------------------------------------------------------------- 5. policy update
         # one optimizer step on this step's slice of the generation batch
@@ -163,11 +164,14 @@ def train(run: Run, state: TrainerState) -> dict:
         # from what this step measured; after the last step on a batch, from what the batch's updates did (a step
         # skipped for a non-finite value teaches the controllers nothing)
         if not nonfinite:
-            controllers.after_step(update["kl"])
+            controllers.after_step(update)
         if step % geo.steps_per_rollout == 0 and not batch.nonfinite:
             controllers.after_batch(float(batch.adv_stats["frac_reward_zero_std"]),
                                     partial(step_drift, run, batch, timing))
         state.controller_state = controllers.state_dict()
+        if cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:  # TR-DPO's reference update (TRL's keys)
+            mix_into_reference(run.reference.model, run.accelerator.unwrap_model(run.scorer).model,
+                               cfg.ref_model_mixup_alpha)
 
         # ---------------------------------------------------------------------------------- 7. log
         # per-batch counters once, on the step that sampled the batch (0 on the steps that reuse it)
@@ -285,7 +289,8 @@ def prepare_batch(run: Run, sampled: Sampled) -> Batch:
     roll, group_size = sampled.rollout, sampled.group_size
     correct = ctx.correct(sampled.rewards) if ctx.correct_index is not None else None
     pooled = torch.cat(sampled.rounds, dim=1) if len(sampled.rounds) > 1 else None
-    advantages_all, adv_stats = run.method.advantages(sampled.total, group_size, correct=correct, pooled=pooled)
+    advantages_all, adv_stats = run.method.advantages(sampled.total, group_size, correct=correct, pooled=pooled,
+                                                      per_function=sampled.rewards, weights=ctx.reward_weights)
     advantages = advantages_all[geo.first: geo.first + geo.local_rollout]
     # a step's slice with no advantage on any process has no policy-gradient signal (the same answer everywhere)
     signal = (advantages_all.view(geo.world, cfg.optimizer_steps_per_generation, geo.local_completions) != 0
@@ -352,7 +357,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     step_rows = slice(part * geo.local_completions, (part + 1) * geo.local_completions)
     global_tokens, skip_update = batch.slice_tokens[part], batch.skip_updates[part]
     zero = partial(torch.zeros, (), device=accelerator.device)
-    sums = {"loss": zero(), "kl": zero(), "entropy": zero()}
+    sums = {"loss": zero(), "kl": zero(), "entropy": zero(), "trained_entropy": zero()}
     clip_sums = {}
     # truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
     # training"): the engine's sampling probabilities differ from the trainer's, so each token's policy-gradient term
@@ -370,7 +375,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
             with accelerator.autocast(), offloaded_activations(cfg.activation_offloading, accelerator.device):
                 logp, entropy = scorer(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows],
                                        roll.completion_ids[rows], roll.completion_mask[rows], roll.temperatures[rows],
-                                       entropy_grad=cfg.eta > 0)
+                                       entropy_grad=values.eta > 0)
             mask = batch.loss_mask[rows]
             width = logp.shape[1]
             old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
@@ -407,8 +412,8 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                     if cfg.use_bias_correction_kl else 1.0
                 per_token = per_token + values.beta * kl * kl_weight
                 sums["kl"] += (kl.detach() * mask).sum()
-            if cfg.eta > 0:  # A-GRPO entropy bonus: the gradient raises the full distribution's entropy
-                per_token = per_token - cfg.eta * entropy
+            if values.eta > 0:  # A-GRPO entropy bonus: the gradient raises the full distribution's entropy
+                per_token = per_token - values.eta * entropy
             loss = aggregate_loss(per_token, mask, cfg.loss_type, global_num_sequences=geo.global_completions,
                                   global_num_tokens=global_tokens, max_completion_length=cfg.max_completion_length,
                                   num_processes=geo.world, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
@@ -416,13 +421,15 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                 distributed.backward(accelerator, scorer, loss, last=sync)
         sums["loss"] += loss.detach() / geo.world
         sums["entropy"] += (entropy.detach() * roll.completion_mask[rows]).sum()
+        sums["trained_entropy"] += (entropy.detach() * mask).sum()  # what the adaptive entropy controller reads
         for k, v in clip_stats.items():
             clip_sums[k] = clip_sums.get(k, 0.0) + v * mask.sum()
     timing = {"time/policy": clock(run) - t0}
 
     t0 = clock(run)
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this update used
-    reduced = accelerator.reduce(torch.stack([sums["loss"], sums["kl"], sums["entropy"]]), reduction="sum")
+    reduced = accelerator.reduce(torch.stack([sums["loss"], sums["kl"], sums["entropy"], sums["trained_entropy"]]),
+                                 reduction="sum")
     grad_norm, nonfinite, moved = step_optimizer(run, reduced[0], skip_update, batch.nonfinite)
     timing["time/optimizer"] = clock(run) - t0
     t0 = clock(run)
@@ -436,6 +443,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     metrics = {
         "kl": float(reduced[1] / loss_tokens) if values.beta > 0 else 0.0,
         "entropy": float(reduced[2] / step_tokens),
+        "entropy/trained": float(reduced[3] / loss_tokens),  # over the loss's tokens (TRL's adaptive entropy's)
         **{k: float(accelerator.reduce(v, reduction="sum") / loss_tokens) for k, v in clip_sums.items()},
         "learning_rate": learning_rate, "loss": float(reduced[0]), "grad_norm": float(grad_norm),
         "temperature": float(temperature / step_tokens),

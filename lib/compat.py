@@ -11,7 +11,8 @@ Every such key is in exactly one table:
 - UNSUPPORTED: keys that would change what is trained and are not implemented; accepted only at TRL's default value
   (the recipe then asks for what this package does), refused otherwise with the reason.
 tests/test_trl_keys.py checks the tables against TRL's own dataclasses when TRL is installed: every key of theirs is
-a field here or in one table, and every UNSUPPORTED default is TRL's.
+a field here or in one table, and every UNSUPPORTED default is TRL's. Two more tables are about fields: LIMITED (TRL
+keys implemented with TRL's meaning but refused in some combinations) and DIFFERENT_DEFAULTS.
 """
 
 from __future__ import annotations
@@ -69,9 +70,8 @@ for _names, _why in [
     (("use_cache", "cache_implementation", "use_transformers_continuous_batching",
       "transformers_continuous_batching_config", "use_transformers_paged"),
      "sampling implementation only: the sampled distribution is the same"),
-    (("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-      "vespo_lambda_neg", "ref_model_mixup_alpha", "ref_model_sync_steps", "entropy_coef_min", "entropy_coef_max",
-      "entropy_coef_delta", "entropy_target", "torch_compile_backend", "torch_compile_mode", "liger_kernel_config",
+    (("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "torch_compile_backend",
+      "torch_compile_mode", "liger_kernel_config",
       "optim_target_modules", "metric_for_best_model", "greater_is_better"),
      "an option of a feature that is off (its own key is refused unless at TRL's default)"),
 ]:
@@ -104,14 +104,10 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
     "model_init_kwargs": (None, "give the loading keys directly: dtype, attn_implementation, model_revision, "
                                 "trust_remote_code"),
     "router_aux_loss_coef": (None, "the MoE router's auxiliary loss is not added"),
-    "cast_lm_head_to_fp32": (False, "the output layer runs in the policy's dtype (log-probs are computed in fp32)"),
     "vllm_model_impl": ("vllm", "only vLLM's own model implementations are used"),
     "vllm_tensor_parallel_size": (1, "a colocated engine runs on its process's GPU; a generation server spans "
                                      "several with python serve_vllm.py --tensor_parallel_size N (vllm_mode server)"),
     "vllm_structured_outputs_regex": (None, "structured outputs are not implemented"),
-    "multi_objective_aggregation": ("sum_then_normalize", "rewards are summed with reward_weights, then normalised"),
-    "sync_ref_model": (False, "the reference model is not refreshed during training"),
-    "use_adaptive_entropy": (False, "an adaptive entropy coefficient is not implemented; eta is fixed"),
     "max_tool_calling_iterations": (None, "tool calling is not implemented"),
     "lora_target_parameters": (None, "adapting parameters (MoE experts) directly is not implemented; use "
                                      "lora_target_modules"),
@@ -141,6 +137,26 @@ REFUSED_VALUES: list[tuple[str, str]] = [
      "(docs/methods.md 1.7)"),
     ("vllm_importance_sampling_clip_min and _clip_max both null", "as TRL: at least one bound"),
 ]
+
+
+# TRL keys that are fields here, with TRL's meaning, but refused in some combinations or read differently in one
+# point: key -> what and why (the checks: lib/config.validate_objective, lib/setup.load_models, lib/methods.py,
+# lib/modeling.cast_lm_head_to_fp32; docs/configuration.md lists them, docs/methods.md 13 and 2.6 explain).
+LIMITED: dict[str, str] = {
+    "multi_objective_aggregation": "normalize_then_sum is refused with resample_schedule (adaGRPO pools the summed "
+                                   "reward over a prompt's rounds) and with scale_rewards none or mix (GDPO's own "
+                                   "normalisation replaces the rule; TRL ignores scale_rewards there). "
+                                   "frac_reward_zero_std stays the share of groups whose total reward is flat (TRL "
+                                   "logs the batch's there)",
+    "sync_ref_model": "refused with beta 0 (no reference is loaded) and with LoRA / QLoRA (the reference is the base "
+                      "with the adapter off: no copy to mix into), as TRL refuses both; refused under FSDP / "
+                      "DeepSpeed, where mixing a sharded reference is not implemented",
+    "use_adaptive_entropy": "the bonus eta x entropy is averaged as loss_type says, like the policy term (TRL: each "
+                            "micro-batch's token mean), which is TRL's for bnpo and for dapo with one micro-batch a "
+                            "step; a step skipped for a non-finite value does not move eta",
+    "cast_lm_head_to_fp32": "refused when the output layer is adapted (lm_head in lora_target_modules), as TRL "
+                            "refuses it; the bf16 sampling copy and vLLM sample with their own output layer",
+}
 
 
 def all_known() -> set[str]:

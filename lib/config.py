@@ -357,6 +357,7 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
         raise ConfigError(str(error)) from None
     validate_methods(cfg, global_batch if num_processes is not None else None)
     validate_loss(cfg)
+    validate_objective(cfg)
     if cfg.overlong_buffer_length is not None and cfg.overlong_buffer_length > cfg.max_completion_length:
         raise ConfigError(f"overlong_buffer_length ({cfg.overlong_buffer_length}) must not exceed "
                           f"max_completion_length ({cfg.max_completion_length})")
@@ -396,6 +397,24 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
         if not _exists("resume_from_checkpoint", str(Path(cfg.resume_from_checkpoint, "trainer_state.json"))):
             raise ConfigError(f"resume_from_checkpoint: {cfg.resume_from_checkpoint!r} is not a checkpoint folder "
                               f"(no trainer_state.json); pass a checkpoint-<step> folder or 'latest'")
+
+
+def validate_objective(cfg: Config) -> None:
+    """The reward aggregation and the reference updates against the keys they combine with (docs/methods.md 13.1,
+    13.3)."""
+    if cfg.multi_objective_aggregation == "normalize_then_sum":
+        if cfg.resample_schedule:
+            raise ConfigError("multi_objective_aggregation normalize_then_sum normalises each reward function within "
+                              "its group, while resample_schedule (adaGRPO) pools the summed reward over a prompt's "
+                              "rounds; set one of them off")
+        if cfg.scale_rewards not in ("group", "batch"):
+            raise ConfigError(f"multi_objective_aggregation normalize_then_sum normalises each reward function by "
+                              f"its group's spread and the sum over the batch (GDPO), which replaces scale_rewards "
+                              f"{cfg.scale_rewards}; set scale_rewards group (the default) or "
+                              f"multi_objective_aggregation sum_then_normalize")
+    if cfg.sync_ref_model and cfg.beta == 0:  # as TRL: no reference is loaded without a KL term
+        raise ConfigError("sync_ref_model updates the reference of the KL term, and beta is 0 (no reference is "
+                          "loaded); set beta > 0 or sync_ref_model false")
 
 
 def validate_methods(cfg: Config, global_batch: int | None) -> None:

@@ -7,6 +7,7 @@ is any object with the named attributes (the trainer passes its Config); `observ
 measured. Imports nothing of ours.
 
     A-GRPO   KLControllerState, update_kl_controller: beta_t and epsilon_t from a moving average of the KL
+             EntropyControllerState, update_entropy_controller: eta_t (Skywork-OR1's adaptive entropy control)
              GroupSizeState, update_group_size:        adaptive group size from the share of zero-spread groups
     adaGRPO  resample_plan, parse_resample_schedule:   the retry budget and the sampling parameters of each retry
     AGPO-DSF DSFState, dsf_temperatures, dsf_clip_ranges, update_step_kl, vote_entropy
@@ -69,6 +70,40 @@ def update_kl_controller(state: KLControllerState, kl: float, cfg) -> KLControll
     beta = _clip(state.beta * (1.0 + cfg.kl_beta_rate * error), cfg.beta_min, cfg.beta_max)
     epsilon = _clip(cfg.epsilon * (1.0 - cfg.kl_epsilon_rate * error), cfg.epsilon_min, cfg.epsilon_max)
     return KLControllerState(beta=beta, epsilon=epsilon, kl_ema=ema)
+
+
+# Adaptive entropy control (He et al. 2025, Skywork-OR1 technical report, arXiv 2505.22312, section 4 "adaptive
+# entropy control"; TRL's use_adaptive_entropy; docs/methods.md 2.6), offered to A-GRPO in place of its fixed eta.
+
+
+@dataclass(frozen=True)
+class EntropyControllerState:
+    eta: float  # the coefficient c_k (TRL's entropy_coef); it starts at cfg.eta
+    entropy: float | None = None  # the last measured token-mean entropy e_k; None before the first step (TRL: +inf)
+
+
+def init_entropy_controller(cfg) -> EntropyControllerState:
+    return EntropyControllerState(eta=float(cfg.eta))
+
+
+def entropy_bonus_weight(state: EntropyControllerState, cfg) -> float:
+    """The weight of the entropy bonus in the next step's loss: c_k while e_k <= entropy_target, else 0 (and 0 before
+    any entropy was measured). Skywork-OR1: the bonus acts only when the entropy has fallen to the target, so a policy
+    that is exploring enough is left alone."""
+    return state.eta if state.entropy is not None and state.entropy <= cfg.entropy_target else 0.0
+
+
+def update_entropy_controller(state: EntropyControllerState, entropy: float, cfg) -> EntropyControllerState:
+    """After an optimizer step whose trained tokens had a token-mean entropy of `entropy` (nats):
+
+        c_{k+1} = min(c_k + delta, c_max)   if e_k <= e_target
+                  max(c_k - delta, c_min)   otherwise          (delta = entropy_coef_delta, e_target = entropy_target)
+    """
+    if entropy <= cfg.entropy_target:
+        eta = min(state.eta + cfg.entropy_coef_delta, cfg.entropy_coef_max)
+    else:
+        eta = max(state.eta - cfg.entropy_coef_delta, cfg.entropy_coef_min)
+    return EntropyControllerState(eta=eta, entropy=entropy)
 
 
 # A-GRPO adaptive group size (docs/methods.md 2.2, [RECON], off by default): many all-equal groups mean too few samples

@@ -36,6 +36,9 @@ SCALE_REWARDS: dict[str, Callable] = {
 # TRL (and adaGRPO, which inherits it) divide by std + 1e-4; docs/methods.md 1.1 picks that for parity with TRL.
 STD_EPS = 1e-4
 
+# multi_objective_aggregation (TRL's key): how several reward functions make one advantage (`group_advantages`)
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
 
 def dispersion(values: torch.Tensor, kind: str = "std", dim: int = -1, fallback_to_std: bool = True) -> torch.Tensor:
     """Spread of `values` along `dim` (NaN entries ignored, so ragged pools can be padded with NaN).
@@ -75,6 +78,9 @@ def group_advantages(
     pooled: torch.Tensor | None = None,
     correct: torch.Tensor | None = None,
     homogeneous_value: float = 0.0,
+    aggregation: str = "sum_then_normalize",
+    per_function: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group-relative advantages, every rule of docs/methods.md 6.2's advantage row in one function.
 
@@ -94,6 +100,9 @@ def group_advantages(
     correct: (N,) bool and homogeneous_value > 0: AGPO (arXiv 2503.15952 v1, docs/methods.md 3.2 (a) [RECON]): a
       group that is all correct gets +homogeneous_value, all wrong -homogeneous_value, instead of 0. Homogeneity is
       judged on correctness, not on the total reward (a length term makes every group look mixed).
+    aggregation: sum_then_normalize (the rules above, on `rewards`, the weighted sum) or normalize_then_sum (GDPO:
+      `normalize_then_sum` on `per_function` (N, K) and `weights` (K,), in place of the scale_rewards rule; AGPO's
+      homogeneous values still apply after it). The stats are those of `rewards` either way.
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
@@ -109,6 +118,12 @@ def group_advantages(
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {tuple(SCALE_REWARDS)}, got {scale_rewards!r}")
     advantages = SCALE_REWARDS[scale_rewards](centred, by_group, by_batch, mix_weight)
+    if aggregation == "normalize_then_sum":
+        if per_function is None or weights is None or pooled is not None:
+            raise ValueError("normalize_then_sum needs per_function and weights, and takes no pooled statistics")
+        advantages = normalize_then_sum(per_function, weights, group_size, dispersion_kind).view_as(grouped)
+    elif aggregation != "sum_then_normalize":
+        raise ValueError(f"aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}, got {aggregation!r}")
     if homogeneous_value > 0:
         if correct is None:
             raise ValueError("homogeneous_value needs `correct`, the per-completion correctness")
@@ -124,6 +139,37 @@ def group_advantages(
         "frac_reward_zero_std": (own_spread < 1e-6).float().mean(),
     }
     return advantages.reshape(-1), stats
+
+
+def normalize_then_sum(rewards: torch.Tensor, weights: torch.Tensor, group_size: int,
+                       dispersion_kind: str = "std") -> torch.Tensor:
+    """GDPO's decoupled normalisation (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy
+    Optimization for Multi-reward RL Optimization", arXiv 2601.05242; TRL 1.16's multi_objective_aggregation
+    "normalize_then_sum"; docs/methods.md 13.1). rewards: (N, K), one column per reward function, NaN where a function
+    does not apply; weights: (K,). Returns the advantages (N,):
+
+        a_ik = (r_ik - mean_g r_k) / (spread_g r_k + 1e-4)     each function within its group (NaN entries skipped)
+        s_i  = sum_k w_k a_ik                                    (a NaN a_ik adds nothing)
+        A_i  = (s_i - mean_batch s) / (std_batch s + 1e-4)       over the N completions
+
+    Summing the raw rewards first lets a function with a wide range drown the others, and distinct reward
+    combinations collapse to the same advantage; normalising each one first keeps them apart (GDPO, section 3).
+    A completion that every function skipped gets A = 0 and stays out of the batch mean and std, as in TRL. The
+    spread is `dispersion(kind)` (the std, as TRL, by default; a group with fewer than two values has spread 0 here
+    and NaN in TRL, which adds the same nothing to s).
+    """
+    n, k = rewards.shape
+    if n % group_size:
+        raise ValueError(f"{n} rewards do not split into groups of {group_size}")
+    grouped = rewards.view(-1, group_size, k)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    spread_k = dispersion(grouped, dispersion_kind, dim=1).unsqueeze(1)
+    normalised = ((grouped - mean_k) / (spread_k + STD_EPS)).view(n, k)
+    summed = torch.nansum(normalised * weights.to(normalised), dim=1)
+    scorable = ~torch.isnan(rewards).all(dim=1)
+    kept = torch.where(scorable, summed, torch.nan)
+    advantages = (summed - torch.nanmean(kept)) / (dispersion(kept, "std") + STD_EPS)
+    return torch.where(scorable, advantages, torch.zeros_like(advantages))
 
 
 def weighted_rewards(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

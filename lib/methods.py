@@ -12,8 +12,9 @@ which one it runs (docs/methods.md 6.1):
                   sampled again with the next retry's parameters)       (NoRefill, DynamicSampling, RetryUntilCorrect)
     advantages    lib/losses.group_advantages with the method's options
     controllers   the group size and each prompt's temperature before sampling (A-GRPO's adaptive group size,
-                  AGPO-DSF's probe groups), the values each optimizer step trains with (beta, epsilon) and how they
-                  move with what the step measured (KLController, GroupSizeController, DSFController)
+                  AGPO-DSF's probe groups), the values each optimizer step trains with (beta, epsilon, eta) and how
+                  they move with what the step measured (KLController, EntropyController, GroupSizeController,
+                  DSFController)
 
 The pure state transitions live in lib/controllers.py; the objects here hold a state, call those transitions at
 fixed hooks, and save / restore the state with every checkpoint. Each hook's docstring says when the loop calls it.
@@ -127,12 +128,13 @@ class RetryUntilCorrect:
 
 @dataclass(frozen=True)
 class TrainValues:
-    """What one optimizer step trains with: the KL weight and the clip range (a float, or one value per completion
-    of this process's share of the generation batch)."""
+    """What one optimizer step trains with: the KL weight, the clip range (a float, or one value per completion
+    of this process's share of the generation batch) and the entropy bonus's weight."""
 
     beta: float
     epsilon_low: float | torch.Tensor
     epsilon_high: float | torch.Tensor
+    eta: float = 0.0
 
 
 class Controller:
@@ -157,8 +159,9 @@ class Controller:
         """Before each optimizer step: the values it trains with."""
         return values
 
-    def after_step(self, kl: float) -> None:
-        """After each optimizer step, with the token-mean KL to the reference that it measured."""
+    def after_step(self, measured: dict) -> None:
+        """After each optimizer step, with what it measured (the loop's step metrics: `kl`, the token-mean KL to the
+        reference; `entropy/trained`, the token-mean entropy of the tokens the loss trained)."""
 
     def after_batch(self, frac_reward_zero_std: float, step_drift) -> None:
         """After the last optimizer step on a generation batch. `step_drift()` measures KL(pi_old || pi_new) of
@@ -186,10 +189,11 @@ class KLController(Controller):
     def step_values(self, values: TrainValues) -> TrainValues:
         # epsilon_high follows epsilon_low's relative change, so an asymmetric (clip-higher) range keeps its shape
         scale = self.state.epsilon / self.cfg.epsilon if self.cfg.epsilon > 0 else 1.0
-        return TrainValues(self.state.beta, self.state.epsilon, values.epsilon_high * scale)
+        return dataclasses.replace(values, beta=self.state.beta, epsilon_low=self.state.epsilon,
+                                   epsilon_high=values.epsilon_high * scale)
 
-    def after_step(self, kl: float) -> None:
-        self.state = controllers.update_kl_controller(self.state, kl, self.cfg)
+    def after_step(self, measured: dict) -> None:
+        self.state = controllers.update_kl_controller(self.state, measured["kl"], self.cfg)
 
     def metrics(self) -> dict[str, float]:
         return {"kl_ema": self.state.kl_ema, "next_beta": self.state.beta, "next_epsilon": self.state.epsilon}
@@ -199,6 +203,36 @@ class KLController(Controller):
 
     def load_state_dict(self, state: dict) -> None:
         self.state = controllers.from_dict(controllers.KLControllerState, state)
+
+
+class EntropyController(Controller):
+    """Adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy; docs/methods.md 2.6): the entropy bonus's
+    weight eta_t moves by entropy_coef_delta after every optimizer step toward keeping the trained tokens' entropy at
+    entropy_target, and applies only while the last measured entropy is at or below it. A-GRPO's option in place of
+    its fixed eta; usable under any preset."""
+
+    name = "entropy"
+
+    def __init__(self, cfg):
+        self.cfg, self.state = cfg, controllers.init_entropy_controller(cfg)
+        self.applied = 0.0
+
+    def step_values(self, values: TrainValues) -> TrainValues:
+        self.applied = controllers.entropy_bonus_weight(self.state, self.cfg)
+        return dataclasses.replace(values, eta=self.applied)
+
+    def after_step(self, measured: dict) -> None:
+        self.state = controllers.update_entropy_controller(self.state, measured["entropy/trained"], self.cfg)
+
+    def metrics(self) -> dict[str, float]:
+        # eta: the weight this step trained with; entropy_coef: TRL's key, the coefficient after this step's update
+        return {"eta": self.applied, "entropy_coef": self.state.eta}
+
+    def state_dict(self) -> dict:
+        return controllers.to_dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = controllers.from_dict(controllers.EntropyControllerState, state)
 
 
 class GroupSizeController(Controller):
@@ -263,7 +297,7 @@ class DSFController(Controller):
         self.ranges = torch.tensor(ranges, device=prompt_of_row.device)[prompt_of_row]
 
     def step_values(self, values: TrainValues) -> TrainValues:
-        return TrainValues(values.beta, self.ranges, self.ranges)
+        return dataclasses.replace(values, epsilon_low=self.ranges, epsilon_high=self.ranges)
 
     def after_batch(self, frac_reward_zero_std: float, step_drift) -> None:
         drift = step_drift()  # per group; negative values (noise) clamped, as the AGPO-DSF code does
@@ -284,7 +318,8 @@ class DSFController(Controller):
 
 
 class Controllers:
-    """The run's controllers, called in a fixed order (A-GRPO's KL, group size, AGPO-DSF); none for plain GRPO."""
+    """The run's controllers, called in a fixed order (A-GRPO's KL, entropy, group size, AGPO-DSF); none for plain
+    GRPO."""
 
     def __init__(self, parts: list[Controller]):
         self.parts = parts
@@ -310,9 +345,9 @@ class Controllers:
             values = part.step_values(values)
         return values
 
-    def after_step(self, kl: float) -> None:
+    def after_step(self, measured: dict) -> None:
         for part in self.parts:
-            part.after_step(kl)
+            part.after_step(measured)
 
     def after_batch(self, frac_reward_zero_std: float, step_drift) -> None:
         for part in self.parts:
@@ -353,7 +388,7 @@ def choose_method(cfg, steps_per_rollout: int) -> Method:
     refills = [rule for rule in (m.refill(cfg) for m in used) if rule is not None]
     options = {key: value for m in used for key, value in m.advantages(cfg).items()}
     advantages = partial(group_advantages, scale_rewards=cfg.scale_rewards, dispersion_kind=cfg.reward_dispersion,
-                         mix_weight=cfg.scale_rewards_mix, **options)
+                         mix_weight=cfg.scale_rewards_mix, aggregation=cfg.multi_objective_aggregation, **options)
     parts = [part for m in used for part in m.controllers(cfg)]
     old_entropy = any(m.old_entropy for m in used)
     return Method(refills[0] if refills else NoRefill(), advantages, Controllers(parts),
@@ -414,7 +449,10 @@ def reachable_group_sizes(cfg) -> list[int]:
 
 
 def _check_agrpo(cfg, global_batch: int | None) -> None:
-    """A-GRPO's controller bounds and the group sizes it can reach (docs/methods.md 2.2)."""
+    """A-GRPO's controller bounds and the group sizes it can reach (docs/methods.md 2.2), and the adaptive entropy
+    controller's bounds (2.3)."""
+    if cfg.use_adaptive_entropy:
+        _ordered(cfg, "entropy_coef_min", "entropy_coef_max")
     if cfg.adaptive_kl:
         if cfg.beta <= 0:
             raise ValueError("adaptive_kl scales beta multiplicatively, so beta must be > 0 (A-GRPO starts at "
@@ -489,8 +527,9 @@ register(MethodEntry(
     "agrpo", "A-GRPO (adaptive KL and clip from a moving average of the KL, entropy bonus)",
     preset={"beta": 0.001, "kl_estimator": "symmetric", "adaptive_kl": True, "epsilon": 0.2, "eta": 1e-3,
             "scale_rewards": "batch", "loss_type": "dapo"},
-    uses=lambda cfg: cfg.adaptive_kl or cfg.adaptive_group_size, check=_check_agrpo,
+    uses=lambda cfg: cfg.adaptive_kl or cfg.adaptive_group_size or cfg.use_adaptive_entropy, check=_check_agrpo,
     controllers=lambda cfg: ([KLController(cfg)] if cfg.adaptive_kl else [])
+    + ([EntropyController(cfg)] if cfg.use_adaptive_entropy else [])
     + ([GroupSizeController(cfg)] if cfg.adaptive_group_size else [])))
 
 # AGPO (Li et al., docs/methods.md 3.2 (a) + (b) + v3 loss mask): a fixed advantage for homogeneous groups, a length

@@ -20,7 +20,7 @@ from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import to_dict
 from lib.sampling import Sampled
-from lib.modeling import end_token_ids
+from lib.modeling import REFERENCE_FOLDER, end_token_ids
 from lib.setup import Run, TrainerState
 
 
@@ -70,6 +70,9 @@ def save_checkpoint(run: Run, state: TrainerState) -> None:
             if not run.sharded:
                 accelerator.unwrap_model(run.scorer).model.save_pretrained(staging)
                 torch.save(run.optimizer.state_dict(), staging / "optimizer.pt")
+            if run.cfg.sync_ref_model and step >= run.cfg.ref_model_sync_steps:  # the reference has moved: an
+                # exact resume needs it (lib/setup.load_models reads it back)
+                run.reference.model.save_pretrained(staging / REFERENCE_FOLDER)
             run.tokenizer.save_pretrained(staging)
             torch.save(run.scheduler.state_dict(), staging / "scheduler.pt")
     except Exception as exc:  # noqa: BLE001 - OSError, or torch.save's RuntimeError around one

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from lib.losses import (DISPERSIONS, IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES, KL_ESTIMATORS, LOSS_TYPES,
-                         SCALE_REWARDS)
+                         MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS)
 from lib.methods import METHODS
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
@@ -112,6 +112,10 @@ class ModelArguments:
                                        "constants too (QLoRA's double quantisation; TRL's default is false)."})
     disable_dropout: bool = field(default=False, metadata={"help": "Set every dropout of the policy to 0 (TRL's "
                                   "GRPOConfig), so that the scored distribution is the sampled one."})
+    cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": "Keep the output layer's weight in float32 "
+                                       "and compute the logits from float32 hidden states, outside autocast, for the "
+                                       "policy and the reference (TRL's key; ScaleRL, arXiv 2510.13786; "
+                                       "docs/methods.md 13.2). Matters with bf16 weights or autocast."})
     chat_template: str | None = field(default=None, metadata={"help": "A Jinja chat template that replaces the "
                                       "tokenizer's (open-r1's key)."})
 
@@ -351,6 +355,12 @@ class GRPOArguments:
                                "the group spread, the batch spread (A-GRPO's weighted & global), a mix of both, or "
                                "nothing).",
         "choices": tuple(SCALE_REWARDS)})
+    multi_objective_aggregation: str = field(default="sum_then_normalize", metadata={"help": "sum_then_normalize "
+                                             "(r = sum_k w_k r_k, then the advantage rule) | normalize_then_sum "
+                                             "(GDPO, arXiv 2601.05242: each reward function normalised within its "
+                                             "group, then the weighted sum normalised over the batch; TRL's key, "
+                                             "docs/methods.md 13.1).",
+        "choices": MULTI_OBJECTIVE_AGGREGATIONS})
     scale_rewards_mix: float = field(default=0.5, metadata={"help": "Weight of the group term when scale_rewards "
                                      "is mix.",
         "range": "[0.0, 1.0]"})
@@ -360,6 +370,16 @@ class GRPOArguments:
         "choices": DISPERSIONS})
     correctness_reward: str = field(default="accuracy", metadata={"help": "Reward function whose value > 0 marks a "
                                     "completion correct: AGPO's homogeneous groups and adaGRPO's retry judge."})
+    sync_ref_model: bool = field(default=False, metadata={"help": "TR-DPO-style reference updates (arXiv "
+                                 "2404.09656; TRL's key): every ref_model_sync_steps optimizer steps the reference "
+                                 "becomes ref_model_mixup_alpha x policy + (1 - alpha) x reference. Full fine-tuning "
+                                 "with beta > 0, as in TRL (docs/methods.md 13.3)."})
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "sync_ref_model: the policy's share alpha "
+                                         "of the mixed reference.",
+        "range": "[0.0, 1.0]"})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "sync_ref_model: optimizer steps between two "
+                                      "reference updates.",
+        "range": "[1, inf)"})
     importance_sampling_level: str = field(default="token", metadata={"help": "token (GRPO) | sequence (GSPO).",
         "choices": IMPORTANCE_SAMPLING_LEVELS})
     use_bias_correction_kl: bool = field(default=False, metadata={"help": "Multiply the KL term by the policy "
@@ -437,6 +457,22 @@ class AdaptiveArguments:
     eta: float = field(default=0.0, metadata={"help": "Entropy bonus: -eta x the entropy of the full next-token "
                        "distribution, per token (A-GRPO: 1e-3).",
         "range": "[0, inf)", "why": "it is a bonus on entropy"})
+    use_adaptive_entropy: bool = field(default=False, metadata={"help": "Adaptive entropy control (Skywork-OR1, "
+                                       "arXiv 2505.22312; TRL's key): eta starts at its value and moves by "
+                                       "entropy_coef_delta after every optimizer step, up when the trained tokens' "
+                                       "entropy is at or below entropy_target, down otherwise; the bonus applies "
+                                       "only while the last measured entropy is at or below the target "
+                                       "(docs/methods.md 2.6)."})
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "use_adaptive_entropy: lower bound of eta.",
+        "range": "[0, inf)"})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "use_adaptive_entropy: upper bound of eta.",
+        "range": "[0, inf)"})
+    entropy_coef_delta: float = field(default=0.005, metadata={"help": "use_adaptive_entropy: eta's step after "
+                                      "each optimizer step.",
+        "range": "[0, inf)"})
+    entropy_target: float = field(default=0.2, metadata={"help": "use_adaptive_entropy: target token-mean entropy "
+                                  "(nats) of the tokens the loss trains.",
+        "range": "[0, inf)"})
     adaptive_kl: bool = field(default=False, metadata={"help": "A-GRPO: beta_t and epsilon_t follow a moving "
                               "average of the KL (proportional controller toward kl_target)."})
     kl_target: float = field(default=0.05, metadata={"help": "adaptive_kl: per-token KL the controller aims at.",

@@ -34,8 +34,8 @@ from lib.config import (Config, ConfigError, hf_sampler_note, reference_dtype, r
 from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
 from lib.methods import Method
 from lib.sampling import RolloutContext
-from lib.modeling import (CompletionScorer, end_token_ids, load_policy, load_reference,
-                          load_tokenizer, native_bf16)
+from lib.modeling import (REFERENCE_FOLDER, CompletionScorer, cast_lm_head_to_fp32, end_token_ids,
+                          is_adapter_folder, load_policy, load_reference, load_tokenizer, native_bf16)
 from lib.reward_funcs import resolve_reward_funcs
 from lib.rollout import AnswerPhase, HFRollout
 from lib.schedule import build_scheduler
@@ -302,6 +302,14 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
     reference (none when beta is 0; with LoRA the base with the adapter disabled, not a second
     copy). The sampler comes next (make_engine)."""
     device = accelerator.device
+    adapter = cfg.use_peft or is_adapter_folder(model_path)
+    if cfg.sync_ref_model and (adapter or sharded or partitioned):
+        # TRL refuses the adapter case too: the LoRA reference is the base with the adapter off, no copy to mix into
+        raise ConfigError("sync_ref_model mixes the policy into a separate reference copy, which "
+                          + ("a LoRA run does not have (its reference is the base with the adapter off, as in TRL); "
+                             "train the full model or set sync_ref_model false" if adapter
+                             else "is not implemented for a sharded reference (FSDP / DeepSpeed); run without "
+                                  "sharding or set sync_ref_model false"))
     # a sharded checkpoint's weights are read into the sharded model below
     # (lib/distributed.load_sharded)
     policy = load_policy(str(resume) if resume and not sharded else model_path, dtype=weights_dtype(
@@ -315,6 +323,8 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                          gradient_checkpointing_kwargs=cfg.gradient_checkpointing_kwargs,
                          attn_implementation=cfg.attn_implementation, device=device,
                          trust_remote_code=cfg.trust_remote_code)
+    if cfg.cast_lm_head_to_fp32:
+        cast_lm_head_to_fp32(policy)
     if cfg.disable_dropout:  # TRL's disable_dropout: the scored distribution is the sampled one
         for module in policy.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -324,8 +334,13 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
         # bf16 on a bf16 GPU, else the policy's dtype (lib/config.reference_dtype)
         dtype = reference_dtype(cfg.dtype, next(policy.parameters()).dtype, device=device.type,
                                 bf16=bf16)
-        frozen = load_reference(model_path, dtype, device, trust_remote_code=cfg.trust_remote_code,
-                                revision=cfg.model_revision)
+        # sync_ref_model: a checkpoint after a reference update holds the mixed reference (save_checkpoint)
+        synced = resume is not None and (resume / REFERENCE_FOLDER).is_dir()
+        frozen = load_reference(str(resume / REFERENCE_FOLDER) if synced else model_path, dtype, device,
+                                trust_remote_code=cfg.trust_remote_code, revision=None if synced else
+                                cfg.model_revision)
+        if cfg.cast_lm_head_to_fp32:
+            cast_lm_head_to_fp32(frozen)
         reference = CompletionScorer(frozen, fixed_calls=partitioned)
         if sharded:
             reference = distributed.shard_frozen(reference, accelerator)

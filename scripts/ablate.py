@@ -9,7 +9,8 @@
 
 An ablation is a plain override of the method's resolved configuration (docs/methods.md 9.4): `no_clip` (a clip
 range no ratio reaches), `no_kl` (beta 0), `no_entropy` (eta 0), `eps0.1` / `eps0.5`, `beta0.1` / `beta1.0`,
-`g4` / `g8` / `g16` (group size, same completions per step). Where a method's controller moves the value the
+`g4` / `g8` / `g16` (group size, same completions per step), `adaptive_entropy` (eta from the adaptive entropy
+controller). Where a method's controller moves the value the
 ablation fixes (A-GRPO's beta_t / epsilon_t, AGPO-DSF's per-group clip), the controller is switched off or its
 bounds pinned to the value, so that the ablation means what its name says. A configuration that resolves to the
 same settings as another (GRPO's `no_entropy`: its eta is already 0; `no_clip` / `eps*` with one update per
@@ -64,6 +65,7 @@ ABLATIONS = {
     "no_kl": "no KL term (beta 0, no reference model)",
     "no_entropy": "no entropy bonus (eta 0)",
     "no_kl_no_entropy": "beta 0 and eta 0",
+    "adaptive_entropy": "eta from the adaptive entropy controller (use_adaptive_entropy, docs/methods.md 2.6)",
     "eps0.1": "clip range 0.1", "eps0.5": "clip range 0.5",
     "beta0.1": "KL coefficient 0.1", "beta1.0": "KL coefficient 1.0",
     "g4": "4 completions per prompt", "g8": "8 completions per prompt", "g16": "16 completions per prompt",
@@ -74,7 +76,7 @@ LAST = 5  # training steps averaged for the end-of-run training columns
 CONTROLLER_FIELDS = ("beta", "epsilon", "kl_ema", "next_beta", "next_epsilon", "num_generations", "temperature",
                      "epsilon/group_min", "epsilon/group_max", "entropy_ref", "uncertainty_baseline", "step_kl_ema",
                      "vote_entropy", "resample_rounds", "resampled_prompts", "num_tokens/probe",
-                     "num_tokens/resampled", "rewards/length/mean")
+                     "num_tokens/resampled", "rewards/length/mean", "eta", "entropy_coef")
 # table columns: key -> (heading, format); "higher is better" is not assumed for any of them
 METRICS = {"win_rate": ("Win", "{:.1%}"), "accuracy": ("Accuracy", "{:.1%}"), "reward": ("Reward", "{:.3f}"),
            "kl": ("KL", "{:.4f}"), "entropy": ("Entropy", "{:.3f}"), "length": ("Length", "{:.1f}"),
@@ -84,7 +86,8 @@ METRICS = {"win_rate": ("Win", "{:.1%}"), "accuracy": ("Accuracy", "{:.1%}"), "r
 
 # settings a dry run shows per run
 DRY_RUN_KEYS = ("model_name_or_path", "max_steps", "max_num_tokens", "learning_rate", "lr_scheduler_type",
-                "warmup_ratio", "beta", "adaptive_kl", "kl_estimator", "epsilon", "eta", "num_generations",
+                "warmup_ratio", "beta", "adaptive_kl", "kl_estimator", "epsilon", "eta", "use_adaptive_entropy",
+                "num_generations",
                 "per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length",
                 "max_completion_length", "temperature", "use_vllm", "seed")
 
@@ -103,10 +106,12 @@ def ablation_overrides(name: str, cfg: Config) -> dict:
         return {}
     if name == "no_kl":
         return {"beta": 0.0, **({"adaptive_kl": False} if cfg.adaptive_kl else {})}
-    if name == "no_entropy":
-        return {"eta": 0.0}
+    if name == "no_entropy":  # the adaptive controller would raise eta again from 0
+        return {"eta": 0.0, **({"use_adaptive_entropy": False} if cfg.use_adaptive_entropy else {})}
     if name == "no_kl_no_entropy":
-        return {**ablation_overrides("no_kl", cfg), "eta": 0.0}
+        return {**ablation_overrides("no_kl", cfg), **ablation_overrides("no_entropy", cfg)}
+    if name == "adaptive_entropy":
+        return {"use_adaptive_entropy": True}
     if name == "no_clip" or name.startswith("eps"):
         eps = NO_CLIP if name == "no_clip" else float(name[3:])
         keys = {"epsilon": eps, "epsilon_high": eps}

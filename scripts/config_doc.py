@@ -140,6 +140,8 @@ def trl_section(number: int) -> str:
         for k, (default, why) in compat.UNSUPPORTED.items()]
     refused_values = ["| value | refused because |", "|---|---|"] + [
         f"| {cell(what)} | {cell(linked(why))} |" for what, why in compat.REFUSED_VALUES]
+    limited = ["| key | refused in, or read otherwise in |", "|---|---|"] + [
+        f"| `{k}` | {cell(why)} |" for k, why in compat.LIMITED.items()]
     differ = ["| key | TRL's default | ours, and why |", "|---|---|---|"] + [
         f"| `{k}` | `{cell(value_text(trl))}` | `{cell(value_text(default_of(FIELDS[k])))}`: {cell(linked(why))} |"
         for k, (trl, why) in compat.DIFFERENT_DEFAULTS.items()]
@@ -153,6 +155,8 @@ def trl_section(number: int) -> str:
             + "\n\nNot implemented: accepted at TRL's default (the recipe then asks for what this trainer does), "
             "refused with this reason otherwise:\n\n" + "\n".join(refused)
             + "\n\nValues refused, of keys that are read:\n\n" + "\n".join(refused_values)
+            + "\n\nImplemented with TRL's meaning, but refused in some combinations (with the reason) or read "
+            "otherwise in one point:\n\n" + "\n".join(limited)
             + "\n\nSame meaning, another default: a TRL recipe that leaves these out trains with ours; write the key "
             "to get TRL's.\n\n" + "\n".join(differ) + "\n")
 

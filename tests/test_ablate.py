@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from lib.config import ConfigError, parse_config
+from lib.config import ConfigError, make_config, parse_config
 from scripts.ablate import (AblateError, ablation_overrides, aggregate, mean_spread, parse_args, plan, starvation,
                             table_markdown, within_spread)
 from scripts.compare_presets import preset_steps, train_command
@@ -224,3 +224,13 @@ def test_tiny_ablation_runs_evaluates_writes_table_and_figures_and_resumes(tmp_p
     third = subprocess.run(command[:2] + ["--devices", "0", "1"] + command[2:], capture_output=True, text=True,
                            timeout=900, cwd=tmp_path)
     assert third.returncode == 0 and "[1/1] grpo / full / seed 3: already done" in third.stdout
+
+
+def test_adaptive_entropy_ablation_and_no_entropy_under_it():
+    """`adaptive_entropy` switches the controller on (docs/methods.md 2.6); `no_entropy` of a configuration that
+    uses it switches it off too, or eta would climb again from 0."""
+    agrpo = make_config({"algo": "agrpo"})
+    assert ablation_overrides("adaptive_entropy", agrpo) == {"use_adaptive_entropy": True}
+    adaptive = make_config({"algo": "agrpo", "use_adaptive_entropy": True})
+    assert ablation_overrides("no_entropy", adaptive) == {"eta": 0.0, "use_adaptive_entropy": False}
+    assert ablation_overrides("no_entropy", agrpo) == {"eta": 0.0}

@@ -279,3 +279,30 @@ def test_ranges_and_choices_come_from_the_fields_metadata(values, message):
     accepts and the value given."""
     with pytest.raises(ConfigError, match=message):
         make_config(values)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"multi_objective_aggregation": "normalize_then_sum", "algo": "adagrpo"},
+     "normalize_then_sum .* resample_schedule"),
+    ({"multi_objective_aggregation": "normalize_then_sum", "scale_rewards": "none"},
+     "replaces scale_rewards none; set scale_rewards group"),
+    ({"sync_ref_model": True, "beta": 0.0}, "sync_ref_model .* beta is 0"),
+    ({"use_adaptive_entropy": True, "entropy_coef_min": 0.5, "entropy_coef_max": 0.1},
+     r"entropy_coef_min \(0.5\) must not exceed entropy_coef_max"),
+])
+def test_objective_keys_refuse_what_they_cannot_combine_with(values, message):
+    """docs/configuration.md 10 lists these refusals with their reasons (lib/compat.LIMITED)."""
+    with pytest.raises(ConfigError, match=message):
+        make_config(values)
+
+
+def test_objective_keys_accept_their_combinations_with_the_presets():
+    """normalize_then_sum under A-GRPO's batch scaling and AGPO's homogeneous values; the adaptive entropy controller
+    under A-GRPO (with its KL controller) and under plain GRPO, as in TRL; the reference updates with full
+    fine-tuning."""
+    for algo in ("grpo", "agrpo", "agpo", "dapo", "agpo_dsf"):
+        assert make_config({"algo": algo, "multi_objective_aggregation": "normalize_then_sum",
+                            "use_adaptive_entropy": True, "sync_ref_model": True, "beta": 0.04}).use_adaptive_entropy
+    # with a TRL recipe's names: entropy_coef is eta, the controller's starting value
+    cfg = make_config({"entropy_coef": 0.01, "use_adaptive_entropy": True, "entropy_target": 0.3})
+    assert (cfg.eta, cfg.entropy_target) == (0.01, 0.3)

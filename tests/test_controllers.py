@@ -171,3 +171,176 @@ def test_states_round_trip_through_json_exactly():
         assert controllers.from_dict(type(state), json.loads(text)) == state
     with pytest.raises(ValueError, match="unknown fields"):
         controllers.from_dict(DSFState, {"temperature": 1.0})
+
+
+# ---- adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy) ----------------------------------------------
+
+def test_entropy_controller_hand_values_and_bounds():
+    """c moves by delta toward keeping e at the target, within [min, max]; the bonus weight is c while the last
+    measured e is at or below the target, 0 above it and before any measurement (docs/methods.md 2.6)."""
+    cfg = SimpleNamespace(eta=0.01, entropy_target=0.2, entropy_coef_delta=0.005, entropy_coef_min=0.0,
+                          entropy_coef_max=0.02)
+    state = controllers.init_entropy_controller(cfg)
+    assert state == controllers.EntropyControllerState(eta=0.01, entropy=None)
+    assert controllers.entropy_bonus_weight(state, cfg) == 0.0  # nothing measured yet (TRL: +inf)
+    state = controllers.update_entropy_controller(state, 0.1, cfg)  # below the target: up
+    assert state.eta == pytest.approx(0.015) and controllers.entropy_bonus_weight(state, cfg) == state.eta
+    state = controllers.update_entropy_controller(state, 0.2, cfg)  # at the target counts as below
+    state = controllers.update_entropy_controller(state, 0.2, cfg)
+    assert state.eta == 0.02  # capped at entropy_coef_max
+    state = controllers.update_entropy_controller(state, 0.3, cfg)  # above: down, and no bonus
+    assert state.eta == pytest.approx(0.015) and controllers.entropy_bonus_weight(state, cfg) == 0.0
+    for _ in range(5):
+        state = controllers.update_entropy_controller(state, 0.3, cfg)
+    assert state.eta == 0.0  # floored at entropy_coef_min
+    assert controllers.from_dict(controllers.EntropyControllerState,
+                                 json.loads(json.dumps(controllers.to_dict(state)))) == state
+
+
+def test_entropy_controller_matches_trls_grpo_trainer_over_steps():
+    """TRL's GRPOTrainer._compute_loss with use_adaptive_entropy, five optimizer steps of one micro-batch each (its
+    model pass replaced by our log-probs and entropies): the same loss and gradients (policy term plus the bonus the
+    controller applies) and the same coefficient after every step as EntropyController in front of
+    policy_loss + aggregate_loss (loss_type dapo, whose token mean is TRL's bonus normalisation)."""
+    from collections import defaultdict
+
+    import torch
+
+    from lib.losses import aggregate_loss, policy_loss
+    from lib.methods import EntropyController, TrainValues
+
+    trainer_module = pytest.importorskip("trl.trainer.grpo_trainer")
+    cfg = SimpleNamespace(eta=0.02, entropy_target=0.2, entropy_coef_delta=0.05, entropy_coef_min=0.0,
+                          entropy_coef_max=0.08)
+    ours = EntropyController(cfg)
+    args = SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1,
+                           entropy_target=cfg.entropy_target, entropy_coef_delta=cfg.entropy_coef_delta,
+                           entropy_coef_min=cfg.entropy_coef_min, entropy_coef_max=cfg.entropy_coef_max)
+    trainer = SimpleNamespace(
+        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level="token", beta=0.0, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
+        use_vllm=False, _entropy_bonus_enabled=True, use_adaptive_entropy=True, entropy_coef=cfg.eta,
+        _last_world_entropy=float("inf"), _entropy_window_stats=None, current_gradient_accumulation_steps=1,
+        args=args, model=SimpleNamespace(training=True), _metrics=defaultdict(lambda: defaultdict(list)),
+        accelerator=SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x,
+                                    sync_gradients=True))
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)  # padding included
+    adv = torch.tensor([0.7, -1.1, 0.4])  # both signs
+    applied = []
+    for scale in (0.3, 0.1, 0.15, 0.5, 0.05):  # the steps' entropies around the 0.2 target
+        logp = (-torch.rand(3, 4, generator=generator)).requires_grad_()
+        entropy = (scale * 2 * torch.rand(3, 4, generator=generator)).requires_grad_()
+        old = logp.detach() - 0.05 * torch.randn(3, 4, generator=generator)
+        eta = ours.step_values(TrainValues(0.0, 0.2, 0.2, cfg.eta)).eta
+        applied.append(eta)
+        per_token, _ = policy_loss("dapo", logp, old, adv, mask, 0.2, 0.2)
+        loss = aggregate_loss(per_token - eta * entropy, mask, "dapo", global_num_sequences=3,
+                              global_num_tokens=mask.sum(), max_completion_length=4)
+        loss.backward()
+        ours.after_step({"entropy/trained": float((entropy.detach() * mask).sum() / mask.sum())})
+
+        leaf, leaf_entropy = logp.detach().clone().requires_grad_(), entropy.detach().clone().requires_grad_()
+        trainer._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, leaf_entropy, None)
+        inputs = {"prompt_ids": torch.zeros(3, 2, dtype=torch.long), "prompt_mask": torch.ones(3, 2, dtype=torch.long),
+                  "completion_ids": torch.zeros(3, 4, dtype=torch.long), "completion_mask": mask,
+                  "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+        theirs = trainer_module.GRPOTrainer._compute_loss(trainer, None, inputs)
+        theirs.backward()
+        assert torch.allclose(loss, theirs, atol=1e-7)
+        assert torch.allclose(logp.grad, leaf.grad, atol=1e-7) and torch.allclose(entropy.grad, leaf_entropy.grad)
+        assert ours.state.eta == pytest.approx(trainer.entropy_coef, abs=1e-12)
+        assert ours.metrics()["entropy_coef"] == pytest.approx(trainer._metrics["train"]["entropy_coef"][-1])
+    assert applied == pytest.approx([0.0, 0.0, 0.05, 0.08, 0.0])  # the bonus acted, and was held back, both
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
+def test_entropy_controller_matches_trl_under_gradient_accumulation(loss_type):
+    """Three optimizer steps of two accumulated micro-batches with different token counts. The coefficient after
+    every step is TRL's (both measure the entropy over the whole window's tokens). TRL adds the bonus as each
+    micro-batch's token mean / accumulation steps; so does our bnpo, whose loss and gradients are then TRL's. Our dapo
+    (A-GRPO's preset) averages the bonus over the window's tokens like its policy term: the loss differs from TRL's
+    by exactly eta (mean of the micro-batch means - the window's token mean), on purpose (docs/methods.md 2.6)."""
+    from collections import defaultdict
+
+    import torch
+
+    from lib.losses import aggregate_loss, policy_loss
+    from lib.methods import EntropyController, TrainValues
+
+    trainer_module = pytest.importorskip("trl.trainer.grpo_trainer")
+    cfg = SimpleNamespace(eta=0.03, entropy_target=0.25, entropy_coef_delta=0.02, entropy_coef_min=0.0,
+                          entropy_coef_max=1.0)
+    ours = EntropyController(cfg)
+    trainer = SimpleNamespace(
+        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level="token", beta=0.0, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.2,
+        use_vllm=False, _entropy_bonus_enabled=True, use_adaptive_entropy=True, entropy_coef=cfg.eta,
+        _last_world_entropy=float("inf"), _entropy_window_stats=None, current_gradient_accumulation_steps=2,
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=2,
+                             entropy_target=cfg.entropy_target, entropy_coef_delta=cfg.entropy_coef_delta,
+                             entropy_coef_min=cfg.entropy_coef_min, entropy_coef_max=cfg.entropy_coef_max),
+        model=SimpleNamespace(training=True), _metrics=defaultdict(lambda: defaultdict(list)),
+        accelerator=SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x,
+                                    sync_gradients=False))
+    generator = torch.Generator().manual_seed(3)
+    masks = [torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32),
+             torch.tensor([[1, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)]
+    window_tokens = sum(m.sum() for m in masks)
+    adv = torch.tensor([0.9, -0.6, -0.3])
+    applied = []
+    for scale in (0.1, 0.1, 0.4):
+        eta = ours.step_values(TrainValues(0.0, 0.2, 0.2, cfg.eta)).eta
+        applied.append(eta)
+        measured, means = 0.0, []
+        for m, mask in enumerate(masks):
+            logp = (-torch.rand(3, 4, generator=generator)).requires_grad_()
+            entropy = (scale * 2 * torch.rand(3, 4, generator=generator)).requires_grad_()
+            old = logp.detach() - 0.05 * torch.randn(3, 4, generator=generator)
+            per_token, _ = policy_loss(loss_type, logp, old, adv, mask, 0.2, 0.2)
+            loss = aggregate_loss(per_token - eta * entropy, mask, loss_type, global_num_sequences=6,
+                                  global_num_tokens=window_tokens, max_completion_length=4,
+                                  gradient_accumulation_steps=2)
+            loss.backward()
+            measured += float((entropy.detach() * mask).sum())
+            means.append(float((entropy.detach() * mask).sum() / mask.sum()))
+
+            leaf, leaf_entropy = logp.detach().clone().requires_grad_(), entropy.detach().clone().requires_grad_()
+            trainer._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, leaf_entropy, None)
+            trainer.accelerator.sync_gradients = m == len(masks) - 1  # the window's last micro-batch
+            inputs = {"prompt_ids": torch.zeros(3, 2, dtype=torch.long),
+                      "prompt_mask": torch.ones(3, 2, dtype=torch.long),
+                      "completion_ids": torch.zeros(3, 4, dtype=torch.long), "completion_mask": mask,
+                      "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": window_tokens}
+            theirs = trainer_module.GRPOTrainer._compute_loss(trainer, None, inputs)
+            theirs.backward()
+            if loss_type == "bnpo":
+                assert torch.allclose(loss, theirs, atol=1e-7)
+                assert torch.allclose(entropy.grad, leaf_entropy.grad, atol=1e-9)
+            else:
+                bonus_ours = eta * (entropy.detach() * mask).sum() / window_tokens
+                bonus_theirs = eta * means[-1] / 2
+                gap = float((loss - theirs).detach())
+                assert gap == pytest.approx(float(bonus_theirs - bonus_ours), abs=1e-7)
+                assert eta == 0 or abs(gap) > 1e-4  # the micro-batches' token counts differ: so do the means
+            assert torch.allclose(logp.grad, leaf.grad, atol=1e-7)
+        ours.after_step({"entropy/trained": measured / float(window_tokens)})
+        assert ours.state.eta == pytest.approx(trainer.entropy_coef, abs=1e-12)
+    assert applied == pytest.approx([0.0, 0.05, 0.07])  # the bonus acted with two different weights
+
+
+def test_every_controller_passes_on_the_values_it_does_not_set():
+    """Each controller's step_values changes only its own values: the entropy weight reaches the loss under A-GRPO's
+    KL controller and AGPO-DSF's per-group clip, and the clip and beta under the entropy controller."""
+    import torch
+
+    from lib.methods import Controllers, DSFController, EntropyController, KLController, TrainValues
+
+    cfg = make_config({"algo": "agpo_dsf", "adaptive_kl": True, "beta": 0.03, "eta": 0.01})
+    dsf = DSFController(cfg)
+    dsf.ranges = torch.tensor([0.1, 0.3])
+    values = Controllers([KLController(cfg), dsf]).step_values(TrainValues(0.03, 0.2, 0.2, 0.01))
+    assert values.eta == 0.01 and values.epsilon_low.tolist() == pytest.approx([0.1, 0.3])
+    entropy = EntropyController(make_config({"use_adaptive_entropy": True, "eta": 0.01}))
+    entropy.state = controllers.EntropyControllerState(eta=0.02, entropy=0.1)
+    assert entropy.step_values(TrainValues(0.04, 0.2, 0.28, 0.01)) == TrainValues(0.04, 0.2, 0.28, 0.02)

@@ -157,17 +157,20 @@ def test_dsf_step_kl_is_measured_in_eval_mode(tmp_path, tiny_model):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_resume_continues_exactly_with_every_controller(tmp_path, tiny_model, precision):
-    """Every controller at once (A-GRPO's beta / epsilon and group size, adaGRPO's retries, AGPO-DSF's averages), in
-    fp32 and in bf16 (autocast, and the bf16 sampler copy a sync refreshes and a resume builds anew): the run resumed
-    from its step-2 checkpoint logs each step once, and every number and weight as the uninterrupted run."""
+    """Every controller at once (A-GRPO's beta / epsilon, entropy coefficient and group size, adaGRPO's retries,
+    AGPO-DSF's averages), in fp32 and in bf16 (autocast, and the bf16 sampler copy a sync refreshes and a resume
+    builds anew): the run resumed from its step-2 checkpoint logs each step once, and every number and weight as the
+    uninterrupted run."""
     args = ["--bf16", str(precision == "bf16").lower(), "--algo", "agpo_dsf", "--adaptive_kl", "true",
             "--adaptive_group_size", "true", "--group_size_min", "2", "--group_size_max", "8", "--num_iterations",
             "2", "--max_steps", "6", "--save_steps", "2",
-            "--resample_schedule", '[{"step": 1, "params": [{"temperature": 1.0}]}]', "--kl_estimator", "k1"]
+            "--resample_schedule", '[{"step": 1, "params": [{"temperature": 1.0}]}]', "--kl_estimator", "k1",
+            "--use_adaptive_entropy", "true", "--entropy_target", "100"]
     reference = tmp_path / "uninterrupted"
     want = train(tiny_model, reference, *args)
     saved = json.loads((reference / "checkpoint-2" / "trainer_state.json").read_text())["controller_state"]
-    assert set(saved) == {"kl", "group_size", "dsf"} and saved["dsf"]["step_kl_ema"] > 0
+    assert set(saved) == {"kl", "entropy", "group_size", "dsf"} and saved["dsf"]["step_kl_ema"] > 0
+    assert saved["entropy"]["eta"] > 0 and want[2]["eta"] == saved["entropy"]["eta"]
     # the same run stopped after its step-2 checkpoint, then resumed from it: the same process, code and inputs, so
     # every number is exactly equal (timings aside)
     out = tmp_path / "resumed"
@@ -241,6 +244,30 @@ def test_two_processes_split_groups_and_agree_on_the_adaptive_sampling(tmp_path,
     assert (out / "checkpoint-8" / "rng_state_1.pt").exists() and not (out / "checkpoint-8" / "rng_state_2.pt").exists()
 
 
+@pytest.mark.slow
+def test_two_processes_with_gdpo_adaptive_entropy_and_reference_updates(tmp_path, tiny_model):
+    """normalize_then_sum, the adaptive entropy controller and sync_ref_model with every group split across two
+    processes (gloo): the advantages come from the gathered rewards, the controller reads the entropy reduced over
+    both, and each process mixes its own reference copy from the same policy."""
+    out = tmp_path / "ddp"
+    # 2 completions a process: each step's group of 4 has half its completions on each process
+    args = ["--model_name_or_path", tiny_model, *TINY, "--output_dir", str(out), "--per_device_train_batch_size", "2",
+            "--max_steps", "4", "--multi_objective_aggregation", "normalize_then_sum", "--algo", "agrpo",
+            "--use_adaptive_entropy", "true", "--entropy_target", "100", "--sync_ref_model", "true",
+            "--ref_model_sync_steps", "2", "--ref_model_mixup_alpha", "0.5", "--save_steps", "2"]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    proc = subprocess.run(launcher + [str(REPO / "train_agrpo.py"), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = steps_of(out)
+    assert [m["eta"] for m in lines[1:]] == pytest.approx([m["entropy_coef"] for m in lines[:-1]])
+    base = load_file(Path(tiny_model) / "model.safetensors")
+    policy = load_file(out / "checkpoint-2" / "model.safetensors")
+    mixed = load_file(out / "checkpoint-2" / "reference" / "model.safetensors")
+    assert all(torch.allclose(mixed[k], 0.5 * policy[k] + 0.5 * base[k], atol=1e-7) for k in base)
+
+
 def test_a_run_refused_in_set_up_leaves_no_accelerate_state(tmp_path):
     """Accelerate keeps one state per process: a run refused after its Accelerator was made (here by the batch check,
     in bf16) made every later run in the same process with another precision fail to start."""
@@ -290,3 +317,67 @@ def test_issue_39_loss_keys_train_through_the_loop(tmp_path, tiny_model):
     delta = train(tiny_model, tmp_path / "delta", "--delta", "3", "--loss_type", "dapo", "--max_steps", "1")
     assert yaml.safe_load((tmp_path / "delta" / "config.yaml").read_text())["dual_clip"] == 3.0
     assert "clip_ratio/dual_mean" in delta[0]
+
+
+def test_adaptive_entropy_controller_drives_eta_under_agrpo(tmp_path, tiny_model):
+    """use_adaptive_entropy (docs/methods.md 2.6) under the A-GRPO preset: the first step trains with no bonus (no
+    entropy measured yet), each later one with the coefficient the step before left, while the trained tokens'
+    entropy is at or below entropy_target; the coefficient climbs by entropy_coef_delta up to entropy_coef_max.
+    Random text has an entropy near ln(vocabulary), far above 0, so a target of 0 makes it fall instead."""
+    up = train(tiny_model, tmp_path / "up", "--algo", "agrpo", "--use_adaptive_entropy", "true", "--eta", "0.01",
+               "--entropy_target", "100", "--entropy_coef_delta", "0.02", "--entropy_coef_max", "0.04",
+               "--max_steps", "3")
+    assert [m["eta"] for m in up] == [0.0, 0.03, 0.04]
+    assert [m["entropy_coef"] for m in up] == pytest.approx([0.03, 0.04, 0.04])
+    assert all(0 < m["entropy/trained"] <= 100 for m in up)
+    down = train(tiny_model, tmp_path / "down", "--algo", "agrpo", "--use_adaptive_entropy", "true", "--eta",
+                 "0.01", "--entropy_target", "0", "--entropy_coef_delta", "0.004", "--max_steps", "3")
+    assert [m["eta"] for m in down] == [0.0] * 3  # above the target: no bonus at all
+    assert [m["entropy_coef"] for m in down] == pytest.approx([0.006, 0.002, 0.0])
+
+
+def test_sync_ref_model_mixes_the_reference_and_resumes_exactly(tmp_path, tiny_model):
+    """sync_ref_model (TR-DPO, docs/methods.md 13.3): after step 2 the reference is 0.5 policy + 0.5 base, the
+    checkpoint holds it, and a run resumed from that checkpoint logs every number (the KL to the moved reference
+    included) and ends with every weight as the uninterrupted run."""
+    args = ["--sync_ref_model", "true", "--ref_model_sync_steps", "2", "--ref_model_mixup_alpha", "0.5", "--beta",
+            "0.04", "--kl_estimator", "k1", "--max_steps", "4", "--save_steps", "2", "--num_iterations", "2"]
+    reference = tmp_path / "uninterrupted"
+    want = train(tiny_model, reference, *args)
+    base = load_file(Path(tiny_model) / "model.safetensors")
+    policy = load_file(reference / "checkpoint-2" / "model.safetensors")
+    mixed = load_file(reference / "checkpoint-2" / "reference" / "model.safetensors")
+    assert all(torch.allclose(mixed[k], 0.5 * policy[k] + 0.5 * base[k], atol=1e-7) for k in base)
+    assert sum(not torch.equal(mixed[k], base[k]) for k in base) > 10
+    out = tmp_path / "resumed"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("checkpoint-4", "final"))
+    got = train(tiny_model, out, *args, "--resume_from_checkpoint", "latest")
+    assert [without_times(m) for m in got] == [without_times(m) for m in want]
+    a, b = load_file(out / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # without the saved reference the resumed run would score the KL against the base: a different step 3
+    fresh = tmp_path / "no_reference"
+    shutil.copytree(reference, fresh, ignore=shutil.ignore_patterns("checkpoint-4", "final", "reference"))
+    assert train(tiny_model, fresh, *args, "--resume_from_checkpoint", "latest")[2]["kl"] != want[2]["kl"]
+
+
+def test_sync_ref_model_is_refused_with_lora_as_in_trl(tmp_path, tiny_model):
+    """With LoRA the reference is the base with the adapter off: no copy to mix into (TRL refuses it too)."""
+    from lib.config import ConfigError
+
+    with pytest.raises(ConfigError, match="sync_ref_model .* LoRA run"):
+        train(tiny_model, tmp_path / "lora", "--use_peft", "true", "--sync_ref_model", "true", "--max_steps", "1")
+    assert not (tmp_path / "lora" / "metrics.jsonl").exists()
+
+
+def test_normalize_then_sum_and_fp32_head_train(tmp_path, tiny_model):
+    """multi_objective_aggregation normalize_then_sum (GDPO, docs/methods.md 13.1) and cast_lm_head_to_fp32 (13.2) with
+    bfloat16 weights: a step trains, and the output layer (tied to the embeddings here) stays float32 while the
+    other weights are bfloat16."""
+    out = tmp_path / "gdpo"
+    lines = train(tiny_model, out, "--multi_objective_aggregation", "normalize_then_sum", "--cast_lm_head_to_fp32",
+                  "true", "--dtype", "bfloat16", "--max_steps", "1")
+    assert lines[0]["reward_std"] > 0 and lines[0]["grad_norm"] > 0
+    final = load_file(out / "final" / "model.safetensors")
+    assert final["model.embed_tokens.weight"].dtype == torch.float32
+    assert final["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16

@@ -9,7 +9,7 @@ from conftest import assert_close_to_scale, assert_rel_close
 from lib.losses import (aggregate_loss, clipped_surrogate, dispersion, group_advantages, group_skewness, kl_penalty,
                         high_entropy_mask, off_policy_sequence_mask,
                         LOSS_TYPES, policy_loss,
-                        truncated_importance_weights, weighted_rewards,
+                        normalize_then_sum, truncated_importance_weights, weighted_rewards,
                         token_logps_and_entropy)
 
 
@@ -710,3 +710,77 @@ def test_importance_weights_two_sided_by_hand():
     assert torch.allclose(truncated_importance_weights(train, sampler, mask, "sequence_truncate", 3.0, 2.0),
                           torch.full((1, 4), 2.0))
     assert not truncated_importance_weights(train, sampler, mask, "sequence_mask", 3.0, 2.0).any()
+
+
+# ---- multi_objective_aggregation normalize_then_sum (GDPO, docs/methods.md 13.1) -------------------------------------
+
+def _gdpo_by_hand(rewards: list[list[float]], weights: list[float], group_size: int) -> list[float]:
+    """GDPO's three lines with Python's statistics module: each function normalised in its group (NaN skipped; a
+    group with one value adds nothing), the weighted sum, then normalised over the batch's scorable completions."""
+    import statistics
+
+    n, k = len(rewards), len(weights)
+    sums = [0.0] * n
+    for start in range(0, n, group_size):
+        rows = range(start, start + group_size)
+        for j in range(k):
+            values = [rewards[i][j] for i in rows if not math.isnan(rewards[i][j])]
+            if len(values) < 2:
+                continue
+            mean, std = statistics.fmean(values), statistics.stdev(values)
+            for i in rows:
+                if not math.isnan(rewards[i][j]):
+                    sums[i] += weights[j] * (rewards[i][j] - mean) / (std + 1e-4)
+    scorable = [i for i in range(n) if not all(math.isnan(v) for v in rewards[i])]
+    kept = [sums[i] for i in scorable]
+    mean, std = statistics.fmean(kept), statistics.stdev(kept)
+    return [(sums[i] - mean) / (std + 1e-4) if i in scorable else 0.0 for i in range(n)]
+
+
+def test_normalize_then_sum_matches_hand_values_with_nan_and_weights():
+    """Two groups of 3, two functions weighted 1 and 0.5, with a function that skips a completion (NaN) and a
+    completion every function skipped (advantage 0, out of the batch statistics). TRL 1.16 has no function for
+    this to call (the lines sit inside GRPOTrainer._generate_and_score_completions); the formula is its."""
+    nan = float("nan")
+    rewards = [[1.0, 0.2], [0.0, 0.4], [0.0, 0.6], [1.0, nan], [1.0, 0.9], [nan, nan]]
+    weights = [1.0, 0.5]
+    ours = normalize_then_sum(torch.tensor(rewards), torch.tensor(weights), 3)
+    assert ours.tolist() == pytest.approx(_gdpo_by_hand(rewards, weights, 3), rel=1e-6, abs=1e-6)
+    assert ours[5] == 0.0
+    # through group_advantages: the same, whatever scale_rewards says, and the stats stay those of the total
+    total = weighted_rewards(torch.tensor(rewards), torch.tensor(weights))
+    for scale in ("group", "batch"):
+        adv, stats = group_advantages(total, 3, scale, aggregation="normalize_then_sum",
+                                      per_function=torch.tensor(rewards), weights=torch.tensor(weights))
+        assert torch.equal(adv, ours)
+        assert torch.equal(stats["reward_std"], group_advantages(total, 3, scale)[1]["reward_std"])
+
+
+def test_normalize_then_sum_keeps_a_small_reward_apart_from_a_wide_one():
+    """GDPO's point (arXiv 2601.05242, section 3): summed first, a reward with a wide range drowns a small one; the
+    completion with the better format gets no more advantage than its group's other wrong answer. Normalised per
+    function first, it does."""
+    rewards = torch.tensor([[10.0, 0.0], [0.0, 1.0], [0.0, 0.0], [10.0, 1.0]])  # (accuracy x10, format)
+    weights = torch.ones(2)
+    summed, _ = group_advantages(weighted_rewards(rewards, weights), 4, "group")
+    decoupled = normalize_then_sum(rewards, weights, 4)
+    assert float(decoupled[1] - decoupled[2]) > 5 * float(summed[1] - summed[2]) > 0
+    # and for one function it is group normalisation followed by a batch normalisation
+    one = rewards[:, :1]
+    by_group, _ = group_advantages(one[:, 0], 2, "group")
+    again = (by_group - by_group.mean()) / (by_group.std() + 1e-4)
+    assert torch.allclose(normalize_then_sum(one, torch.ones(1), 2), again, atol=1e-6)
+
+
+def test_normalize_then_sum_composes_with_agpo_homogeneous_values():
+    """AGPO's fixed values for all-right / all-wrong groups (judged on correctness) replace GDPO's advantages there,
+    as they replace the group-normalised ones."""
+    rewards = torch.tensor([[1.0, 0.1], [1.0, 0.3], [0.0, 0.2], [1.0, 0.4]])
+    correct = rewards[:, 0] > 0
+    adv, _ = group_advantages(weighted_rewards(rewards, torch.ones(2)), 2, "group", correct=correct,
+                              homogeneous_value=0.1, aggregation="normalize_then_sum", per_function=rewards,
+                              weights=torch.ones(2))
+    assert adv[:2].tolist() == pytest.approx([0.1, 0.1])
+    assert torch.equal(adv[2:], normalize_then_sum(rewards, torch.ones(2), 2)[2:])
+    with pytest.raises(ValueError, match="per_function"):
+        group_advantages(rewards[:, 0], 2, aggregation="normalize_then_sum")

@@ -211,3 +211,89 @@ def test_qlora_loads_in_4bit_samples_and_trains(tiny_model, tokenizer):
     assert first_layer
     for n in before:
         assert_rel_close(after[n], before[n], 1e-4, n)
+
+
+def _small_llama(tied: bool, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def test_mix_into_reference_matches_trls_sync_ref_model_callback():
+    """sync_ref_model's update (docs/methods.md 13.3) against TRL 1.16's SyncRefModelCallback on the same weights:
+    ref <- alpha policy + (1 - alpha) ref, bit for bit, a tied head counted once."""
+    import copy
+
+    callbacks = pytest.importorskip("trl.trainer.callbacks")
+    from lib.modeling import mix_into_reference
+
+    policy = _small_llama(tied=True)
+    reference = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    theirs = copy.deepcopy(reference)
+    mix_into_reference(reference, policy, 0.6)
+    callbacks.SyncRefModelCallback._sync_target_model(policy, theirs, 0.6)
+    ours_state, their_state = reference.state_dict(), theirs.state_dict()
+    assert all(torch.equal(ours_state[k], their_state[k]) for k in ours_state)
+    start = copy.deepcopy(theirs)
+    mix_into_reference(reference, policy, 0.0)  # alpha 0 keeps the reference, alpha 1 copies the policy
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), start.parameters()))
+    mix_into_reference(reference, policy, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), policy.parameters()))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fp32_head_matches_trls_fused_head_on_bf16_weights(tied):
+    """cast_lm_head_to_fp32 (docs/methods.md 13.2) on a bfloat16 model: our log-probs equal those of TRL 1.16's fused
+    LM head with cast_lm_head_to_fp32 (its head cast to float32 as its trainer does) to float rounding, while the
+    bfloat16 head is off by bfloat16 rounding. The tied embeddings still feed the decoder bfloat16 values."""
+    import copy
+
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    from lib.modeling import cast_lm_head_to_fp32
+
+    model = _small_llama(tied, torch.bfloat16)
+    theirs, plain = copy.deepcopy(model), copy.deepcopy(model)
+    cast_lm_head_to_fp32(model)
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.layers[0].mlp.up_proj.weight.dtype == \
+        torch.bfloat16
+    prompt = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(1))
+    completion = torch.randint(0, 96, (3, 6), generator=torch.Generator().manual_seed(2))
+    completion_mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 5 + [0]])
+    index = torch.tensor([0, 1, 1])
+    args = (prompt, torch.ones_like(prompt), index, completion, completion_mask, torch.ones(3))
+    ours, _ = completion_logps(model, *args, share_prompt_prefix=False)
+    ours.sum().backward()
+
+    theirs.lm_head.float()  # what TRL's trainer does to the head before it adds the fused head, and, tied, to the
+    if tied:  # embeddings' output (GRPOTrainer.__init__, cast_lm_head_to_fp32)
+        theirs.model.embed_tokens.register_forward_hook(lambda module, a, output: output.to(torch.bfloat16))
+    trl_utils.add_fused_lm_head(theirs, temperature=1.0, cast_lm_head_to_fp32=True)
+    ids = torch.cat([prompt[index], completion], 1)
+    labels = ids.masked_fill(torch.cat([torch.zeros_like(prompt[index]), completion_mask], 1) == 0, -100)
+    out = theirs(input_ids=ids, attention_mask=torch.cat([torch.ones_like(prompt[index]), completion_mask], 1),
+                 labels=labels, fused_lm_head=True)
+    trl_logp = out.log_probs[:, prompt.shape[1] - 1:].float()
+    trl_logp.sum().backward()
+    gap = (ours.detach() - trl_logp.detach()).abs().max()
+    with torch.no_grad():
+        bf16_gap = (completion_logps(plain, *args, share_prompt_prefix=False)[0] - trl_logp).abs().max()
+    assert gap < 1e-5 < bf16_gap
+    # the output layer's gradient (float32 on both sides), the same to float rounding
+    assert_rel_close(model.lm_head.weight.grad, theirs.lm_head.weight.grad, 1e-5, "the output layer's gradient")
+
+
+def test_fp32_head_refuses_an_adapted_head():
+    from peft import LoraConfig, get_peft_model
+
+    from lib.config import ConfigError
+    from lib.modeling import cast_lm_head_to_fp32
+
+    model = get_peft_model(_small_llama(tied=False), LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
+    with pytest.raises(ConfigError, match="lora_target_modules"):
+        cast_lm_head_to_fp32(model)

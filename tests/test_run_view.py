@@ -271,3 +271,18 @@ def test_browser_watches_a_run_being_written(tiny_model, tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
     assert "Traceback" not in log.read_text()
+
+
+def test_adaptive_entropy_controller_is_drawn_with_its_target(tmp_path):
+    """use_adaptive_entropy (docs/methods.md 2.6): eta this step and the coefficient after it in a panel of their
+    own, and the entropy of the trained tokens beside entropy_target in the entropy panel."""
+    lines = [{"step": s, "reward": 0.1 * s, "entropy": 0.5 - 0.1 * s, "entropy/trained": 0.4 - 0.1 * s,
+              "eta": 0.0 if s == 1 else 0.005 * (s - 1), "entropy_coef": 0.005 * s} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    (tmp_path / "config.yaml").write_text("use_adaptive_entropy: true\nentropy_target: 0.2\n")
+    panels, _ = runs.panels([runs.load_run(tmp_path, "run")])
+    by_name = {p.name: p for p in panels}
+    assert {s for _, _, s in by_name["eta"].rows} == {"this step", "next step"}
+    entropy = by_name["entropy"].rows
+    assert {s for _, _, s in entropy} == {"completion tokens", "trained tokens", "entropy_target"}
+    assert [(x, y) for x, y, s in entropy if s == "entropy_target"] == [(1.0, 0.2), (3.0, 0.2)]

@@ -141,7 +141,7 @@ def test_a_trl_command_line_reads_flags_alone_as_true_and_trls_names():
 
 @pytest.mark.parametrize("values, message", [
     ({"fp16": True}, r"fp16: True is not supported \(fp16 mixed precision is not implemented"),
-    ({"sync_ref_model": "true"}, "sync_ref_model: 'true' is not supported"),
+    ({"torch_compile": "true"}, "torch_compile: 'true' is not supported"),
     ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size: 2 is not supported .*serve_vllm.py"),
     ({"use_liger_loss": True}, "use_liger_loss: True is not supported"),
     ({"use_dora": True}, "use_dora"),
@@ -283,3 +283,11 @@ def test_a_tiny_run_with_trls_keys_trains_the_weights_in_the_asked_dtype(tmp_pat
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert (saved["max_steps"], saved["dtype"], saved["num_eval_samples"]) == (8, "bfloat16", 0)
     assert "eval/accuracy" not in (out / "metrics.jsonl").read_text()
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="TRL is not installed (pip install -r requirements-bench.txt)")
+def test_limited_keys_are_trls_keys_implemented_here():
+    """lib/compat.LIMITED (docs/configuration.md 10) names TRL keys that are fields here, with TRL's default."""
+    fields = trl_fields()
+    for key in trl_keys.LIMITED:
+        assert key in FIELDS and key in fields and FIELDS[key].default == fields[key], key

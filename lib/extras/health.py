@@ -229,7 +229,8 @@ def _entropy_collapse(train: list[dict], config: dict) -> HealthWarning | None:
     hotter = f"--temperature {min(2 * temperature, 1.0):g}" if temperature and temperature < 1.0 else \
         "a higher --temperature"
     advice = ", ".join([*_presets("entropy_collapse", config), hotter,
-                        f"an entropy bonus (--eta 0.001{_now(config, 'eta')}; --algo agrpo sets one)",
+                        f"an entropy bonus (--eta 0.001{_now(config, 'eta')}; --algo agrpo sets one), or one that "
+                        f"follows the entropy (--use_adaptive_entropy true --entropy_target <nats>)",
                         f"a lower --learning_rate{_now(config, 'learning_rate')}"])
     return HealthWarning("entropy_collapse", "policy entropy collapsing", recent[0]["step"], recent[-1]["step"],
                          f"entropy {h:.3f} nats/token over {_steps(recent)}, {100 * h / h0:.0f}% of the {h0:.3f} of "

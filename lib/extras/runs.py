@@ -215,7 +215,7 @@ PANELS = (
     PanelSpec("accuracy", "Held-out accuracy (greedy, eval_steps)", "fraction of held-out problems",
               ("eval/accuracy", "eval/format")),
     PanelSpec("kl", "KL to the reference model", "nats per token", ("kl",)),
-    PanelSpec("entropy", "Policy entropy", "nats per token", ("entropy",)),
+    PanelSpec("entropy", "Policy entropy", "nats per token", ("entropy", "entropy/trained")),
     PanelSpec("length", "Completion length", "tokens", ("completions/mean_length", "completions/min_length",
                                                          "completions/max_length", "eval/mean_length")),
     PanelSpec("truncated", "Truncated completions (cut at max_completion_length)", "fraction of completions",
@@ -235,6 +235,8 @@ PANELS = (
               ("epsilon", "next_epsilon", "epsilon/group_min", "epsilon/group_max")),
     PanelSpec("kl_ema", "A-GRPO: KL moving average against its target", "nats per token",
               ("kl_ema",)),
+    PanelSpec("eta", "Entropy bonus coefficient eta (adaptive: use_adaptive_entropy)", "eta",
+              ("eta", "entropy_coef")),
     PanelSpec("temperature", "Sampling temperature (token mean; per-prompt band where logged)", "temperature",
               ("temperature", "temperature/group_min", "temperature/group_max")),
     PanelSpec("group_size", "Group size", "completions per prompt", ("num_generations", "next_num_generations")),
@@ -264,6 +266,8 @@ LABELS = {  # legend names within a plot; the rest: the key, less a prefix the p
     "clip_ratio/region_mean": "either", "clip_ratio/dual_mean": "dual clip",
     "step_time": "whole step", "beta": "this step", "next_beta": "next step", "epsilon": "this step (mean)",
     "next_epsilon": "next step", "kl_ema": "moving average", "kl_target": "kl_target",
+    "entropy": "completion tokens", "entropy/trained": "trained tokens", "entropy_target": "entropy_target",
+    "eta": "this step", "entropy_coef": "next step",
     "epsilon/group_min": "per-group min", "epsilon/group_max": "per-group max",
     "temperature/group_min": "per-prompt min", "temperature/group_max": "per-prompt max",
     "temperature": "token mean", "num_generations": "this batch", "next_num_generations": "next batch",
@@ -331,7 +335,9 @@ def panels(runs: list[Run], x: str = "step") -> tuple[list[Panel], dict[str, str
             for key in members:
                 rows += [(px, y, _series(run, key, runs)) for px, y in _points(run, key, x)]
             if spec.name == "kl_ema" and "kl_ema" in members and run.config.get("adaptive_kl"):
-                rows += _target_line(run, x, runs)
+                rows += _target_line(run, x, runs, "kl_target")
+            if spec.name == "entropy" and run.config.get("use_adaptive_entropy"):
+                rows += _target_line(run, x, runs, "entropy_target")
         if rows:
             out.append(Panel(spec.name, spec.title, spec.unit, rows))
     return out, constant
@@ -364,12 +370,13 @@ def _points(run: Run, key: str, x: str) -> list[tuple[float, float]]:
     return [(to_x(m["step"]), y) for m in lines if (y := _number(m.get(key))) is not None]
 
 
-def _target_line(run: Run, x: str, runs: list[Run]) -> list[tuple[float, float, str]]:
-    target = _number(run.config.get("kl_target"))
+def _target_line(run: Run, x: str, runs: list[Run], key: str) -> list[tuple[float, float, str]]:
+    """A controller's target (`key` in the run's config) as a flat line across its steps."""
+    target = _number(run.config.get(key))
     if target is None or not run.train:
         return []
     to_x = _x_of(run, x)
-    name = _series(run, "kl_target", runs)
+    name = _series(run, key, runs)
     return [(to_x(run.train[0]["step"]), target, name), (to_x(run.train[-1]["step"]), target, name)]
 
 
