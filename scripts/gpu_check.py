@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sampler_attn", nargs="+", default=["sdpa", "agrpo_sdpa"],
                         help="Attention implementations step 3 compares, in this order.")
     parser.add_argument("--sampler_rows", nargs="+", default=["1", "8", "64"], help="Step 3's batch sizes.")
+    parser.add_argument("--sampler_decode", nargs="+", default=["model", "fast"], help="Step 3's decode steps, "
+                        "timed in alternation (scripts/bench_sampler.py --decode).")
+    parser.add_argument("--bench_rounds", default="1", help="Step 4's alternated rounds (scripts/bench_vs_trl.py).")
+    parser.add_argument("--bench_trl_dtype", nargs="+", default=["auto", "float32"], help="Step 4's TRL weights.")
     parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "sampler", "bench"],
                         help="Steps to leave out.")
     args = parser.parse_args(argv)
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.dry_run else ["--shape", "qwen2.5-0.5b", "--rows", *args.sampler_rows, "--steps", "64",
                                   "--repeats", "3"]
         step = run_step("sampler decode step against its floor", [
-            sys.executable, "scripts/bench_sampler.py", *shape, "--attn", *args.sampler_attn, "--workdir",
+            sys.executable, "scripts/bench_sampler.py", *shape, "--attn", *args.sampler_attn, "--decode",
+            *args.sampler_decode, "--workdir",
             str(Path(tempfile.gettempdir()) / "agrpo_bench_sampler"), "--output_json", str(out / "sampler.json")],
             args.sampler_timeout, out / "sampler.log", env)
         if (out / "sampler.json").exists():
@@ -194,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     if "bench" not in args.skip:
         shape = ["--shape", "qwen2-tiny", "--max_completion_length", "16", "--steps", "3", "--trl_bf16", "false"] \
             if args.dry_run else ["--shape", "qwen2.5-0.5b", "--max_completion_length", "256", "--steps", "5",
-                                  "--trl_bf16", "true", "--bf16", "true", "--trl_dtype", "auto", "float32"]
+                                  "--trl_bf16", "true", "--bf16", "true", "--trl_dtype", *args.bench_trl_dtype]
         bench = [sys.executable, "scripts/bench_vs_trl.py", *shape, "--num_generations", "8", "--warmup_steps", "1",
-                 "--rounds", "1", "--output_json", str(out / "bench.json")]
+                 "--rounds", "1" if args.dry_run else args.bench_rounds, "--output_json", str(out / "bench.json")]
         if tokenizer.is_dir():
             bench += ["--tokenizer", str(tokenizer)]
         step = run_step("benchmark against TRL", bench, args.bench_timeout, out / "bench.log", env)

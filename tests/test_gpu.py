@@ -145,6 +145,36 @@ def test_the_samplers_logps_equal_the_scorers(device, small_model, bf16):
         assert float(gap.max()) < 0.25
 
 
+@torch.no_grad()
+def test_the_written_out_decode_step_against_the_models_forward(device, small_model):
+    """lib.decode.LlamaStep (the sampler's decode step for a Llama-family copy) against the model's own forward over
+    transformers' cache, teacher-forced on the same tokens, on the bf16 copy: bit for bit on a CPU
+    (tests/test_rollout.py); on CUDA the attention kernel SDPA picks may differ with the mask's form (transformers
+    may pass none where no row is padded), so the logits may differ by bf16 rounding, and the figure is reported."""
+    from lib.decode import LlamaStep, ModelStep, llama_family
+    from lib.modeling import load_policy
+    from lib.rollout import HFRollout, prefill
+
+    engine = HFRollout(load_policy(small_model, device=device).eval(), [2], 0, bf16=True, seed=3)
+    model = engine.model
+    assert llama_family(model)
+    ids, mask = prompts(device)
+    steps = []
+    for make in (lambda c: ModelStep(model, c, mask), lambda c: LlamaStep(model, c, mask, 64, block=16)):
+        _, cache = prefill(model, ids, mask)
+        steps.append(make(cache))
+    tokens = torch.randint(10, 4096, (3, 64), generator=torch.Generator().manual_seed(2)).to(device)
+    positions, gaps, scale = mask.sum(-1), [], 0.0
+    for t in range(64):
+        reference, ours = (s.step(tokens[:, t], positions) for s in steps)
+        gaps.append(float((ours - reference).abs().max()))
+        scale = max(scale, float(reference.abs().max()))
+        positions = positions + 1
+    report("decode_step_written_out_vs_forward", device=str(device), max_gap=max(gaps), logit_scale=scale,
+           bitwise=max(gaps) == 0.0)
+    assert max(gaps) < 0.05 * scale
+
+
 @pytest.mark.parametrize("load_in_4bit", [False, True], ids=["lora", "qlora"])
 def test_a_merged_adapter_copy_samples_the_policy_and_a_sync_refreshes_it(device, small_model, load_in_4bit):
     """LoRA and QLoRA sample with a plain copy holding W + (alpha/r) B A (a 4-bit base dequantised): its log-probs
@@ -206,14 +236,24 @@ def trainer_model(tmp_path_factory, small_model) -> str:
     return str(folder)
 
 
-def test_a_run_on_cuda_resumes_its_optimizer_exactly(device, trainer_model, tmp_path):
+# TRL 1.16's newer keys under bf16 on the device (docs/methods.md 1.8-1.12, 2.6, 13): SAPO with both token and
+# sequence masks, the adaptive entropy controller, reference updates (saved with each checkpoint) and the fp32 head
+ISSUE_39 = ["--bf16", "true", "--loss_type", "sapo", "--top_entropy_quantile", "0.5", "--off_policy_mask_threshold",
+            "0.5", "--use_adaptive_entropy", "true", "--entropy_target", "0.5", "--sync_ref_model", "true",
+            "--ref_model_sync_steps", "1", "--ref_model_mixup_alpha", "0.6", "--cast_lm_head_to_fp32", "true"]
+
+
+@pytest.mark.parametrize("extra", [[], ISSUE_39], ids=["default", "trl_1_16_keys_bf16"])
+def test_a_run_on_cuda_resumes_its_optimizer_exactly(device, trainer_model, tmp_path, extra):
     """Three steps, and the same run resumed from its checkpoint-2: the optimizer state written from the device is
-    read back onto it (torch.load to the CPU first, then onto each parameter's device) and step 3 trains the same."""
+    read back onto it (torch.load to the CPU first, then onto each parameter's device) and step 3 trains the same;
+    then the same with TRL 1.16's newer keys in bf16 (the reference updated each step and restored from the
+    checkpoint, the entropy controller's state, the fp32 output layer)."""
     common = ["--model_name_or_path", trainer_model, "--max_steps", "3", "--num_generations", "4",
               "--per_device_train_batch_size", "8", "--max_completion_length", "16", "--builtin_num_train", "32",
               "--num_eval_samples", "0", "--learning_rate", "1e-4", "--temperature", "1.0", "--log_completions",
               "false", "--report_to", "none", "--save_steps", "2", "--reward_funcs", "tests/tiny_rewards.py:characters",
-              "--beta", "0.04", "--use_cpu", str(device.type == "cpu").lower()]
+              "--beta", "0.04", "--use_cpu", str(device.type == "cpu").lower(), *extra]
     whole = run_trainer([*common, "--output_dir", str(tmp_path / "whole")], REPO)
     assert whole.returncode == 0, whole.stderr[-4000:]
     import shutil
@@ -228,7 +268,7 @@ def test_a_run_on_cuda_resumes_its_optimizer_exactly(device, trainer_model, tmp_
         return [r for r in rows if r.get("step") == 3][-1]
 
     a, b = step3(tmp_path / "whole"), step3(tmp_path / "resumed")
-    report("resume_on_device", device=str(device), loss=[a["loss"], b["loss"]], grad_norm=[a["grad_norm"],
+    report("resume_on_device" + ("_trl_1_16_keys_bf16" if extra else ""), device=str(device), loss=[a["loss"], b["loss"]], grad_norm=[a["grad_norm"],
            b["grad_norm"]], num_tokens=[a["num_tokens"], b["num_tokens"]])
     assert a["num_tokens"] == b["num_tokens"]  # the same completions sampled at step 3
     # CUDA's embedding backward sums with atomics (run-to-run rounding); everything else is the same arithmetic
