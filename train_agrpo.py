@@ -68,7 +68,7 @@ from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import Config, ConfigError, parse_config, reward_options, resolve_epochs, to_dict
 from lib.evaluation import generate_and_score, summarize
-from lib.extras import health, hub, memory, reward_models
+from lib.extras import cpu_kernels, health, hub, hub_data, memory, reward_models
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.vllm_rollout import colocated_rollout
@@ -561,7 +561,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     # push_to_hub: the hub reachable, a write token, the repository ready, before data and models
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
     reward_specs, reward_funcs = resolve_rewards(cfg)
-    train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print)
+    train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print, hub_data)
     resolve_epochs(cfg, len(train_records), world)  # max_steps -1, and the epoch strategies
     resume = prepare_output_dir(cfg, accelerator)
     # reward functions run in a worker process with a time limit per call
@@ -581,7 +581,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     elif cfg.use_vllm:  # a vLLM engine in each process
         engine = colocated_rollout(cfg, policy, tokenizer, model_path, bf16, rank)
     else:
-        engine = make_engine(cfg, policy, tokenizer, bf16, rank, partitioned)
+        engine = make_engine(cfg, policy, tokenizer, bf16, rank, partitioned, cpu_kernels.prepack_for_cpu)
     reward_funcs = reward_models.load_rewards(cfg, reward_funcs, accelerator.device)
     optimizer = policy_optimizer(cfg, policy)
     estimate = memory.check_run(cfg, policy, accelerator.device, bf16)  # stops a run that won't fit

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from lib.config import ConfigError, reference_dtype, weights_dtype
-from lib.data import HUB_TIMEOUT_S
+from lib.extras.hub_data import HUB_TIMEOUT_S
 from lib.modeling import _lora_targets, adapter_base, is_adapter_folder, kv_bytes_per_token, resolve_model_path
 
 GB = 2**30
