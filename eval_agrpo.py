@@ -38,12 +38,12 @@ from transformers.utils import logging as hf_logging
 
 from lib.config import EMBEDDED_MODEL
 from lib.data import ANSWER_COLUMNS, DEFAULT_INSTRUCTION, builtin_task, load_records, render_prompt
-from lib.evaluation import (cache_key, completion_kl_entropy, generate_and_score, read_kept, score_problems,
-                            weights_fingerprint, win_rate, write_kept)
+from lib.evaluation import completion_kl_entropy, generate_and_score, score_problems, win_rate
 from lib.modeling import (EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference,
                           model_folder_problem, native_bf16, resolve_model_path)
 from lib.losses import weighted_rewards
 from lib.extras import cpu_kernels, hub_data
+from lib.extras.reference_cache import cache_key, read_kept, weights_fingerprint, write_kept
 from lib.extras.reward_models import load_reward_models
 from lib.reward_funcs import resolve_reward_funcs, reward_arguments, score_completions
 from lib.rollout import HFRollout

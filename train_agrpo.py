@@ -77,7 +77,7 @@ from lib.logs import append_jsonl, batch_metrics, dense_line
 from lib.losses import (aggregate_loss, kl_penalty, mean_of, per_row, policy_loss, policy_ratio,
                         truncated_importance_weights)
 from lib.methods import TrainValues, choose_method
-from lib.modeling import adapter_disabled, offloaded_activations, pad_cat, resolve_model_path
+from lib.modeling import adapter_disabled, pad_cat, resolve_model_path
 from lib.rollout import Rollout
 from lib.sampling import Sampled
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, stop_for_signal,
@@ -367,7 +367,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
         # (sharded: every micro-batch's gradients are reduce-scattered; skipping that would keep full gradients)
         with (nullcontext() if sync or run.sharded else accelerator.no_sync(scorer)), \
                 (torch.no_grad() if skip_update else nullcontext()):
-            with accelerator.autocast(), offloaded_activations(cfg.activation_offloading, accelerator.device):
+            with accelerator.autocast(), memory.offloaded_activations(cfg.activation_offloading, accelerator.device):
                 logp, entropy = scorer(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows],
                                        roll.completion_ids[rows], roll.completion_mask[rows], roll.temperatures[rows],
                                        entropy_grad=cfg.eta > 0)

@@ -646,17 +646,6 @@ class CompletionScorer(torch.nn.Module):
                                 entropy_at_unit_temperature=entropy_at_unit_temperature, fixed_calls=self.fixed_calls)
 
 
-def offloaded_activations(enabled: bool, device: torch.device | str):
-    """The context a training forward runs in: with `activation_offloading` on a GPU, every tensor autograd saves
-    for backward is copied to pinned CPU memory as it is saved and back when backward needs it (torch's
-    `save_on_cpu`); under gradient checkpointing these are the blocks' inputs (torch's non-reentrant checkpoint saves
-    them through the same hooks) and the logits chunks' inputs. A no-op elsewhere: on a CPU there is nowhere else to
-    put them."""
-    if enabled and torch.device(device).type == "cuda":
-        return torch.autograd.graph.save_on_cpu(pin_memory=True)
-    return nullcontext()
-
-
 def native_bf16(device: torch.device | str, capability: tuple[int, int] | None = None) -> bool:
     """Whether bf16 matmuls run natively here: an NVIDIA GPU of compute capability 8.0 or above (Ampere on), or a
     CPU with AVX512-BF16 / AMX-BF16. `torch.cuda.is_bf16_supported()` also says yes for a T4 or V100 (7.x), where
@@ -676,19 +665,6 @@ def native_bf16(device: torch.device | str, capability: tuple[int, int] | None =
             return False
         return "avx512_bf16" in flags or "amx_bf16" in flags
     return False
-
-
-def gpu_without_bf16() -> bool:
-    """A CUDA device that emulates bf16 (compute capability below 8.0: T4, V100)."""
-    return torch.cuda.is_available() and not native_bf16("cuda")
-
-
-def kv_bytes_per_token(config, dtype_bytes: int) -> int:
-    """Bytes one token takes in a decoder's KV cache: a key and a value per layer and KV head (Vaswani et al. 2017;
-    grouped-query attention, Ainslie et al. 2023, stores num_key_value_heads of them)."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", heads) * head_dim * dtype_bytes
 
 
 def pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -25,7 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lib.modeling import kv_bytes_per_token, load_policy, native_bf16, resolve_model_path  # noqa: E402
+from lib.extras.memory import kv_bytes_per_token  # noqa: E402
+from lib.modeling import load_policy, native_bf16, resolve_model_path  # noqa: E402
 from lib.extras import cpu_kernels  # noqa: E402  (also registers --attn agrpo_sdpa)
 from lib.rollout import HFRollout  # noqa: E402
 

@@ -295,7 +295,7 @@ def test_vllm_answer_phase_switches_each_sequence_after_the_marker(tmp_path, tok
 def test_a_cpu_engines_kv_cache_is_what_its_largest_call_needs_within_half_the_free_memory():
     from transformers import AutoConfig
 
-    from lib.modeling import kv_bytes_per_token
+    from lib.extras.memory import kv_bytes_per_token
     from lib.modeling import embedded_model_path
     from lib.extras.vllm_rollout import CPU_KV_CACHE_MIN, cpu_kv_cache_bytes
 

