@@ -22,7 +22,7 @@ import os
 import random
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from lib.rewards import REWARD_FUNCS, last_boxed
 
@@ -35,12 +35,17 @@ COLUMN_FIX = "pass --prompt_column NAME and/or --answer_column NAME to say which
 # Where a gold answer is looked for when no --answer_column is given (the formats _detect_columns recognises).
 ANSWER_COLUMNS = ("answer", "solution", "Answer", "target")
 
+# The files `Dataset.save_to_disk` / `DatasetDict.save_to_disk` write: such a folder goes to the Reader.
 SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
 
-# What reads the data sets this module does not read itself (hub ids, save_to_disk folders, folders in the hub's
-# layout): an object with read_rows(name, split, config) -> [(location, row)] and split_names(name, config) ->
-# [split] | None. The entry scripts pass lib/extras/hub_data.py.
-Reader = Any
+
+class Reader(Protocol):
+    """What reads the data sets this module does not read itself (hub ids, save_to_disk folders, folders in the
+    hub's layout): lib/extras/hub_data.py, which the entry scripts pass in (a module with these two functions)."""
+
+    def read_rows(self, name: str, split: str, config: str | None) -> list[tuple[str, dict]]: ...
+
+    def split_names(self, name: str, config: str | None = None) -> list[str] | None: ...
 
 
 # ---------------------------------------------------------------------------------------------------------------
