@@ -42,6 +42,7 @@ from transformers.utils import logging as hf_logging
 
 from lib.checkpoint import list_checkpoints
 from lib.data import DEFAULT_INSTRUCTION
+from lib.extras import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
 from lib.extras import page
 from lib.extras import runs as run_data
 from lib.modeling import EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference, \

@@ -38,11 +38,12 @@ from transformers.utils import logging as hf_logging
 
 from lib.config import EMBEDDED_MODEL
 from lib.data import ANSWER_COLUMNS, DEFAULT_INSTRUCTION, builtin_task, load_records, render_prompt
-from lib.evaluation import (cache_key, completion_kl_entropy, generate_and_score, read_kept, score_problems,
-                            weights_fingerprint, win_rate, write_kept)
+from lib.evaluation import completion_kl_entropy, generate_and_score, score_problems, win_rate
 from lib.modeling import (EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference,
                           model_folder_problem, native_bf16, resolve_model_path)
 from lib.losses import weighted_rewards
+from lib.extras import cpu_kernels, hub_data
+from lib.extras.reference_cache import cache_key, read_kept, weights_fingerprint, write_kept
 from lib.extras.reward_models import load_reward_models
 from lib.reward_funcs import resolve_reward_funcs, reward_arguments, score_completions
 from lib.rollout import HFRollout
@@ -299,7 +300,8 @@ def load_sets(args: argparse.Namespace) -> dict[str, list[dict]]:
         try:
             records = load_records(name, split=args.split, prompt_column=args.prompt_column,
                                    answer_column=args.answer_column, max_samples=args.max_samples, seed=args.seed,
-                                   skip_invalid_rows=args.skip_invalid_rows, config=args.dataset_config)
+                                   skip_invalid_rows=args.skip_invalid_rows, config=args.dataset_config,
+                                   reader=hub_data)
         except (ValueError, FileNotFoundError) as error:
             raise EvalConfigError(f"--dataset_name: {error}") from error
         if "answer" not in records[0]:  # accuracy, pass@k and maj@k all compare with the gold answer
@@ -478,7 +480,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             backend = engine
         else:
             backend = HFRollout(model, end_token_ids(model, tokenizer), tokenizer.pad_token_id, bf16=bf16,
-                                seed=args.seed)
+                                seed=args.seed, prepack=cpu_kernels.prepack_for_cpu)
         for set_label, records in sets.items():
             prompts = eval_prompts(tokenizer, records, args)
             key = reference_key(args, bf16, records, prompts) if label == reference_label else None

@@ -69,7 +69,7 @@ from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import Config, ConfigError, parse_config, reward_options, resolve_epochs, to_dict
 from lib.evaluation import generate_and_score, summarize
-from lib.extras import health, hub, memory, reward_models
+from lib.extras import cpu_kernels, health, hub, hub_data, memory, reward_models
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.vllm_rollout import colocated_rollout
@@ -78,7 +78,7 @@ from lib.logs import append_jsonl, batch_metrics, dense_line
 from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
                         per_row, policy_loss, policy_ratio, truncated_importance_weights)
 from lib.methods import TrainValues, choose_method
-from lib.modeling import adapter_disabled, mix_into_reference, offloaded_activations, pad_cat, resolve_model_path
+from lib.modeling import adapter_disabled, mix_into_reference, pad_cat, resolve_model_path
 from lib.rollout import Rollout
 from lib.sampling import Sampled
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, stop_for_signal,
@@ -372,7 +372,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
         # (sharded: every micro-batch's gradients are reduce-scattered; skipping that would keep full gradients)
         with (nullcontext() if sync or run.sharded else accelerator.no_sync(scorer)), \
                 (torch.no_grad() if skip_update else nullcontext()):
-            with accelerator.autocast(), offloaded_activations(cfg.activation_offloading, accelerator.device):
+            with accelerator.autocast(), memory.offloaded_activations(cfg.activation_offloading, accelerator.device):
                 logp, entropy = scorer(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows],
                                        roll.completion_ids[rows], roll.completion_mask[rows], roll.temperatures[rows],
                                        entropy_grad=values.eta > 0)
@@ -580,7 +580,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     # push_to_hub: the hub reachable, a write token, the repository ready, before data and models
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
     reward_specs, reward_funcs = resolve_rewards(cfg)
-    train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print)
+    train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print, hub_data)
     resolve_epochs(cfg, len(train_records), world)  # max_steps -1, and the epoch strategies
     resume = prepare_output_dir(cfg, accelerator)
     # reward functions run in a worker process with a time limit per call
@@ -600,7 +600,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     elif cfg.use_vllm:  # a vLLM engine in each process
         engine = colocated_rollout(cfg, policy, tokenizer, model_path, bf16, rank)
     else:
-        engine = make_engine(cfg, policy, tokenizer, bf16, rank, partitioned)
+        engine = make_engine(cfg, policy, tokenizer, bf16, rank, partitioned, cpu_kernels.prepack_for_cpu)
     reward_funcs = reward_models.load_rewards(cfg, reward_funcs, accelerator.device)
     optimizer = policy_optimizer(cfg, policy)
     estimate = memory.check_run(cfg, policy, accelerator.device, bf16)  # stops a run that won't fit

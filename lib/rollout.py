@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from lib.decode import LlamaStep, ModelStep, llama_family
-from lib.distributed import full_parameters, full_tensor
+from lib.distributed import full_parameters
 from lib.modeling import OutputHead, positions_from_mask, unwrap_causal_lm
 
 
@@ -184,47 +184,6 @@ def prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
     return OutputHead(lm)(out.last_hidden_state[:, -1].contiguous()), out.past_key_values
 
 
-def can_prepack() -> bool:
-    """Whether this torch has oneDNN's prepacked linear (CPU builds with mkldnn) and this CPU its bf16 kernel: on a
-    CPU without AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT the reorder raises (seen on an AVX2 EPYC), so the bf16 copy
-    then decodes with plain linear layers."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-class PackedLinear(torch.nn.Module):
-    """A bf16 linear layer whose weight is stored in oneDNN's blocked layout, for decoding on a CPU.
-
-    `F.linear` in bf16 reorders the [out x in] weight into the layout the AMX / AVX-512 kernel reads on every call;
-    at decode batch sizes that reorder costs as much as the product itself (measured on these CPUs: 84 -> 55 us for
-    a 576 x 1536 layer at batch 8, 4.8 -> 2.5 ms for the 49k-token head). Reordering once per weight sync gives
-    bitwise the same outputs. Inference only: no autograd through the packed weight.
-    """
-
-    def __init__(self, linear: torch.nn.Linear, batch_hint: int = 8):
-        super().__init__()
-        self.in_features, self.out_features, self.batch_hint = linear.in_features, linear.out_features, batch_hint
-        self.load(linear.weight, linear.bias)
-
-    @torch.no_grad()
-    def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), self.batch_hint)
-        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-
-def prepack_linears(model: torch.nn.Module) -> None:
-    """Replace every nn.Linear of an inference-only bf16 model by a PackedLinear, in place."""
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(module, child_name, PackedLinear(child))
-
-
 class HFRollout:
     """Sample with a Hugging Face causal LM and a shared-prefix KV cache.
 
@@ -238,15 +197,17 @@ class HFRollout:
         skips the adapter's two extra products and PEFT's wrappers on every layer; a sync recomputes only the
         adapted layers. It costs a copy of the weights in the sampler's dtype (on a 16 GB card with a 1.5B model:
         3 GB in bf16); `merge_adapter=False` samples with the policy itself under bf16 autocast instead.
-    On a CPU with oneDNN's bf16 kernel the bf16 copy's linear layers are prepacked (PackedLinear). A copy of a
-    Llama-family model decodes with `lib.decode.LlamaStep` (the same logits, less per-step overhead), anything else
-    with its own forward (`fast_decode = False` forces that, for comparisons).
+    `prepack(copy)` may replace the copy's linear layers by faster ones that take their weights through
+    `load(weight, bias)` (lib/extras/cpu_kernels.prepack_for_cpu: oneDNN's prepacked bf16 layers on a CPU). A copy
+    of a Llama-family model decodes with `lib.decode.LlamaStep` (the same logits, less per-step overhead), anything
+    else with its own forward (`fast_decode = False` forces that, for comparisons).
     """
 
     fast_decode = True
 
     def __init__(self, policy: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int,
-                 bf16: bool = False, seed: int = 0, merge_adapter: bool = True, own_copy: bool = False):
+                 bf16: bool = False, seed: int = 0, merge_adapter: bool = True, own_copy: bool = False,
+                 prepack=None):
         self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)))
         self.pad_token_id = pad_token_id
         self.policy = policy
@@ -255,7 +216,7 @@ class HFRollout:
         self.adapted: list[str] = []  # the copy's modules whose weights a sync recomputes (LoRA layers)
         lm = unwrap_causal_lm(policy)
         device = next(policy.parameters()).device
-        adapter = any(_is_lora_layer(m) for m in lm.modules())
+        adapter = any(is_lora_layer(m) for m in lm.modules())
         quantized = getattr(lm, "is_quantized", False) or getattr(policy, "is_quantized", False)
         if adapter and merge_adapter:
             dtype = torch.bfloat16 if bf16 else _compute_dtype(lm)
@@ -269,9 +230,8 @@ class HFRollout:
         # a tied output layer is the input embeddings' parameter, which a policy lists once, under the embeddings'
         # name: a prepacked copy of it must be packed again from the embeddings after each sync
         self.tied_head = self.copy is not None and _tied_output_layer(self.copy)
-        if self.copy is not None and next(self.copy.parameters()).dtype == torch.bfloat16 and \
-                device.type == "cpu" and can_prepack():
-            prepack_linears(self.copy)
+        if self.copy is not None and prepack is not None:
+            prepack(self.copy)
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def autocast(self):
@@ -305,7 +265,7 @@ class HFRollout:
                 continue
             owner, _, key = name.rpartition(".")
             module = self.copy.get_submodule(owner)
-            if not isinstance(module, PackedLinear):
+            if isinstance(module, torch.nn.Linear) or not hasattr(module, "load"):
                 raise KeyError(f"the sampling copy has no parameter {name}")
             parts = pending.setdefault(owner, {})
             parts[key] = tensor
@@ -313,7 +273,7 @@ class HFRollout:
                 module.load(parts["weight"], parts.get("bias"))
                 del pending[owner]
         head = self.copy.get_output_embeddings()
-        if self.tied_head and isinstance(head, PackedLinear):  # bitwise what packing the new weights anew gives
+        if self.tied_head and hasattr(head, "load"):  # prepacked: bitwise what packing the new weights anew gives
             head.load(self.copy.get_input_embeddings().weight, head.bias)
 
     def state_dict(self) -> dict:
@@ -454,7 +414,7 @@ class HFRollout:
                        prompt_index=prompt_index)
 
 
-def _is_lora_layer(module: torch.nn.Module) -> bool:
+def is_lora_layer(module: torch.nn.Module) -> bool:
     return hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
 
 
@@ -486,7 +446,7 @@ def dense_weight(linear: torch.nn.Module) -> torch.Tensor:
 def merged_linear(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight, bias) of a layer as the plain model computes it: for a LoRA layer with its active adapters,
     W + sum_a scale_a B_a A_a (PEFT's get_delta_weight; Hu et al. 2021, eq. 3); a 4-bit base dequantised."""
-    if not _is_lora_layer(module):
+    if not is_lora_layer(module):
         return dense_weight(module), getattr(module, "bias", None)
     base = module.base_layer
     weight = dense_weight(base)
@@ -497,7 +457,7 @@ def merged_linear(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor |
 
 
 def _load_linear(target: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if isinstance(target, PackedLinear):
+    if not isinstance(target, torch.nn.Linear):  # a prepacked layer (HFRollout's `prepack`)
         target.load(weight, bias)
         return
     target.weight.copy_(weight)
@@ -526,7 +486,7 @@ def merged_copy(lm: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.nn.Modul
         if isinstance(module, torch.nn.Linear):
             weight, bias = merged_linear(source)
             _load_linear(module, weight, bias)
-            if _is_lora_layer(source):
+            if is_lora_layer(source):
                 adapted.append(name)
         else:  # embeddings, norms: their own parameters and persistent buffers, as they are
             for key, tensor in module.named_parameters(recurse=False):
@@ -536,39 +496,3 @@ def merged_copy(lm: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.nn.Modul
                     tensor.copy_(getattr(source, key))
     plain.tie_weights()
     return plain, adapted
-
-
-def policy_weights(policy: torch.nn.Module, merge_adapter: bool = True):
-    """(name, tensor) pairs of the policy as a plain Hugging Face causal LM, one layer at a time, for a vLLM
-    engine's `reload_weights`.
-
-    A LoRA layer gives W + scale * B A with `merge_adapter` (computed here without changing the policy), its base
-    W alone without; a bitsandbytes 4-bit weight is dequantised (its quantisation statistics are not sent); the
-    adapter's own tensors are left out, and so is a tied `lm_head.weight` (vLLM ties it to the embeddings). Names
-    are the base model's (no `.base_layer`). Only one layer's dense weight exists at a time beyond the policy's own.
-    """
-    lm = unwrap_causal_lm(policy)
-    tied = getattr(lm.config, "tie_word_embeddings", False)
-    inside = None  # the LoRA layer whose submodules (base_layer, lora_A, ...) are being walked past
-    for name, module in lm.named_modules():
-        if inside is not None and name.startswith(inside):
-            continue
-        prefix = f"{name}." if name else ""
-        if _is_lora_layer(module):
-            inside = prefix
-            base = module.base_layer
-            with torch.no_grad():
-                weight = merged_linear(module)[0] if merge_adapter else dense_weight(base)
-            yield f"{prefix}weight", weight
-            if base.bias is not None:
-                yield f"{prefix}bias", base.bias
-            continue
-        for key, tensor in module.named_parameters(recurse=False):
-            if tied and f"{prefix}{key}" == "lm_head.weight":
-                continue
-            # a sharded parameter is gathered here, one at a time (lib/distributed.full_tensor; a ZeRO-3 parameter
-            # before detach, which would leave its empty placeholder)
-            yield f"{prefix}{key}", full_tensor(dense_weight(module) if key == "weight" else tensor).detach()
-        for key, tensor in module.named_buffers(recurse=False):
-            if key not in module._non_persistent_buffers_set:
-                yield f"{prefix}{key}", tensor

@@ -167,7 +167,7 @@ def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
     return specs, reward_funcs
 
 
-def load_data(cfg: Config, reward_funcs: list = (), say=print) -> tuple[list[dict], list[dict]]:
+def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None) -> tuple[list[dict], list[dict]]:
     """(train records, eval records). Errors in the data surface here, before any model is loaded;
     so does a data set with no gold answer trained with a reward function that needs one
     (lib/data.check_answers).
@@ -175,13 +175,14 @@ def load_data(cfg: Config, reward_funcs: list = (), say=print) -> tuple[list[dic
     The held-out set is eval_dataset_name; else dataset_name's dataset_test_split where it has
     one (a folder or a hub data set, as TRL evaluates on it); else, for a single file, a seeded
     share of its rows. Held-out data with no gold answer cannot be scored: the evaluation is left
-    out, and `say` says so in one line."""
+    out, and `say` says so in one line. `reader` reads hub ids and the folders only `datasets`
+    reads (lib/extras/hub_data.py; lib/data.load_records)."""
     try:
         if cfg.dataset_name is None:
             return builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train,
                                 num_eval=cfg.num_eval_samples)
         columns = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column,
-                       skip_invalid_rows=cfg.skip_invalid_rows)
+                       skip_invalid_rows=cfg.skip_invalid_rows, reader=reader)
         train = load_records(cfg.dataset_name, split=cfg.dataset_train_split,
                              max_samples=cfg.max_train_samples, seed=cfg.seed,
                              config=cfg.dataset_config, **columns)
@@ -195,7 +196,7 @@ def load_data(cfg: Config, reward_funcs: list = (), say=print) -> tuple[list[dic
             evals = load_records(cfg.eval_dataset_name, split=cfg.dataset_test_split,
                                  max_samples=cfg.num_eval_samples, seed=cfg.seed, **columns)
         elif cfg.dataset_test_split != cfg.dataset_train_split and cfg.dataset_test_split in (
-                split_names(cfg.dataset_name, cfg.dataset_config) or ()):
+                split_names(cfg.dataset_name, cfg.dataset_config, reader) or ()):
             evals = load_records(cfg.dataset_name, split=cfg.dataset_test_split,
                                  max_samples=cfg.num_eval_samples, seed=cfg.seed,
                                  config=cfg.dataset_config, **columns)
@@ -348,13 +349,14 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
 
 
 def make_engine(cfg: Config, policy, tokenizer, bf16: bool, rank: int,
-                sharded: bool = False) -> HFRollout:
+                sharded: bool = False, prepack=None) -> HFRollout:
     """The HF sampler (lib/rollout.py): our decode loop over a copy of the policy's weights where
     that is faster, refreshed after every optimizer step; a policy that will be sharded is sampled
-    from a full copy. (A vLLM engine is lib/extras/vllm_rollout.colocated_rollout, one on devices
-    of its own lib/extras/generation_server.server_rollout; the trainer picks.)"""
+    from a full copy; `prepack` (lib/extras/cpu_kernels.prepack_for_cpu) may repack that copy.
+    (A vLLM engine is lib/extras/vllm_rollout.colocated_rollout, one on devices of its own
+    lib/extras/generation_server.server_rollout; the trainer picks.)"""
     return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id,
-                     bf16=bf16, seed=cfg.seed + rank, own_copy=sharded)
+                     bf16=bf16, seed=cfg.seed + rank, own_copy=sharded, prepack=prepack)
 
 
 def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float,

@@ -38,6 +38,7 @@ SETTINGS = {"plain": (False, True), "full": (True, False), "shared": (True, True
 def worker(spec: dict) -> dict:
     import torch
 
+    from lib.extras import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
     from lib.modeling import CompletionScorer, load_policy, resolve_model_path
     from scripts.bench_memory import peak, resident, restart_peak
 

@@ -200,6 +200,7 @@ def run_worker(spec: dict) -> dict:
     from lib.extras.memory import CHUNK_ELEMENTS, estimate_step_memory, step_token_counts
     from lib.modeling import (CompletionScorer, OutputHead, adapter_disabled, load_policy, native_bf16,
                               unwrap_causal_lm)
+    from lib.extras import cpu_kernels
     from lib.rollout import HFRollout, prefill
     from lib.setup import build_optimizer
 
@@ -260,7 +261,8 @@ def run_worker(spec: dict) -> dict:
     t0 = time.perf_counter()
     before = resident()
     restart_peak()
-    engine = HFRollout(policy, [config.eos_token_id], config.pad_token_id, bf16=bf16, seed=cfg.seed)
+    engine = HFRollout(policy, [config.eos_token_id], config.pad_token_id, bf16=bf16, seed=cfg.seed,
+                       prepack=cpu_kernels.prepack_for_cpu)
     copy_bytes = tensor_bytes(engine.copy)["total"] if engine.copy is not None else 0
     parts["sampler_copy"] = {"estimate": copy_bytes, "measured": resident() - before, "peak": peak() - before}
     out["seconds"]["sampler_copy"] = time.perf_counter() - t0

@@ -25,7 +25,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lib.modeling import kv_bytes_per_token, load_policy, native_bf16, resolve_model_path  # noqa: E402
+from lib.extras.memory import kv_bytes_per_token  # noqa: E402
+from lib.modeling import load_policy, native_bf16, resolve_model_path  # noqa: E402
+from lib.extras import cpu_kernels  # noqa: E402  (also registers --attn agrpo_sdpa)
 from lib.rollout import HFRollout  # noqa: E402
 
 
@@ -90,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for attn in args.attn:
         policy = load_policy(path, device=device, attn_implementation=attn).eval()
-        engine = HFRollout(policy, [-1], 0, bf16=bf16, seed=0)  # no end token: every row decodes to the cap
+        # no end token: every row decodes to the cap
+        engine = HFRollout(policy, [-1], 0, bf16=bf16, seed=0, prepack=cpu_kernels.prepack_for_cpu)
         model = engine.model
         weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()
                            if t.is_floating_point())

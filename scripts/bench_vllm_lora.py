@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 def worker(args) -> dict:
     import torch
 
+    from lib.extras import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
     from lib.modeling import load_policy, load_tokenizer, resolve_model_path
     from lib.extras.vllm_rollout import VLLMRollout, adapter_ranks
 

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lib.data import load_records  # noqa: E402
+from lib.extras import hub_data  # noqa: E402
 
 
 def pass_rates(completions: Path, dataset_label: str | None = None) -> dict[int, float]:
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_pass_rate", type=float, default=0.875)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    records = load_records(str(args.dataset))  # the evaluator's order: every row, in file order
+    records = load_records(str(args.dataset), reader=hub_data)  # the evaluator's order: every row, in file order
     lines = [line for line in args.dataset.read_text().splitlines() if line.strip()]
     rates = pass_rates(args.completions)
     if len(records) != len(lines) or set(rates) != set(range(len(records))):

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lib.modeling import CompletionScorer, embedded_model_path, end_token_ids, load_policy, load_tokenizer  # noqa
+from lib.extras import cpu_kernels  # noqa: E402
 from lib.rollout import HFRollout  # noqa: E402
 
 
@@ -44,7 +45,8 @@ def main() -> None:
                 for name, p in policy.named_parameters():
                     if "lora_B" in name:
                         p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.01)
-            engine = HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16, seed=0)
+            engine = HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16, seed=0,
+                               prepack=cpu_kernels.prepack_for_cpu)
             generator = torch.Generator().manual_seed(1)
             prompts = torch.randint(100, 40000, (2, 20), generator=generator)
             rollout = engine.generate(prompts, torch.ones_like(prompts), 4, 32, temperature=1.0)
@@ -61,7 +63,8 @@ def main() -> None:
             print(f"| {'QLoRA' if load_in_4bit else 'LoRA'} | {'bf16' if bf16 else 'fp32'} | {built} | {stale} | "
                   f"{gap(engine, policy, rollout, bf16)} | {seconds:.2f} |", flush=True)
     policy = load_policy(path)
-    engine = HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=True, seed=0)
+    engine = HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=True, seed=0,
+                       prepack=cpu_kernels.prepack_for_cpu)
     prompts = torch.randint(100, 40000, (2, 20), generator=torch.Generator().manual_seed(1))
     rollout = engine.generate(prompts, torch.ones_like(prompts), 4, 32, temperature=1.0)
     policy.eval()

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# the entry scripts import it: it registers the CPU decode attention that lib.modeling picks on a CPU
+import lib.extras.cpu_kernels  # noqa: F401
+
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from conftest import REPO
 from lib.config import Config, ConfigError, load_yaml, make_config, parse_config, validate
 from lib.data import load_records
+from lib.extras import hub_data
 
 FIELDS = [f.name for f in dataclasses.fields(Config)]
 
@@ -155,7 +156,7 @@ def write_rows(path, rows, how: str) -> None:
 def check_records(path, **kwargs) -> None:
     """load_records gives valid records, or ValueError / FileNotFoundError naming the file, never another error."""
     try:
-        records = load_records(str(path), **kwargs)
+        records = load_records(str(path), reader=hub_data, **kwargs)
     except (ValueError, FileNotFoundError) as error:
         assert path.name in str(error), f"the message does not name the file: {error}"
         assert "\n" not in str(error), str(error)
@@ -200,7 +201,7 @@ def test_a_data_path_that_is_not_a_readable_file_names_it(tmp_path):
             path.write_text("x")
         check_records(path)
     with pytest.raises(FileNotFoundError, match="is a folder without test.jsonl"):
-        load_records(str(tmp_path), split="test")
+        load_records(str(tmp_path), split="test", reader=hub_data)
 
 
 # ---------------------------------------------------------------------------------------------- YAML recipes

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import FULL_DATA, NO_FULL_DATA, REPO
 from lib import data
+from lib.extras import hub_data
 from lib.data import (DEFAULT_INSTRUCTION, builtin_task, format_number, format_prompt, last_boxed, load_records,
                       render_prompt)
 
@@ -192,7 +193,7 @@ def test_nonexistent_path(tmp_path, monkeypatch, name):
 def test_folder_without_split(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [{"problem": "p", "answer": 1}])
     with pytest.raises(FileNotFoundError, match=r"without test\.jsonl.*\['train\.jsonl'\]"):
-        load_records(str(tmp_path), split="test")
+        load_records(str(tmp_path), split="test", reader=hub_data)
 
 
 def test_max_samples_must_be_positive(data_dir):

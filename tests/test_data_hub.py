@@ -12,7 +12,16 @@ import pytest
 datasets = pytest.importorskip("datasets")
 
 from lib.config import ConfigError, parse_config  # noqa: E402
-from lib.data import load_records, split_names  # noqa: E402
+from lib.data import load_records as read_records, split_names as read_splits  # noqa: E402
+from lib.extras import hub_data  # noqa: E402
+
+
+def load_records(*args, **kwargs):
+    return read_records(*args, reader=hub_data, **kwargs)
+
+
+def split_names(*args):
+    return read_splits(*args, reader=hub_data)
 
 
 @pytest.fixture(autouse=True)
@@ -137,11 +146,11 @@ def test_the_trainer_evaluates_on_the_test_split_and_holds_out_rows_of_a_single_
 
     said = []
     train, held_out = load_data(parse_config(["--dataset_name", str(gsm8k_hub), "--dataset_config", "main"]),
-                                say=said.append)
+                                say=said.append, reader=hub_data)
     assert len(train) == 20 and [r["answer"] for r in held_out] == [gold(r) for r in gsm8k_rows[20:30]]
     path = tmp_path / "one.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows))
-    train, held_out = load_data(parse_config(["--dataset_name", str(path)]), say=said.append)
+    train, held_out = load_data(parse_config(["--dataset_name", str(path)]), say=said.append, reader=hub_data)
     assert (len(train), len(held_out)) == (36, 4) and not {r["question"] for r in train} & {
         r["question"] for r in held_out}
     assert said == []

@@ -467,8 +467,8 @@ def test_step_token_counts_of_a_configuration():
 
 
 def test_activation_offloading_moves_the_checkpointed_block_inputs(tmp_path):
-    """What activation_offloading moves to host memory (lib/modeling.offloaded_activations: torch's save_on_cpu, so
-    every tensor autograd saves in the training forward) against the estimate's `offloaded`: under non-reentrant
+    """What activation_offloading moves to host memory (lib/extras/memory.offloaded_activations: torch's save_on_cpu,
+    so every tensor autograd saves in the training forward) against the estimate's `offloaded`: under non-reentrant
     gradient checkpointing the blocks' inputs are saved through the same hooks (so they do move), and only they,
     the last norm's and the logits chunks' inputs are. On a CPU save_on_cpu moves nothing, so the bytes it would
     move are counted with the same hooks; the scores and gradients under save_on_cpu are checked against none."""

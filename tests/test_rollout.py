@@ -141,7 +141,7 @@ def test_policy_weights_of_a_lora_policy_equal_peft_merge(tiny_model):
     from peft import LoraConfig, get_peft_model
 
     from lib.modeling import load_policy
-    from lib.rollout import policy_weights
+    from lib.extras.vllm_rollout import policy_weights
 
     lora = get_peft_model(load_policy(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     with torch.no_grad():
@@ -198,18 +198,18 @@ def test_the_sampler_is_the_policy_after_every_sync(tied, bf16):
     """After each of three updates of every weight, each followed by sync_weights, the sampler's log-probs of fixed
     completions equal the policy's within the sampler's precision, and equal bitwise those of a sampler built anew
     from the updated policy. The bf16 copy is the default on a CPU with bf16, its linear layers prepacked for oneDNN
-    where this CPU has the kernel (lib/rollout.can_prepack; then the output layer too, tied or not); the fp32 copy
-    is what a sharded policy samples from. A layer the sync leaves stale is 3e-2 to 7e-2 of the log-probs' scale
-    off (measured: the prepacked tied head, before it was packed again at each sync)."""
+    where this CPU has the kernel (lib/extras/cpu_kernels.can_prepack; then the output layer too, tied or not); the
+    fp32 copy is what a sharded policy samples from. A layer the sync leaves stale is 3e-2 to 7e-2 of the log-probs'
+    scale off (measured: the prepacked tied head, before it was packed again at each sync)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lib.rollout import PackedLinear, can_prepack
+    from lib.extras.cpu_kernels import PackedLinear, can_prepack, prepack_for_cpu
 
     config = LlamaConfig(vocab_size=2000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     torch.manual_seed(0)
     policy = LlamaForCausalLM(config).eval()
-    backend = HFRollout(policy, [2], 0, bf16=bf16, seed=0, own_copy=not bf16)
+    backend = HFRollout(policy, [2], 0, bf16=bf16, seed=0, own_copy=not bf16, prepack=prepack_for_cpu)
     packed = isinstance(backend.copy.lm_head, PackedLinear)
     assert packed == (bf16 and can_prepack())
     prompts = torch.randint(3, 2000, (2, 6), generator=torch.Generator().manual_seed(1))
@@ -227,7 +227,7 @@ def test_the_sampler_is_the_policy_after_every_sync(tied, bf16):
         backend.sync_weights(policy)
         synced = logps(backend.copy)
         assert_close_to_scale(synced, logps(policy), tolerance, f"log-probs after sync {update + 1}")
-        anew = HFRollout(policy, [2], 0, bf16=bf16, own_copy=not bf16)
+        anew = HFRollout(policy, [2], 0, bf16=bf16, own_copy=not bf16, prepack=prepack_for_cpu)
         assert torch.equal(synced, logps(anew.copy)), f"sync {update + 1} is not what a new sampler holds"
 
 
@@ -295,7 +295,7 @@ def test_vllm_answer_phase_switches_each_sequence_after_the_marker(tmp_path, tok
 def test_a_cpu_engines_kv_cache_is_what_its_largest_call_needs_within_half_the_free_memory():
     from transformers import AutoConfig
 
-    from lib.modeling import kv_bytes_per_token
+    from lib.extras.memory import kv_bytes_per_token
     from lib.modeling import embedded_model_path
     from lib.extras.vllm_rollout import CPU_KV_CACHE_MIN, cpu_kv_cache_bytes
 
@@ -373,11 +373,13 @@ def test_the_written_out_decode_step_gives_the_models_own_logits_bit_for_bit(kin
     buffers' growth (a block of 8 here) and a compaction of the rows; then a sampled run takes the same tokens
     either way, rows ending and leaving the batch included."""
     from lib.decode import LlamaStep, ModelStep, llama_family
+    from lib.extras.cpu_kernels import can_prepack, prepack_for_cpu
     from lib.rollout import prefill
 
-    engine = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3)
+    engine = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3, prepack=prepack_for_cpu)
     model = engine.model
     assert llama_family(model)
+    assert hasattr(model.get_decoder().layers[0].self_attn.q_proj, "packed") == can_prepack()
     ids = torch.randint(3, 300, (3, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[0, :4], ids[0, :4] = 0, 0  # a left-padded prompt

@@ -1,5 +1,7 @@
 """End-to-end runs of train_agrpo.py as a user runs it (subprocesses): on the real embedded model, and on the tiny
-random model (tests/conftest.py) where a run checks files and mechanics rather than what the model says."""
+random model (tests/conftest.py) where a run checks files and mechanics rather than what the model says. Runs whose
+test is about what they write, not about the command line, run in this process (`train_here`: no interpreter start
+and imports per run)."""
 
 import json
 import os
@@ -41,6 +43,17 @@ def run(args, tmp_path, check=True, timeout=600, launcher=None):
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def train_here(args, out) -> None:
+    """train_agrpo.main in this process, as `run` would run it from the command line."""
+    import train_agrpo
+    from accelerate.state import AcceleratorState
+
+    try:
+        train_agrpo.main([*args, "--output_dir", str(out)])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # the next run builds its own Accelerator
 
 
 def read_jsonl(path):
@@ -95,8 +108,8 @@ def test_default_trainer_writes_the_run_directory_and_changes_the_model(tmp_path
 def test_lora_run_saves_an_adapter_that_peft_loads(tmp_path, tiny_model):
     out = tmp_path / "lora"
     # with the 16 GB habits: 8-bit paged AdamW (bitsandbytes; paging falls back to plain states on a CPU)
-    run(TINY + ["--model_name_or_path", tiny_model, "--output_dir", str(out), "--use_peft", "true", "--lora_r", "4",
-                "--learning_rate", "1e-3", "--optim", "paged_adamw_8bit", *SPREAD], tmp_path)
+    train_here(TINY + ["--model_name_or_path", tiny_model, "--use_peft", "true", "--lora_r", "4",
+                       "--learning_rate", "1e-3", "--optim", "paged_adamw_8bit", *SPREAD], out)
     assert (out / "final" / "adapter_config.json").exists()
     state = torch.load(out / "checkpoint-2" / "optimizer.pt", weights_only=False)["state"]
     # bitsandbytes' own state went into the checkpoint (tensors under 4096 elements, like these r=4 LoRA matrices,
@@ -121,8 +134,8 @@ def test_lora_run_saves_an_adapter_that_peft_loads(tmp_path, tiny_model):
 def test_qlora_run_trains_on_a_4bit_base(tmp_path, tiny_model):
     pytest.importorskip("bitsandbytes")
     out = tmp_path / "qlora"
-    run(TINY + ["--model_name_or_path", tiny_model, "--output_dir", str(out), "--use_peft", "true",
-                "--load_in_4bit", "true", "--lora_r", "4", "--max_steps", "1", "--learning_rate", "1e-3", *SPREAD], tmp_path)
+    train_here(TINY + ["--model_name_or_path", tiny_model, "--use_peft", "true", "--load_in_4bit", "true",
+                       "--lora_r", "4", "--max_steps", "1", "--learning_rate", "1e-3", *SPREAD], out)
     train = [m for m in read_jsonl(out / "metrics.jsonl") if "reward" in m]
     assert train[0]["step"] == 1 and train[0]["grad_norm"] > 0 and train[0]["frac_reward_zero_std"] < 1
     # the step moved the adapter: lora_B starts at 0 and is not 0 in the saved adapter
@@ -158,9 +171,9 @@ def test_bad_configuration_fails_before_loading_and_keeps_an_existing_run(tmp_pa
 
 def test_real_gsm8k_file_trains_and_a_malformed_file_is_named(tmp_path, data_dir, tiny_model):
     out = tmp_path / "gsm8k"
-    run(TINY + ["--model_name_or_path", tiny_model, "--output_dir", str(out), "--max_steps", "1",
-                "--dataset_name", str(data_dir / "gsm8k" / "train.jsonl"), "--eval_dataset_name",
-                str(data_dir / "gsm8k" / "test.jsonl"), "--max_prompt_length", "192"], tmp_path)
+    train_here(TINY + ["--model_name_or_path", tiny_model, "--max_steps", "1",
+                       "--dataset_name", str(data_dir / "gsm8k" / "train.jsonl"), "--eval_dataset_name",
+                       str(data_dir / "gsm8k" / "test.jsonl"), "--max_prompt_length", "192"], out)
     sample = read_jsonl(out / "completions.jsonl")[0]
     assert "####" not in sample["answer"] and sample["answer"].lstrip("-").replace(".", "").isdigit()
     bad = tmp_path / "bad.jsonl"

