@@ -3,13 +3,15 @@ into. Two implementations behind one interface (`keep(rows)`, `step(tokens, posi
 
 - `ModelStep`: the model's own forward over transformers' dynamic cache: any architecture, and the policy itself
   (LoRA wrappers, 4-bit layers) when the sampler has no plain copy.
-- `LlamaStep`: the Llama-family decoder layer (Llama, SmolLM, Qwen2, Qwen3) written out over a cache allocated ahead,
-  for the plain copy the sampler owns (lib/rollout.HFRollout). It performs transformers' operations in the same order
-  on the same tensors, so its logits equal `ModelStep`'s bit for bit (tests/test_rollout.py); what it leaves out is
-  per-step overhead that a decode step of a small model is made of (docs/performance.md 2.4): concatenating every
-  layer's keys and values onto the cache (both, each layer, each token), building the 4-D mask, and the module
-  and keyword dispatch of about 15 modules a layer. q/k/v and gate/up are separate products, as in the model:
-  fusing them would change the kernels' blocking and so the last bits of the logits.
+- `LlamaStep`: the Llama-family decoder layer (Llama, SmolLM, Qwen2, Qwen3) written out over key/value buffers
+  allocated ahead, for the plain copy the sampler owns (lib/rollout.HFRollout). It performs transformers' operations
+  in the same order, and its logits equal `ModelStep`'s bit for bit on a CPU (tests/test_rollout.py; on an H100,
+  tests/test_gpu.py found them equal too for a first form that sliced the buffers instead). What it leaves out is
+  per-step overhead (docs/performance.md 2.4): concatenating every layer's keys and values onto the cache (both,
+  each layer, each token), the copy a matmul makes of a strided slice of a buffer (attention reads the whole
+  zero-filled buffer, its unwritten part masked out, so the matmul gets contiguous memory), building the 4-D mask,
+  and the module and keyword dispatch of about 15 modules a layer. Measured on the 2-core EPYC: 9% off a decode step
+  at 8 rows, 5% at 64; nothing on an H100, where a step is bound by kernel launches.
 """
 
 from __future__ import annotations
@@ -51,15 +53,14 @@ def llama_family(lm: torch.nn.Module) -> bool:
 
 
 def _linear(module: torch.nn.Module):
-    """A layer's product as a plain function of x (a prepacked oneDNN layer's kernel called directly)."""
+    """A layer's product as a plain function of a 2-D x (a prepacked oneDNN layer's kernel called directly)."""
     packed = getattr(module, "packed", None)
     if packed is None:
         return module
-    bias, out_features = module.bias, module.out_features
+    bias = module.bias
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        flat = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
-        return flat.reshape(*x.shape[:-1], out_features)
+    def forward(x: torch.Tensor) -> torch.Tensor:  # x: (rows, in_features)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     return forward
 
@@ -80,8 +81,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class LlamaStep:
-    """A Llama-family decode step over per-layer key/value buffers (B, KV heads, capacity, D) filled by the prefill,
-    grown by doubling (one copy per doubling, not one per token) up to the prompt plus `max_new_tokens`."""
+    """A Llama-family decode step over per-layer key/value buffers (B, KV heads, capacity, D), zero-filled, holding
+    the prefill's keys and values, grown by doubling (one copy per doubling, not one per token) up to the prompt plus
+    `max_new_tokens`. Attention reads each buffer whole: its unwritten positions are masked (probability exactly 0,
+    times values that are exactly 0)."""
 
     def __init__(self, lm: torch.nn.Module, cache: DynamicCache, attention: torch.Tensor, max_new_tokens: int,
                  block: int = 128):
@@ -108,8 +111,8 @@ class LlamaStep:
         self.keys, self.values = [], []
         for layer in cache.layers:
             shape = (*layer.keys.shape[:2], capacity, layer.keys.shape[-1])
-            keys = layer.keys.new_empty(shape)
-            values = layer.values.new_empty(shape)
+            keys = layer.keys.new_zeros(shape)
+            values = layer.values.new_zeros(shape)
             keys[:, :, :prompt_len] = layer.keys
             values[:, :, :prompt_len] = layer.values
             self.keys.append(keys)
@@ -128,7 +131,7 @@ class LlamaStep:
         capacity = min(self.limit, 2 * self.mask.shape[1])
 
         def widen(t: torch.Tensor) -> torch.Tensor:
-            out = t.new_empty(*t.shape[:2], capacity, t.shape[-1])
+            out = t.new_zeros(*t.shape[:2], capacity, t.shape[-1])
             out[:, :, : t.shape[2]] = t
             return out
 
@@ -144,25 +147,25 @@ class LlamaStep:
         col = self.length
         self.length += 1
         self.mask[:, col] = True
-        mask = self.mask[:, None, None, : self.length]  # (B, 1, 1, L), True = attend
-        batch = tokens.shape[0]
-        hidden = self.embed(tokens[:, None])  # (B, 1, H)
+        mask = self.mask[:, None, None, :]  # (B, 1, 1, capacity), True = attend
+        batch, dim = tokens.shape[0], self.head_dim
+        hidden = self.embed(tokens)  # (B, H): one token a row, so no sequence axis
         cos, sin = self.rotary(hidden, positions[:, None])
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, 1, D)
         for i, (norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, attn, norm2, gate, up, down, act) in \
                 enumerate(self.layers):
             x = _rms_norm(hidden, *norm1)
-            q = q_proj(x).view(batch, 1, -1, self.head_dim)
-            k = k_proj(x).view(batch, 1, -1, self.head_dim)
+            q = q_proj(x).view(batch, -1, 1, dim)  # (B, heads, 1, D)
+            k = k_proj(x).view(batch, -1, 1, dim)
             if qk_norms is not None:
                 q, k = _rms_norm(q, *qk_norms[0]), _rms_norm(k, *qk_norms[1])
-            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
-            v = v_proj(x).view(batch, 1, -1, self.head_dim).transpose(1, 2)
-            self.keys[i][:, :, col] = k[:, :, 0]
-            self.values[i][:, :, col] = v[:, :, 0]
-            out, _ = self.attention(attn, q, self.keys[i][:, :, : self.length],
-                                              self.values[i][:, :, : self.length], mask, scaling=attn.scaling)
-            hidden = hidden + o_proj(out.reshape(batch, 1, -1).contiguous())
+            heads = q.shape[1]
+            qk = _rotate(torch.cat((q, k), dim=1), cos, sin)  # the query and key heads rotated in one go
+            q = qk[:, :heads]
+            self.keys[i][:, :, col] = qk[:, heads:, 0]
+            self.values[i][:, :, col] = v_proj(x).view(batch, -1, dim)
+            out, _ = self.attention(attn, q, self.keys[i], self.values[i], mask, scaling=attn.scaling)
+            hidden = hidden + o_proj(out.reshape(batch, -1))
             x = _rms_norm(hidden, *norm2)
             hidden = hidden + down(act(gate(x)) * up(x))
-        return self.head(_rms_norm(hidden, *self.final_norm)[:, -1])
+        return self.head(_rms_norm(hidden, *self.final_norm))
