@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         results["steps"]["sampler"] = step
         save()
     if "bench" not in args.skip:
-        shape = ["--shape", "qwen2-tiny", "--max_completion_length", "16", "--steps", "3", "--trl_bf16", "false"] \
+        # the dry run: one measured step of each trainer, 8 tokens (the script's mechanics, as tests/test_bench.py)
+        shape = ["--shape", "qwen2-tiny", "--max_completion_length", "8", "--steps", "2", "--trl_bf16", "false"] \
             if args.dry_run else ["--shape", "qwen2.5-0.5b", "--max_completion_length", "256", "--steps", "5",
                                   "--trl_bf16", "true", "--bf16", "true", "--trl_dtype", *args.bench_trl_dtype]
         bench = [sys.executable, "scripts/bench_vs_trl.py", *shape, "--num_generations", "8", "--warmup_steps", "1",

