@@ -215,6 +215,14 @@ def test_custom_reward_that_raises_is_scored_zero_and_counted(tmp_path, tiny_mod
     assert lines[0]["rewards/flaky/mean"] == pytest.approx(1 - lines[0]["rewards/flaky/errors"] / 8)
 
 
+def launch_two_processes(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`accelerate launch` of the trainer on two CPU processes (gloo), one thread each."""
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    return subprocess.run(launcher + [str(REPO / "train_agrpo.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def test_two_processes_split_groups_and_agree_on_the_adaptive_sampling(tmp_path, tiny_model):
     """AGPO-DSF's probes and clip ranges, adaGRPO's retries and the answer-phase sampler, with every group split
     across two processes (gloo): the statistics come from gathered rewards, entropies and answer keys, so both
@@ -228,10 +236,7 @@ def test_two_processes_split_groups_and_agree_on_the_adaptive_sampling(tmp_path,
             "--answer_marker", "is", "--kl_estimator", "k1", "--save_steps", "4",
             # the entropy mask's threshold is taken over both processes' tokens (lib/distributed.gather_ragged)
             "--top_entropy_quantile", "0.5", "--off_policy_mask_threshold", "0.5"]
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    proc = subprocess.run(launcher + [str(REPO / "train_agrpo.py"), *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = launch_two_processes(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = steps_of(out)
     assert [m["step"] for m in lines] == list(range(1, 9))  # only the main process writes
@@ -255,10 +260,7 @@ def test_two_processes_with_gdpo_adaptive_entropy_and_reference_updates(tmp_path
             "--max_steps", "4", "--multi_objective_aggregation", "normalize_then_sum", "--algo", "agrpo",
             "--use_adaptive_entropy", "true", "--entropy_target", "100", "--sync_ref_model", "true",
             "--ref_model_sync_steps", "2", "--ref_model_mixup_alpha", "0.5", "--save_steps", "2"]
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    proc = subprocess.run(launcher + [str(REPO / "train_agrpo.py"), *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = launch_two_processes(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = steps_of(out)
     assert [m["eta"] for m in lines[1:]] == pytest.approx([m["entropy_coef"] for m in lines[:-1]])
