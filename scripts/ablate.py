@@ -5,12 +5,17 @@
         --max_steps 20 --output_dir runs/ablate
     python scripts/ablate.py ... --token_budget 20000 --max_steps 200     # equal generated-token budget
     python scripts/ablate.py ... --devices 0 1 2 3                         # one run per GPU at a time
+    python scripts/ablate.py --configs grpo/full grpo/cispo agrpo/adaptive_entropy ...   # chosen pairs only
     python scripts/ablate.py ... -- --config scripts/recipes/agrpo_gsm8k_qwen05b.yaml   # after --: to every run
 
 An ablation is a plain override of the method's resolved configuration (docs/methods.md 9.4): `no_clip` (a clip
 range no ratio reaches), `no_kl` (beta 0), `no_entropy` (eta 0), `eps0.1` / `eps0.5`, `beta0.1` / `beta1.0`,
 `g4` / `g8` / `g16` (group size, same completions per step), `adaptive_entropy` (eta from the adaptive entropy
-controller). Where a method's controller moves the value the
+controller), and the other objectives: `cispo` (its weight capped at epsilon_high 5, ScaleRL's value, where the
+preset leaves the cap at epsilon), `sapo` (TRL's temperatures), `top_entropy` (only the top 20% of tokens by entropy
+trained, top_entropy_quantile 0.2, the "80/20" of arXiv 2506.01939). `--configs method/ablation ...` runs chosen
+pairs instead of every method with every ablation (a pair a method refuses, such as A-GRPO with SAPO, is refused
+before anything runs). Where a method's controller moves the value the
 ablation fixes (A-GRPO's beta_t / epsilon_t, AGPO-DSF's per-group clip), the controller is switched off or its
 bounds pinned to the value, so that the ablation means what its name says. A configuration that resolves to the
 same settings as another (GRPO's `no_entropy`: its eta is already 0; `no_clip` / `eps*` with one update per
@@ -66,11 +71,15 @@ ABLATIONS = {
     "no_entropy": "no entropy bonus (eta 0)",
     "no_kl_no_entropy": "beta 0 and eta 0",
     "adaptive_entropy": "eta from the adaptive entropy controller (use_adaptive_entropy, docs/methods.md 2.6)",
+    "cispo": "loss_type cispo (docs/methods.md 1.7), its cap epsilon_high 5 unless the preset sets one",
+    "sapo": "loss_type sapo (docs/methods.md 1.8), TRL's temperatures",
+    "top_entropy": "top_entropy_quantile 0.2: only the 20% highest-entropy tokens trained (docs/methods.md 1.11)",
     "eps0.1": "clip range 0.1", "eps0.5": "clip range 0.5",
     "beta0.1": "KL coefficient 0.1", "beta1.0": "KL coefficient 1.0",
     "g4": "4 completions per prompt", "g8": "8 completions per prompt", "g16": "16 completions per prompt",
 }
 NO_CLIP = 1e6
+NO_RUN = {"win_rate": (math.nan, 0.0)}  # a (method, ablation) pair --configs left out, in the figures
 LAST = 5  # training steps averaged for the end-of-run training columns
 # Controller fields the trainer logs (docs/methods.md 9.3); a run's curves show the ones it logged.
 CONTROLLER_FIELDS = ("beta", "epsilon", "kl_ema", "next_beta", "next_epsilon", "num_generations", "temperature",
@@ -112,6 +121,12 @@ def ablation_overrides(name: str, cfg: Config) -> dict:
         return {**ablation_overrides("no_kl", cfg), **ablation_overrides("no_entropy", cfg)}
     if name == "adaptive_entropy":
         return {"use_adaptive_entropy": True}
+    if name == "cispo":  # the cap is epsilon_high itself: left at epsilon (0.2) it scales every gradient by 0.2
+        return {"loss_type": "cispo", **({"epsilon_high": 5.0} if cfg.epsilon_high is None else {})}
+    if name == "sapo":
+        return {"loss_type": "sapo"}
+    if name == "top_entropy":
+        return {"top_entropy_quantile": 0.2}
     if name == "no_clip" or name.startswith("eps"):
         eps = NO_CLIP if name == "no_clip" else float(name[3:])
         keys = {"epsilon": eps, "epsilon_high": eps}
@@ -168,40 +183,41 @@ class Job:
 
 
 def plan(methods: list[str], ablations: list[str], seeds: list[int], extra: list[str], root: Path,
-         max_steps: int | None, token_budget: int | None, check_installed: bool = True) -> list[Job]:
-    """Every (method, ablation, seed) with its resolved, validated configuration, before anything runs. Bad input
-    (an unknown method or ablation, a flag the trainer refuses) raises here, naming the configuration. Without
+         max_steps: int | None, token_budget: int | None, check_installed: bool = True,
+         pairs: list[tuple[str, str]] | None = None) -> list[Job]:
+    """Every (method, ablation, seed) with its resolved, validated configuration, before anything runs (`pairs`:
+    only those (method, ablation) configurations, in that order, instead of every method with every ablation). Bad
+    input (an unknown method or ablation, a flag the trainer refuses) raises here, naming the configuration. Without
     `check_installed` (a dry run, which may be planning a GPU machine's runs on another) the packages the runs need
     are not asked for."""
     common = ["--num_eval_samples", "0"] + (["--max_num_tokens", str(token_budget)] if token_budget else [])
     jobs: list[Job] = []
     first_with: dict[str, Job] = {}  # resolved settings -> the first job that has them
-    for method in methods:
+    for method, ablation in pairs or [(m, a) for m in methods for a in ablations]:
         if method not in PRESETS:
             raise AblateError(f"--methods: '{method}' is not a preset; choose from {', '.join(PRESETS)}")
-        for ablation in ablations:
-            for seed in seeds:
-                flags = [*common, *extra, "--seed", str(seed)]
-                head = ["--algo", method, *(["--max_steps", str(max_steps)] if max_steps else [])]
-                try:
-                    flags += as_flags(ablation_overrides(ablation, parse_config([*head, *flags],
-                                                                                check_installed=check_installed)))
-                    cfg = parse_config([*head, *flags], check_installed=check_installed)
-                    validate_methods(cfg, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps)
-                except ConfigError as error:
-                    raise AblateError(f"{method} / {ablation} / seed {seed}: {error}") from None
-                data = cfg.dataset_name
-                if data and not cfg.eval_dataset_name and Path(data).is_file():
-                    raise AblateError(f"dataset_name '{data}' is one file, with no held-out "
-                                      f"split to evaluate on: pass --eval_dataset_name <file> after --")
-                identity = json.dumps(run_identity(cfg), sort_keys=True, default=str)
-                job = Job(method, ablation, seed, flags, root / "runs" / method / ablation / f"seed{seed}", cfg)
-                if identity in first_with:  # the same settings as a configuration already planned: reuse its run
-                    first = first_with[identity]
-                    job.run_dir, job.same_as = first.run_dir, f"{first.method}/{first.ablation}"
-                else:
-                    first_with[identity] = job
-                jobs.append(job)
+        for seed in seeds:
+            flags = [*common, *extra, "--seed", str(seed)]
+            head = ["--algo", method, *(["--max_steps", str(max_steps)] if max_steps else [])]
+            try:
+                flags += as_flags(ablation_overrides(ablation, parse_config([*head, *flags],
+                                                                            check_installed=check_installed)))
+                cfg = parse_config([*head, *flags], check_installed=check_installed)
+                validate_methods(cfg, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps)
+            except ConfigError as error:
+                raise AblateError(f"{method} / {ablation} / seed {seed}: {error}") from None
+            data = cfg.dataset_name
+            if data and not cfg.eval_dataset_name and Path(data).is_file():
+                raise AblateError(f"dataset_name '{data}' is one file, with no held-out "
+                                  f"split to evaluate on: pass --eval_dataset_name <file> after --")
+            identity = json.dumps(run_identity(cfg), sort_keys=True, default=str)
+            job = Job(method, ablation, seed, flags, root / "runs" / method / ablation / f"seed{seed}", cfg)
+            if identity in first_with:  # the same settings as a configuration already planned: reuse its run
+                first = first_with[identity]
+                job.run_dir, job.same_as = first.run_dir, f"{first.method}/{first.ablation}"
+            else:
+                first_with[identity] = job
+            jobs.append(job)
     return jobs
 
 
@@ -248,9 +264,19 @@ def run_logged(command: list[str], log: Path, env: dict | None) -> None:
                            f"again: finished runs are kept")
 
 
-def execute(job: Job, evaluation: dict, device: str | None) -> str:
+def run_env(device: str | None, cpu_jobs: int = 1, cores: int | None = None) -> dict | None:
+    """A run's environment: inherited (None), one GPU (`device` an id), or "cpu<k>", one of `cpu_jobs` runs sharing
+    the `cores` (default: this machine's) with an equal share of threads each."""
+    if device is None:
+        return None
+    if device.startswith("cpu"):
+        return {**os.environ, "OMP_NUM_THREADS": str(max(1, (cores or os.cpu_count() or 1) // cpu_jobs))}
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": device}
+
+
+def execute(job: Job, evaluation: dict, device: str | None, cpu_jobs: int = 1) -> str:
     """Train (or resume) and evaluate one run unless already done; returns what happened."""
-    env = None if device is None else {**os.environ, "CUDA_VISIBLE_DEVICES": device}
+    env = run_env(device, cpu_jobs)
     log = job.run_dir.parent / f"seed{job.seed}.log"
     did = []
     command = train_command(job.method, job.run_dir, job.cfg.max_steps, job.flags)
@@ -265,9 +291,11 @@ def execute(job: Job, evaluation: dict, device: str | None) -> str:
     return ", ".join(did) or "already done"
 
 
-def run_all(jobs: list[Job], evaluation: dict, devices: list[str] | None) -> None:
-    """Sequentially, or one run per device at a time (`--devices`). `evaluation`: eval_command's keywords."""
-    todo = [j for j in jobs if j.same_as is None]
+def run_all(jobs: list[Job], evaluation: dict, devices: list[str] | None, cpu_jobs: int = 1) -> None:
+    """Sequentially, one run per device at a time (`--devices`), or `cpu_jobs` runs at a time sharing the CPU's
+    cores. `evaluation`: eval_command's keywords."""
+    seeds = list(dict.fromkeys(j.seed for j in jobs))  # seed by seed: a table cut short has whole seeds
+    todo = sorted((j for j in jobs if j.same_as is None), key=lambda j: seeds.index(j.seed))
     lock = threading.Lock()
     failures: list[str] = []
     work: queue.Queue = queue.Queue()
@@ -282,7 +310,7 @@ def run_all(jobs: list[Job], evaluation: dict, devices: list[str] | None) -> Non
                 return
             name = f"{job.method} / {job.ablation} / seed {job.seed}"
             try:
-                what = execute(job, evaluation, device)
+                what = execute(job, evaluation, device, len(slots))
             except RuntimeError as error:
                 with lock:
                     failures.append(f"{name}: {error}")
@@ -290,7 +318,8 @@ def run_all(jobs: list[Job], evaluation: dict, devices: list[str] | None) -> Non
             with lock:
                 print(f"[{i + 1}/{len(todo)}] {name}: {what}", flush=True)
 
-    threads = [threading.Thread(target=worker, args=(d,)) for d in (devices or [None])]
+    slots = devices or ([None] if cpu_jobs == 1 else [f"cpu{k}" for k in range(cpu_jobs)])
+    threads = [threading.Thread(target=worker, args=(d,)) for d in slots]
     for t in threads:
         t.start()
     for t in threads:
@@ -373,6 +402,8 @@ def table_markdown(agg: dict[tuple[str, str], dict], methods: list[str], ablatio
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for ablation in ablations:
         for method in methods:
+            if (method, ablation) not in agg:  # --configs: not every method with every ablation
+                continue
             a = agg[(method, ablation)]
             full = agg.get((method, "full"))
             n = len(a["seeds"])
@@ -384,7 +415,7 @@ def table_markdown(agg: dict[tuple[str, str], dict], methods: list[str], ablatio
                 cells.append(cell(m, a[m], n, flag))
             lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
-    if len(methods) > 1:
+    if any((m, a) in agg and (methods[0], a) in agg for m in methods[1:] for a in ablations):
         base = methods[0]
         diff_metrics = ("win_rate", "accuracy", "reward", "kl", "entropy", "length", "num_tokens", "zero_spread")
         head = ["Configuration", "Method", *(f"Δ {METRICS[m][0]}" for m in diff_metrics)]
@@ -392,6 +423,8 @@ def table_markdown(agg: dict[tuple[str, str], dict], methods: list[str], ablatio
                  "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for ablation in ablations:
             for method in methods[1:]:
+                if (method, ablation) not in agg or (base, ablation) not in agg:
+                    continue
                 a, b = agg[(method, ablation)], agg[(base, ablation)]
                 n = min(len(a["seeds"]), len(b["seeds"]))
                 cells = [ablation, method]
@@ -437,6 +470,8 @@ def plot_curves(jobs: list[Job], methods: list[str], ablations: list[str], out: 
     for method in methods:  # one figure per configuration: the main curves and every controller field logged
         for ablation in ablations:
             seeds = [j.seed for j in jobs if (j.method, j.ablation) == (method, ablation)]
+            if not seeds:
+                continue
             logged = [k for k in CONTROLLER_FIELDS if any(k in m for s in seeds for m in runs[(method, ablation, s)])]
             panels = main + [(k, k) for k in logged if k not in dict(main)]
             cols = 4
@@ -457,6 +492,8 @@ def plot_curves(jobs: list[Job], methods: list[str], ablations: list[str], out: 
             for method in methods:
                 curves = [[m.get(key) for m in runs[(method, ablation, j.seed)]]
                           for j in jobs if (j.method, j.ablation) == (method, ablation)]
+                if not curves:
+                    continue
                 steps = min(len(c) for c in curves)
                 means = [statistics.fmean(c[i] for c in curves) if all(c[i] is not None for c in curves) else None
                          for i in range(steps)]
@@ -487,7 +524,7 @@ def save_figure(fig, axes, title: str, path: Path) -> Path:
 def plot_win_rates(agg: dict[tuple[str, str], dict], methods: list[str], ablations: list[str],
                    out: Path) -> list[Path]:
     """Bar chart (configurations x methods, error bars: sd over seeds) and radar plot (one axis per configuration)
-    of the win rate against the starting model; 50% is a tie."""
+    of the win rate against the starting model; 50% is a tie. A pair that did not run (--configs) has no bar."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -496,8 +533,8 @@ def plot_win_rates(agg: dict[tuple[str, str], dict], methods: list[str], ablatio
     fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(ablations) * max(1, len(methods) / 2)), 3.6))
     for i, method in enumerate(methods):
         xs = [k + (i - (len(methods) - 1) / 2) * width for k in range(len(ablations))]
-        ax.bar(xs, [agg[(method, a)]["win_rate"][0] for a in ablations], width,
-               yerr=[agg[(method, a)]["win_rate"][1] for a in ablations], capsize=3, label=method)
+        ax.bar(xs, [agg.get((method, a), NO_RUN)["win_rate"][0] for a in ablations], width,
+               yerr=[agg.get((method, a), NO_RUN)["win_rate"][1] for a in ablations], capsize=3, label=method)
     ax.axhline(0.5, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(ablations)), ablations)
     ax.set_ylabel("win rate vs starting model")
@@ -512,7 +549,7 @@ def plot_win_rates(agg: dict[tuple[str, str], dict], methods: list[str], ablatio
     fig = plt.figure(figsize=(4.8, 4.8))
     ax = fig.add_subplot(projection="polar")
     for method in methods:
-        values = [agg[(method, a)]["win_rate"][0] for a in ablations]
+        values = [agg.get((method, a), NO_RUN)["win_rate"][0] for a in ablations]
         ax.plot(angles + angles[:1], values + values[:1], marker="o", label=method)
         ax.fill(angles + angles[:1], values + values[:1], alpha=0.12)
     ax.plot([*angles, angles[0]], [0.5] * (len(angles) + 1), color="grey", linewidth=0.8, linestyle="--")
@@ -538,6 +575,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                                 epilog="Arguments after -- go to every train_agrpo.py run.")
     p.add_argument("--methods", nargs="+", default=["grpo", "agrpo"], help=f"Presets: {', '.join(PRESETS)}.")
     p.add_argument("--ablations", nargs="+", default=["full"], help=f"Any of: {', '.join(ABLATIONS)}.")
+    p.add_argument("--configs", nargs="+", default=None, metavar="METHOD/ABLATION", help="Run only these pairs "
+                   "(for example grpo/full grpo/cispo agrpo/adaptive_entropy) instead of every method with every "
+                   "ablation; replaces --methods and --ablations.")
     p.add_argument("--seeds", nargs="+", type=int, default=[42, 43])
     p.add_argument("--max_steps", type=int, default=None, help="Optimizer steps per run, the ceiling with "
                    "--token_budget (default: the recipe's, its num_train_epochs' steps where it gives those and no "
@@ -550,6 +590,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                    "(default: each run's training temperature; 0 = greedy, then Win compares greedy answers).")
     p.add_argument("--devices", nargs="+", default=None, help="GPU ids: one run per device at a time (default: "
                    "one run after the other).")
+    p.add_argument("--jobs", type=int, default=1, help="Without --devices: runs at a time on the CPU, each with "
+                   "its share of the cores (OMP_NUM_THREADS); a run's numbers depend on its thread count in the last "
+                   "float digits, so compare tables made with the same --jobs.")
     p.add_argument("--output_dir", default="runs/ablate")
     p.add_argument("--dry_run", action="store_true", help="Print each run's resolved settings and commands, run "
                    "nothing.")
@@ -566,6 +609,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     for flag in ("--output_dir", "--seed", "--algo", "--resume_from_checkpoint", "--overwrite_output_dir"):
         if flag in extra:
             raise AblateError(f"{flag} after --: the harness sets it for each run; use its own options instead")
+    if args.jobs < 1:
+        raise AblateError(f"--jobs must be at least 1, got {args.jobs}")
+    args.pairs = None
+    if args.configs:
+        bad = [c for c in args.configs if c.count("/") != 1]
+        if bad:
+            raise AblateError(f"--configs: {', '.join(bad)}: give each as METHOD/ABLATION, for example grpo/cispo")
+        args.pairs = list(dict.fromkeys(tuple(c.split("/")) for c in args.configs))
+        args.methods = list(dict.fromkeys(m for m, _ in args.pairs))
+        args.ablations = list(dict.fromkeys(a for _, a in args.pairs))
     unknown = [a for a in args.ablations if a not in ABLATIONS]
     if unknown:
         raise AblateError(f"--ablations: {', '.join(unknown)} not known; choose from {', '.join(ABLATIONS)}")
@@ -577,7 +630,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.output_dir)
     methods, ablations = list(dict.fromkeys(args.methods)), list(dict.fromkeys(args.ablations))
     jobs = plan(methods, ablations, args.seeds, extra, out, args.max_steps, args.token_budget,
-                check_installed=not args.dry_run)
+                check_installed=not args.dry_run, pairs=args.pairs)
     if args.dry_run:
         for job in jobs:
             print(f"{job.method} / {job.ablation} / seed {job.seed}: " + (f"= {job.same_as}" if job.same_as else
@@ -594,7 +647,8 @@ def main(argv: list[str] | None = None) -> dict:
     distinct = sum(j.same_as is None for j in jobs)
     print(f"{len(jobs)} configurations x seeds, {distinct} distinct runs, into {out}", flush=True)
     run_all(jobs, {"eval_samples": args.eval_samples, "eval_num_samples": args.eval_num_samples,
-                   "temperature": args.eval_temperature, "reference_cache": out / "reference_cache"}, args.devices)
+                   "temperature": args.eval_temperature, "reference_cache": out / "reference_cache"}, args.devices,
+            args.jobs)
 
     rows = [run_row(j) for j in jobs]
     agg = aggregate(rows)

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import REPO
 from lib.config import ConfigError, make_config, parse_config
-from scripts.ablate import (AblateError, ablation_overrides, aggregate, mean_spread, parse_args, plan, starvation,
-                            table_markdown, within_spread)
+from scripts.ablate import (AblateError, ablation_overrides, aggregate, mean_spread, parse_args, plan, run_env,
+                            starvation, table_markdown, within_spread)
 from scripts.compare_presets import preset_steps, train_command
 
 ABLATE = [sys.executable, str(REPO / "scripts" / "ablate.py")]
@@ -234,3 +234,40 @@ def test_adaptive_entropy_ablation_and_no_entropy_under_it():
     adaptive = make_config({"algo": "agrpo", "use_adaptive_entropy": True})
     assert ablation_overrides("no_entropy", adaptive) == {"eta": 0.0, "use_adaptive_entropy": False}
     assert ablation_overrides("no_entropy", agrpo) == {"eta": 0.0}
+
+
+def test_objective_ablations_and_chosen_pairs():
+    """The objectives of docs/methods.md 1.7-1.11 as ablations, and `--configs`: only the pairs named, a pair the
+    trainer refuses (A-GRPO moves a clip band SAPO has not) named before anything runs, a table without the rest."""
+    grpo = resolved("grpo")
+    assert ablation_overrides("cispo", grpo) == {"loss_type": "cispo", "epsilon_high": 5.0}
+    assert ablation_overrides("cispo", resolved("grpo", "--epsilon_high", "4")) == {"loss_type": "cispo"}
+    assert ablation_overrides("sapo", grpo) == {"loss_type": "sapo"}
+    assert ablation_overrides("top_entropy", grpo) == {"top_entropy_quantile": 0.2}
+    args, _ = parse_args(["--configs", "grpo/full", "grpo/sapo", "agrpo/adaptive_entropy", "grpo/sapo", "--jobs", "2"])
+    assert args.pairs == [("grpo", "full"), ("grpo", "sapo"), ("agrpo", "adaptive_entropy")]
+    assert (args.methods, args.ablations, args.jobs) == (["grpo", "agrpo"], ["full", "sapo", "adaptive_entropy"], 2)
+    with pytest.raises(AblateError, match="--configs: grpo: give each as METHOD/ABLATION"):
+        parse_args(["--configs", "grpo"])
+    with pytest.raises(AblateError, match="--ablations: nope not known"):
+        parse_args(["--configs", "grpo/nope"])
+    with pytest.raises(AblateError, match="--jobs must be at least 1"):
+        parse_args(["--jobs", "0"])
+    jobs = plan(args.methods, args.ablations, [7], [], Path("/nonexistent"), 3, None, pairs=args.pairs)
+    assert [(j.method, j.ablation) for j in jobs] == args.pairs
+    assert jobs[1].cfg.loss_type == "sapo" and jobs[2].cfg.use_adaptive_entropy and jobs[2].cfg.adaptive_kl
+    with pytest.raises(AblateError, match="agrpo / sapo / seed 7: .*sapo"):
+        plan([], [], [7], [], Path("/nonexistent"), 3, None, pairs=[("agrpo", "sapo")])
+    rows = [row("grpo", "full", 1, 0.5, 0.3), row("grpo", "sapo", 1, 0.6, 0.4), row("agrpo", "adaptive_entropy", 1,
+                                                                                    0.55, 0.35)]
+    text = table_markdown(aggregate(rows), args.methods, args.ablations)
+    assert "| sapo | grpo |" in text and "| adaptive_entropy | agrpo |" in text
+    assert "| full | agrpo |" not in text and "Differences to grpo" not in text  # no pair to compare
+
+
+def test_cpu_jobs_share_the_cores_and_devices_get_one_gpu_each():
+    assert run_env(None) is None
+    assert run_env("cpu1", 2, cores=2)["OMP_NUM_THREADS"] == "1"
+    assert run_env("cpu0", 3, cores=16)["OMP_NUM_THREADS"] == "5"
+    assert run_env("cpu0", 4, cores=2)["OMP_NUM_THREADS"] == "1"
+    assert run_env("3")["CUDA_VISIBLE_DEVICES"] == "3"
