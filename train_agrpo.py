@@ -67,7 +67,7 @@ from tqdm.auto import tqdm
 
 from lib import checkpoint as ckpt
 from lib import distributed
-from lib.config import Config, ConfigError, parse_config, reward_options, resolve_epochs, to_dict
+from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation import generate_and_score, summarize
 from lib.extras import cpu_kernels, health, hub, hub_data, memory, reward_models
 from lib.extras.generation_server import ServerError, server_rollout
@@ -79,8 +79,10 @@ from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_opti
                         per_row, policy_loss, policy_ratio, truncated_importance_weights)
 from lib.methods import TrainValues, choose_method
 from lib.modeling import adapter_disabled, mix_into_reference, pad_cat, resolve_model_path
+from lib.reward_funcs import reward_options
 from lib.rollout import Rollout
 from lib.sampling import Sampled
+from lib.schedule import resolve_epochs
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, stop_for_signal,
                                stop_if_nonfinite, stop_requested)
 from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_tokenizer, load_data,
