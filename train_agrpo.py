@@ -83,9 +83,9 @@ from lib.modeling import adapter_disabled, mix_into_reference, pad_cat, resolve_
 from lib.reward_funcs import reward_options
 from lib.rollout import Rollout
 from lib.sampling import Sampled
-from lib.schedule import resolve_epochs
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, step_optimizer, stop_for_signal,
                                stop_if_nonfinite, stop_requested)
+from lib.schedule import resolve_epochs
 from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_tokenizer, load_data,
                        load_models, make_engine, policy_optimizer, prepare_output_dir,
                        prepare_policy, record_and_seed, resolve_rewards, restore, rollout_context,
