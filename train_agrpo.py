@@ -47,8 +47,9 @@ The settings that shape the loop (declared in lib/settings.py; `--help`, docs/co
 preset.
 
 This file is the loop and its phases. Building a run (`Run`, `TrainerState`, `Geometry`) is
-lib/setup.py; saving and stopping (checkpoints, final/, signals, non-finite values)
-lib/save_and_stop.py; the logs lib/logs.py. The optional parts (lib/extras/: the hub, the health
+lib/setup.py; saving and stopping (checkpoints, final/, signals, non-finite values: the optimizer
+step's guard, `step_optimizer`) lib/save_and_stop.py; the logs (phase 7's `log_step`, the health
+warnings' `watch_health`) lib/logs.py. The optional parts (lib/extras/: the hub, the health
 warnings, the memory check, the reward worker, the generation server's client) are wired here, in
 `setup`: the core never imports them.
 """
@@ -67,22 +68,24 @@ from tqdm.auto import tqdm
 
 from lib import checkpoint as ckpt
 from lib import distributed
-from lib.config import Config, ConfigError, parse_config, reward_options, resolve_epochs, to_dict
+from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation import generate_and_score, summarize
 from lib.extras import cpu_kernels, health, hub, hub_data, memory, reward_models
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.vllm_rollout import colocated_rollout
 from lib.extras.runs import read_jsonl
-from lib.logs import append_jsonl, batch_metrics, dense_line
+from lib.logs import append_jsonl, batch_metrics, log_step, watch_health
 from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
                         per_row, policy_loss, policy_ratio, truncated_importance_weights)
 from lib.methods import TrainValues, choose_method
 from lib.modeling import adapter_disabled, mix_into_reference, pad_cat, resolve_model_path
+from lib.reward_funcs import reward_options
 from lib.rollout import Rollout
 from lib.sampling import Sampled
-from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, stop_for_signal,
+from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, step_optimizer, stop_for_signal,
                                stop_if_nonfinite, stop_requested)
+from lib.schedule import resolve_epochs
 from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_tokenizer, load_data,
                        load_models, make_engine, policy_optimizer, prepare_output_dir,
                        prepare_policy, record_and_seed, resolve_rewards, restore, rollout_context,
@@ -462,34 +465,6 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     return {**metrics, **timing}, nonfinite
 
 
-def step_optimizer(run: Run, loss: torch.Tensor, skip_update: bool, nonfinite: str) -> tuple[torch.Tensor, str, bool]:
-    """The optimizer step after a slice's backward passes: (the gradient norm before clipping, what was not finite
-    or "", whether the weights moved). No step on a skipped slice or non-finite values (the batch's rewards, the
-    loss, the gradient norm); the loss and the norm are reduced over every process, so all take the same decision.
-    A DeepSpeed engine steps, clips and skips non-finite gradients in one call (lib/distributed.deepspeed_step).
-    The schedule advances either way: it is laid out over steps, not updates."""
-    cfg, accelerator = run.cfg, run.accelerator
-    grad_norm, moved = torch.zeros(()), False
-    deepspeed = distributed.is_deepspeed(accelerator)
-    if not skip_update:
-        if deepspeed:
-            grad_norm, moved = distributed.deepspeed_step(run.scorer)
-        else:
-            grad_norm = distributed.full_tensor(
-                accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else
-                distributed.grad_norm(run.params, accelerator))
-        if not torch.isfinite(loss):
-            nonfinite = nonfinite or f"the loss ({float(loss)})"
-        elif not torch.isfinite(grad_norm):
-            nonfinite = nonfinite or f"the gradient norm ({float(grad_norm)})"
-    if not skip_update and not nonfinite and not deepspeed:
-        run.optimizer.step()
-        moved = True
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    return grad_norm, nonfinite, moved
-
-
 def step_drift(run: Run, batch: Batch, timing: dict) -> list[float]:
     """KL(pi_old || pi_new) of a generation batch's updates, a k1 token mean per prompt group (AGPO-DSF's step KL,
     docs/methods.md 5.1). Eval mode, as for pi_old: with LoRA dropout in train mode the noise, clamped at 0 by the
@@ -505,40 +480,6 @@ def step_drift(run: Run, batch: Batch, timing: dict) -> list[float]:
                                           roll.completion_mask, batch.group_size)
     timing["step_kl"] = clock(run) - t0
     return drift
-
-
-def log_step(run: Run, step: int, metrics: dict, batch: Batch) -> None:
-    """Phase 7: metrics.jsonl, the tracker, the dense line, and a few completions to completions.jsonl."""
-    append_jsonl(run, "metrics.jsonl", [{"step": step, **metrics}])
-    run.accelerator.log(metrics, step=step)
-    if run.accelerator.is_main_process:
-        tqdm.write(dense_line(step, run.cfg.max_steps, metrics, run.ctx.reward_names))
-    watch_health(run, step, metrics)
-    first = run.geometry.first
-    rows = [{"step": step, "prompt": batch.prompts[i], "completion": batch.texts[i], "answer": batch.answers[i],
-             "reward": float(batch.total[first + i]), "advantage": float(batch.advantages[i])}
-            for i in range(min(run.cfg.num_completions_to_print if run.cfg.log_completions else 0, len(batch.texts)))]
-    append_jsonl(run, "completions.jsonl", rows)
-    if rows and run.accelerator.is_main_process:  # a table per tracker: wandb / trackio Tables, TensorBoard text
-        for name in run.cfg.report_to:
-            run.accelerator.get_tracker(name, unwrap=False).log({"completions": hub.completions_value(name, rows)},
-                                                                 step=step)
-
-
-def watch_health(run: Run, step: int, metrics: dict) -> None:
-    """Say each kind of lib/extras/health.py warning (zero-spread groups, truncation, entropy
-    collapse, reward hacking, a KL above its target) once, at the first logged line where it holds,
-    with its numbers and what to try: on the console and in warnings.jsonl. A warning an evaluation
-    raised carries an eval/ key, so that a resume at this step, which redoes the evaluation, sets it
-    aside with the evaluation's line (lib/checkpoint.trim_jsonl)."""
-    if not run.accelerator.is_main_process:
-        return
-    fresh = run.watch.add({"step": step, **metrics})
-    for warning in fresh:
-        tqdm.write(health.console_line(warning))
-    after_eval = {"eval/raised_by_evaluation": True} if any(k.startswith("eval/") for k in metrics) else {}
-    append_jsonl(run, "warnings.jsonl", [{"step": step, "kind": w.kind, "title": w.title, "first_step": w.first_step,
-                                          "evidence": w.evidence, "advice": w.advice, **after_eval} for w in fresh])
 
 
 def evaluate(run: Run, step: int) -> dict:
@@ -625,7 +566,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     history = read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None
     run = Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method,
               params, optimizer, scheduler, eval_records, geometry, ckpt.StopRequest(), sharded,
-              watch=health.Watch(to_dict(cfg), history),
+              watch=health.Watch(to_dict(cfg), history), warning_line=health.console_line,
+              completions_table=hub.completions_value,
               hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None)
     return run, state
 

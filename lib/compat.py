@@ -36,7 +36,7 @@ RENAMED: dict[str, tuple[str, str | None]] = {
     "entropy_coef": ("eta", None),  # TRL's entropy bonus: the loss subtracts entropy_coef x the token entropy
     "vllm_importance_sampling_cap": ("vllm_importance_sampling_clip_max", None),  # TRL's older name
     # INTELLECT-2's two-sided clipping: dual-clip PPO's loss for every sign of A at delta >= 1 + epsilon_high
-    # (lib/config.py refuses a smaller one; docs/methods.md 1.9)
+    # (lib/losses.check_settings refuses a smaller one; docs/methods.md 1.9)
     "delta": ("dual_clip", None),
     "wandb_project": ("project", None),  # open-r1's GRPOConfig
 }
@@ -140,7 +140,7 @@ REFUSED_VALUES: list[tuple[str, str]] = [
 
 
 # TRL keys that are fields here, with TRL's meaning, but refused in some combinations or read differently in one
-# point: key -> what and why (the checks: lib/config.validate_objective, lib/setup.load_models, lib/methods.py,
+# point: key -> what and why (the checks: lib/losses.check_settings, lib/setup.load_models, lib/methods.py,
 # lib/modeling.cast_lm_head_to_fp32; docs/configuration.md lists them, docs/methods.md 13 and 2.6 explain).
 LIMITED: dict[str, str] = {
     "multi_objective_aggregation": "normalize_then_sum is refused with resample_schedule (adaGRPO pools the summed "

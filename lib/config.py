@@ -7,7 +7,7 @@ and checkpoint.
 Precedence: dataclass defaults < the `algo` preset (lib/methods.py) < the YAML file < the command line. A key that is
 not a field is an error that names the closest field (TRL's and open-r1's keys: lib/compat.py); an invalid value is an
 error that names the field and the fix: each field's choices and range in one loop (`check_fields`), then the checks
-that span several keys (`validate`, and each method's own in lib/methods.py).
+that span several keys (`validate`, each method's own in lib/methods.py, the loss type's in lib/losses.py).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from transformers import HfArgumentParser
 
 from lib.compat import leftover_values, resolve_keys
 from lib.data import looks_local, one_line
-from lib.losses import LOSS_TYPES
+from lib.losses import check_settings
 from lib.methods import METHODS
-from lib.schedule import schedule_options
+from lib.schedule import schedule_options, steps_per_rollout
 from lib.settings import (EMBEDDED_MODEL, FIELDS, PRESETS, REPORT_TO_CHOICES, SECRET_KEYS, SECTIONS, TRACKERS, Config,
                           ConfigError)
 
@@ -356,8 +356,13 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
     except (TypeError, ValueError) as error:
         raise ConfigError(str(error)) from None
     validate_methods(cfg, global_batch if num_processes is not None else None)
-    validate_loss(cfg)
-    validate_objective(cfg)
+    try:
+        check_settings(cfg)  # what the loss type and the advantages read (lib/losses.py)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if cfg.sync_ref_model and cfg.beta == 0:  # as TRL: no reference is loaded without a KL term
+        raise ConfigError("sync_ref_model updates the reference of the KL term, and beta is 0 (no reference is "
+                          "loaded); set beta > 0 or sync_ref_model false")
     if cfg.overlong_buffer_length is not None and cfg.overlong_buffer_length > cfg.max_completion_length:
         raise ConfigError(f"overlong_buffer_length ({cfg.overlong_buffer_length}) must not exceed "
                           f"max_completion_length ({cfg.max_completion_length})")
@@ -399,24 +404,6 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
                               f"(no trainer_state.json); pass a checkpoint-<step> folder or 'latest'")
 
 
-def validate_objective(cfg: Config) -> None:
-    """The reward aggregation and the reference updates against the keys they combine with (docs/methods.md 13.1,
-    13.3)."""
-    if cfg.multi_objective_aggregation == "normalize_then_sum":
-        if cfg.resample_schedule:
-            raise ConfigError("multi_objective_aggregation normalize_then_sum normalises each reward function within "
-                              "its group, while resample_schedule (adaGRPO) pools the summed reward over a prompt's "
-                              "rounds; set one of them off")
-        if cfg.scale_rewards not in ("group", "batch"):
-            raise ConfigError(f"multi_objective_aggregation normalize_then_sum normalises each reward function by "
-                              f"its group's spread and the sum over the batch (GDPO), which replaces scale_rewards "
-                              f"{cfg.scale_rewards}; set scale_rewards group (the default) or "
-                              f"multi_objective_aggregation sum_then_normalize")
-    if cfg.sync_ref_model and cfg.beta == 0:  # as TRL: no reference is loaded without a KL term
-        raise ConfigError("sync_ref_model updates the reference of the KL term, and beta is 0 (no reference is "
-                          "loaded); set beta > 0 or sync_ref_model false")
-
-
 def validate_methods(cfg: Config, global_batch: int | None) -> None:
     """Each registered method's own checks, where its keys are on (lib/methods.py), as ConfigError."""
     try:
@@ -425,51 +412,6 @@ def validate_methods(cfg: Config, global_batch: int | None) -> None:
                 method.check(cfg, global_batch)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-
-
-def validate_loss(cfg: Config) -> None:
-    """What the loss type reads, against the keys that would feed it (docs/methods.md 1.7-1.12): a key the loss
-    type would silently not use is refused, and so is a dual_clip (TRL's delta) in the range where the two differ."""
-    entry = LOSS_TYPES[cfg.loss_type]
-    if cfg.dual_clip is not None and "dual_clip" not in entry.options:
-        raise ConfigError(f"dual_clip (TRL's delta) caps the clipped surrogate's loss, and loss_type {cfg.loss_type} "
-                          f"has none, so it would change nothing; remove dual_clip, or use loss_type grpo, bnpo, "
-                          f"dapo or dr_grpo")
-    if cfg.dual_clip is not None:
-        # the widest upper clip range a step can train with: the controllers move it (lib/methods.py)
-        widest = cfg.resolved_epsilon_high()
-        if cfg.adaptive_kl and cfg.epsilon > 0:
-            widest = max(widest, widest * cfg.epsilon_max / cfg.epsilon)
-        if cfg.dsf:
-            widest = max(widest, cfg.dsf_eps_max)
-        if cfg.dual_clip < 1.0 + widest:
-            raise ConfigError(f"dual_clip (TRL's delta) {cfg.dual_clip} is below 1 + epsilon_high = {1 + widest:g} "
-                              f"(the widest upper clip range this run reaches): there it would cap the loss inside "
-                              f"the clip range, and TRL's delta and dual-clip PPO give different losses "
-                              f"(docs/methods.md 1.9); give at least {1 + widest:g} (Ye et al. use 3, INTELLECT-2 4)")
-    if entry.clip == "none":
-        moving = [key for key in ("adaptive_kl", "dsf") if getattr(cfg, key)]
-        if moving:
-            raise ConfigError(f"loss_type {cfg.loss_type} has no clip range (its gate's width is set by "
-                              f"{' and '.join(entry.options) or 'its own keys'}), so {' and '.join(moving)}, which "
-                              f"adapt{'s' * (len(moving) == 1)} the clip range, would change nothing there; use "
-                              f"loss_type grpo, dapo or cispo with {' and '.join(moving)}, or turn "
-                              f"{'it' if len(moving) == 1 else 'them'} off "
-                              f"({', '.join(f'--{k} false' for k in moving)})")
-    if entry.clip == "cap" and cfg.dsf:
-        # AGPO-DSF sets epsilon_high to a band width per group (dsf_eps_min..dsf_eps_max, about 0.2), which as
-        # CISPO's absolute cap would scale every on-policy token's gradient by it
-        raise ConfigError(f"loss_type {cfg.loss_type} caps the importance weight at epsilon_high itself (e.g. 5), "
-                          f"while dsf sets a clip band's width per group (dsf_eps_min {cfg.dsf_eps_min} to dsf_eps_max "
-                          f"{cfg.dsf_eps_max}), which as that cap would scale every on-policy gradient by it; use "
-                          f"loss_type grpo or dapo with dsf, or --dsf false")
-    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
-    if low is None and high is None:
-        raise ConfigError("vllm_importance_sampling_clip_min and vllm_importance_sampling_clip_max are both null: "
-                          "give at least one bound of the importance ratio (TRL's default: clip_max 3)")
-    if low is not None and high is not None and low >= high:
-        raise ConfigError(f"vllm_importance_sampling_clip_min ({low}) must be below vllm_importance_sampling_clip_max "
-                          f"({high})")
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -589,59 +531,6 @@ def hf_sampler_note(cfg: Config, cuda: bool, vllm_installed: bool) -> str | None
             "vllm")
 
 
-def steps_per_rollout(cfg: Config) -> int:
-    """Optimizer steps one generation batch serves: mu passes (num_iterations) over its slices."""
-    return cfg.num_iterations * cfg.optimizer_steps_per_generation
-
-
-def resolve_epochs(cfg: Config, num_train_prompts: int, num_processes: int) -> int:
-    """Optimizer steps an epoch takes (every training prompt sampled once, num_generations completions each, rounded
-    up to whole generation batches and repeated num_iterations times); sets max_steps from num_train_epochs when it
-    is -1, and eval_steps / save_steps for the `epoch` strategies. Adaptive group sizes and DAPO's replaced groups
-    make an epoch approximate: the count is that of the starting group size."""
-    prompts_per_rollout = max(1, cfg.per_device_train_batch_size * num_processes * cfg.gradient_accumulation_steps
-                              * cfg.optimizer_steps_per_generation // cfg.num_generations)
-    per_epoch = math.ceil(num_train_prompts / prompts_per_rollout) * steps_per_rollout(cfg)
-    if cfg.max_steps == -1:
-        rollouts = math.ceil(cfg.num_train_epochs * per_epoch / steps_per_rollout(cfg))
-        cfg.max_steps = max(1, rollouts) * steps_per_rollout(cfg)
-    if cfg.eval_strategy == "epoch":
-        cfg.eval_steps = per_epoch
-    if cfg.save_strategy == "epoch":
-        cfg.save_steps = per_epoch
-    return per_epoch
-
-
-def warmup_steps(cfg: Config) -> int:
-    """Warm-up steps: warmup_steps, a share of max_steps when it is below 1 (transformers' convention), or
-    warmup_ratio x max_steps."""
-    if cfg.warmup_steps >= 1:
-        return int(cfg.warmup_steps)
-    return math.ceil((cfg.warmup_steps or cfg.warmup_ratio) * cfg.max_steps)
-
-
-def weights_dtype(name: str | None, *, lora: bool = False, device: str = "cpu", bf16: bool = False) -> torch.dtype | str:
-    """The dtype the weights load in: `dtype` as TRL's ModelConfig reads it (auto: the checkpoint's). Unset: a LoRA
-    base on a GPU with bf16 is frozen in bf16 (half the memory; the adapter stays fp32, PEFT keeps it so, and a 4-bit
-    base computes in bf16), anything else float32 master weights (bf16 autocast, where on, computes in bf16). A GPU
-    without bf16 keeps fp32: an fp16 base would need loss scaling, which the loop does not do (docs/performance.md
-    3.3)."""
-    if name is None and lora and device == "cuda" and bf16:
-        return torch.bfloat16
-    return "auto" if name == "auto" else getattr(torch, name or "float32")
-
-
-def reference_dtype(name: str | None, policy_dtype: torch.dtype, *, device: str = "cpu",
-                    bf16: bool = False) -> torch.dtype:
-    """The dtype the frozen reference model (full fine-tuning, beta > 0) loads in, given `dtype` (`name`) and the
-    dtype the policy loaded in. With `dtype` given, the policy's (TRL loads both from the same model_init_kwargs).
-    Unset, on a GPU with bf16: bf16, half the bytes of the fp32 master weights it would otherwise copy; it only runs
-    forward, under the bf16 autocast the policy's forward runs in, so its products are bf16 either way (its norms and
-    residual stream are bf16 instead of fp32, so the KL before the first update is small rather than exactly 0).
-    Elsewhere the policy's, and the KL starts at exactly 0 (docs/performance.md 3.3)."""
-    return torch.bfloat16 if name is None and device == "cuda" and bf16 else policy_dtype
-
-
 def validate_length(cfg: Config) -> None:
     """max_steps, or -1 with num_train_epochs (TRL's convention), and the strategies that count in epochs."""
     if cfg.max_steps == -1:
@@ -676,15 +565,6 @@ def resolve_generation_batch(cfg: Config, num_processes: int | None) -> None:
                           f"must be a positive multiple of gradient_accumulation_steps "
                           f"({cfg.gradient_accumulation_steps}): each optimizer step takes whole micro-batches of "
                           f"one generation batch")
-
-
-def reward_options(cfg: Config) -> dict:
-    """Keyword options of the built-in reward functions, from the configuration (lib.rewards binds the ones each
-    function takes)."""
-    return {"max_len": cfg.cosine_max_len or cfg.max_completion_length,
-            "max_completion_length": cfg.max_completion_length,
-            "overlong_buffer_length": cfg.overlong_buffer_length or max(1, cfg.max_completion_length // 5),
-            "ngram_size": cfg.repetition_n_grams, "max_penalty": cfg.repetition_max_penalty}
 
 
 def to_dict(cfg: Config) -> dict:

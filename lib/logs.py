@@ -1,6 +1,8 @@
 """What a run logs (docs/watching.md): metrics.jsonl, completions.jsonl and warnings.jsonl, one JSON
 object a line, appended by the main process (lib/setup.RUN_LOGS; trimmed to the checkpoint on
-resume), and the dense console line, one per logged step.
+resume), and the dense console line, one per logged step: the loop's phase 7 (`log_step`) and the
+health warnings after each logged line (`watch_health`). The optional parts they use (the health
+watch, the trackers' completion tables) come from lib/extras/ through the Run, as plain objects.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import json
 
 import torch
+from tqdm.auto import tqdm
 
 from lib.setup import Run
 
@@ -56,3 +59,37 @@ def batch_metrics(run: Run, batch) -> dict:
         "num_generations": batch.group_size,
         **{f"rewards/{n}/errors": float(c) for n, c in zip(names, errors)},
     }
+
+
+def log_step(run: Run, step: int, metrics: dict, batch) -> None:
+    """Phase 7: metrics.jsonl, the tracker, the dense line, and a few completions to completions.jsonl."""
+    append_jsonl(run, "metrics.jsonl", [{"step": step, **metrics}])
+    run.accelerator.log(metrics, step=step)
+    if run.accelerator.is_main_process:
+        tqdm.write(dense_line(step, run.cfg.max_steps, metrics, run.ctx.reward_names))
+    watch_health(run, step, metrics)
+    first = run.geometry.first
+    rows = [{"step": step, "prompt": batch.prompts[i], "completion": batch.texts[i], "answer": batch.answers[i],
+             "reward": float(batch.total[first + i]), "advantage": float(batch.advantages[i])}
+            for i in range(min(run.cfg.num_completions_to_print if run.cfg.log_completions else 0, len(batch.texts)))]
+    append_jsonl(run, "completions.jsonl", rows)
+    if rows and run.accelerator.is_main_process:  # a table per tracker: wandb / trackio Tables, TensorBoard text
+        for name in run.cfg.report_to:
+            run.accelerator.get_tracker(name, unwrap=False).log({"completions": run.completions_table(name, rows)},
+                                                                 step=step)
+
+
+def watch_health(run: Run, step: int, metrics: dict) -> None:
+    """Say each kind of lib/extras/health.py warning (zero-spread groups, truncation, entropy
+    collapse, reward hacking, a KL above its target) once, at the first logged line where it holds,
+    with its numbers and what to try: on the console and in warnings.jsonl. A warning an evaluation
+    raised carries an eval/ key, so that a resume at this step, which redoes the evaluation, sets it
+    aside with the evaluation's line (lib/checkpoint.trim_jsonl)."""
+    if not run.accelerator.is_main_process:
+        return
+    fresh = run.watch.add({"step": step, **metrics})
+    for warning in fresh:
+        tqdm.write(run.warning_line(warning))
+    after_eval = {"eval/raised_by_evaluation": True} if any(k.startswith("eval/") for k in metrics) else {}
+    append_jsonl(run, "warnings.jsonl", [{"step": step, "kind": w.kind, "title": w.title, "first_step": w.first_step,
+                                          "evidence": w.evidence, "advice": w.advice, **after_eval} for w in fresh])

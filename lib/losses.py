@@ -7,7 +7,8 @@ Formulas: docs/methods.md section 1 (DeepSeekMath GRPO, TRL's implementation, DA
 
 The choices a configuration offers are the keys of the registries here: `LOSS_TYPES` (the per-token policy loss and
 how it is averaged), `KL_ESTIMATORS`, `SCALE_REWARDS`, plus `DISPERSIONS` and `IMPORTANCE_SAMPLING_LEVELS`;
-lib/settings.py reads its choices from them. Adding a loss: docs/methods.md 11.
+lib/settings.py reads its choices from them, and `check_settings` refuses the keys a loss type would not read
+(lib/config.py calls it). Adding a loss: docs/methods.md 11.
 """
 
 from __future__ import annotations
@@ -312,7 +313,7 @@ def clipped_surrogate(
     AGPO's "loss clip" reading C1, docs/methods.md 3.2 (c)): a token whose ratio has run far above 1 on a negative
     advantage cannot dominate the batch. TRL's `delta` (INTELLECT-2's two-sided clipping, arXiv 2505.07291),
     -min(min(rho, delta) A, clip(rho) A), is the same loss and gradient for every sign of A when delta >= 1 + eps_high
-    (docs/methods.md 1.9), so it is read as dual_clip; lib/config.py refuses a smaller value, where the two differ.
+    (docs/methods.md 1.9), so it is read as dual_clip; `check_settings` refuses a smaller value, where the two differ.
 
     token level (GRPO): rho_{i,t} = exp(logp - old_logp).
     sequence level (GSPO, arXiv 2507.18071): s_i = exp(mean_t (logp - old_logp)), one ratio per completion,
@@ -366,7 +367,7 @@ def cispo_surrogate(
 
     Arguments and shapes as `clipped_surrogate`. As TRL's loss_type "cispo" reads it, the weight is capped from above
     only, at epsilon_high itself (ScaleRL's eps_max, arXiv 2510.13786, which recommends 5): the paper leaves the lower
-    bound unset, so epsilon_low is not used (nor dual_clip, which lib/config.py refuses with it). On-policy rho = 1
+    bound unset, so epsilon_low is not used (nor dual_clip, which `check_settings` refuses with it). On-policy rho = 1
     and the gradient is -A grad log pi.
     Statistics: the share of tokens whose weight the cap lowered on a positive advantage (TRL's cispo_clip_ratio).
     """
@@ -405,7 +406,7 @@ def sapo_surrogate(
     1 +- epsilon; a larger tau narrows it. The paper takes tau_neg > tau_pos: tokens with a negative advantage push
     probability off many other tokens, and a faster decay keeps that from destabilising training. A_i = 0 takes
     tau_neg, as TRL's loss_type "sapo" (it contributes nothing either way). Arguments and shapes as
-    `clipped_surrogate`; the clip range is not read (lib/config.py refuses the controllers that move it).
+    `clipped_surrogate`; the clip range is not read (`check_settings` refuses the controllers that move it).
     Statistics: the share of tokens whose gate weight 4 s (1 - s) is below 1/2 (|rho - 1| beyond about 1.76 / tau),
     logged as `clip_ratio/region_mean`, so that runs with a hard clip and with SAPO show a comparable number.
     """
@@ -539,8 +540,8 @@ class LossType:
     importance_sampling_level, **options) -> ((B, T) loss, statistics), and how it is averaged (`aggregate_loss`).
     `options`: the configuration keys the per-token loss also takes, as keyword arguments of the same names
     (`loss_options` reads them). `clip`: what it reads of the clip range: "band" (1 - epsilon_low, 1 + epsilon_high),
-    "cap" (epsilon_high itself, an absolute cap of the ratio) or "none"; lib/config.py refuses a controller whose clip
-    would not act on it (adaptive_kl scales epsilon, which a band and a cap both read; dsf sets band widths)."""
+    "cap" (epsilon_high itself, an absolute cap of the ratio) or "none"; `check_settings` refuses a controller whose
+    clip would not act on it (adaptive_kl scales epsilon, which a band and a cap both read; dsf sets band widths)."""
 
     surrogate: Callable
     average: Callable
@@ -568,6 +569,64 @@ def loss_options(loss_type: str, settings) -> dict:
     """The keyword arguments LOSS_TYPES[loss_type]'s per-token loss takes from a configuration (any object with
     those attributes)."""
     return {name: getattr(settings, name) for name in LOSS_TYPES[loss_type].options}
+
+
+def check_settings(cfg) -> None:
+    """What the loss type and the advantages read, against the keys that would feed them (docs/methods.md 1.7-1.12,
+    13.1), from a configuration (any object with its keys): a key the loss type would silently not use is refused,
+    and so is a dual_clip (TRL's delta) in the range where the two differ, a controller whose clip range the loss
+    type does not read (its `clip`), the importance-sampling bounds of `truncated_importance_weights`, and GDPO's
+    aggregation with what it replaces. ValueError naming the key and the fix (lib/config.py makes it a ConfigError)."""
+    entry = LOSS_TYPES[cfg.loss_type]
+    if cfg.dual_clip is not None and "dual_clip" not in entry.options:
+        raise ValueError(f"dual_clip (TRL's delta) caps the clipped surrogate's loss, and loss_type {cfg.loss_type} "
+                         f"has none, so it would change nothing; remove dual_clip, or use loss_type grpo, bnpo, "
+                         f"dapo or dr_grpo")
+    if cfg.dual_clip is not None:
+        # the widest upper clip range a step can train with: the controllers move it (lib/methods.py)
+        widest = cfg.resolved_epsilon_high()
+        if cfg.adaptive_kl and cfg.epsilon > 0:
+            widest = max(widest, widest * cfg.epsilon_max / cfg.epsilon)
+        if cfg.dsf:
+            widest = max(widest, cfg.dsf_eps_max)
+        if cfg.dual_clip < 1.0 + widest:
+            raise ValueError(f"dual_clip (TRL's delta) {cfg.dual_clip} is below 1 + epsilon_high = {1 + widest:g} "
+                             f"(the widest upper clip range this run reaches): there it would cap the loss inside "
+                             f"the clip range, and TRL's delta and dual-clip PPO give different losses "
+                             f"(docs/methods.md 1.9); give at least {1 + widest:g} (Ye et al. use 3, INTELLECT-2 4)")
+    if entry.clip == "none":
+        moving = [key for key in ("adaptive_kl", "dsf") if getattr(cfg, key)]
+        if moving:
+            raise ValueError(f"loss_type {cfg.loss_type} has no clip range (its gate's width is set by "
+                             f"{' and '.join(entry.options) or 'its own keys'}), so {' and '.join(moving)}, which "
+                             f"adapt{'s' * (len(moving) == 1)} the clip range, would change nothing there; use "
+                             f"loss_type grpo, dapo or cispo with {' and '.join(moving)}, or turn "
+                             f"{'it' if len(moving) == 1 else 'them'} off "
+                             f"({', '.join(f'--{k} false' for k in moving)})")
+    if entry.clip == "cap" and cfg.dsf:
+        # AGPO-DSF sets epsilon_high to a band width per group (dsf_eps_min..dsf_eps_max, about 0.2), which as
+        # CISPO's absolute cap would scale every on-policy token's gradient by it
+        raise ValueError(f"loss_type {cfg.loss_type} caps the importance weight at epsilon_high itself (e.g. 5), "
+                         f"while dsf sets a clip band's width per group (dsf_eps_min {cfg.dsf_eps_min} to dsf_eps_max "
+                         f"{cfg.dsf_eps_max}), which as that cap would scale every on-policy gradient by it; use "
+                         f"loss_type grpo or dapo with dsf, or --dsf false")
+    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    if low is None and high is None:
+        raise ValueError("vllm_importance_sampling_clip_min and vllm_importance_sampling_clip_max are both null: "
+                         "give at least one bound of the importance ratio (TRL's default: clip_max 3)")
+    if low is not None and high is not None and low >= high:
+        raise ValueError(f"vllm_importance_sampling_clip_min ({low}) must be below vllm_importance_sampling_clip_max "
+                         f"({high})")
+    if cfg.multi_objective_aggregation == "normalize_then_sum":
+        if cfg.resample_schedule:
+            raise ValueError("multi_objective_aggregation normalize_then_sum normalises each reward function within "
+                             "its group, while resample_schedule (adaGRPO) pools the summed reward over a prompt's "
+                             "rounds; set one of them off")
+        if cfg.scale_rewards not in ("group", "batch"):
+            raise ValueError(f"multi_objective_aggregation normalize_then_sum normalises each reward function by "
+                             f"its group's spread and the sum over the batch (GDPO), which replaces scale_rewards "
+                             f"{cfg.scale_rewards}; set scale_rewards group (the default) or "
+                             f"multi_objective_aggregation sum_then_normalize")
 
 
 def policy_loss(loss_type: str, *args, **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -117,6 +117,29 @@ def is_adapter_folder(path: str) -> bool:
     return Path(path, "adapter_config.json").exists()
 
 
+def weights_dtype(name: str | None, *, lora: bool = False, device: str = "cpu",
+                  bf16: bool = False) -> torch.dtype | str:
+    """The dtype the weights load in: `dtype` as TRL's ModelConfig reads it (auto: the checkpoint's). Unset: a LoRA
+    base on a GPU with bf16 is frozen in bf16 (half the memory; the adapter stays fp32, PEFT keeps it so, and a 4-bit
+    base computes in bf16), anything else float32 master weights (bf16 autocast, where on, computes in bf16). A GPU
+    without bf16 keeps fp32: an fp16 base would need loss scaling, which the loop does not do (docs/performance.md
+    3.3)."""
+    if name is None and lora and device == "cuda" and bf16:
+        return torch.bfloat16
+    return "auto" if name == "auto" else getattr(torch, name or "float32")
+
+
+def reference_dtype(name: str | None, policy_dtype: torch.dtype, *, device: str = "cpu",
+                    bf16: bool = False) -> torch.dtype:
+    """The dtype the frozen reference model (full fine-tuning, beta > 0) loads in, given `dtype` (`name`) and the
+    dtype the policy loaded in. With `dtype` given, the policy's (TRL loads both from the same model_init_kwargs).
+    Unset, on a GPU with bf16: bf16, half the bytes of the fp32 master weights it would otherwise copy; it only runs
+    forward, under the bf16 autocast the policy's forward runs in, so its products are bf16 either way (its norms and
+    residual stream are bf16 instead of fp32, so the KL before the first update is small rather than exactly 0).
+    Elsewhere the policy's, and the KL starts at exactly 0 (docs/performance.md 3.3)."""
+    return torch.bfloat16 if name is None and device == "cuda" and bf16 else policy_dtype
+
+
 def load_policy(
     model_path: str,
     *,

@@ -159,6 +159,15 @@ def _bind_options(spec: str, func: RewardFunc, options: dict) -> RewardFunc:
     return func
 
 
+def reward_options(cfg) -> dict:
+    """Keyword options of the built-in reward functions, from the configuration (lib.rewards binds the ones each
+    function takes)."""
+    return {"max_len": cfg.cosine_max_len or cfg.max_completion_length,
+            "max_completion_length": cfg.max_completion_length,
+            "overlong_buffer_length": cfg.overlong_buffer_length or max(1, cfg.max_completion_length // 5),
+            "ngram_size": cfg.repetition_n_grams, "max_penalty": cfg.repetition_max_penalty}
+
+
 def resolve_reward_funcs(specs: list[str], options: dict | None = None) -> list[tuple[str, RewardFunc]]:
     """(name, function) per spec, in order. A spec is a built-in name, one of TRL's names that maps to one
     (TRL_NAMES), 'module:function', 'module.function' (TRL's form) or 'file.py:function', or a reward model (a

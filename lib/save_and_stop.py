@@ -47,6 +47,34 @@ def nonfinite_rewards(run: Run, sampled: Sampled, advantages: torch.Tensor) -> t
     return "; ".join(reasons), {f"nonfinite/rewards/{n}": c for n, c in zip(names, counts)}
 
 
+def step_optimizer(run: Run, loss: torch.Tensor, skip_update: bool, nonfinite: str) -> tuple[torch.Tensor, str, bool]:
+    """The optimizer step after a slice's backward passes (train_agrpo.update_policy, phase 5): (the gradient norm
+    before clipping, what was not finite or "", whether the weights moved). No step on a skipped slice or non-finite
+    values (the batch's rewards, the loss, the gradient norm); the loss and the norm are reduced over every process,
+    so all take the same decision. A DeepSpeed engine steps, clips and skips non-finite gradients in one call
+    (lib/distributed.deepspeed_step). The schedule advances either way: it is laid out over steps, not updates."""
+    cfg, accelerator = run.cfg, run.accelerator
+    grad_norm, moved = torch.zeros(()), False
+    deepspeed = distributed.is_deepspeed(accelerator)
+    if not skip_update:
+        if deepspeed:
+            grad_norm, moved = distributed.deepspeed_step(run.scorer)
+        else:
+            grad_norm = distributed.full_tensor(
+                accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else
+                distributed.grad_norm(run.params, accelerator))
+        if not torch.isfinite(loss):
+            nonfinite = nonfinite or f"the loss ({float(loss)})"
+        elif not torch.isfinite(grad_norm):
+            nonfinite = nonfinite or f"the gradient norm ({float(grad_norm)})"
+    if not skip_update and not nonfinite and not deepspeed:
+        run.optimizer.step()
+        moved = True
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return grad_norm, nonfinite, moved
+
+
 def save_checkpoint(run: Run, state: TrainerState) -> None:
     """Phase 8: model (or adapter), optimizer, scheduler, RNG per process and trainer state,
     written to a staging folder and renamed into place (lib/checkpoint.py). Never from non-finite

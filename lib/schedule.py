@@ -1,4 +1,5 @@
-"""The learning-rate schedule: a multiplier of the peak rate per optimizer step, as a torch `LambdaLR`.
+"""The learning-rate schedule: a multiplier of the peak rate per optimizer step, as a torch `LambdaLR`; and the run's
+length it is laid out over, in optimizer steps (`steps_per_rollout`, `resolve_epochs`, `warmup_steps`).
 
 The schedules of `lr_scheduler_type`, with linear warmup from 0 over `num_warmup_steps` where the schedule has
 one, then (Loshchilov and Hutter, SGDR, 2017, for the cosine):
@@ -82,3 +83,37 @@ def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, num_warmup_step
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_multiplier, kind=kind,
                                                                 num_warmup_steps=num_warmup_steps,
                                                                 num_training_steps=num_training_steps, **options))
+
+
+# ---- the run's length in optimizer steps, from the configuration (any object with its keys) ------------------------
+
+
+def steps_per_rollout(cfg) -> int:
+    """Optimizer steps one generation batch serves: mu passes (num_iterations) over its slices."""
+    return cfg.num_iterations * cfg.optimizer_steps_per_generation
+
+
+def resolve_epochs(cfg, num_train_prompts: int, num_processes: int) -> int:
+    """Optimizer steps an epoch takes (every training prompt sampled once, num_generations completions each, rounded
+    up to whole generation batches and repeated num_iterations times); sets max_steps from num_train_epochs when it
+    is -1, and eval_steps / save_steps for the `epoch` strategies. Adaptive group sizes and DAPO's replaced groups
+    make an epoch approximate: the count is that of the starting group size."""
+    prompts_per_rollout = max(1, cfg.per_device_train_batch_size * num_processes * cfg.gradient_accumulation_steps
+                              * cfg.optimizer_steps_per_generation // cfg.num_generations)
+    per_epoch = math.ceil(num_train_prompts / prompts_per_rollout) * steps_per_rollout(cfg)
+    if cfg.max_steps == -1:
+        rollouts = math.ceil(cfg.num_train_epochs * per_epoch / steps_per_rollout(cfg))
+        cfg.max_steps = max(1, rollouts) * steps_per_rollout(cfg)
+    if cfg.eval_strategy == "epoch":
+        cfg.eval_steps = per_epoch
+    if cfg.save_strategy == "epoch":
+        cfg.save_steps = per_epoch
+    return per_epoch
+
+
+def warmup_steps(cfg) -> int:
+    """Warm-up steps: warmup_steps, a share of max_steps when it is below 1 (transformers' convention), or
+    warmup_ratio x max_steps."""
+    if cfg.warmup_steps >= 1:
+        return int(cfg.warmup_steps)
+    return math.ceil((cfg.warmup_steps or cfg.warmup_ratio) * cfg.max_steps)

@@ -29,16 +29,16 @@ from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
 from lib import distributed
-from lib.config import (Config, ConfigError, hf_sampler_note, reference_dtype, reward_options,
-                        save_yaml, steps_per_rollout, validate, warmup_steps, weights_dtype)
+from lib.config import Config, ConfigError, hf_sampler_note, save_yaml, validate
 from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
 from lib.methods import Method
 from lib.sampling import RolloutContext
 from lib.modeling import (REFERENCE_FOLDER, CompletionScorer, cast_lm_head_to_fp32, end_token_ids,
-                          is_adapter_folder, load_policy, load_reference, load_tokenizer, native_bf16)
-from lib.reward_funcs import resolve_reward_funcs
+                          is_adapter_folder, load_policy, load_reference, load_tokenizer, native_bf16,
+                          reference_dtype, weights_dtype)
+from lib.reward_funcs import resolve_reward_funcs, reward_options
 from lib.rollout import AnswerPhase, HFRollout
-from lib.schedule import build_scheduler
+from lib.schedule import build_scheduler, steps_per_rollout, warmup_steps
 
 # the run's JSON-lines logs (lib/logs.py), trimmed to the checkpoint on resume
 RUN_LOGS = ("metrics.jsonl", "completions.jsonl", "warnings.jsonl")
@@ -105,6 +105,8 @@ class Run:
     sharded: bool = False  # FSDP2 / DeepSpeed: weights, gradients, optimizer states sharded
     # optional parts, made by train_agrpo.setup from lib/extras/ (which the core does not import):
     watch: object = None  # lib/extras/health.Watch: the metric history behind the console warnings
+    warning_line: object = None  # lib/extras/health.console_line: a health warning as one console line
+    completions_table: object = None  # lib/extras/hub.completions_value: a step's completions as a tracker's table
     hub: object = None  # lib/extras/hub.HubPusher: push_to_hub's uploads (main process), or None
 
 
@@ -332,7 +334,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                 module.p = 0.0
     reference = None
     if cfg.beta > 0 and not hasattr(policy, "peft_config"):
-        # bf16 on a bf16 GPU, else the policy's dtype (lib/config.reference_dtype)
+        # bf16 on a bf16 GPU, else the policy's dtype (lib/modeling.reference_dtype)
         dtype = reference_dtype(cfg.dtype, next(policy.parameters()).dtype, device=device.type,
                                 bf16=bf16)
         # sync_ref_model: a checkpoint after a reference update holds the mixed reference (save_checkpoint)

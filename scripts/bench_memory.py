@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bf16 autocast (auto: where lib/modeling.native_bf16 says the CPU runs bf16 natively).")
     p.add_argument("--dtype", choices=["gpu", "cpu", "bfloat16", "float32"], default="gpu",
                    help="The dtype load_policy gets, which is the 4-bit layers' compute dtype: gpu (default) the "
-                   "trainer's choice on a bf16 GPU (lib/config.weights_dtype: bfloat16 for a LoRA base where bf16 is "
+                   "trainer's choice on a bf16 GPU (lib/modeling.weights_dtype: bfloat16 for a LoRA base where bf16 is "
                    "on), cpu the trainer's choice on a CPU (float32), or one named.")
     p.add_argument("--no_kv", action="store_true", help="Leave out the KV-cache prefill (the longest part after "
                    "the step).")
@@ -195,11 +195,11 @@ def run_worker(spec: dict) -> dict:
     import torch
     from accelerate import Accelerator
 
-    from lib.config import load_yaml, make_config, weights_dtype
+    from lib.config import load_yaml, make_config
     from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, token_logps_and_entropy
     from lib.extras.memory import CHUNK_ELEMENTS, estimate_step_memory, step_token_counts
     from lib.modeling import (CompletionScorer, OutputHead, adapter_disabled, load_policy, native_bf16,
-                              unwrap_causal_lm)
+                              unwrap_causal_lm, weights_dtype)
     from lib.extras import cpu_kernels
     from lib.rollout import HFRollout, prefill
     from lib.setup import build_optimizer

@@ -597,7 +597,8 @@ def test_delta_is_dual_clip_for_every_sign_above_one_plus_epsilon_high(loss_type
 def test_delta_below_one_plus_epsilon_high_differs_from_dual_clip_and_is_refused():
     """Below 1 + epsilon_high the two are different losses (docs/methods.md 1.9): for A < 0 dual-clip PPO caps the
     loss at c |A| inside the clip range, TRL's delta leaves it rho |A| there (its cap falls back to 1 + eps_high); for
-    A > 0 TRL's delta caps rho at delta, dual-clip PPO leaves it alone. So lib/config.py refuses that range."""
+    A > 0 TRL's delta caps rho at delta, dual-clip PPO leaves it alone. So lib/losses.check_settings refuses that
+    range."""
     from lib.config import ConfigError, make_config
 
     rho = torch.tensor([[1.15, 1.3]])

@@ -5,9 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lib.config import reference_dtype, weights_dtype
+from lib.modeling import completion_logps, load_policy, reference_dtype, weights_dtype
 from lib.setup import build_optimizer
-from lib.modeling import completion_logps, load_policy
 
 
 def test_a_lora_base_is_frozen_in_bf16_on_a_bf16_gpu_and_fp32_elsewhere():

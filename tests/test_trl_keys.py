@@ -6,7 +6,6 @@ what is trained, and refused otherwise."""
 import dataclasses
 import importlib.util
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +13,9 @@ import yaml
 from safetensors.torch import load_file
 
 from lib import compat as trl_keys
-from lib.config import (FIELDS, ConfigError, build_parser, make_config, parse_config, resolve_epochs,
-                        steps_per_rollout, validate, warmup_steps)
+from lib.config import FIELDS, ConfigError, build_parser, make_config, parse_config, validate
 from lib.losses import kl_penalty, policy_ratio
+from lib.schedule import resolve_epochs, steps_per_rollout, warmup_steps
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
 

@@ -58,9 +58,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lib.config import ConfigError, reference_dtype, weights_dtype
+from lib.config import ConfigError
 from lib.extras.hub_data import HUB_TIMEOUT_S
-from lib.modeling import _lora_targets, adapter_base, is_adapter_folder, resolve_model_path
+from lib.modeling import (_lora_targets, adapter_base, is_adapter_folder, reference_dtype, resolve_model_path,
+                          weights_dtype)
 
 GB = 2**30
 CHUNK_ELEMENTS = 2**26  # lib/losses.token_logps_and_entropy's default
@@ -392,7 +393,7 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
         else:  # prepare_model_for_kbit_training keeps a 4-bit model's other weights in fp32
             weights += p.numel() * (4 if cfg.load_in_4bit else size)
     parts = {"policy weights": int(weights)}
-    if cfg.beta > 0 and not lora:  # bf16 on a bf16 GPU unless dtype says otherwise (lib/config.reference_dtype)
+    if cfg.beta > 0 and not lora:  # bf16 on a bf16 GPU unless dtype says otherwise (lib/modeling.reference_dtype)
         reference = reference_dtype(cfg.dtype, dtype, device="cuda", bf16=bf16)
         parts["reference model"] = total * torch.finfo(reference).bits // 8
     server = bool(cfg.use_vllm) and getattr(cfg, "vllm_mode", "colocate") == "server"
