@@ -53,6 +53,8 @@ class Rollout:
     temperatures: torch.Tensor
     prompt_index: torch.Tensor
     sampling_logps: torch.Tensor | None = None
+    sequence_mask: torch.Tensor | None = None  # (B, T) every token the policy reads, where that is more than the
+    # model's own tokens in completion_mask: an agent's episode holds tool results (lib/extras/agents.py)
 
 
 @dataclass(frozen=True)

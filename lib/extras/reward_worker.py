@@ -58,6 +58,9 @@ class RewardWorker:
     `start_seconds` and `restarts` say what that cost.
     """
 
+    # what the child runs and how its failures are named: lib/extras/agents.py's ToolWorker runs tools the same way
+    CHILD, NAME, TIMEOUT_KEY = "lib.extras.reward_worker", "reward worker", "reward_timeout"
+
     def __init__(self, specs: list[str], options: dict, timeout: float):
         self.specs, self.options, self.timeout = list(specs), dict(options), float(timeout)
         self.proc: subprocess.Popen | None = None
@@ -79,13 +82,17 @@ class RewardWorker:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env.setdefault("OMP_NUM_THREADS", "1")  # reward code is Python; it must not compete with the trainer's threads
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lib.extras.reward_worker", str(read_child), str(write_child)],
+            [sys.executable, "-m", self.CHILD, str(read_child), str(write_child)],
             pass_fds=(read_child, write_child), env=env, stdin=subprocess.DEVNULL)
         os.close(read_child)
         os.close(write_child)
         self.conn = _Duplex(Connection(read_parent, writable=False), Connection(write_parent, readable=False))
-        self.conn.send((self.specs, self.options, self.timeout))
+        self.conn.send(self.init_payload())
         self._started_at, self._ready = t0, False  # the child imports while the trainer goes on; call() waits
+
+    def init_payload(self):
+        """The child's first frame, what its setup function is given."""
+        return self.specs, self.options, self.timeout
 
     def start(self) -> None:
         """Start the child now (it loads the reward functions while the caller loads its models)."""
@@ -96,7 +103,7 @@ class RewardWorker:
         ok, payload = self._receive(max(self.timeout, 60.0), " while starting")
         if not ok:  # the specs did not resolve in the child: the trainer resolved them, so this is the environment
             self.close()
-            raise RewardCallFailed(f"could not be loaded in the reward worker ({payload})")
+            raise RewardCallFailed(f"could not be loaded in the {self.NAME} ({payload})")
         self._ready = True
         self.start_seconds += time.perf_counter() - self._started_at
 
@@ -143,7 +150,7 @@ class RewardWorker:
         if not wait([self.conn.reader], timeout=timeout if timeout > 0 else None):
             self.close()
             limit = timeout if doing else self.timeout  # a request of async calls had a grace second on top
-            raise RewardCallFailed(f"gave no answer within reward_timeout = {limit:g} s{doing}; the call was "
+            raise RewardCallFailed(f"gave no answer within {self.TIMEOUT_KEY} = {limit:g} s{doing}; the call was "
                                    "abandoned and the worker restarted")
         try:
             return self.conn.recv()
@@ -151,7 +158,7 @@ class RewardWorker:
             code = self.proc.wait()
             self.close()
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            raise RewardCallFailed(f"killed the reward worker ({how}){doing}; it was restarted") from None
+            raise RewardCallFailed(f"killed the {self.NAME} ({how}){doing}; it was restarted") from None
 
 
 class _Duplex:
@@ -172,7 +179,9 @@ class _Duplex:
 
 
 # ------------------------------------------------------------------------------------------------------ the child
-def _serve(read_fd: int, write_fd: int) -> None:
+def serve(read_fd: int, write_fd: int, setup) -> None:
+    """The child's side: `setup(init)` (the first frame) returns the function that answers each later request; an
+    error in `setup` is sent back as (False, message), and then the child ends."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     if sys.platform.startswith("linux"):  # die with the trainer, even when it is killed with SIGKILL
@@ -181,31 +190,39 @@ def _serve(read_fd: int, write_fd: int) -> None:
     os.dup2(2, 1)
     reader, writer = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
 
-    specs, options, timeout = reader.recv()
     try:
-        funcs = [func for _, func in resolve_reward_funcs(specs, options)]
+        answer = setup(reader.recv())
     except Exception as error:  # noqa: BLE001 - reported to the trainer, which names it
         writer.send((False, f"{type(error).__name__}: {error}"))
         return
     writer.send((True, None))
     while True:
         try:
-            jobs = reader.recv()
+            request = reader.recv()
         except EOFError:  # the trainer closed the pipe
             return
+        writer.send((True, answer(request)))
+
+
+def _reward_setup(init):
+    specs, options, timeout = init
+    funcs = [func for _, func in resolve_reward_funcs(specs, options)]
+
+    def answer(jobs):
         answers = []
         for out in run_jobs(funcs, jobs, timeout):
             if isinstance(out, Exception):
                 answers.append((False, describe_failure(out)))
                 continue
-            answer = (True, list(out) if isinstance(out, tuple) else out)
+            item = (True, list(out) if isinstance(out, tuple) else out)
             try:
-                pickle.dumps(answer)  # an unpicklable result is the function's error, not the pipe's
+                pickle.dumps(item)  # an unpicklable result is the function's error, not the pipe's
             except Exception as error:  # noqa: BLE001
-                answer = (False, f"raised {type(error).__name__}: {error}")
-            answers.append(answer)
-        writer.send((True, answers))
+                item = (False, f"raised {type(error).__name__}: {error}")
+            answers.append(item)
+        return answers
+    return answer
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]), int(sys.argv[2]))
+    serve(int(sys.argv[1]), int(sys.argv[2]), _reward_setup)

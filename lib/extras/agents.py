@@ -1,0 +1,148 @@
+"""Agents: tool calls inside a rollout (docs/agents.md).
+
+An episode is a completion of several turns: the model writes, its tool calls are run (lib/extras/tools.py), their
+results are appended to the completion as the chat template renders a `tool` message, and the model goes on, until
+a turn calls no tool, `max_tool_calling_iterations` turns have called one, or the completion budget is spent. The
+tokens of the results are part of the completion (later turns read them: `Rollout.sequence_mask`) but not the
+model's (`Rollout.completion_mask` is 0 there), so the trainer trains, regularises and counts only the model's.
+`run_episodes` works over any sampler with the trainer's `generate` (the HF sampler and vLLM's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lib.extras.tools import ResultRenderer, turn_tool_calls
+from lib.rollout import Rollout
+
+
+@dataclass
+class Episode:
+    """One completion of several turns. ids: its tokens after the prompt; model: 1 for the model's tokens, 0 for
+    the tool results'; logps: the sampler's log-probability of each model token (0 at tool tokens)."""
+
+    ids: list[int] = field(default_factory=list)
+    model: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
+    calls: int = 0
+    failures: int = 0
+    turns: int = 0
+    truncated: bool = False
+    done: bool = False
+
+
+def engine_generate(engine, pad_token_id: int, **sampling):
+    """`run_episodes`' `generate` over a sampler with the trainer's interface (lib/rollout.HFRollout, vLLM's
+    engines): each prompt left-padded, one completion each, at the run's sampling settings `sampling`."""
+    def generate(prompts: list[list[int]], max_new_tokens: int) -> Rollout:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[row, width - len(p):] = 1
+        device = getattr(engine, "device", "cpu")
+        return engine.generate(ids.to(device), mask.to(device), 1, max_new_tokens, **sampling)
+    return generate
+
+
+def run_episodes(generate, first: Rollout, tokenizer, call, renderer: ResultRenderer, max_iterations: int | None,
+                 max_completion_length: int) -> list[Episode]:
+    """Go on from the first turns `first` (a Rollout from the sampler) until every episode ends.
+
+    `generate(prompt_ids: list[list[int]], max_new_tokens: int) -> Rollout` samples one continuation of each prompt
+    (the sampler at the run's settings); `call(name, arguments) -> (text, failed)` runs one tool. An episode ends when
+    a turn calls no tool, when `max_iterations` turns have called tools (TRL's max_tool_calling_iterations; None: no
+    limit), or when its tokens reach `max_completion_length` (then it is truncated, as a one-turn completion is)."""
+    eos = tokenizer.eos_token_id
+    prompts = [row[m.bool()].tolist() for row, m in zip(first.prompt_ids, first.prompt_mask)]
+    owner = first.prompt_index.tolist()
+    episodes = [Episode() for _ in owner]
+    turn = first
+    active = list(range(len(episodes)))
+    iteration = 0
+    while active:
+        for k, i in enumerate(active):  # append each active episode's new turn
+            n = int(turn.completion_mask[k].sum())
+            ids = turn.completion_ids[k, :n].tolist()
+            logps = turn.sampling_logps[k, :n].tolist() if turn.sampling_logps is not None else [0.0] * n
+            ep = episodes[i]
+            ep.ids += ids
+            ep.model += [1] * n
+            ep.logps += logps
+            ep.temperatures += turn.temperatures[k, :n].tolist()
+            ep.turns += 1
+            ep.truncated = bool(turn.is_truncated[k]) or len(ep.ids) >= max_completion_length
+        go_on = []
+        limit_reached = max_iterations is not None and iteration >= max_iterations
+        for k, i in enumerate(active):
+            ep = episodes[i]
+            if ep.truncated or limit_reached or (ep.ids and ep.ids[-1] != eos):
+                continue
+            n = int(turn.completion_mask[k].sum())
+            turn_ids = turn.completion_ids[k, :n].tolist()
+            text = tokenizer.decode(turn_ids, skip_special_tokens=True)
+            calls, errors = turn_tool_calls(tokenizer, turn_ids, text)
+            if not calls and not errors:
+                continue  # a turn that calls nothing ends the episode
+            results = list(errors)
+            for c in calls:
+                text, failed = call(c.name, c.arguments)
+                results.append(text)
+                ep.failures += failed
+            ep.calls += len(calls) + len(errors)
+            ep.failures += len(errors)
+            tool_ids = renderer.ids(results)
+            room = max_completion_length - len(ep.ids)
+            ep.ids += tool_ids[:room]
+            for values in (ep.model, ep.logps, ep.temperatures):
+                values += [0] * len(tool_ids[:room])
+            if len(tool_ids) >= room:  # no room left for the model to read the result and answer
+                ep.truncated = True
+                continue
+            go_on.append(i)
+        for i in active:
+            if i not in go_on:
+                episodes[i].done = True
+        active = go_on
+        if not active:
+            break
+        iteration += 1
+        room = max(max_completion_length - len(episodes[i].ids) for i in active)
+        turn = generate([prompts[owner[i]] + episodes[i].ids for i in active], room)
+        # a continuation longer than its episode's room is cut to it (the longest episode sets the call's budget)
+        for k, i in enumerate(active):
+            keep = max_completion_length - len(episodes[i].ids)
+            if int(turn.completion_mask[k].sum()) > keep:
+                turn.completion_mask[k, keep:] = 0
+                turn.is_truncated[k] = True
+    return episodes
+
+
+def episodes_rollout(first: Rollout, episodes: list[Episode], pad_token_id: int) -> Rollout:
+    """The episodes as one Rollout: completion_ids (B, T) every token of each episode; completion_mask (B, T) its
+    model tokens (what the trainer trains, regularises and counts); sequence_mask (B, T) all of its tokens (what the
+    policy reads); sampling_logps and temperatures 0 at tool tokens."""
+    width = max(1, max(len(e.ids) for e in episodes))
+    ids = torch.full((len(episodes), width), pad_token_id, dtype=torch.long)
+    model = torch.zeros((len(episodes), width), dtype=torch.long)
+    sequence = torch.zeros((len(episodes), width), dtype=torch.long)
+    logps = torch.zeros((len(episodes), width))
+    temperatures = torch.zeros((len(episodes), width))
+    for b, e in enumerate(episodes):
+        n = len(e.ids)
+        ids[b, :n] = torch.tensor(e.ids, dtype=torch.long)
+        model[b, :n] = torch.tensor(e.model, dtype=torch.long)
+        sequence[b, :n] = 1
+        logps[b, :n] = torch.tensor(e.logps)
+        temperatures[b, :n] = torch.tensor(e.temperatures)
+    device = first.completion_ids.device
+    return Rollout(first.prompt_ids, first.prompt_mask, ids.to(device), model.to(device),
+                   torch.tensor([e.truncated for e in episodes], device=device),
+                   temperatures.to(device=device, dtype=first.temperatures.dtype),
+                   first.prompt_index, logps.to(device) if first.sampling_logps is not None else None,
+                   sequence_mask=sequence.to(device))
+
