@@ -60,7 +60,8 @@ import torch
 
 from lib.config import ConfigError, reference_dtype, weights_dtype
 from lib.extras.hub_data import HUB_TIMEOUT_S
-from lib.modeling import _lora_targets, adapter_base, is_adapter_folder, resolve_model_path
+from lib.extras.model_folders import adapter_base
+from lib.modeling import _lora_targets, is_adapter_folder, resolve_model_path
 
 GB = 2**30
 CHUNK_ELEMENTS = 2**26  # lib/losses.token_logps_and_entropy's default
