@@ -3,8 +3,8 @@
 checkpoint-<step>/ holds: the model (a `save_pretrained` folder, or a PEFT adapter folder), `optimizer.pt`,
 `scheduler.pt`, `rng_state_<rank>.pt` (Python, NumPy, torch and the sampler's generator, per process) and
 `trainer_state.json` (step, data position, token count, controller state, resolved config). A checkpoint is first
-written to a hidden staging folder and renamed into place; `trainer_state.json` is written last, so a folder without it
-is never treated as a checkpoint. A run killed while saving leaves the previous checkpoint intact.
+written to a hidden staging folder and renamed into place; `trainer_state.json` is written last, so a folder
+without it is never treated as a checkpoint. A run killed while saving leaves the previous checkpoint intact.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def staging_dir(output_dir: str | Path, step: int) -> Path:
-    """The hidden folder checkpoint `step` is written into before its commit (the main process empties and creates it;
-    every process writes its own RNG file there)."""
+    """The hidden folder checkpoint `step` is written into before its commit (the main process empties and creates
+    it; every process writes its own RNG file there)."""
     return Path(output_dir) / f".checkpoint-{step}.partial"
 
 
@@ -66,8 +66,8 @@ def write_rng(folder: Path, rank: int, state: dict) -> None:
 
 
 def commit_checkpoint(output_dir: str | Path, step: int, trainer_state: dict, save_total_limit: int | None) -> Path:
-    """Main process only, after every process has written into the staging folder: write trainer_state.json, rename the
-    folder into place, and drop the oldest checkpoints beyond `save_total_limit`."""
+    """Main process only, after every process has written into the staging folder: write trainer_state.json,
+    rename the folder into place, and drop the oldest checkpoints beyond `save_total_limit`."""
     staging = staging_dir(output_dir, step)
     final = Path(output_dir) / f"checkpoint-{step}"
     state_tmp = staging / (STATE_FILE + ".tmp")
@@ -90,9 +90,9 @@ def commit_checkpoint(output_dir: str | Path, step: int, trainer_state: dict, sa
 def recover(output_dir: str | Path) -> list[str]:
     """Finish or undo what a run killed while saving left behind; returns what was done, one line each.
 
-    A kill between the two renames of a re-saved step (commit_checkpoint) leaves `checkpoint-N` missing, the old copy in
-    `.checkpoint-N.old` and the new one, complete, in `.checkpoint-N.partial`: the complete new one is put in place (or
-    the old one back). Staging folders of saves that never committed, and of `final/`, are removed."""
+    A kill between the two renames of a re-saved step (commit_checkpoint) leaves `checkpoint-N` missing, the old copy
+    in `.checkpoint-N.old` and the new one, complete, in `.checkpoint-N.partial`: the complete new one is put in
+    place (or the old one back). Staging folders of saves that never committed, and of `final/`, are removed."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
@@ -129,10 +129,10 @@ class RunStopped(RuntimeError):
 
 
 class StopRequest:
-    """SIGTERM and SIGUSR1 (a scheduler's preemption, or its warning ahead of the time limit) ask the run to stop: the
-    handler only records the signal; the loop checks `signal_name` where a checkpoint resumes exactly, saves and exits
-    (train_agrpo.train). A second signal of the same kind while the first is pending is ignored. Handlers are installed
-    in the main thread only (Python's rule) and restored by `restore()`."""
+    """SIGTERM and SIGUSR1 (a scheduler's preemption, or its warning ahead of the time limit) ask the run to stop:
+    the handler only records the signal; the loop checks `signal_name` where a checkpoint resumes exactly, saves
+    and exits (train_agrpo.train). A second signal of the same kind while the first is pending is ignored. Handlers
+    are installed in the main thread only (Python's rule) and restored by `restore()`."""
 
     SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -164,8 +164,8 @@ def read_rng(checkpoint: str | Path, rank: int) -> dict | None:
 
 
 def trim_jsonl(path: Path, last_step: int) -> None:
-    """Keep the lines of `path` that a run resumed at `last_step` does not write again: those of earlier steps and the
-    training lines of `last_step` itself (its evaluation, if any, is redone after the resume). The others move to
+    """Keep the lines of `path` that a run resumed at `last_step` does not write again: those of earlier steps and
+    the training lines of `last_step` itself (its evaluation, if any, is redone after the resume). The others move to
     `<name>.orphaned.jsonl` (not lost), and so does a line cut short by a kill in the middle of a write."""
     if not path.exists():
         return

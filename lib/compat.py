@@ -1,7 +1,7 @@
-"""Recipes and command lines written for TRL or open-r1 (docs/configuration.md, "Recipes written for TRL or open-r1"):
-the keys of TRL's GRPO configuration (GRPOConfig on top of transformers' TrainingArguments, ModelConfig, the GRPO
-script's arguments) and of open-r1's recipes that are not fields of lib.settings.Config, what this package does with
-each, and `resolve_keys`, which turns a mapping written with any of them into our fields' values.
+"""Recipes and command lines written for TRL or open-r1 (docs/configuration.md, "Recipes written for TRL or
+open-r1"): the keys of TRL's GRPO configuration (GRPOConfig on top of transformers' TrainingArguments, ModelConfig,
+the GRPO script's arguments) and of open-r1's recipes that are not fields of lib.settings.Config, what this package
+does with each, and `resolve_keys`, which turns a mapping written with any of them into our fields' values.
 
 Every such key is in exactly one table:
 - RENAMED: an old name of ours, or another project's name for one of our keys; the value goes to the new key (with
@@ -208,9 +208,9 @@ def flag_before(argv: list[str], at: int) -> int | None:
 
 
 def leftover_values(words: list[str], argv: list[str], follows: dict[str, str]) -> dict:
-    """The flags argparse did not know, as {key: value}: `--key value`, `--key=value`, `--key v1 v2`, or `--key` alone
-    (true). They are TRL keys, our old names, or mistakes; `resolve_keys` tells which. An unknown flag that follows a
-    known one is named with it (`follows`): it may be a value meant for that flag."""
+    """The flags argparse did not know, as {key: value}: `--key value`, `--key=value`, `--key v1 v2`, or `--key`
+    alone (true). They are TRL keys, our old names, or mistakes; `resolve_keys` tells which. An unknown flag that
+    follows a known one is named with it (`follows`): it may be a value meant for that flag."""
     values: dict[str, list[str]] = {}
     key = None
     for word in words:
@@ -268,9 +268,9 @@ def _same_value(value, default) -> bool:
 
 
 def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None) -> dict:
-    """The values of our fields, from a mapping that may use TRL's or open-r1's keys (lib/py): renamed keys moved to
-    ours (a note for our old names), ignored keys dropped with one warning line each, unimplemented keys accepted at
-    TRL's default and refused otherwise, anything else an error with the closest field."""
+    """The values of our fields, from a mapping that may use TRL's or open-r1's keys (lib/py): renamed keys
+    moved to ours (a note for our old names), ignored keys dropped with one warning line each, unimplemented keys
+    accepted at TRL's default and refused otherwise, anything else an error with the closest field."""
     resolved, given_as = {}, {}
     for key, value in values.items():
         if not isinstance(key, str):

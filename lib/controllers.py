@@ -1,10 +1,10 @@
 """Adaptive controllers as pure state transitions: `state = update(state, observed, cfg)`.
 
-Each state is a small frozen dataclass holding floats only, so it goes into `trainer_state.json` as is and a resumed run
-continues with exactly the state it had (`to_dict` / `from_dict`). The training loop calls each update once per step, at
-a fixed place, and logs every field. Nothing here touches a model, a tensor or the loop's variables: `cfg` is any object
-with the named attributes (the trainer passes its Config); `observed` are plain numbers the loop measured. Imports
-nothing of ours.
+Each state is a small frozen dataclass holding floats only, so it goes into `trainer_state.json` as is and a resumed
+run continues with exactly the state it had (`to_dict` / `from_dict`). The training loop calls each update once per
+step, at a fixed place, and logs every field. Nothing here touches a model, a tensor or the loop's variables: `cfg`
+is any object with the named attributes (the trainer passes its Config); `observed` are plain numbers the loop
+measured. Imports nothing of ours.
 
     A-GRPO   KLControllerState, update_kl_controller: beta_t and epsilon_t from a moving average of the KL
              EntropyControllerState, update_entropy_controller: eta_t (Skywork-OR1's adaptive entropy control)
@@ -172,9 +172,9 @@ def parse_resample_schedule(schedule: list[dict]) -> list[dict]:
 
 
 def resample_plan(schedule: list[dict], step: int, temperature: float, top_p: float) -> list[dict]:
-    """Sampling parameters of each allowed retry at training step `step` (1-based), the trigger in force being the last
-    one whose step is <= `step`; keys a retry does not set keep the run's `temperature` / `top_p`. The upstream code
-    applies a trigger one generation batch late (docs/methods.md 4.1); here it applies from its own step."""
+    """Sampling parameters of each allowed retry at training step `step` (1-based), the trigger in force being the
+    last one whose step is <= `step`; keys a retry does not set keep the run's `temperature` / `top_p`. The upstream
+    code applies a trigger one generation batch late (docs/methods.md 4.1); here it applies from its own step."""
     active = [t for t in schedule if t["step"] <= step]
     if not active:
         return []
@@ -209,8 +209,8 @@ def dsf_uncertainty(dispersion: float, vote: float, skewness: float, cfg) -> flo
 
 
 def dsf_temperatures(state: DSFState, uncertainties: list[float], cfg) -> tuple[DSFState, list[float], list[float]]:
-    """Adaptive temperature of each prompt's training group, prompts taken in order (upstream runs them one by one, each
-    updating the baseline before the next). Returns (state, temperatures, centred uncertainties).
+    """Adaptive temperature of each prompt's training group, prompts taken in order (upstream runs them one by one,
+    each updating the baseline before the next). Returns (state, temperatures, centred uncertainties).
 
         first prompt (U-bar <= 1e-8):  c = 0, U-bar = U
         otherwise:  c = (U - U-bar) / (U-bar + 1e-8);  U-bar <- a U + (1 - a) U-bar     (a = dsf_ema_alpha; c uses
@@ -251,8 +251,8 @@ def dsf_clip_range(entropy: float, entropy_ref: float, dispersion: float, vote: 
 
 def dsf_clip_ranges(state: DSFState, entropies: list[float], dispersions: list[float], votes: list[float],
                     skewnesses: list[float], cfg) -> tuple[DSFState, list[float]]:
-    """Clip range per prompt group, in order; the entropy reference moves after each group (upstream order): H_ref =
-    H-bar if set, else this group's H; then H-bar <- H (first) or a_H H + (1 - a_H) H-bar."""
+    """Clip range per prompt group, in order; the entropy reference moves after each group (upstream order):
+    H_ref = H-bar if set, else this group's H; then H-bar <- H (first) or a_H H + (1 - a_H) H-bar."""
     entropy_ref = state.entropy_ref
     ranges = []
     for h, sigma, vote, kappa in zip(entropies, dispersions, votes, skewnesses, strict=True):
@@ -264,7 +264,7 @@ def dsf_clip_ranges(state: DSFState, entropies: list[float], dispersions: list[f
 
 
 def update_step_kl(state: DSFState, step_kl: float, cfg) -> DSFState:
-    """After a generation batch's update epochs: K_step <- a KL_step + (1 - a) K_step (a = dsf_step_kl_ema_alpha), with
-    KL_step the mean over groups of max(0, token-mean(old_logp - new_logp)). Read by the next batch's clip."""
+    """After a generation batch's update epochs: K_step <- a KL_step + (1 - a) K_step (a = dsf_step_kl_ema_alpha),
+    with KL_step the mean over groups of max(0, token-mean(old_logp - new_logp)). Read by the next batch's clip."""
     return dataclasses.replace(state, step_kl_ema=cfg.dsf_step_kl_ema_alpha * step_kl
                                + (1.0 - cfg.dsf_step_kl_ema_alpha) * state.step_kl_ema)

@@ -40,8 +40,8 @@ SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
 
 
 class Reader(Protocol):
-    """What reads the data sets this module does not read itself (hub ids, save_to_disk folders, folders in the hub's
-    layout): lib/extras/hub_data.py, which the entry scripts pass in (a module with these two functions)."""
+    """What reads the data sets this module does not read itself (hub ids, save_to_disk folders, folders in the
+    hub's layout): lib/extras/hub_data.py, which the entry scripts pass in (a module with these two functions)."""
 
     def read_rows(self, name: str, split: str, config: str | None) -> list[tuple[str, dict]]: ...
 
@@ -66,8 +66,8 @@ def format_number(value: numbers.Real) -> str:
 def _gold(value: Any, kind: str) -> str:
     """Returns the gold answer text of one answer cell; raises ValueError saying what is wrong.
 
-    kind: "plain" (the value is the answer), "gsm8k" (text after "#### "), "boxed" (last \\boxed{} of a solution),
-    "auto" (a user-named column: "####" if present, else the last \\boxed{}, else the whole text).
+    kind: "plain" (the value is the answer), "gsm8k" (text after "#### "), "boxed" (last \\boxed{} of a
+    solution), "auto" (a user-named column: "####" if present, else the last \\boxed{}, else the whole text).
     """
     if isinstance(value, bool) or value is None:
         raise ValueError(f"expected a string or a number, got {value!r}")
@@ -102,8 +102,8 @@ def _detect_columns(
 ) -> tuple[tuple[str, ...], str | None, str]:
     """Returns (prompt columns, answer column, answer kind) for a data set whose first row has `columns`.
 
-    The prompt column is None when no known format matches (the caller reports it as missing); the answer column is None
-    when the data set has no gold answer.
+    The prompt column is None when no known format matches (the caller reports it as missing); the answer column is
+    None when the data set has no gold answer.
     """
     if prompt_column:
         prompt = (prompt_column,)
@@ -142,8 +142,8 @@ def _is_messages(value: Any) -> bool:
 
 
 def _check_prompt(value: Any, where: str) -> None:
-    """Raises ValueError unless `value` is a prompt as TRL takes it: non-empty text, or a list of messages {role: str,
-    content: str} that ends with a turn the model answers (user, tool) or continues (assistant)."""
+    """Raises ValueError unless `value` is a prompt as TRL takes it: non-empty text, or a list of messages
+    {role: str, content: str} that ends with a turn the model answers (user, tool) or continues (assistant)."""
     if isinstance(value, str):
         if not value.strip():
             raise ValueError(f"{where}: field 'prompt' is empty. Fix or drop the row.")
@@ -214,8 +214,8 @@ def _decode(path: Path, data: bytes, line: int | None = None) -> str:
 
 
 def _parse_json(text: str, where: str, layout: str):
-    """json.loads, with every way it fails (bad syntax, an integer too long to read, nesting too deep) as a ValueError
-    that names `where`."""
+    """json.loads, with every way it fails (bad syntax, an integer too long to read, nesting too deep) as a
+    ValueError that names `where`."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
@@ -294,8 +294,8 @@ def _needs_reader(name: str, reader: Reader | None) -> Reader:
 def _read_rows(dataset_name: str, split: str, config: str | None = None,
                reader: Reader | None = None) -> list[tuple[str, dict]]:
     """Returns (location, row) pairs from a local file; a folder holding {split}.jsonl / .json / .parquet (read here,
-    with row-exact errors); or, through `reader`, a folder save_to_disk wrote, any other folder `datasets` reads (the
-    hub's layout), or a hub id."""
+    with row-exact errors); or, through `reader`, a folder save_to_disk wrote, any other folder `datasets` reads
+    (the hub's layout), or a hub id."""
     path = Path(os.path.expanduser(dataset_name))
     if path.is_dir():
         candidates = [path / f"{split}{suffix}" for suffix in DATA_SUFFIXES]
@@ -468,8 +468,8 @@ def builtin_task(
 ) -> tuple[list[dict], list[dict]]:
     """Returns (train, eval) records of the built-in arithmetic task: {"problem", "answer", "operation"}.
 
-    The same seed gives the same lists. Eval is drawn first and train excludes its problem texts, so the two never share
-    a problem (changing num_train leaves eval unchanged).
+    The same seed gives the same lists. Eval is drawn first and train excludes its problem texts, so the two
+    never share a problem (changing num_train leaves eval unchanged).
     """
     rng = random.Random(seed)
     unknown = set(operations) - set(TEMPLATES)
@@ -482,9 +482,9 @@ def builtin_task(
 
 def prompts_for_step(position: int, count: int, num_records: int, seed: int,
                      shuffle: bool = True) -> list[int]:
-    """Record indices for the next `count` prompts from data position `position`: one seeded shuffle per epoch, so any
-    position (a resumed run's) is reproducible without replaying the earlier ones; file order when not `shuffle` (TRL's
-    shuffle_dataset false)."""
+    """Record indices for the next `count` prompts from data position `position`: one seeded shuffle per epoch,
+    so any position (a resumed run's) is reproducible without replaying the earlier ones; file order when not
+    `shuffle` (TRL's shuffle_dataset false)."""
     if not shuffle:
         return [p % num_records for p in range(position, position + count)]
     indices = []
@@ -502,8 +502,8 @@ def format_prompt(
 ) -> str:
     """Returns the prompt text for one problem: the tokenizer's chat template with the generation prompt opened.
 
-    The user message is `problem + "\\n" + instruction`. A tokenizer without a chat template (a base model) gets the
-    plain text `problem + "\\n" + instruction + "\\n"`, preceded by the system prompt's line if one is given.
+    The user message is `problem + "\\n" + instruction`. A tokenizer without a chat template (a base model)
+    gets the plain text `problem + "\\n" + instruction + "\\n"`, preceded by the system prompt's line if one is given.
     `chat_template_kwargs` are the template's own variables (Qwen3's `enable_thinking`).
     """
     content = f"{problem}\n{instruction}" if instruction else problem
@@ -532,16 +532,16 @@ def render_prompt(
     tokenizer: Any, record: dict, instruction: str = DEFAULT_INSTRUCTION, system_prompt: str | None = None,
     chat_template_kwargs: dict | None = None,
 ) -> str:
-    """Returns the text the model is prompted with for one record; the trainer, its evaluation and eval_agrpo.py all
-    render through this function.
+    """Returns the text the model is prompted with for one record; the trainer, its evaluation and eval_agrpo.py
+    all render through this function.
 
     A record with `prompt` is TRL's format: text is used as it is (no chat template, no instruction: TRL's standard
     format); a conversation (a list of {role, content}) goes through the chat template with the generation prompt
-    opened, or with its last assistant turn continued, as TRL does, and `system_prompt` becomes its first turn when it
-    has no system turn. Any other record (the recognised math formats, the built-in task) is `format_prompt` of its
-    `problem`: the instruction appended, the system prompt, the chat template. `chat_template_kwargs` are the template's
-    own variables (Qwen3's `enable_thinking`). Raises ValueError for a conversation and a tokenizer without a chat
-    template.
+    opened, or with its last assistant turn continued, as TRL does, and `system_prompt` becomes its first turn when
+    it has no system turn. Any other record (the recognised math formats, the built-in task) is `format_prompt` of its
+    `problem`: the instruction appended, the system prompt, the chat template. `chat_template_kwargs` are the
+    template's own variables (Qwen3's `enable_thinking`). Raises ValueError for a conversation and a tokenizer
+    without a chat template.
     """
     if "prompt" not in record:
         return format_prompt(tokenizer, record["problem"], instruction, system_prompt, chat_template_kwargs)
@@ -560,8 +560,8 @@ def render_prompt(
 
 
 def answer_needed(reward_funcs: list[tuple[str, Any]]) -> list[str]:
-    """The names of the reward functions that cannot run without the gold answer: those with a parameter `answer` that
-    has no default (the built-in accuracy, length and cosine; a custom f(prompts, completions, answer, ...))."""
+    """The names of the reward functions that cannot run without the gold answer: those with a parameter `answer`
+    that has no default (the built-in accuracy, length and cosine; a custom f(prompts, completions, answer, ...))."""
     needed = []
     for name, func in reward_funcs:
         try:
@@ -575,8 +575,8 @@ def answer_needed(reward_funcs: list[tuple[str, Any]]) -> list[str]:
 
 
 def check_answers(records: list[dict], reward_funcs: list[tuple[str, Any]], option: str, name: str) -> None:
-    """Raises ValueError when `records` have no gold answer and a reward function needs one, naming the functions, the
-    columns looked for and the fix; `option` and `name` say which data set (dataset_name and its value)."""
+    """Raises ValueError when `records` have no gold answer and a reward function needs one, naming the functions,
+    the columns looked for and the fix; `option` and `name` say which data set (dataset_name and its value)."""
     needed = answer_needed(reward_funcs)
     if not records or "answer" in records[0] or not needed:
         return
@@ -590,8 +590,8 @@ def check_answers(records: list[dict], reward_funcs: list[tuple[str, Any]], opti
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int, device="cpu"):
-    """Left-padded prompt ids and mask, (P, L) each; a prompt longer than `max_prompt_length` keeps its end (the
-    question and the generation prompt), as TRL truncates from the left."""
+    """Left-padded prompt ids and mask, (P, L) each; a prompt longer than `max_prompt_length` keeps its end
+    (the question and the generation prompt), as TRL truncates from the left."""
     side = tokenizer.truncation_side
     tokenizer.truncation_side = "left"
     try:

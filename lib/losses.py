@@ -2,12 +2,12 @@
 
 Everything here takes tensors and returns tensors (plus a dict of detached statistics). No model forward, no
 Accelerator, no globals, no `.item()`: the training loop reduces and logs. Shapes use B = completions in the
-(micro-)batch, T = completion tokens (padded), V = vocabulary, G = group size (`num_generations`). Formulas:
-docs/methods.md section 1 (DeepSeekMath GRPO, TRL's implementation, DAPO, Dr. GRPO, GSPO, CISPO).
+(micro-)batch, T = completion tokens (padded), V = vocabulary, G = group size (`num_generations`).
+Formulas: docs/methods.md section 1 (DeepSeekMath GRPO, TRL's implementation, DAPO, Dr. GRPO, GSPO, CISPO).
 
-The choices a configuration offers are the keys of the registries here: `LOSS_TYPES` (the per-token policy loss and how
-it is averaged), `KL_ESTIMATORS`, `SCALE_REWARDS`, plus `DISPERSIONS` and `IMPORTANCE_SAMPLING_LEVELS`; lib/settings.py
-reads its choices from them. Adding a loss: docs/methods.md 11.
+The choices a configuration offers are the keys of the registries here: `LOSS_TYPES` (the per-token policy loss and
+how it is averaged), `KL_ESTIMATORS`, `SCALE_REWARDS`, plus `DISPERSIONS` and `IMPORTANCE_SAMPLING_LEVELS`;
+lib/settings.py reads its choices from them. Adding a loss: docs/methods.md 11.
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 def dispersion(values: torch.Tensor, kind: str = "std", dim: int = -1, fallback_to_std: bool = True) -> torch.Tensor:
     """Spread of `values` along `dim` (NaN entries ignored, so ragged pools can be padded with NaN).
 
-    std: unbiased (Bessel) standard deviation, as torch.std and TRL; 0 for fewer than two values. mad: 1.4826 * median
-    |r - median r|   (the factor makes it equal the std for normal data) iqr: (q75 - q25) / 1.349              (same
-    reason) The robust two come from AGPO-DSF (`agpo_use_robust_dispersion`, docs/methods.md 5.1). A robust spread is 0
-    for a group with one outlier (MAD of [1, 0, 0, 0] is 0), which would silence exactly the rare correct answer; like
-    the AGPO-DSF code, such a group falls back to the std when the spread scales advantages (`fallback_to_std`). The
+    std: unbiased (Bessel) standard deviation, as torch.std and TRL; 0 for fewer than two values.
+    mad: 1.4826 * median |r - median r|   (the factor makes it equal the std for normal data)
+    iqr: (q75 - q25) / 1.349              (same reason)
+    The robust two come from AGPO-DSF (`agpo_use_robust_dispersion`, docs/methods.md 5.1). A robust spread is 0 for a
+    group with one outlier (MAD of [1, 0, 0, 0] is 0), which would silence exactly the rare correct answer; like the
+    AGPO-DSF code, such a group falls back to the std when the spread scales advantages (`fallback_to_std`). The
     same code measures its probe groups' spread without the fall-back (docs/methods.md 5.1, step 1).
     """
     if kind not in DISPERSIONS:
@@ -83,9 +84,9 @@ def group_advantages(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group-relative advantages, every rule of docs/methods.md 6.2's advantage row in one function.
 
-    rewards: (N,) with N a multiple of `group_size`, the completions of one prompt contiguous. Returns advantages (N,)
-    and stats: `reward_std` (mean of the per-group spread, TRL's key) and `frac_reward_zero_std` (share of groups whose
-    rewards are all equal: they carry no learning signal).
+    rewards: (N,) with N a multiple of `group_size`, the completions of one prompt contiguous.
+    Returns advantages (N,) and stats: `reward_std` (mean of the per-group spread, TRL's key) and
+    `frac_reward_zero_std` (share of groups whose rewards are all equal: they carry no learning signal).
 
     scale_rewards (TRL's key):
       group: (r - mean_g) / (spread_g + 1e-4)                         DeepSeekMath outcome supervision
@@ -142,20 +143,20 @@ def group_advantages(
 
 def normalize_then_sum(rewards: torch.Tensor, weights: torch.Tensor, group_size: int,
                        dispersion_kind: str = "std") -> torch.Tensor:
-    """GDPO's decoupled normalisation (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization
-    for Multi-reward RL Optimization", arXiv 2601.05242; TRL 1.16's multi_objective_aggregation "normalize_then_sum";
-    docs/methods.md 13.1). rewards: (N, K), one column per reward function, NaN where a function does not apply;
-    weights: (K,). Returns the advantages (N,):
+    """GDPO's decoupled normalisation (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy
+    Optimization for Multi-reward RL Optimization", arXiv 2601.05242; TRL 1.16's multi_objective_aggregation
+    "normalize_then_sum"; docs/methods.md 13.1). rewards: (N, K), one column per reward function, NaN where a function
+    does not apply; weights: (K,). Returns the advantages (N,):
 
         a_ik = (r_ik - mean_g r_k) / (spread_g r_k + 1e-4)     each function within its group (NaN entries skipped)
         s_i  = sum_k w_k a_ik                                    (a NaN a_ik adds nothing)
         A_i  = (s_i - mean_batch s) / (std_batch s + 1e-4)       over the N completions
 
-    Summing the raw rewards first lets a function with a wide range drown the others, and distinct reward combinations
-    collapse to the same advantage; normalising each one first keeps them apart (GDPO, section 3). A completion that
-    every function skipped gets A = 0 and stays out of the batch mean and std, as in TRL. The spread is
-    `dispersion(kind)` (the std, as TRL, by default; a group with fewer than two values has spread 0 here and NaN in
-    TRL, which adds the same nothing to s).
+    Summing the raw rewards first lets a function with a wide range drown the others, and distinct reward
+    combinations collapse to the same advantage; normalising each one first keeps them apart (GDPO, section 3).
+    A completion that every function skipped gets A = 0 and stays out of the batch mean and std, as in TRL. The
+    spread is `dispersion(kind)` (the std, as TRL, by default; a group with fewer than two values has spread 0 here
+    and NaN in TRL, which adds the same nothing to s).
     """
     n, k = rewards.shape
     if n % group_size:
@@ -181,8 +182,8 @@ def weighted_rewards(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tens
 def group_skewness(values: torch.Tensor, max_abs: float = 10.0) -> torch.Tensor:
     """Adjusted Fisher-Pearson sample skewness per row of (P, G) values (AGPO-DSF `_skewness`, docs/methods.md 5.1).
 
-    g = mean(((r - mean) / s)^3) with s the Bessel std; times sqrt(n(n-1))/(n-2) when n > 2; 0 when s < 1e-6; clamped to
-    +-max_abs (a single outlier in a group of 8 would otherwise dominate the clip rule). Returns (P,).
+    g = mean(((r - mean) / s)^3) with s the Bessel std; times sqrt(n(n-1))/(n-2) when n > 2; 0 when s < 1e-6;
+    clamped to +-max_abs (a single outlier in a group of 8 would otherwise dominate the clip rule). Returns (P,).
     """
     n = values.shape[1]
     s = dispersion(values, "std", dim=1)
@@ -205,19 +206,19 @@ def token_logps_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of `token_ids` under softmax(lm_head(hidden) / temperature), one chunk of rows at a time.
 
-    hidden: (N, H) final hidden states at the positions that predict `token_ids` (N,); lm_head: (n, H) -> (n, V), the
-    model's output projection (a module, so LoRA-wrapped or tied heads work unchanged). temperature: a float, or (N,)
-    per-token temperatures (the temperature each token was sampled at). Returns logp (N,) with grad, and the entropy
-    (N,) of the full next-token distribution, -sum_v p_v log p_v, or None. The entropy is detached unless `entropy_grad`
-    (A-GRPO's entropy bonus eta trains through it); it is that of the tempered distribution, or of the model's own
-    (temperature 1) with `entropy_at_unit_temperature` (the AGPO-DSF clip controller reads the policy's entropy,
-    whatever temperature sampled the tokens).
+    hidden: (N, H) final hidden states at the positions that predict `token_ids` (N,); lm_head: (n, H) -> (n, V),
+    the model's output projection (a module, so LoRA-wrapped or tied heads work unchanged).
+    temperature: a float, or (N,) per-token temperatures (the temperature each token was sampled at).
+    Returns logp (N,) with grad, and the entropy (N,) of the full next-token distribution, -sum_v p_v log p_v, or
+    None. The entropy is detached unless `entropy_grad` (A-GRPO's entropy bonus eta trains through it); it is that of
+    the tempered distribution, or of the model's own (temperature 1) with `entropy_at_unit_temperature` (the
+    AGPO-DSF clip controller reads the policy's entropy, whatever temperature sampled the tokens).
 
-    Why chunks: the [N x V] logits of a whole batch (e.g. 8 x 1024 x 151936 floats = 5 GB for Qwen2.5) would otherwise
-    be materialised, plus their softmax for backward. Rows are taken `chunk_elements // V` at a time (2^26 floats = 256
-    MB) and each chunk's logits are recomputed in backward (activation checkpointing), so at most one chunk lives at a
-    time. When all rows fit in one chunk, nothing is recomputed: the saving is not needed and the recompute would cost a
-    second head projection and softmax.
+    Why chunks: the [N x V] logits of a whole batch (e.g. 8 x 1024 x 151936 floats = 5 GB for Qwen2.5) would
+    otherwise be materialised, plus their softmax for backward. Rows are taken `chunk_elements // V` at a time
+    (2^26 floats = 256 MB) and each chunk's logits are recomputed in backward (activation checkpointing), so at
+    most one chunk lives at a time. When all rows fit in one chunk, nothing is recomputed: the saving is not
+    needed and the recompute would cost a second head projection and softmax.
     """
     n = hidden.shape[0]
     vocab = getattr(lm_head, "out_features", None) or lm_head(hidden[:1]).shape[-1]
@@ -266,8 +267,8 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of a KL between the policy and the reference, from sampled tokens: logp, ref_logp (B, T) ->
-    (B, T), by KL_ESTIMATORS[estimator] with log u = ref_logp - logp clamped to [-20, 20]."""
+    """Per-token estimate of a KL between the policy and the reference, from sampled tokens: logp, ref_logp (B, T)
+    -> (B, T), by KL_ESTIMATORS[estimator] with log u = ref_logp - logp clamped to [-20, 20]."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl estimator must be one of {tuple(KL_ESTIMATORS)}, got {estimator!r}")
     log_u = (ref_logp - logp).clamp(-20.0, 20.0)
@@ -278,9 +279,9 @@ def policy_ratio(logp: torch.Tensor, old_logp: torch.Tensor, completion_mask: to
                  importance_sampling_level: str = "token") -> torch.Tensor:
     """The differentiable ratio pi / pi_old: per token (GRPO), (B, T), or GSPO's one ratio per sequence, (B, 1), which
     broadcasts over the tokens (its gradient flows through the mean). `clipped_surrogate` clips it; the KL's bias
-    correction multiplies the per-token KL by it (DeepSeek-V3.2, arXiv 2512.02556: weighting the k3 term by the ratio
-    makes its gradient the unbiased reverse-KL gradient; TRL's use_bias_correction_kl). In value it is 1 on-policy; its
-    gradient is not 0."""
+    correction multiplies the per-token KL by it (DeepSeek-V3.2, arXiv 2512.02556: weighting the k3 term by the
+    ratio makes its gradient the unbiased reverse-KL gradient; TRL's use_bias_correction_kl). In value it is 1
+    on-policy; its gradient is not 0."""
     log_ratio = logp - old_logp
     if importance_sampling_level == "sequence":
         mask = completion_mask.to(logp.dtype)
@@ -304,19 +305,20 @@ def clipped_surrogate(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token PPO/GRPO clipped surrogate loss, -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A).
 
-    logp, old_logp, completion_mask: (B, T); advantages: (B,). epsilon_low / epsilon_high: floats, or (B,) tensors for a
-    clip range per completion (AGPO-DSF sets one per prompt group). Returns the per-token loss (B, T) (to be aggregated
-    by `aggregate_loss`) and clip statistics (fractions of completion tokens, TRL's keys). dual_clip = c: for A < 0 the
-    loss is also capped at c |A| (dual-clip PPO, Ye et al. 2020, arXiv 1912.09729; AGPO's "loss clip" reading C1,
-    docs/methods.md 3.2 (c)): a token whose ratio has run far above 1 on a negative advantage cannot dominate the batch.
-    TRL's `delta` (INTELLECT-2's two-sided clipping, arXiv 2505.07291), -min(min(rho, delta) A, clip(rho) A), is the
-    same loss and gradient for every sign of A when delta >= 1 + eps_high (docs/methods.md 1.9), so it is read as
-    dual_clip; lib/config.py refuses a smaller value, where the two differ.
+    logp, old_logp, completion_mask: (B, T); advantages: (B,). epsilon_low / epsilon_high: floats, or (B,) tensors
+    for a clip range per completion (AGPO-DSF sets one per prompt group). Returns the per-token loss (B, T) (to be
+    aggregated by `aggregate_loss`) and clip statistics (fractions of completion tokens, TRL's keys).
+    dual_clip = c: for A < 0 the loss is also capped at c |A| (dual-clip PPO, Ye et al. 2020, arXiv 1912.09729;
+    AGPO's "loss clip" reading C1, docs/methods.md 3.2 (c)): a token whose ratio has run far above 1 on a negative
+    advantage cannot dominate the batch. TRL's `delta` (INTELLECT-2's two-sided clipping, arXiv 2505.07291),
+    -min(min(rho, delta) A, clip(rho) A), is the same loss and gradient for every sign of A when delta >= 1 + eps_high
+    (docs/methods.md 1.9), so it is read as dual_clip; lib/config.py refuses a smaller value, where the two differ.
 
-    token level (GRPO): rho_{i,t} = exp(logp - old_logp). sequence level (GSPO, arXiv 2507.18071): s_i = exp(mean_t
-    (logp - old_logp)), one ratio per completion, broadcast over its tokens; gradient flows through the mean. With one
-    update per generation batch old_logp == logp.detach(), so rho == 1 in value and the clip is inactive: the gradient
-    is then exactly -A grad log pi (DeepSeekMath's mu = 1 case).
+    token level (GRPO): rho_{i,t} = exp(logp - old_logp).
+    sequence level (GSPO, arXiv 2507.18071): s_i = exp(mean_t (logp - old_logp)), one ratio per completion,
+    broadcast over its tokens; gradient flows through the mean.
+    With one update per generation batch old_logp == logp.detach(), so rho == 1 in value and the clip is inactive:
+    the gradient is then exactly -A grad log pi (DeepSeekMath's mu = 1 case).
     """
     mask = completion_mask.to(logp.dtype)
     ratio = policy_ratio(logp, old_logp, completion_mask, importance_sampling_level)  # (B, T) or (B, 1)
@@ -357,16 +359,16 @@ def cispo_surrogate(
     epsilon_high: float | torch.Tensor,
     importance_sampling_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CISPO's per-token loss (MiniMax-M1, arXiv 2506.13585, eq. 4-5): the importance weight is clipped and detached, so
-    every token keeps a gradient (the PPO clip drops the gradient of a clipped token entirely):
+    """CISPO's per-token loss (MiniMax-M1, arXiv 2506.13585, eq. 4-5): the importance weight is clipped and detached,
+    so every token keeps a gradient (the PPO clip drops the gradient of a clipped token entirely):
 
         l_it = -sg(min(rho_it, epsilon_high)) A_i log pi(o_it)
 
     Arguments and shapes as `clipped_surrogate`. As TRL's loss_type "cispo" reads it, the weight is capped from above
     only, at epsilon_high itself (ScaleRL's eps_max, arXiv 2510.13786, which recommends 5): the paper leaves the lower
-    bound unset, so epsilon_low is not used (nor dual_clip, which lib/config.py refuses with it). On-policy rho = 1 and
-    the gradient is -A grad log pi. Statistics: the share of tokens whose weight the cap lowered on a positive advantage
-    (TRL's cispo_clip_ratio).
+    bound unset, so epsilon_low is not used (nor dual_clip, which lib/config.py refuses with it). On-policy rho = 1
+    and the gradient is -A grad log pi.
+    Statistics: the share of tokens whose weight the cap lowered on a positive advantage (TRL's cispo_clip_ratio).
     """
     mask = completion_mask.to(logp.dtype)
     ratio = policy_ratio(logp, old_logp, completion_mask, importance_sampling_level)  # (B, T) or (B, 1)
@@ -399,13 +401,13 @@ def sapo_surrogate(
         l_it = -f(rho_it) A_i,   f(rho) = (4 / tau) sigmoid(tau (rho - 1)),   tau = tau_pos if A_i > 0 else tau_neg
 
     so grad l = -4 s (1 - s) A rho grad log pi with s = sigmoid(tau (rho - 1)): the weight 4 s (1 - s) is 1 on-policy
-    (the gradient is then GRPO's, -A grad log pi) and decays smoothly as rho leaves 1, instead of dropping to 0 at 1 +-
-    epsilon; a larger tau narrows it. The paper takes tau_neg > tau_pos: tokens with a negative advantage push
-    probability off many other tokens, and a faster decay keeps that from destabilising training. A_i = 0 takes tau_neg,
-    as TRL's loss_type "sapo" (it contributes nothing either way). Arguments and shapes as `clipped_surrogate`; the clip
-    range is not read (lib/config.py refuses the controllers that move it). Statistics: the share of tokens whose gate
-    weight 4 s (1 - s) is below 1/2 (|rho - 1| beyond about 1.76 / tau), logged as `clip_ratio/region_mean`, so that
-    runs with a hard clip and with SAPO show a comparable number.
+    (the gradient is then GRPO's, -A grad log pi) and decays smoothly as rho leaves 1, instead of dropping to 0 at
+    1 +- epsilon; a larger tau narrows it. The paper takes tau_neg > tau_pos: tokens with a negative advantage push
+    probability off many other tokens, and a faster decay keeps that from destabilising training. A_i = 0 takes
+    tau_neg, as TRL's loss_type "sapo" (it contributes nothing either way). Arguments and shapes as
+    `clipped_surrogate`; the clip range is not read (lib/config.py refuses the controllers that move it).
+    Statistics: the share of tokens whose gate weight 4 s (1 - s) is below 1/2 (|rho - 1| beyond about 1.76 / tau),
+    logged as `clip_ratio/region_mean`, so that runs with a hard clip and with SAPO show a comparable number.
     """
     mask = completion_mask.to(logp.dtype)
     ratio = policy_ratio(logp, old_logp, completion_mask, importance_sampling_level)  # (B, T) or (B, 1)
@@ -432,12 +434,12 @@ def off_policy_sequence_mask(logp: torch.Tensor, sampling_logp: torch.Tensor, ad
 
         M_i = 0  if A_i < 0 and (1/|o_i|) sum_t (log pi_sampling(o_it) - log pi_theta(o_it)) > threshold,  else 1
 
-    A completion with a negative advantage that the trained policy has drifted far from (a k1 estimate of KL(pi_sampling
-    || pi_theta) over its tokens) is dropped from the policy loss: pushing its probability down further, on a sample the
-    policy would no longer draw, is what destabilises off-policy training. Positive-advantage completions always stay.
-    `sampling_logp` is the sampler's own log-probability (vLLM's) where the rollout has one, otherwise pi_old's (TRL's
-    loss reads them the same way); logp is the current policy's, detached. A token whose sampling log-prob is NaN (the
-    engine could not score it) counts as 0, as in TRL. Padding does not count.
+    A completion with a negative advantage that the trained policy has drifted far from (a k1 estimate of
+    KL(pi_sampling || pi_theta) over its tokens) is dropped from the policy loss: pushing its probability down
+    further, on a sample the policy would no longer draw, is what destabilises off-policy training. Positive-advantage
+    completions always stay. `sampling_logp` is the sampler's own log-probability (vLLM's) where the rollout has one,
+    otherwise pi_old's (TRL's loss reads them the same way); logp is the current policy's, detached. A token whose
+    sampling log-prob is NaN (the engine could not score it) counts as 0, as in TRL. Padding does not count.
     """
     mask = completion_mask.to(logp.dtype)
     gap = torch.nan_to_num(sampling_logp - logp.detach(), nan=0.0)
@@ -563,14 +565,14 @@ LOSS_TYPES: dict[str, LossType] = {
 
 
 def loss_options(loss_type: str, settings) -> dict:
-    """The keyword arguments LOSS_TYPES[loss_type]'s per-token loss takes from a configuration (any object with those
-    attributes)."""
+    """The keyword arguments LOSS_TYPES[loss_type]'s per-token loss takes from a configuration (any object with
+    those attributes)."""
     return {name: getattr(settings, name) for name in LOSS_TYPES[loss_type].options}
 
 
 def policy_loss(loss_type: str, *args, **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The per-token policy loss (B, T) of `loss_type` and its statistics; arguments as `clipped_surrogate`, and the
-    options that loss type takes (LossType.options; e.g. dual_clip for the clipped ones)."""
+    """The per-token policy loss (B, T) of `loss_type` and its statistics; arguments as `clipped_surrogate`, and
+    the options that loss type takes (LossType.options; e.g. dual_clip for the clipped ones)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPES)}, got {loss_type!r}")
     unknown = set(options) - set(LOSS_TYPES[loss_type].options)
@@ -591,9 +593,9 @@ def aggregate_loss(
     gradient_accumulation_steps: int = 1,
 ) -> torch.Tensor:
     """Reduce a (B, T) per-token loss of one local micro-batch to the scalar to call backward on, as
-    LOSS_TYPES[loss_type].average says (the averages above). `global_num_sequences` and `global_num_tokens` are counted
-    over every micro-batch and process of the step. DDP averages gradients over processes; multiplying by num_processes
-    turns that average into a sum."""
+    LOSS_TYPES[loss_type].average says (the averages above). `global_num_sequences` and `global_num_tokens` are
+    counted over every micro-batch and process of the step. DDP averages gradients over processes; multiplying by
+    num_processes turns that average into a sum."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPES)}, got {loss_type!r}")
     mask = completion_mask.to(per_token_loss.dtype)

@@ -2,24 +2,13 @@
 NAME` sets), the check of its keys, its refill rule, its advantage options and its controllers; and the parts those
 entries are made of.
 
-Every method (docs/methods.md section 9) is GRPO plus some of the parts below, switched on by its keys (so a part can
-also be used under another preset: `--algo grpo --adaptive_kl true`). `choose_method(cfg)` collects the parts of every
-entry whose keys are on, so the loop in train_agrpo.py calls the same hooks whatever the method and never asks which one
-it runs (docs/methods.md 6.1):
-
-    refill        after scoring: nothing (GRPO), DAPO's dynamic sampling (a group whose answers are all right or all
-                  wrong gives way to the next prompt), or adaGRPO's retries (a group with no correct answer is
-                  sampled again with the next retry's parameters)       (NoRefill, DynamicSampling, RetryUntilCorrect)
-    advantages    lib/losses.group_advantages with the method's options
-    controllers   the group size and each prompt's temperature before sampling (A-GRPO's adaptive group size,
-                  AGPO-DSF's probe groups), the values each optimizer step trains with (beta, epsilon, eta) and how
-                  they move with what the step measured (KLController, EntropyController, GroupSizeController,
-                  DSFController)
-
-The pure state transitions live in lib/controllers.py; the objects here hold a state, call those transitions at fixed
-hooks, and save / restore the state with every checkpoint. Each hook's docstring says when the loop calls it. The `ctx`
-the hooks take is lib/sampling.RolloutContext. lib/config.py reads the presets, the `--algo` choices and the checks from
-`METHODS`; adding a method: docs/methods.md 11.
+Every method (docs/methods.md 9) is GRPO plus some of these parts, switched on by its keys (so a part can also be used
+under another preset: `--algo grpo --adaptive_kl true`). `choose_method(cfg)` collects the parts of every entry whose
+keys are on, so the loop calls the same hooks whatever the method (docs/methods.md 6.1: the refill rules, advantages and
+controllers, and when the loop calls each hook, as each hook's docstring says too). The pure state transitions live in
+lib/controllers.py; the objects here hold a state, call those transitions at the hooks, and save / restore it with every
+checkpoint. The `ctx` the hooks take is lib/sampling.RolloutContext. lib/config.py reads the presets, the `--algo`
+choices and the checks from `METHODS`; adding a method: docs/methods.md 11.
 """
 
 from __future__ import annotations

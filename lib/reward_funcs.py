@@ -1,7 +1,7 @@
 """Which reward functions a run uses, and calling them: `--reward_funcs` specs resolved (our built-in names, TRL's,
 'module:function', 'file.py:function', a reward model's folder or hub id), the keyword arguments TRL passes them
-(prompts, completions, completion_ids, trainer_state and every other column), and scoring a batch (sync and `async def`
-functions, a time limit per call, failures counted, None skipped). The functions themselves are lib/rewards.py.
+(prompts, completions, completion_ids, trainer_state and every other column), and scoring a batch (sync and `async
+def` functions, a time limit per call, failures counted, None skipped). The functions themselves are lib/rewards.py.
 """
 
 import asyncio
@@ -71,8 +71,8 @@ def _spec_error(spec: str, problem: str) -> ValueError:
 
 @dataclass(frozen=True)
 class RewardModelSpec:
-    """A reward model named in reward_funcs (a local folder or a hub id of a sequence-classification model), not loaded
-    yet: lib/extras/reward_models.load_reward_models loads it onto the trainer's device. It scores nothing itself."""
+    """A reward model named in reward_funcs (a local folder or a hub id of a sequence-classification model), not
+    loaded yet: lib/extras/reward_models.load_reward_models loads it onto the trainer's device. It scores nothing itself."""
 
     path: str
 
@@ -84,8 +84,8 @@ def reward_model_name(spec: str) -> str:
 
 
 def _reward_model(spec: str) -> RewardModelSpec | None:
-    """The reward model `spec` names (a local folder, or a hub id 'org/name'), or None when it names a function. Raises
-    on a folder that holds no sequence-classification model: a causal LM would get a new, random score head
+    """The reward model `spec` names (a local folder, or a hub id 'org/name'), or None when it names a function.
+    Raises on a folder that holds no sequence-classification model: a causal LM would get a new, random score head
     (transformers initialises what the checkpoint lacks) and train the policy on noise."""
     if ":" in spec:
         return None
@@ -142,10 +142,10 @@ def _keyword_only(func) -> set[str]:
 def _bind_options(spec: str, func: RewardFunc, options: dict) -> RewardFunc:
     """`func` with the entries of `options` that name one of its keyword-only parameters bound (functools.partial).
 
-    Only keyword-only parameters: a function that takes **columns would otherwise receive every option as if it were a
-    data-set column. A built-in is called once on an empty batch, so that a bad value (a buffer longer than the limit)
-    fails here, at start-up, instead of on every step inside score_completions, which would score it as an error and go
-    on.
+    Only keyword-only parameters: a function that takes **columns would otherwise receive every option as if it were
+    a data-set column. A built-in is called once on an empty batch, so that a bad value (a buffer longer than the
+    limit) fails here, at start-up, instead of on every step inside score_completions, which would score it as an
+    error and go on.
     """
     bound = {key: value for key, value in options.items() if key in _keyword_only(func)}
     if not bound:
@@ -160,11 +160,11 @@ def _bind_options(spec: str, func: RewardFunc, options: dict) -> RewardFunc:
 
 
 def resolve_reward_funcs(specs: list[str], options: dict | None = None) -> list[tuple[str, RewardFunc]]:
-    """(name, function) per spec, in order. A spec is a built-in name, one of TRL's names that maps to one (TRL_NAMES),
-    'module:function', 'module.function' (TRL's form) or 'file.py:function', or a reward model (a folder or a hub id,
-    resolved to a RewardModelSpec for lib/extras/reward_models.py to load). A custom function is named by its
-    `__name__`, a built-in by our name, a reward model by its folder. Raises ValueError naming the spec and the fix on
-    any bad spec.
+    """(name, function) per spec, in order. A spec is a built-in name, one of TRL's names that maps to one
+    (TRL_NAMES), 'module:function', 'module.function' (TRL's form) or 'file.py:function', or a reward model (a
+    folder or a hub id, resolved to a RewardModelSpec for lib/extras/reward_models.py to load). A custom function is named by
+    its `__name__`, a built-in by our name, a reward model by its folder. Raises ValueError naming the spec and the
+    fix on any bad spec.
 
     `options` (e.g. {"max_len": 1000, "ngram_size": 3}): each function gets, bound, the entries whose key is one of its
     keyword-only parameters, and nothing else; the name stays the spec's. A built-in with a bad value raises here."""
@@ -209,9 +209,9 @@ def resolve_reward_funcs(specs: list[str], options: dict | None = None) -> list[
 
 @dataclass(frozen=True)
 class RewardState:
-    """The run's progress, passed as `trainer_state` (TRL passes transformers' TrainerState, which has these three among
-    others): optimizer steps done, the run's length in steps, and epochs of the training data drawn so far (a float).
-    Plain and picklable, so that it crosses into the reward worker."""
+    """The run's progress, passed as `trainer_state` (TRL passes transformers' TrainerState, which has these three
+    among others): optimizer steps done, the run's length in steps, and epochs of the training data drawn so far
+    (a float). Plain and picklable, so that it crosses into the reward worker."""
 
     global_step: int
     max_steps: int
@@ -219,14 +219,14 @@ class RewardState:
 
 
 def is_conversational(record: dict) -> bool:
-    """A record whose prompt is a conversation: a list of {role, content} messages under `prompt`, TRL's conversational
-    format (lib/data.py checks the messages when it loads them)."""
+    """A record whose prompt is a conversation: a list of {role, content} messages under `prompt`, TRL's
+    conversational format (lib/data.py checks the messages when it loads them)."""
     return isinstance(record.get("prompt"), list)
 
 
 def prompt_messages(problem: str, instruction: str = "", system_prompt: str | None = None) -> list[dict]:
-    """The messages of a math-format record's prompt, as lib/data.format_prompt renders them: the system prompt if any,
-    then `problem + "\n" + instruction` from the user. A reward model reads them with its own chat template."""
+    """The messages of a math-format record's prompt, as lib/data.format_prompt renders them: the system prompt if
+    any, then `problem + "\n" + instruction` from the user. A reward model reads them with its own chat template."""
     content = f"{problem}\n{instruction}" if instruction else problem
     return [{"role": "system", "content": system_prompt}] * bool(system_prompt) + [{"role": "user", "content": content}]
 
@@ -238,8 +238,8 @@ _NOT_COLUMNS = ("prompt", "completion", "completion_ids", "prompts", "completion
 def reward_arguments(records: list[dict], prompt_texts: list[str | None], texts: list[str], *, instruction: str = "",
                      system_prompt: str | None = None) -> tuple[list, list, dict[str, list], list]:
     """TRL's arguments for one batch, from each completion's record, its prompt as rendered for the policy
-    (lib/data.render_prompt; None for a conversational record) and its decoded text: (prompts, completions, columns,
-    model_prompts). The records' forms are lib/data.py's:
+    (lib/data.render_prompt; None for a conversational record) and its decoded text: (prompts, completions,
+    columns, model_prompts). The records' forms are lib/data.py's:
 
     - a conversation under `prompt`: prompts are its messages as the data holds them, completions
       [{"role": "assistant", "content": text}] (TRL's conversational form);
@@ -248,10 +248,10 @@ def reward_arguments(records: list[dict], prompt_texts: list[str | None], texts:
 
     columns: every other key of the records, one value per completion; not the prompt (`prompt`, or `problem` for a
     record without `prompt`, whose prompt it is), as TRL leaves out its `prompt` column. model_prompts: what a reward
-    model reads as the prompt (lib/extras/reward_models.py): a conversation's messages with the system prompt added
-    where it has no system turn, as the policy's prompt was rendered; a text prompt as it is (TRL joins text and
-    completion); a math-format record's messages, the problem and the instruction (prompt_messages), since its rendered
-    text is in the policy's chat template, not the reward model's.
+    model reads as the prompt (lib/extras/reward_models.py): a conversation's messages with the system prompt added where
+    it has no system turn, as the policy's prompt was rendered; a text prompt as it is (TRL joins text and
+    completion); a math-format record's messages, the problem and the instruction (prompt_messages), since its
+    rendered text is in the policy's chat template, not the reward model's.
     """
     prompts, completions, model_prompts = [], [], []
     for record, prompt_text, text in zip(records, prompt_texts, texts, strict=True):
@@ -277,16 +277,16 @@ def reward_arguments(records: list[dict], prompt_texts: list[str | None], texts:
 # Running the functions
 
 def is_async(func) -> bool:
-    """Whether calling `func` gives a coroutine: an `async def` function, a functools.partial of one (options bound), or
-    an object whose __call__ is `async def` (inspect.iscoroutinefunction looks at the object itself)."""
+    """Whether calling `func` gives a coroutine: an `async def` function, a functools.partial of one (options
+    bound), or an object whose __call__ is `async def` (inspect.iscoroutinefunction looks at the object itself)."""
     while isinstance(func, functools.partial):
         func = func.func
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(type(func), "__call__", None))
 
 
 def is_reward_model(func) -> bool:
-    """A loaded reward model (lib/extras/reward_models.RewardModel) or one still to load: it runs in the trainer's
-    process, on its device, never in the reward worker."""
+    """A loaded reward model (lib/extras/reward_models.RewardModel) or one still to load: it runs in the trainer's process,
+    on its device, never in the reward worker."""
     return isinstance(func, RewardModelSpec) or getattr(func, "is_reward_model", False)
 
 
@@ -307,9 +307,9 @@ _loop_lock = threading.Lock()
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:
-    """This process's event loop for async reward functions, run by a daemon thread (TRL runs them the same way): one
-    loop serves every call, so a client a function keeps (an HTTP session) stays bound to a live loop, and the caller
-    may itself be inside a running loop (a notebook), where asyncio.run would refuse."""
+    """This process's event loop for async reward functions, run by a daemon thread (TRL runs them the same way):
+    one loop serves every call, so a client a function keeps (an HTTP session) stays bound to a live loop, and the
+    caller may itself be inside a running loop (a notebook), where asyncio.run would refuse."""
     global _loop
     with _loop_lock:
         if _loop is None:
@@ -322,8 +322,8 @@ def _event_loop() -> asyncio.AbstractEventLoop:
 def run_jobs(funcs: list[RewardFunc], jobs: list[tuple[int, dict]], timeout: float = 0.0) -> list:
     """Reward calls in this process. A job is (function index, keyword arguments). Synchronous functions run one after
     another, `async def` ones all at once on the event loop, each for at most `timeout` seconds (0: no limit; a
-    coroutine is stopped only where it awaits, so the reward worker's own deadline covers one that blocks). Returns per
-    job its output, or the exception it raised: this never raises for a function."""
+    coroutine is stopped only where it awaits, so the reward worker's own deadline covers one that blocks). Returns
+    per job its output, or the exception it raised: this never raises for a function."""
     results: list = [None] * len(jobs)
     waiting = []
     for j, (k, kwargs) in enumerate(jobs):
@@ -354,8 +354,8 @@ def run_jobs(funcs: list[RewardFunc], jobs: list[tuple[int, dict]], timeout: flo
 
 
 def _as_floats(name: str, values, expected: int) -> list[float]:
-    """Check one function's output: a list of `expected` numbers or None (-> NaN). A wrong shape or type is a bug in the
-    function, not a flaky completion, so it raises ValueError instead of being scored."""
+    """Check one function's output: a list of `expected` numbers or None (-> NaN). A wrong shape or type is a bug in
+    the function, not a flaky completion, so it raises ValueError instead of being scored."""
     if not isinstance(values, (list, tuple)) or len(values) != expected:
         got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
         raise ValueError(f"reward function {name!r} returned {got} for {expected} completions; "
@@ -385,23 +385,23 @@ def score_completions(
     trainer_state: RewardState | None = None,
     model_prompts: list | None = None,
 ) -> tuple[list[list[float]], dict[str, int]]:
-    """Run every reward function on the batch, as TRL calls them: keyword arguments prompts, completions, completion_ids
-    (if given), trainer_state (if given) and the columns. Synchronous functions run one after another, then the `async
-    def` ones together (TRL's order).
+    """Run every reward function on the batch, as TRL calls them: keyword arguments prompts, completions,
+    completion_ids (if given), trainer_state (if given) and the columns. Synchronous functions run one after
+    another, then the `async def` ones together (TRL's order).
 
     Returns (rewards, errors): rewards[k][i] is function k's reward for completion i (NaN where the function returned
-    None); errors[name] counts the completions on which that function raised and got `error_value` (None -> NaN). A
-    function that raises on the batch is retried one completion at a time (an async one on all of them at once), so one
-    bad completion costs one reward, not the whole batch. Raises ValueError for a wrong-length or non-numeric result, a
-    column of the wrong length, or a reward model not loaded.
+    None); errors[name] counts the completions on which that function raised and got `error_value` (None -> NaN).
+    A function that raises on the batch is retried one completion at a time (an async one on all of them at once),
+    so one bad completion costs one reward, not the whole batch. Raises ValueError for a wrong-length or non-numeric
+    result, a column of the wrong length, or a reward model not loaded.
 
-    call(jobs, concurrent): how the functions run, jobs being (function index, keyword arguments), returning each job's
-    output or exception (default: run_jobs, in this process; the trainer passes
-    lib.extras.reward_worker.RewardWorker.run, which runs them in a worker with a time limit and returns a timeout or a
-    dead worker as an exception, scored like any). Reward models always run in this process, on its device, and are
-    given `model_prompts` (reward_arguments) as their prompts when it is given. nonfinite: if given, nonfinite[name]
-    counts the completions the function scored inf, -inf or NaN (None is not counted: it means the function does not
-    apply).
+    call(jobs, concurrent): how the functions run, jobs being (function index, keyword arguments), returning each
+    job's output or exception (default: run_jobs, in this process; the trainer passes
+    lib.extras.reward_worker.RewardWorker.run, which runs them in a worker with a time limit and returns a timeout or a dead
+    worker as an exception, scored like any). Reward models always run in this process, on its device, and are given
+    `model_prompts` (reward_arguments) as their prompts when it is given. nonfinite: if given,
+    nonfinite[name] counts the completions the function scored inf, -inf or NaN (None is not counted: it means the
+    function does not apply).
     """
     funcs = [func for _, func in reward_funcs]
     unloaded = [name for name, func in reward_funcs if isinstance(func, RewardModelSpec)]

@@ -9,8 +9,8 @@ conversational, the prompt text otherwise; `completions` then [{"role": "assista
 answer as a string); `trainer_state` the run's progress (RewardState). `async def` functions run concurrently. None
 means "not applicable to this completion": the trainer skips it when it sums rewards (TRL's nansum).
 
-The built-in functions follow open-r1 `src/open_r1/rewards.py` (commit 1416fa0, docs/methods.md 2.4), take either form
-of completion, and ignore the keywords they do not use; answer equivalence is decided by math-verify (`parse` +
+The built-in functions follow open-r1 `src/open_r1/rewards.py` (commit 1416fa0, docs/methods.md 2.4), take either
+form of completion, and ignore the keywords they do not use; answer equivalence is decided by math-verify (`parse` +
 `verify`), never by string comparison of our own.
 
 Lengths: the trainer passes the column `completion_length` (completion tokens, ints). The functions that use a length
@@ -160,8 +160,8 @@ _MAX_FORMAT_VALUE_CHARS = 30
 
 
 def completion_text(completion) -> str:
-    """The text of one completion in either form TRL passes: the text itself, or a conversational completion (a list of
-    messages, [{"role": "assistant", "content": text}]), whose message contents are joined."""
+    """The text of one completion in either form TRL passes: the text itself, or a conversational completion (a list
+    of messages, [{"role": "assistant", "content": text}]), whose message contents are joined."""
     if isinstance(completion, str):
         return completion
     if isinstance(completion, dict):  # one message given alone
@@ -230,8 +230,8 @@ def length_reward(
     """Kimi k1.5 length reward (open-r1 `len_reward`), computed within each group of completions of one prompt.
 
     For a group with lengths L: lambda_i = 0.5 - (L_i - min L) / (max L - min L); the reward is lambda_i for a correct
-    completion and min(0, lambda_i) for a wrong one (so a short wrong answer is not rewarded for being short); 0 for the
-    whole group when all its lengths are equal. In [-0.5, 0.5].
+    completion and min(0, lambda_i) for a wrong one (so a short wrong answer is not rewarded for being short);
+    0 for the whole group when all its lengths are equal. In [-0.5, 0.5].
     """
     # open-r1 takes min/max over the whole call, which mixes prompts; AGPO (arXiv 2503.15952) shapes length within
     # the group (docs/methods.md 3.2(b)), so a group is the completions in this call that share a prompt string.
@@ -260,9 +260,9 @@ def cosine_reward(
     min_value_wrong: float = -1.0, max_value_wrong: float = -0.5, **columns,
 ) -> list[float]:
     """Cosine-scaled correctness (Yeo et al. 2025, "Demystifying Long Chain-of-Thought Reasoning"; open-r1
-    `get_cosine_scaled_reward`): reward = lo + 0.5 (hi - lo)(1 + cos(pi * min(1, L / max_len))) with lo, hi =
-    min_value_correct, max_value_correct for a correct answer and max_value_wrong, min_value_wrong for a wrong one.
-    Defaults (open-r1 signature): short correct 1.0, long correct 0.5, short wrong -1.0, long wrong -0.5.
+    `get_cosine_scaled_reward`): reward = lo + 0.5 (hi - lo)(1 + cos(pi * min(1, L / max_len))) with
+    lo, hi = min_value_correct, max_value_correct for a correct answer and max_value_wrong, min_value_wrong for a wrong
+    one. Defaults (open-r1 signature): short correct 1.0, long correct 0.5, short wrong -1.0, long wrong -0.5.
 
     `max_len` is in the unit of the lengths: tokens with `completion_length`, characters without (open-r1's 1000).
     """
@@ -284,9 +284,9 @@ def cosine_reward(
 def repetition_reward(
     prompts: list[str], completions: list[str], *, ngram_size: int = 3, max_penalty: float = -1.0, **columns,
 ) -> list[float]:
-    """n-gram repetition penalty (open-r1 `get_repetition_penalty_reward`): with the lower-cased whitespace-split words,
-    reward = (1 - #distinct n-grams / #n-grams) * max_penalty; 0 when there are fewer than `ngram_size` words. In
-    [max_penalty, 0]: 0 for text without a repeated n-gram, near max_penalty for a loop of one phrase."""
+    """n-gram repetition penalty (open-r1 `get_repetition_penalty_reward`): with the lower-cased whitespace-split
+    words, reward = (1 - #distinct n-grams / #n-grams) * max_penalty; 0 when there are fewer than `ngram_size` words.
+    In [max_penalty, 0]: 0 for text without a repeated n-gram, near max_penalty for a loop of one phrase."""
     if max_penalty > 0:
         raise ValueError(f"repetition: max_penalty is a penalty and must be <= 0, got {max_penalty}")
     if ngram_size < 1:
@@ -314,8 +314,8 @@ def soft_overlong_reward(
     L_cache = overlong_buffer_length; defaults are the verl DAPO recipe's 20480 / 4096, docs/methods.md 1.3).
 
     Requires the column `completion_length` or TRL's `completion_ids` (the trainer passes both): the punishment is
-    defined on tokens, and characters would put the buffer in the wrong place. A generation limit of L_max tokens never
-    produces the -1 case; it is there for parity.
+    defined on tokens, and characters would put the buffer in the wrong place. A generation limit of L_max tokens
+    never produces the -1 case; it is there for parity.
     """
     if not 0 < overlong_buffer_length <= max_completion_length:
         raise ValueError(f"soft_overlong: overlong_buffer_length ({overlong_buffer_length}) must be positive and at "
@@ -338,9 +338,9 @@ def soft_overlong_reward(
 
 
 def tag_count_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
-    """open-r1 `tag_count_reward`: 0.25 for each of "<think>\\n", "\\n</think>\\n", "\\n<answer>\\n" and "\\n</answer>"
-    found exactly once. Partial credit, so a model learning the think/answer layout gets a gradient before it matches
-    `think_format` as a whole."""
+    """open-r1 `tag_count_reward`: 0.25 for each of "<think>\\n", "\\n</think>\\n", "\\n<answer>\\n" and
+    "\\n</answer>" found exactly once. Partial credit, so a model learning the think/answer layout gets a gradient
+    before it matches `think_format` as a whole."""
     tags = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
     return [sum(0.25 for tag in tags if completion.count(tag) == 1) for completion in _texts(completions)]
 

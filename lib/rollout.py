@@ -12,11 +12,8 @@ that change them (adaptive temperature, resampling rounds) never reach into the 
 sequence to other sampling parameters once it has written the answer marker (adaGRPO's think/answer sampler). The
 temperature every token was sampled at is returned, for the training log-probs.
 
-`HFRollout` runs the Hugging Face model with our own decode loop rather than `model.generate`, for three measured
-reasons (docs/performance.md 2.1, where a step's time goes): each prompt is prefilled once and its KV cache shared by
-its whole group (G x less prefill); sampling is one inverse-CDF draw per row instead of torch's exponential-race
-multinomial over the whole vocabulary (30 ms a step at batch 32 here); and the loop stops as soon as every row has
-finished. The arithmetic is the model's own forward, so outputs match `generate` (a test checks greedy equality).
+`HFRollout` runs the model's own forward in a decode loop of ours rather than `model.generate`: one prefill per
+prompt, shared by its group; one inverse-CDF draw per row; finished rows leave the batch (why: docs/performance.md 2.1).
 """
 
 from __future__ import annotations
@@ -204,16 +201,11 @@ class ModelStep:
 class HFRollout:
     """Sample with a Hugging Face causal LM and a shared-prefix KV cache.
 
-    The sampler decodes with a plain copy of the policy's weights when that is faster than the policy itself,
-    refreshed by `sync_weights` after each optimizer step (docs/performance.md 2.1):
-      - a fully trained fp32 policy with `bf16`: a bf16 copy (decoding is about 1.7x faster than fp32 on a CPU with
-        bf16, and no per-step weight casts as under autocast); training keeps the fp32 master weights, so small
-        updates are not lost to bf16 rounding;
-      - a LoRA policy (4-bit base or not, `merge_adapter`): a plain model with the adapter merged, W + (alpha/r) B A
-        (a 4-bit base dequantised first), in bf16 with `bf16` or else in the policy's compute dtype. Decoding then
-        skips the adapter's two extra products and PEFT's wrappers on every layer; a sync recomputes only the
-        adapted layers. It costs a copy of the weights in the sampler's dtype (on a 16 GB card with a 1.5B model:
-        3 GB in bf16); `merge_adapter=False` samples with the policy itself under bf16 autocast instead.
+    The sampler decodes with a plain copy of the policy's weights where that is faster (docs/performance.md 2.1),
+    refreshed by `sync_weights` after each optimizer step: a bf16 copy of a fully trained fp32 policy with `bf16`; a
+    LoRA policy's base with the adapter merged, W + (alpha/r) B A, a 4-bit base dequantised, in bf16 with `bf16`, else
+    the compute dtype (`merge_adapter=False`: the policy itself under bf16 autocast); a full copy of a policy that will
+    be sharded (`own_copy`).
     `prepack(copy)`, the copy's speed-ups (lib/extras/cpu_kernels.prepack_for_cpu), may replace the copy's linear
     layers by faster ones that take their weights through `load(weight, bias)`, and returns the copy's decode step,
     `decode_step(model, cache, attention, max_new_tokens)` with `ModelStep`'s interface (lib/extras/decode.LlamaStep:

@@ -40,12 +40,13 @@ class Prompts:
 class Sampled:
     """A generation batch as sampled and scored (phases 1 and 2), before its advantages are computed.
 
-    temperatures: (P_local,) the temperature each of this process's prompt groups was sampled at. scores: (B_local, K)
-    each reward function's score of this process's completions; rewards: (B_global, K) every process's, gathered, in
-    global completion order; total: (B_global,) the weighted sum. rounds: (P, G) total rewards of every sampling round
-    of each prompt (adaGRPO pools their statistics), the first being the batch itself and later ones NaN for prompts
-    that were not sampled again. counters: this batch's sampling events (probe / discarded / dropped tokens, rounds,
-    replaced groups), logged once, on the step that sampled it.
+    temperatures: (P_local,) the temperature each of this process's prompt groups was sampled at.
+    scores: (B_local, K) each reward function's score of this process's completions; rewards: (B_global, K) every
+    process's, gathered, in global completion order; total: (B_global,) the weighted sum.
+    rounds: (P, G) total rewards of every sampling round of each prompt (adaGRPO pools their statistics), the first
+    being the batch itself and later ones NaN for prompts that were not sampled again.
+    counters: this batch's sampling events (probe / discarded / dropped tokens, rounds, replaced groups), logged once,
+    on the step that sampled it.
     """
 
     prompts: Prompts
