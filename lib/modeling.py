@@ -33,9 +33,8 @@ FAST_ATTENTION = "agrpo_sdpa"  # lib/extras/cpu_kernels.grouped_decode_attention
 def default_attn_implementation(device: torch.device | str) -> str:
     """The decode-friendly SDPA of lib/extras/cpu_kernels.py (`grouped_decode_attention`, registered with transformers
     as FAST_ATTENTION when that module is imported, as the entry scripts do) on CPU; plain SDPA elsewhere (users pick
-    flash_attention_2 on GPUs themselves). On an H100 the two gave the same decode step within the order the runs were
-    taken in (17-24 ms at the Qwen2.5-0.5B shape, whichever ran second the faster; docs/performance.md 6), so GPUs keep
-    transformers' own, which also knows sliding windows and soft caps."""
+    flash_attention_2 on GPUs themselves): on an H100 the two did not differ (docs/performance.md 6.1), and
+    transformers' own also knows sliding windows and soft caps."""
     registered = FAST_ATTENTION in AttentionInterface().valid_keys()
     return FAST_ATTENTION if registered and torch.device(device).type == "cpu" else "sdpa"
 

@@ -194,8 +194,8 @@ def save_final(run: Run, end_eval: dict, step: int, write_files: Callable | None
             else:
                 model.save_pretrained(staging)
             run.tokenizer.save_pretrained(staging)
-            # the model card and the sampling the run trained with go in before the rename, so that
-            # final/ never exists without them (docs/hub.md 2)
+            # the model card and the sampling the run trained with go in before the rename, so that final/ never
+            # exists without them (docs/hub.md 2)
             if write_files is not None:
                 write_files(staging, run.cfg, end_ids=end_token_ids(run.policy, run.tokenizer),
                             generation_config=getattr(run.policy, "generation_config", None),

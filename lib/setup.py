@@ -111,11 +111,10 @@ def start_accelerator(cfg: Config) -> tuple[Accelerator, bool, bool, bool]:
     hf_logging.disable_progress_bar()  # per-file loading bars would drown the one training bar
     bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16(
         "cuda" if torch.cuda.is_available() and not cfg.use_cpu else "cpu")
-    # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU)
-    # when launched with several processes, instead of running each process alone
-    # the scheduler is stepped by us once per optimizer step: its Accelerate wrapper must not step
-    # it once per process (except under DeepSpeed, which forms the group itself:
-    # lib/distributed.enable_deepspeed_on_cpu)
+    # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU) when launched
+    # with several processes, instead of running each process alone (except under DeepSpeed, which forms the group
+    # itself: lib/distributed.enable_deepspeed_on_cpu). The scheduler is stepped by us once per optimizer step: its
+    # Accelerate wrapper must not step it once per process
     accelerator = Accelerator(cpu=(cfg.use_cpu or torch.accelerator.current_accelerator() is None)
                               and not distributed.deepspeed_requested(),
                               mixed_precision="bf16" if bf16 else "no",
@@ -144,9 +143,8 @@ def start_accelerator(cfg: Config) -> tuple[Accelerator, bool, bool, bool]:
 def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
     """(the reward specs as given, the resolved functions): bad names stop here, before any data or model loads; reward
     models load later, onto each process's device."""
-    # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a
-    # reward model too (lib/reward_funcs.py). Bad names stop here; reward models load below, onto this
-    # process's device.
+    # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
+    # (lib/reward_funcs.py)
     specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
     try:
         reward_funcs = resolve_reward_funcs(specs, reward_options(cfg))
@@ -184,8 +182,8 @@ def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None) -> t
         if cfg.num_eval_samples == 0:
             source = None  # no evaluation asked for
         elif cfg.eval_dataset_name:
-            # dataset_config names a configuration of dataset_name (TRL's ScriptArguments); this set
-            # is read with its default one
+            # dataset_config names a configuration of dataset_name (TRL's ScriptArguments); this set is read with
+            # its default one
             evals = load_records(cfg.eval_dataset_name, split=cfg.dataset_test_split,
                                  max_samples=cfg.num_eval_samples, seed=cfg.seed, **columns)
         elif cfg.dataset_test_split != cfg.dataset_train_split and cfg.dataset_test_split in (
@@ -194,8 +192,7 @@ def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None) -> t
                                  max_samples=cfg.num_eval_samples, seed=cfg.seed,
                                  config=cfg.dataset_config, **columns)
         elif "answer" in train[0]:
-            # a single file has no test split: hold out a seeded share of it, disjoint from what we
-            # train on
+            # a single file has no test split: hold out a seeded share of it, disjoint from what we train on
             order = list(range(len(train)))
             random.Random(cfg.seed).shuffle(order)
             held = set(order[: min(cfg.num_eval_samples, len(train) // 10 or 1)])
@@ -229,9 +226,8 @@ def prepare_output_dir(cfg: Config, accelerator: Accelerator) -> Path | None:
     accelerator.wait_for_everyone()
     resume = None
     if cfg.resume_from_checkpoint == "latest":
-        # a job script passes 'latest' every time: on the first start, or after a kill before the
-        # first checkpoint, there is none yet and the run starts from step 0 (what a killed run
-        # logged is set aside, not lost)
+        # a job script passes 'latest' every time: on the first start, or after a kill before the first checkpoint,
+        # there is none yet and the run starts from step 0 (what a killed run logged is set aside, not lost)
         resume = ckpt.latest_checkpoint(out)
         if resume is None and accelerator.is_main_process:
             tqdm.write(f"resume_from_checkpoint: 'latest' found no checkpoint in '{out}': "
@@ -301,8 +297,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                              "train the full model or set sync_ref_model false" if adapter
                              else "is not implemented for a sharded reference (FSDP / DeepSpeed); run without "
                                   "sharding or set sync_ref_model false"))
-    # a sharded checkpoint's weights are read into the sharded model below
-    # (lib/distributed.load_sharded)
+    # a sharded checkpoint's weights are read into the sharded model below (lib/distributed.load_sharded)
     policy = load_policy(str(resume) if resume and not sharded else model_path, dtype=weights_dtype(
                              cfg.dtype, lora=cfg.use_peft, device=device.type, bf16=bf16),
                          revision=cfg.model_revision, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
@@ -389,9 +384,8 @@ def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Modul
                        "in its memory)")
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
                                 num_warmup_steps=warmup_steps(cfg), kwargs=cfg.lr_scheduler_kwargs)
-    # DDP, or FSDP2: the policy's decoder layers sharded, the optimizer given the shards; or a
-    # DeepSpeed engine, whose optimizer follows our scheduler's rates (the scheduler stays ours:
-    # lib/distributed.py)
+    # DDP, or FSDP2: the policy's decoder layers sharded, the optimizer given the shards; or a DeepSpeed engine,
+    # whose optimizer follows our scheduler's rates (the scheduler stays ours: lib/distributed.py)
     scorer = CompletionScorer(policy, fixed_calls=partitioned)
     if distributed.is_deepspeed(accelerator):
         scorer, optimizer = accelerator.prepare(scorer, optimizer)
@@ -419,8 +413,8 @@ def restore(resume: Path | None, accelerator: Accelerator, scorer, optimizer, sc
         # the sampler was made from the base weights
         engine.sync_weights(accelerator.unwrap_model(scorer).model)
     else:
-        # read to the CPU first (load_state_dict then moves each state onto its parameter's device):
-        # a checkpoint written from GPU 0 would otherwise be rebuilt on GPU 0 by every process
+        # read to the CPU first (load_state_dict then moves each state onto its parameter's device): a checkpoint
+        # written from GPU 0 would otherwise be rebuilt on GPU 0 by every process
         optimizer.load_state_dict(torch.load(resume / "optimizer.pt", map_location="cpu",
                                              weights_only=False))
     scheduler.load_state_dict(torch.load(resume / "scheduler.pt", map_location="cpu",
