@@ -45,8 +45,8 @@ from lib.data import DEFAULT_INSTRUCTION
 from lib.extras import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
 from lib.extras import page
 from lib.extras import runs as run_data
-from lib.modeling import EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference, \
-    model_folder_problem
+from lib.extras.model_folders import adapter_base, load_for_inference, model_folder_problem
+from lib.modeling import EMBEDDED_ALIASES, end_token_ids, is_adapter_folder
 from lib.rewards import REWARD_FUNCS
 from lib.reward_funcs import resolve_reward_funcs, score_completions
 

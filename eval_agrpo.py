@@ -38,9 +38,10 @@ from transformers.utils import logging as hf_logging
 
 from lib.config import EMBEDDED_MODEL
 from lib.data import ANSWER_COLUMNS, DEFAULT_INSTRUCTION, builtin_task, load_records, render_prompt
-from lib.evaluation import completion_kl_entropy, generate_and_score, score_problems, win_rate
-from lib.modeling import (EMBEDDED_ALIASES, adapter_base, end_token_ids, is_adapter_folder, load_for_inference,
-                          model_folder_problem, native_bf16, resolve_model_path)
+from lib.evaluation import generate_and_score
+from lib.extras.eval_metrics import completion_kl_entropy, score_problems, win_rate
+from lib.extras.model_folders import adapter_base, load_for_inference, model_folder_problem
+from lib.modeling import EMBEDDED_ALIASES, end_token_ids, is_adapter_folder, native_bf16, resolve_model_path
 from lib.losses import weighted_rewards
 from lib.extras import cpu_kernels, hub_data
 from lib.extras.reference_cache import cache_key, read_kept, weights_fingerprint, write_kept

@@ -3,16 +3,10 @@ open-r1"): the keys of TRL's GRPO configuration (GRPOConfig on top of transforme
 the GRPO script's arguments) and of open-r1's recipes that are not fields of lib.settings.Config, what this package
 does with each, and `resolve_keys`, which turns a mapping written with any of them into our fields' values.
 
-Every such key is in exactly one table:
-- RENAMED: an old name of ours, or another project's name for one of our keys; the value goes to the new key (with
-  a deprecation note for our old names).
-- IGNORED: keys that cannot change what is trained (logging, launching, data-loader and hub plumbing); one warning
-  line each.
-- UNSUPPORTED: keys that would change what is trained and are not implemented; accepted only at TRL's default value
-  (the recipe then asks for what this package does), refused otherwise with the reason.
-tests/test_trl_keys.py checks the tables against TRL's own dataclasses when TRL is installed: every key of theirs is
-a field here or in one table, and every UNSUPPORTED default is TRL's. Two more tables are about fields: LIMITED (TRL
-keys implemented with TRL's meaning but refused in some combinations) and DIFFERENT_DEFAULTS.
+Every such key is in exactly one table: RENAMED (the value goes to the new key), IGNORED (cannot change what is
+trained; one warning line each) or UNSUPPORTED (accepted only at TRL's default value, refused otherwise with the
+reason); docs/configuration.md 10 lists them. LIMITED (TRL keys refused in some combinations) and DIFFERENT_DEFAULTS
+are about fields. tests/test_trl_keys.py checks the tables against TRL's own dataclasses when TRL is installed.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
-"""Sharded training through Accelerate: FSDP2, or DeepSpeed ZeRO-2 / ZeRO-3 (docs/distributed.md).
-
-`accelerate launch --config_file scripts/accelerate/fsdp2.yaml train_agrpo.py ...` makes Accelerate shard the
-policy with torch's `fully_shard` (each decoder layer a unit, the rest in the root unit) and hand the optimizer the
-sharded parameters; everything here is what the trainer adds around that:
-
-- `enable_fsdp_on_cpu`: Accelerate turns its FSDP plugin on only for accelerator devices; on a CPU launched with an
-  FSDP config it would silently run plain data parallelism. `fully_shard` itself runs over a gloo group, so the
-  trainer switches the state to FSDP with the launcher's plugin: the same sharding code then runs on a CPU, which is
-  how the tests exercise it.
-- `shard_frozen`: the reference model, sharded the same way (Accelerate's `prepare` wants an optimizer with an
-  FSDP2 model).
-- `full_parameters`: the policy's parameters as full tensors, one at a time (an all-gather each), for the sampler's
-  weight sync: no more than one parameter's full weight exists beyond the shards and the sampler's own copy.
-- `save_sharded` / `load_sharded`: a checkpoint's model and optimizer as torch.distributed.checkpoint shards
-  (Accelerate's FSDP save / load), and `full_state_dict` for final/, gathered on the main process.
-
-DeepSpeed (`--config_file scripts/accelerate/zero2.yaml` or `zero3.yaml`): Accelerate wraps the scorer in a
-DeepSpeed engine; the trainer drives it itself (`backward`, `deepspeed_step`: the engine's backward with the
-accumulation boundary the loop knows, then one engine step a micro-batch slice, DeepSpeed clipping the gradients and
-skipping a step whose gradients are not finite). ZeRO-3 partitions the weights too, so what was said of FSDP2's
-shards above holds for its partitions: the reference is partitioned (`shard_frozen`), the sampler is given the
-weights gathered one parameter at a time (`full_tensor`), checkpoints are DeepSpeed's own per-process files and
-final/ one gathered folder. `enable_deepspeed_on_cpu` makes Accelerate's state agree with the process group
-DeepSpeed forms on a CPU (gloo), which is how the tests run it.
-
-Every function that gathers is a collective: each process calls it at the same point with the same arguments.
+"""Several processes through Accelerate: data parallelism, FSDP2, DeepSpeed ZeRO-2 / ZeRO-3 (docs/distributed.md 1 and
+1.1: what is sharded and how; 2: the same code on a CPU over gloo). What the trainer adds around Accelerate: the
+launch's checks and settings, the reference sharded like the policy, weights gathered one parameter at a time for the
+sampler, sharded checkpoints, DeepSpeed's backward and step, and small collectives. Every function that gathers is a
+collective: each process calls it at the same point with the same arguments.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -53,19 +30,29 @@ def fsdp_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
-def enable_fsdp_on_cpu(accelerator: Accelerator) -> bool:
-    """Run Accelerate's FSDP2 path over the CPU processes' gloo group when the launcher asked for FSDP.
-
-    Accelerate's state sets distributed_type FSDP only for accelerator devices (MULTI_GPU, MULTI_NPU, ...); a
-    MULTI_CPU launch with an FSDP config keeps MULTI_CPU and would wrap the model in DDP. torch's `fully_shard`
-    runs on CPU tensors over gloo, so setting the state's type and plugin is all it takes for `prepare` to shard.
-    Returns whether it switched."""
-    if not fsdp_requested() or accelerator.distributed_type != DistributedType.MULTI_CPU:
-        return False
-    plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables
+def _check_fsdp_version(plugin) -> None:
     if plugin.fsdp_version != 2:
         raise ShardingError("fsdp_version: this trainer shards with FSDP2 (fully_shard); set fsdp_version: 2 in the "
                             "accelerate config (scripts/accelerate/fsdp2.yaml)")
+
+
+def _refuse_adapters(launch: str) -> ShardingError:
+    return ShardingError(f"use_peft / load_in_4bit: LoRA and QLoRA train with data parallelism (their trainable "
+                         f"weights are small); launch them without the {launch} config "
+                         f"(scripts/accelerate/ddp_8gpu.yaml), or train in full under {launch}")
+
+
+def enable_fsdp_on_cpu(accelerator: Accelerator) -> bool:
+    """Run Accelerate's FSDP2 path over the CPU processes' gloo group when the launcher asked for FSDP.
+
+    Accelerate's state sets distributed_type FSDP only for accelerator devices (MULTI_GPU, MULTI_NPU, ...); a MULTI_CPU
+    launch with an FSDP config keeps MULTI_CPU and would wrap the model in DDP. torch's `fully_shard` runs on CPU
+    tensors over gloo, so setting the state's type and plugin is all it takes for `prepare` to shard. Returns whether it
+    switched."""
+    if not fsdp_requested() or accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return False
+    plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables
+    _check_fsdp_version(plugin)
     if accelerator.mixed_precision != "no":  # as Accelerate's state does for the plugin it keeps
         plugin.set_mixed_precision(accelerator.mixed_precision)
     accelerator.state.distributed_type = DistributedType.FSDP
@@ -74,8 +61,8 @@ def enable_fsdp_on_cpu(accelerator: Accelerator) -> bool:
 
 
 def is_sharded(accelerator: Accelerator) -> bool:
-    """FSDP2, or DeepSpeed (any ZeRO stage: its optimizer states are partitioned, and the trainer treats its
-    engine the way it treats a sharded model)."""
+    """FSDP2, or DeepSpeed (any ZeRO stage: its optimizer states are partitioned, and the trainer treats its engine the
+    way it treats a sharded model)."""
     return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
 
@@ -94,8 +81,8 @@ def zero_stage(accelerator: Accelerator) -> int:
 
 
 def partitions_weights(accelerator: Accelerator) -> bool:
-    """Whether each process holds only part of the weights (FSDP2, ZeRO-3): the model's calls are then
-    collectives, and the sampler and the reference need gathered weights."""
+    """Whether each process holds only part of the weights (FSDP2, ZeRO-3): the model's calls are then collectives, and
+    the sampler and the reference need gathered weights."""
     return accelerator.distributed_type == DistributedType.FSDP or zero_stage(accelerator) == 3
 
 
@@ -103,9 +90,9 @@ def enable_deepspeed_on_cpu(accelerator: Accelerator) -> bool:
     """Make Accelerate's state count the processes of a DeepSpeed launch on a CPU.
 
     Launched with a DeepSpeed config and no accelerator, Accelerate lets DeepSpeed form the process group (gloo, the
-    communication backend of DeepSpeed's CPU accelerator) but, finding no device backend of its own, records one
-    process of rank 0 on every process; the engine would then be configured for a world of one. The counts are
-    the process group's. Returns whether it changed them."""
+    communication backend of DeepSpeed's CPU accelerator) but, finding no device backend of its own, records one process
+    of rank 0 on every process; the engine would then be configured for a world of one. The counts are the process
+    group's. Returns whether it changed them."""
     if not is_deepspeed(accelerator) or not torch.distributed.is_initialized():
         return False
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -122,10 +109,10 @@ def enable_deepspeed_on_cpu(accelerator: Accelerator) -> bool:
 
 def configure_deepspeed(accelerator: Accelerator, *, micro_batch: int, accumulation: int, max_grad_norm: float,
                         bf16: bool) -> dict:
-    """The engine's settings that follow from the training configuration, written into the launcher's DeepSpeed
-    config before any model is prepared: the batch geometry (the trainer feeds it micro-batches itself), the
-    clipping (max_grad_norm; 0 = none), DeepSpeed's skip of steps with non-finite gradients in bf16 too, and
-    final/'s gathered weights under ZeRO-3. Returns the config."""
+    """The engine's settings that follow from the training configuration, written into the launcher's DeepSpeed config
+    before any model is prepared: the batch geometry (the trainer feeds it micro-batches itself), the clipping
+    (max_grad_norm; 0 = none), DeepSpeed's skip of steps with non-finite gradients in bf16 too, and final/'s gathered
+    weights under ZeRO-3. Returns the config."""
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     config["train_micro_batch_size_per_gpu"] = micro_batch
     config["gradient_accumulation_steps"] = accumulation
@@ -150,13 +137,11 @@ def check_supported(accelerator: Accelerator, *, use_peft: bool, load_in_4bit: b
     """Refuse, before any model loads, what the sharded path does not do yet; reduce gradients in fp32."""
     if is_deepspeed(accelerator):
         if use_peft or load_in_4bit:
-            raise ShardingError("use_peft / load_in_4bit: LoRA and QLoRA train with data parallelism (their trainable "
-                                "weights are small); launch them without the DeepSpeed config "
-                                "(scripts/accelerate/ddp_8gpu.yaml), or train in full under DeepSpeed")
+            raise _refuse_adapters("DeepSpeed")
         if zero_stage(accelerator) not in (2, 3):
             raise ShardingError(f"zero_stage: {zero_stage(accelerator)} is not supported; the trainer runs ZeRO-2 "
-                                f"(scripts/accelerate/zero2.yaml) and ZeRO-3 (scripts/accelerate/zero3.yaml). For plain "
-                                f"data parallelism launch without a DeepSpeed config")
+                                f"(scripts/accelerate/zero2.yaml) and ZeRO-3 (scripts/accelerate/zero3.yaml). For "
+                                f"plain data parallelism launch without a DeepSpeed config")
         return
     if not is_sharded(accelerator):
         return
@@ -164,13 +149,9 @@ def check_supported(accelerator: Accelerator, *, use_peft: bool, load_in_4bit: b
     policy = plugin.mixed_precision_policy
     if policy is not None and not isinstance(policy, dict):
         plugin.mixed_precision_policy = mixed_precision_policy(policy)
-    if plugin.fsdp_version != 2:
-        raise ShardingError("fsdp_version: this trainer shards with FSDP2 (fully_shard); set fsdp_version: 2 in the "
-                            "accelerate config (scripts/accelerate/fsdp2.yaml)")
+    _check_fsdp_version(plugin)
     if use_peft or load_in_4bit:
-        raise ShardingError("use_peft / load_in_4bit: LoRA and QLoRA train with data parallelism (their trainable "
-                            "weights are small); launch them without the FSDP config "
-                            "(scripts/accelerate/ddp_8gpu.yaml), or train in full under FSDP")
+        raise _refuse_adapters("FSDP")
 
 
 def mixed_precision_policy(policy):
@@ -188,8 +169,8 @@ def mixed_precision_policy(policy):
 
 
 def _unit_classes(model: torch.nn.Module, accelerator: Accelerator) -> tuple[type, ...]:
-    """The module classes that form their own FSDP unit: the plugin's transformer_cls_names_to_wrap, else the
-    model's `_no_split_modules` (its decoder layers), as Accelerate's TRANSFORMER_BASED_WRAP picks them."""
+    """The module classes that form their own FSDP unit: the plugin's transformer_cls_names_to_wrap, else the model's
+    `_no_split_modules` (its decoder layers), as Accelerate's TRANSFORMER_BASED_WRAP picks them."""
     names = accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap or []
     if not names:
         inner = getattr(model, "model", model)
@@ -202,8 +183,8 @@ def _unit_classes(model: torch.nn.Module, accelerator: Accelerator) -> tuple[typ
 
 
 def shard_frozen(model: torch.nn.Module, accelerator: Accelerator) -> torch.nn.Module:
-    """Shard a frozen model (the reference) like the policy: each decoder layer a unit, the rest in the root unit,
-    with the plugin's mixed precision, resharded after each forward. In place; returns the model."""
+    """Shard a frozen model (the reference) like the policy: each decoder layer a unit, the rest in the root unit, with
+    the plugin's mixed precision, resharded after each forward. In place; returns the model."""
     if is_deepspeed(accelerator):
         return _partition_frozen(model, accelerator)
     from torch.distributed.fsdp import fully_shard
@@ -220,9 +201,9 @@ def shard_frozen(model: torch.nn.Module, accelerator: Accelerator) -> torch.nn.M
 
 
 def _partition_frozen(model: torch.nn.Module, accelerator: Accelerator) -> torch.nn.Module:
-    """The reference under DeepSpeed: partitioned over the processes by an inference-only ZeRO-3 engine of the
-    same config (its weights gathered a module at a time in each forward); under ZeRO-2, whose weights are whole on
-    every process, left as it is. Returns the module to call."""
+    """The reference under DeepSpeed: partitioned over the processes by an inference-only ZeRO-3 engine of the same
+    config (its weights gathered a module at a time in each forward); under ZeRO-2, whose weights are whole on every
+    process, left as it is. Returns the module to call."""
     if zero_stage(accelerator) != 3:
         return model
     import copy
@@ -242,8 +223,8 @@ def _zero3_partitioned(tensor: torch.Tensor) -> bool:
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A sharded parameter's full value (an all-gather: a collective; under ZeRO-3 a detached copy, since the
-    gathered storage is released again); any other tensor as it is."""
+    """A sharded parameter's full value (an all-gather: a collective; under ZeRO-3 a detached copy, since the gathered
+    storage is released again); any other tensor as it is."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
@@ -273,8 +254,8 @@ def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[st
 
 
 def save_sharded(accelerator: Accelerator, model: torch.nn.Module, optimizer, folder: Path) -> None:
-    """The model's and the optimizer's shards into `folder` (torch.distributed.checkpoint; every process writes
-    its own)."""
+    """The model's and the optimizer's shards into `folder` (torch.distributed.checkpoint; every process writes its
+    own)."""
     if is_deepspeed(accelerator):  # model states and each process's optimizer partition, in DEEPSPEED_TAG/
         model.save_checkpoint(str(folder), tag=DEEPSPEED_TAG, save_latest=False)
         return
@@ -328,8 +309,8 @@ def backward(accelerator: Accelerator, model: torch.nn.Module, loss: torch.Tenso
 
 
 def deepspeed_step(model) -> tuple[torch.Tensor, bool]:
-    """The engine's optimizer step: the global gradient norm (before clipping) and whether the weights moved.
-    DeepSpeed clips to gradient_clipping (configure_deepspeed) and skips a step whose gradients are not finite."""
+    """The engine's optimizer step: the global gradient norm (before clipping) and whether the weights moved. DeepSpeed
+    clips to gradient_clipping (configure_deepspeed) and skips a step whose gradients are not finite."""
     model.step()
     norm = model.get_global_grad_norm()
     norm = torch.as_tensor(float("nan") if norm is None else float(norm))
@@ -337,8 +318,8 @@ def deepspeed_step(model) -> tuple[torch.Tensor, bool]:
 
 
 def grad_norm(params: list[torch.nn.Parameter], accelerator: Accelerator) -> torch.Tensor:
-    """The L2 norm of all gradients, without clipping: from each process's shards when sharded (their squared sums
-    added over the processes), else from the (already all-reduced) full gradients."""
+    """The L2 norm of all gradients, without clipping: from each process's shards when sharded (their squared sums added
+    over the processes), else from the (already all-reduced) full gradients."""
     squares = sum((local_tensor(p.grad.detach()).float() ** 2).sum() for p in params if p.grad is not None)
     squares = torch.as_tensor(squares, device=accelerator.device)
     if is_sharded(accelerator):
@@ -368,8 +349,8 @@ def describe_sharding(model: torch.nn.Module, world: int, stage: int = 0) -> str
 
 def group_token_means(accelerator: Accelerator, values: torch.Tensor, mask: torch.Tensor,
                       group_size: int) -> list[float]:
-    """Token mean of a (B_local, T) per-token quantity over each prompt group of the global
-    batch (the trainer's AGPO-DSF statistics)."""
+    """Token mean of a (B_local, T) per-token quantity over each prompt group of the global batch (the trainer's
+    AGPO-DSF statistics)."""
     width = min(values.shape[1], mask.shape[1])
     sums = torch.stack([(values[:, :width] * mask[:, :width]).sum(1),
                         mask[:, :width].sum(1).float()], dim=1)
@@ -378,9 +359,9 @@ def group_token_means(accelerator: Accelerator, values: torch.Tensor, mask: torc
 
 
 def gather_ragged(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
-    """Every process's (M_p,) values, one after the other, (sum_p M_p,), where the counts differ between processes
-    (the loss tokens of a micro-batch, for lib/losses.high_entropy_mask's threshold). Each process pads to the longest
-    with -inf, which no entropy is, and the padding is dropped after the gather."""
+    """Every process's (M_p,) values, one after the other, (sum_p M_p,), where the counts differ between processes (the
+    loss tokens of a micro-batch, for lib/losses.high_entropy_mask's threshold). Each process pads to the longest with
+    -inf, which no entropy is, and the padding is dropped after the gather."""
     if accelerator.num_processes == 1:
         return values
     padded = accelerator.pad_across_processes(values, dim=0, pad_index=-math.inf)

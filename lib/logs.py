@@ -1,8 +1,7 @@
-"""What a run logs (docs/watching.md): metrics.jsonl, completions.jsonl and warnings.jsonl, one JSON
-object a line, appended by the main process (lib/setup.RUN_LOGS; trimmed to the checkpoint on
-resume), and the dense console line, one per logged step: the loop's phase 7 (`log_step`) and the
-health warnings after each logged line (`watch_health`). The optional parts they use (the health
-watch, the trackers' completion tables) come from lib/extras/ through the Run, as plain objects.
+"""What a run logs (docs/watching.md): metrics.jsonl, completions.jsonl and warnings.jsonl, one JSON object a line,
+appended by the main process (lib/setup.RUN_LOGS; trimmed to the checkpoint on resume), and the dense console line, one
+per logged step: the loop's phase 7 (`log_step`) and the health warnings after each logged line (`watch_health`). The
+optional parts they use (the health watch, the trackers' completion tables) come from lib/extras/ through the Run.
 """
 
 from __future__ import annotations
@@ -35,9 +34,8 @@ def dense_line(step: int, max_steps: int, m: dict, reward_names: list[str]) -> s
 
 
 def batch_metrics(run: Run, batch) -> dict:
-    """The generation batch's rewards, lengths and errors (TRL's key names), as logged with each
-    step on it. `batch`: the loop's train_agrpo.Batch (its rewards, total, errors, adv_stats,
-    rollout and group_size)."""
+    """The generation batch's rewards, lengths and errors (TRL's key names), as logged with each step on it. `batch`:
+    the loop's train_agrpo.Batch (its rewards, total, errors, adv_stats, rollout and group_size)."""
     accelerator, names, rewards = run.accelerator, run.ctx.reward_names, batch.rewards
     lengths = accelerator.gather(batch.rollout.completion_mask.sum(1).float())
     truncated = accelerator.gather(batch.rollout.is_truncated.float())

@@ -1,25 +1,14 @@
-"""One place per method: the registry `METHODS`, where each method is one entry holding its preset (the keys
-`--algo NAME` sets), the check of its keys, its refill rule, its advantage options and its controllers; and the
-parts those entries are made of.
+"""One place per method: the registry `METHODS`, where each method is one entry holding its preset (the keys `--algo
+NAME` sets), the check of its keys, its refill rule, its advantage options and its controllers; and the parts those
+entries are made of.
 
-Every method (docs/methods.md section 9) is GRPO plus some of the parts below, switched on by its keys (so a part
-can also be used under another preset: `--algo grpo --adaptive_kl true`). `choose_method(cfg)` collects the parts of
-every entry whose keys are on, so the loop in train_agrpo.py calls the same hooks whatever the method and never asks
-which one it runs (docs/methods.md 6.1):
-
-    refill        after scoring: nothing (GRPO), DAPO's dynamic sampling (a group whose answers are all right or all
-                  wrong gives way to the next prompt), or adaGRPO's retries (a group with no correct answer is
-                  sampled again with the next retry's parameters)       (NoRefill, DynamicSampling, RetryUntilCorrect)
-    advantages    lib/losses.group_advantages with the method's options
-    controllers   the group size and each prompt's temperature before sampling (A-GRPO's adaptive group size,
-                  AGPO-DSF's probe groups), the values each optimizer step trains with (beta, epsilon, eta) and how
-                  they move with what the step measured (KLController, EntropyController, GroupSizeController,
-                  DSFController)
-
-The pure state transitions live in lib/controllers.py; the objects here hold a state, call those transitions at
-fixed hooks, and save / restore the state with every checkpoint. Each hook's docstring says when the loop calls it.
-The `ctx` the hooks take is lib/sampling.RolloutContext. lib/config.py reads the presets, the `--algo` choices and
-the checks from `METHODS`; adding a method: docs/methods.md 11.
+Every method (docs/methods.md 9) is GRPO plus some of these parts, switched on by its keys (so a part can also be used
+under another preset: `--algo grpo --adaptive_kl true`). `choose_method(cfg)` collects the parts of every entry whose
+keys are on, so the loop calls the same hooks whatever the method (docs/methods.md 6.1: the refill rules, advantages and
+controllers, and when the loop calls each hook, as each hook's docstring says too). The pure state transitions live in
+lib/controllers.py; the objects here hold a state, call those transitions at the hooks, and save / restore it with every
+checkpoint. The `ctx` the hooks take is lib/sampling.RolloutContext. lib/config.py reads the presets, the `--algo`
+choices and the checks from `METHODS`; adding a method: docs/methods.md 11.
 """
 
 from __future__ import annotations
@@ -52,8 +41,8 @@ class DynamicSampling:
 
     A group whose answers are all right or all wrong has no signal, so its prompt gives way to the next prompt in the
     data order, sampled in its place, for at most `rounds` rounds; groups still flat after the last round stay (zero
-    advantage). The judge is the gathered correctness, so every process agrees. verl over-samples 3x instead; here
-    each round samples only the flat groups' slots.
+    advantage). The judge is the gathered correctness, so every process agrees. verl over-samples 3x instead; here each
+    round samples only the flat groups' slots.
     """
 
     def __init__(self, rounds: int):
@@ -93,10 +82,10 @@ class DynamicSampling:
 
 
 class RetryUntilCorrect:
-    """adaGRPO's retries (docs/methods.md 4.1-4.2): a prompt none of whose completions is correct is sampled again
-    with the next retry's temperature / top_p (the schedule in force at this step), while retries are left. The judge
-    sees every process's rewards, so all agree. The last group is trained on, with the reward statistics of the
-    advantage pooled over all of the prompt's rounds."""
+    """adaGRPO's retries (docs/methods.md 4.1-4.2): a prompt none of whose completions is correct is sampled again with
+    the next retry's temperature / top_p (the schedule in force at this step), while retries are left. The judge sees
+    every process's rewards, so all agree. The last group is trained on, with the reward statistics of the advantage
+    pooled over all of the prompt's rounds."""
 
     def __init__(self, schedule: list[dict]):
         self.schedule = schedule
@@ -128,8 +117,8 @@ class RetryUntilCorrect:
 
 @dataclass(frozen=True)
 class TrainValues:
-    """What one optimizer step trains with: the KL weight, the clip range (a float, or one value per completion
-    of this process's share of the generation batch) and the entropy bonus's weight."""
+    """What one optimizer step trains with: the KL weight, the clip range (a float, or one value per completion of this
+    process's share of the generation batch) and the entropy bonus's weight."""
 
     beta: float
     epsilon_low: float | torch.Tensor
@@ -164,8 +153,8 @@ class Controller:
         reference; `entropy/trained`, the token-mean entropy of the tokens the loss trained)."""
 
     def after_batch(self, frac_reward_zero_std: float, step_drift) -> None:
-        """After the last optimizer step on a generation batch. `step_drift()` measures KL(pi_old || pi_new) of
-        the batch's updates per prompt group (an extra forward pass, so only a controller that needs it calls it)."""
+        """After the last optimizer step on a generation batch. `step_drift()` measures KL(pi_old || pi_new) of the
+        batch's updates per prompt group (an extra forward pass, so only a controller that needs it calls it)."""
 
     def metrics(self) -> dict[str, float]:
         return {}
@@ -208,8 +197,8 @@ class KLController(Controller):
 class EntropyController(Controller):
     """Adaptive entropy control (Skywork-OR1; TRL's use_adaptive_entropy; docs/methods.md 2.6): the entropy bonus's
     weight eta_t moves by entropy_coef_delta after every optimizer step toward keeping the trained tokens' entropy at
-    entropy_target, and applies only while the last measured entropy is at or below it. A-GRPO's option in place of
-    its fixed eta; usable under any preset."""
+    entropy_target, and applies only while the last measured entropy is at or below it. A-GRPO's option in place of its
+    fixed eta; usable under any preset."""
 
     name = "entropy"
 
@@ -261,8 +250,8 @@ class GroupSizeController(Controller):
 
 class DSFController(Controller):
     """AGPO-DSF (docs/methods.md 5.1): a probe group per prompt, sampled at the base temperature, scored and never
-    trained on; its reward spread, answer vote entropy and skewness set the prompt's training temperature, and with
-    the policy's entropy and the last batch's step KL, the group's clip range."""
+    trained on; its reward spread, answer vote entropy and skewness set the prompt's training temperature, and with the
+    policy's entropy and the last batch's step KL, the group's clip range."""
 
     name = "dsf"
 
@@ -382,8 +371,8 @@ class Method:
 
 
 def choose_method(cfg, steps_per_rollout: int) -> Method:
-    """The parts of every registered method whose keys are on, in registry order (at most one refill rule: the
-    checks refuse two)."""
+    """The parts of every registered method whose keys are on, in registry order (at most one refill rule: the checks
+    refuse two)."""
     used = [method for method in METHODS.values() if method.uses(cfg)]
     refills = [rule for rule in (m.refill(cfg) for m in used) if rule is not None]
     options = {key: value for m in used for key, value in m.advantages(cfg).items()}
@@ -403,10 +392,10 @@ def choose_method(cfg, steps_per_rollout: int) -> Method:
 class MethodEntry:
     """One method. `preset`: the keys `--algo NAME` sets (docs/methods.md 9; any key the user sets wins). The rest
     applies whenever `uses(cfg)`, whatever the preset: `check(cfg, global_batch)` refuses its keys' bad values and
-    combinations with a ValueError naming the key and the fix (lib/config.py makes it a ConfigError; ranges and
-    choices are the fields' metadata in lib/settings.py instead); `refill(cfg)` its refill rule or None;
-    `advantages(cfg)` its options of lib/losses.group_advantages; `controllers(cfg)` its controllers; `old_entropy`:
-    it reads the policy's entropy from the pi_old pass."""
+    combinations with a ValueError naming the key and the fix (lib/config.py makes it a ConfigError; ranges and choices
+    are the fields' metadata in lib/settings.py instead); `refill(cfg)` its refill rule or None; `advantages(cfg)` its
+    options of lib/losses.group_advantages; `controllers(cfg)` its controllers; `old_entropy`: it reads the policy's
+    entropy from the pi_old pass."""
 
     name: str
     summary: str  # the method and its source, one line (the model card, docs/configuration.md)
@@ -433,8 +422,8 @@ def _ordered(cfg, low: str, high: str) -> None:
 
 
 def reachable_group_sizes(cfg) -> list[int]:
-    """Every num_generations a run can use: the fixed one, or with adaptive_group_size every doubling and halving
-    of it within [group_size_min, group_size_max]."""
+    """Every num_generations a run can use: the fixed one, or with adaptive_group_size every doubling and halving of it
+    within [group_size_min, group_size_max]."""
     sizes = {cfg.num_generations}
     if cfg.adaptive_group_size:
         size = cfg.num_generations

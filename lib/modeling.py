@@ -8,7 +8,6 @@ cache a plain safetensors folder, so later loads take well under a second.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import shutil
@@ -21,7 +20,6 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
 
 from lib.config import EMBEDDED_MODEL, ConfigError
-from lib.data import looks_local
 from lib.losses import token_logps_and_entropy
 
 
@@ -33,11 +31,10 @@ FAST_ATTENTION = "agrpo_sdpa"  # lib/extras/cpu_kernels.grouped_decode_attention
 
 
 def default_attn_implementation(device: torch.device | str) -> str:
-    """The decode-friendly SDPA of lib/extras/cpu_kernels.py (`grouped_decode_attention`, registered with
-    transformers as FAST_ATTENTION when that module is imported, as the entry scripts do) on CPU; plain SDPA
-    elsewhere (users pick flash_attention_2 on GPUs themselves). On an H100 the two gave the same decode step within
-    the order the runs were taken in (17-24 ms at the Qwen2.5-0.5B shape, whichever ran second the faster;
-    docs/performance.md 6), so GPUs keep transformers' own, which also knows sliding windows and soft caps."""
+    """The decode-friendly SDPA of lib/extras/cpu_kernels.py (`grouped_decode_attention`, registered with transformers
+    as FAST_ATTENTION when that module is imported, as the entry scripts do) on CPU; plain SDPA elsewhere (users pick
+    flash_attention_2 on GPUs themselves): on an H100 the two did not differ (docs/performance.md 6.1), and
+    transformers' own also knows sliding windows and soft caps."""
     registered = FAST_ATTENTION in AttentionInterface().valid_keys()
     return FAST_ATTENTION if registered and torch.device(device).type == "cpu" else "sdpa"
 
@@ -50,9 +47,9 @@ def cache_dir() -> Path:
 def embedded_model_path() -> Path:
     """Path of the embedded model as a safetensors folder, converting the packaged GGUF on first use.
 
-    A GGUF-loaded model cannot be `save_pretrained` as is (its config carries a gguf quantization_config), so we
-    rebuild it from its config without that entry and load the dequantised state dict. The folder is written
-    under a temporary name and renamed, so a run killed mid-conversion never leaves a half-written model.
+    A GGUF-loaded model cannot be `save_pretrained` as is (its config carries a gguf quantization_config), so we rebuild
+    it from its config without that entry and load the dequantised state dict. The folder is written under a temporary
+    name and renamed, so a run killed mid-conversion never leaves a half-written model.
     """
     target = cache_dir() / "SmolLM2-135M-Instruct"
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
@@ -87,8 +84,8 @@ def embedded_model_path() -> Path:
 
 
 def resolve_model_path(model_name_or_path: str) -> str:
-    """The embedded sentinel (or its alias `embedded`) becomes its cached folder; anything else (hub id or local
-    folder) passes through."""
+    """The embedded sentinel (or its alias `embedded`) becomes its cached folder; anything else (hub id or local folder)
+    passes through."""
     if model_name_or_path in EMBEDDED_ALIASES:
         return str(embedded_model_path())
     return model_name_or_path
@@ -96,8 +93,8 @@ def resolve_model_path(model_name_or_path: str) -> str:
 
 def load_tokenizer(model_path: str, padding_side: str = "left", trust_remote_code: bool = False,
                    revision: str | None = None):
-    """The tokenizer with left padding (prompts are left-padded for batched decoding) and a pad token. Code shipped
-    with a hub model runs only with `trust_remote_code`; `revision` picks a hub model's branch, tag or commit."""
+    """The tokenizer with left padding (prompts are left-padded for batched decoding) and a pad token. Code shipped with
+    a hub model runs only with `trust_remote_code`; `revision` picks a hub model's branch, tag or commit."""
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code, revision=revision)
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token is None:
@@ -162,11 +159,10 @@ def load_policy(
 ) -> torch.nn.Module:
     """The trainable policy: full model, or a base with a fresh LoRA adapter (optionally on a 4-bit base).
 
-    With `load_in_4bit` the base is quantised to NF4 by bitsandbytes (QLoRA, Dettmers et al. 2023) and prepared
-    for k-bit training; LoRA is then required (a 4-bit base cannot be trained directly).
-    A PEFT adapter folder (`final/` of a LoRA run) is loaded on its base and stays trainable.
-    The loaded model must pass `check_scoring_path` (ConfigError otherwise); code shipped with a hub model runs only
-    with `trust_remote_code`.
+    With `load_in_4bit` the base is quantised to NF4 by bitsandbytes (QLoRA, Dettmers et al. 2023) and prepared for
+    k-bit training; LoRA is then required (a 4-bit base cannot be trained directly). A PEFT adapter folder (`final/` of
+    a LoRA run) is loaded on its base and stays trainable. The loaded model must pass `check_scoring_path` (ConfigError
+    otherwise); code shipped with a hub model runs only with `trust_remote_code`.
     """
     # non-reentrant by default: reentrant checkpointing drops the gradient of inputs that need none (a frozen
     # embedding under LoRA) and, with it, every LoRA gradient inside the checkpointed blocks
@@ -222,65 +218,14 @@ def load_policy(
 
 
 def _lora_targets(names: list[str] | str | None) -> list[str] | str:
-    """PEFT's target_modules: the names given, or "all-linear" (every linear layer but the output head) when none
-    are, or when TRL's spelling of it arrives as a one-item list from the command line or a YAML list."""
+    """PEFT's target_modules: the names given, or "all-linear" (every linear layer but the output head) when none are,
+    or when TRL's spelling of it arrives as a one-item list from the command line or a YAML list."""
     if not names or names == "all-linear" or list(names) == ["all-linear"]:
         return "all-linear"
     return names
 
 
 EMBEDDED_ALIASES = ("embedded", EMBEDDED_MODEL)
-
-
-def model_folder_problem(name: str) -> str | None:
-    """Why `name` cannot be loaded as a model, in words that name the fix; None when it looks loadable.
-
-    Accepted: the embedded model ('embedded'), a hub id, a folder with config.json (a model, a run's final/ or
-    checkpoint-<step>/), or a PEFT adapter folder whose base is reachable. Checked without loading anything.
-    """
-    if name in EMBEDDED_ALIASES:
-        return None
-    path = Path(os.path.expanduser(name))
-    if not path.exists():
-        if looks_local(name):
-            return (f"'{name}' does not exist; pass a model folder, a run's final/ or checkpoint-<step>/ folder, "
-                    f"'embedded', or a hub id")
-        return None  # a hub id: loading it tells whether it is reachable
-    if not path.is_dir() or not ((path / "config.json").exists() or is_adapter_folder(str(path))):
-        hint = " (it is a run folder: pass its final/ or a checkpoint-<step>/)" if (path / "final").is_dir() else ""
-        return f"'{name}' is not a model folder (no config.json or adapter_config.json){hint}"
-    if is_adapter_folder(str(path)):
-        try:
-            base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        except (OSError, ValueError) as error:
-            return f"the adapter '{name}' has an unreadable adapter_config.json ({error})"
-        if not base:
-            return (f"the adapter '{name}' names no base_model_name_or_path in its adapter_config.json; set it to "
-                    f"the base model's folder")
-        if base not in EMBEDDED_ALIASES and looks_local(base) and not Path(os.path.expanduser(base)).exists():
-            return (f"the adapter '{name}' is for the base model '{base}', which does not exist here; put the base "
-                    f"there or edit base_model_name_or_path in {path / 'adapter_config.json'}")
-    return None
-
-
-def adapter_base(path: str) -> str:
-    """The folder (or hub id) of a PEFT adapter's base model, the embedded sentinel resolved."""
-    base = json.loads(Path(path, "adapter_config.json").read_text())["base_model_name_or_path"]
-    return resolve_model_path(EMBEDDED_MODEL if base in EMBEDDED_ALIASES else base)
-
-
-def load_for_inference(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                       trust_remote_code: bool = False):
-    """(model in eval mode without grad, tokenizer) for any name `model_folder_problem` accepts; an adapter is
-    loaded on its base and takes the tokenizer saved with it, or its base's."""
-    path = resolve_model_path(EMBEDDED_MODEL if name in EMBEDDED_ALIASES else name)
-    tokenizer_path = path
-    if is_adapter_folder(path) and not Path(path, "tokenizer_config.json").exists():
-        tokenizer_path = adapter_base(path)
-    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
-    model = load_policy(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    model = model.eval().requires_grad_(False)
-    return model, tokenizer
 
 
 def load_reference(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -293,10 +238,10 @@ def load_reference(model_path: str, dtype: torch.dtype, device: torch.device | s
 
 
 class Float32Head(torch.nn.Linear):
-    """An output layer whose weight is float32 and whose logits are computed in float32, from float32 hidden states
-    and outside autocast (TRL's cast_lm_head_to_fp32; ScaleRL, Khatri et al. 2025, arXiv 2510.13786, "FP32 precision
-    at the LM head": the policy's and the sampler's probabilities then differ less). `cast_lm_head_to_fp32` turns a
-    model's nn.Linear head into one in place, so its parameter names, and the checkpoints, stay the same."""
+    """An output layer whose weight is float32 and whose logits are computed in float32, from float32 hidden states and
+    outside autocast (TRL's cast_lm_head_to_fp32; ScaleRL, Khatri et al. 2025, arXiv 2510.13786, "FP32 precision at the
+    LM head": the policy's and the sampler's probabilities then differ less). `cast_lm_head_to_fp32` turns a model's
+    nn.Linear head into one in place, so its parameter names, and the checkpoints, stay the same."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
@@ -306,9 +251,9 @@ class Float32Head(torch.nn.Linear):
 
 def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
     """The causal LM's output layer as a Float32Head (policy and reference; docs/methods.md 13.2). A head tied to the
-    input embeddings shares its weight, which becomes float32 too; the embeddings' output is cast back to the dtype
-    the rest of the model runs in. Refused (ConfigError) for a head that is not a plain linear layer: a LoRA-adapted
-    head (lm_head in lora_target_modules), as TRL refuses it, or a quantised one."""
+    input embeddings shares its weight, which becomes float32 too; the embeddings' output is cast back to the dtype the
+    rest of the model runs in. Refused (ConfigError) for a head that is not a plain linear layer: a LoRA-adapted head
+    (lm_head in lora_target_modules), as TRL refuses it, or a quantised one."""
     lm = unwrap_causal_lm(model)
     head = lm.get_output_embeddings()
     if type(head) is not torch.nn.Linear:
@@ -412,12 +357,12 @@ def check_scoring_path(model: torch.nn.Module) -> None:
 
     The scorer and the sampler's first token run the decoder and `OutputHead` instead of the model's forward
     (docs/performance.md 2.1), the prompt prefix cached and shared. Here both are run on a tiny fixed input (two
-    left-padded prompts of 5 tokens, 4 completion tokens each) and the per-token log-probs compared with
-    log_softmax of the forward's logits: an architecture that post-processes its logits in a way `logit_transform`
-    does not know, whose decoder is not what the head reads, or whose cache cannot be shared, fails here at load time
-    (three forwards of 9 tokens) instead of training on another distribution. Tolerance: 1e-3 of the log-probs'
-    scale in float32 (a missed post-processing moved them by 0.16 to 0.5 nats on small random models, 38 to 47 with
-    trained-size logits: docs/models.md 2), 3e-2 in lower precision.
+    left-padded prompts of 5 tokens, 4 completion tokens each) and the per-token log-probs compared with log_softmax of
+    the forward's logits: an architecture that post-processes its logits in a way `logit_transform` does not know, whose
+    decoder is not what the head reads, or whose cache cannot be shared, fails here at load time (three forwards of 9
+    tokens) instead of training on another distribution. Tolerance: 1e-3 of the log-probs' scale in float32 (a missed
+    post-processing moved them by 0.16 to 0.5 nats on small random models, 38 to 47 with trained-size logits:
+    docs/models.md 2), 3e-2 in lower precision.
     """
     lm = unwrap_causal_lm(model)
     name = type(lm).__name__
@@ -483,21 +428,21 @@ def completion_logps(
     """Per-token log-probs (and entropies) of the completion tokens under `model`, at the sampling temperature.
 
     prompt_ids, prompt_mask: (P, Lp) left-padded prompts; prompt_index: (B,) which prompt each completion continues;
-    completion_ids, completion_mask: (B, T); temperatures: (B,) per completion or (B, T) per token (the temperature
-    each token was sampled at). Returns logp (B, T) (0 at masked positions) and entropy (B, T) or None (entropy
-    options: `lib.losses.token_logps_and_entropy`).
+    completion_ids, completion_mask: (B, T); temperatures: (B,) per completion or (B, T) per token (the temperature each
+    token was sampled at). Returns logp (B, T) (0 at masked positions) and entropy (B, T) or None (entropy options:
+    `lib.losses.token_logps_and_entropy`).
 
     With `share_prompt_prefix`, each distinct prompt runs through the model once and its keys/values (with their
-    autograd graph) are gathered for its completions: the result and its gradient are those of the full
-    [prompt; completion] forward, at a fraction of the cost when G completions share a prompt. Logits are formed
-    only at completion positions (the lm_head over a 49k vocabulary is a fifth of a small model's FLOPs).
-    Under gradient checkpointing the prompt prefix is shared too (`checkpointed_prefix_cache`): both passes run
-    through the checkpointed blocks, which keep only their inputs; where that cannot be done (reentrant
-    checkpointing, sliding-window or linear-attention layers) the full sequences are run instead.
+    autograd graph) are gathered for its completions: the result and its gradient are those of the full [prompt;
+    completion] forward, at a fraction of the cost when G completions share a prompt. Logits are formed only at
+    completion positions (the lm_head over a 49k vocabulary is a fifth of a small model's FLOPs). Under gradient
+    checkpointing the prompt prefix is shared too (`checkpointed_prefix_cache`): both passes run through the
+    checkpointed blocks, which keep only their inputs; where that cannot be done (reentrant checkpointing,
+    sliding-window or linear-attention layers) the full sequences are run instead.
 
-    `fixed_calls` (a sharded model, lib/distributed.py): the decoder runs the same number of times whatever the
-    data, because each call of a sharded layer is a collective that every process must make: no length chunks, and
-    a completion pass even for one-token completions (on a padded, masked column that is cut off again).
+    `fixed_calls` (a sharded model, lib/distributed.py): the decoder runs the same number of times whatever the data,
+    because each call of a sharded layer is a collective that every process must make: no length chunks, and a
+    completion pass even for one-token completions (on a padded, masked column that is cut off again).
     """
     batch, width = completion_ids.shape
     if fixed_calls and share_prompt_prefix and width < 2:
@@ -585,8 +530,8 @@ def completion_logps(
 
 
 class _PromptLayer(DynamicLayer):
-    """A prompt pass's cache layer that a checkpointed block may call twice: the first call (the forward) keeps the
-    keys and values, a later one (the block recomputed in backward) returns its own states and keeps nothing, so the
+    """A prompt pass's cache layer that a checkpointed block may call twice: the first call (the forward) keeps the keys
+    and values, a later one (the block recomputed in backward) returns its own states and keeps nothing, so the
     recomputation does what the forward did."""
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -598,9 +543,9 @@ class _PromptLayer(DynamicLayer):
 
 class _SharedPrefixLayer(DynamicLayer):
     """The completions' cache layer: the prompts' keys and values (with their autograd graph) and which prompt each
-    completion continues, read and never written, so a checkpointed block recomputed in backward sees what its
-    forward saw. Each completion's copy of its prompt's states is made inside the block, so the checkpoint frees it
-    with the block's other intermediates instead of keeping G copies of every layer's prefix to backward."""
+    completion continues, read and never written, so a checkpointed block recomputed in backward sees what its forward
+    saw. Each completion's copy of its prompt's states is made inside the block, so the checkpoint frees it with the
+    block's other intermediates instead of keeping G copies of every layer's prefix to backward."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         return (torch.cat([self.keys[self.index], key_states], dim=-2),
@@ -627,12 +572,12 @@ def checkpointed_prefix_cache(lm: torch.nn.Module) -> DynamicCache | None:
     that cannot be done exactly and the full sequences are run instead.
 
     Transformers drops the cache inside a checkpointed block because a block recomputed in backward would append its
-    keys and values a second time. Our two caches are safe to call twice (`_PromptLayer`, `_SharedPrefixLayer`), so
-    the blocks are told to keep them (`_cache_through_checkpoints`): each block still keeps only its input from
-    forward to backward, and the prompt runs once per distinct prompt instead of once per completion
-    (docs/performance.md 3.6). Needs non-reentrant checkpointing, whose recomputation is differentiated through
-    tensors the block reads from outside its inputs (the prompt's keys and values), and layers that all attend to
-    the full sequence (a sliding window or a linear-attention state is not a pure function of the call)."""
+    keys and values a second time. Our two caches are safe to call twice (`_PromptLayer`, `_SharedPrefixLayer`), so the
+    blocks are told to keep them (`_cache_through_checkpoints`): each block still keeps only its input from forward to
+    backward, and the prompt runs once per distinct prompt instead of once per completion (docs/performance.md 3.6).
+    Needs non-reentrant checkpointing, whose recomputation is differentiated through tensors the block reads from
+    outside its inputs (the prompt's keys and values), and layers that all attend to the full sequence (a sliding window
+    or a linear-attention state is not a pure function of the call)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     if not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
@@ -677,10 +622,10 @@ def _cache_through_checkpoints(lm: torch.nn.Module, enabled: bool):
 def length_chunks(lengths: list[int], overhead: int = 64) -> list[list[int]]:
     """Split rows into groups that are each padded to their own longest row, with the least work.
 
-    Cost of a group: rows x its longest length (the token positions computed) + `overhead` (a forward call's fixed
-    cost and its prompts' prefill, in token positions). Rows sorted by length, an optimal split into
-    contiguous runs is a small dynamic programme over the sorted order (O(B^2)). Returns row indices per group,
-    shortest group first; a single group when splitting does not pay.
+    Cost of a group: rows x its longest length (the token positions computed) + `overhead` (a forward call's fixed cost
+    and its prompts' prefill, in token positions). Rows sorted by length, an optimal split into contiguous runs is a
+    small dynamic programme over the sorted order (O(B^2)). Returns row indices per group, shortest group first; a
+    single group when splitting does not pay.
     """
     order = sorted(range(len(lengths)), key=lambda r: lengths[r])
     sorted_lengths = [lengths[r] for r in order]
@@ -700,9 +645,9 @@ def length_chunks(lengths: list[int], overhead: int = 64) -> list[list[int]]:
 
 
 class CompletionScorer(torch.nn.Module):
-    """`completion_logps` as a module, so that Accelerate can wrap it (DDP, FSDP): gradient synchronisation hooks
-    into a module's forward, and our forward is not the causal LM's own (it runs the decoder on shared prompt
-    prefixes and projects only completion positions)."""
+    """`completion_logps` as a module, so that Accelerate can wrap it (DDP, FSDP): gradient synchronisation hooks into a
+    module's forward, and our forward is not the causal LM's own (it runs the decoder on shared prompt prefixes and
+    projects only completion positions)."""
 
     def __init__(self, model: torch.nn.Module, share_prompt_prefix: bool = True, fixed_calls: bool = False):
         super().__init__()
@@ -721,10 +666,10 @@ class CompletionScorer(torch.nn.Module):
 
 
 def native_bf16(device: torch.device | str, capability: tuple[int, int] | None = None) -> bool:
-    """Whether bf16 matmuls run natively here: an NVIDIA GPU of compute capability 8.0 or above (Ampere on), or a
-    CPU with AVX512-BF16 / AMX-BF16. `torch.cuda.is_bf16_supported()` also says yes for a T4 or V100 (7.x), where
-    bf16 is emulated: slow, and a vLLM engine refuses bfloat16 there. `capability` (major, minor) overrides the
-    device's, for tests and estimates."""
+    """Whether bf16 matmuls run natively here: an NVIDIA GPU of compute capability 8.0 or above (Ampere on), or a CPU
+    with AVX512-BF16 / AMX-BF16. `torch.cuda.is_bf16_supported()` also says yes for a T4 or V100 (7.x), where bf16 is
+    emulated: slow, and a vLLM engine refuses bfloat16 there. `capability` (major, minor) overrides the device's, for
+    tests and estimates."""
     device = torch.device(device)
     if device.type == "cuda":
         if capability is None:

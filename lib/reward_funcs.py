@@ -415,8 +415,8 @@ def score_completions(
     funcs = [func for _, func in reward_funcs]
     unloaded = [name for name, func in reward_funcs if isinstance(func, RewardModelSpec)]
     if unloaded:
-        raise ValueError(f"reward model(s) {unloaded} not loaded: lib/extras/reward_models.load_reward_models loads them "
-                         "onto the device before scoring")
+        raise ValueError(f"reward model(s) {unloaded} not loaded: lib/extras/reward_models.load_reward_models loads "
+                         "them onto the device before scoring")
     n = len(completions)
     if len(prompts) != n:
         raise ValueError(f"got {len(prompts)} prompts for {n} completions; repeat each prompt once per completion")

@@ -1,13 +1,10 @@
 """Reward functions and answer checking. Pure: text in, float out; imports nothing from our package.
 
-Every reward function is called as TRL's GRPOTrainer calls it (`_calculate_rewards`; docs/methods.md 2.5), with
-keyword arguments only:
+Every reward function is called as TRL's GRPOTrainer calls it, with keyword arguments only (docs/methods.md 2.5: what
+each holds):
     func(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns) -> list[float | None]
-one entry per completion: `prompts` the prompt's messages (a list of {role, content}) when the data set's prompts are
-conversational, the prompt text otherwise; `completions` then [{"role": "assistant", "content": text}], or the text;
-`completion_ids` the completion's token ids; `columns` every other column of the record (e.g. `answer`, the gold
-answer as a string); `trainer_state` the run's progress (RewardState). `async def` functions run concurrently. None
-means "not applicable to this completion": the trainer skips it when it sums rewards (TRL's nansum).
+one entry per completion; None means "not applicable to this completion": the trainer skips it when it sums rewards
+(TRL's nansum).
 
 The built-in functions follow open-r1 `src/open_r1/rewards.py` (commit 1416fa0, docs/methods.md 2.4), take either
 form of completion, and ignore the keywords they do not use; answer equivalence is decided by math-verify (`parse` +

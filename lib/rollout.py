@@ -1,22 +1,19 @@
 """Rollout backends: turn prompts into groups of sampled completions.
 
-A backend has one job and a small interface, so the trainer, the evaluator and the adaptive methods never care
-which engine samples:
+A backend has one job and a small interface, so the trainer, the evaluator and the adaptive methods never care which
+engine samples:
 
     backend.generate(prompt_ids, prompt_mask, num_generations, max_new_tokens, temperature, top_p, top_k, greedy,
                      answer_phase) -> Rollout
     backend.sync_weights(policy)     # after every optimizer step
 
-Sampling parameters are arguments, per call and per prompt (temperature and top_p may be (P,) tensors), so
-controllers that change them (adaptive temperature, resampling rounds) never reach into the backend. An
-`AnswerPhase` switches a sequence to other sampling parameters once it has written the answer marker (adaGRPO's
-think/answer sampler). The temperature every token was sampled at is returned, for the training log-probs.
+Sampling parameters are arguments, per call and per prompt (temperature and top_p may be (P,) tensors), so controllers
+that change them (adaptive temperature, resampling rounds) never reach into the backend. An `AnswerPhase` switches a
+sequence to other sampling parameters once it has written the answer marker (adaGRPO's think/answer sampler). The
+temperature every token was sampled at is returned, for the training log-probs.
 
-`HFRollout` runs the Hugging Face model with our own decode loop rather than `model.generate`, for three measured
-reasons (docs/performance.md 2.1, where a step's time goes): each prompt is prefilled once and its KV cache shared by
-its whole group (G x less prefill); sampling is one inverse-CDF draw per row instead of torch's exponential-race
-multinomial over the whole vocabulary (30 ms a step at batch 32 here); and the loop stops as soon as every row has
-finished. The arithmetic is the model's own forward, so outputs match `generate` (a test checks greedy equality).
+`HFRollout` runs the model's own forward in a decode loop of ours rather than `model.generate`: one prefill per
+prompt, shared by its group; one inverse-CDF draw per row; finished rows leave the batch (why: docs/performance.md 2.1).
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import DynamicCache
 
-from lib.decode import LlamaStep, ModelStep, llama_family
 from lib.distributed import full_parameters
 from lib.modeling import OutputHead, positions_from_mask, unwrap_causal_lm
 
@@ -37,12 +33,12 @@ class Rollout:
     """One generation batch: P prompts and B completions (a prompt's completions are contiguous).
 
     prompt_ids, prompt_mask: (P, Lp), left-padded. prompt_index: (B,) the prompt row each completion continues.
-    completion_ids: (B, T), padded with `pad_token_id` after the end; completion_mask: (B, T), 1 up to and
-    including the first end-of-sequence token. is_truncated: (B,) True where no end token came within
-    max_new_tokens. temperatures: (B, T) the temperature each token was sampled at (0 for greedy).
-    sampling_logps: (B, T) the sampling engine's own log-probability of each sampled token, from the distribution it
-    actually sampled from (temperature, top_p and top_k applied), or None when the engine is the policy itself (HF):
-    the trainer's truncated importance sampling compares it with the training log-probs.
+    completion_ids: (B, T), padded with `pad_token_id` after the end; completion_mask: (B, T), 1 up to and including the
+    first end-of-sequence token. is_truncated: (B,) True where no end token came within max_new_tokens. temperatures:
+    (B, T) the temperature each token was sampled at (0 for greedy). sampling_logps: (B, T) the sampling engine's own
+    log-probability of each sampled token, from the distribution it actually sampled from (temperature, top_p and top_k
+    applied), or None when the engine is the policy itself (HF): the trainer's truncated importance sampling compares it
+    with the training log-probs.
     """
 
     prompt_ids: torch.Tensor
@@ -61,10 +57,10 @@ class Rollout:
 class AnswerPhase:
     """Sampling parameters for the answer part of a completion (adaGRPO's intent, docs/methods.md 4.3 [RECON]).
 
-    A sequence samples with the call's parameters until its last tokens equal one of `marker_ids` (the marker's
-    token ids; several variants, since "Answer:" after a space or a newline tokenises differently), and with
-    `temperature` / `top_p` from the next token on. The switch is per sequence and sticky. `marker` is the text
-    itself, for engines that stop on text rather than token ids (vLLM).
+    A sequence samples with the call's parameters until its last tokens equal one of `marker_ids` (the marker's token
+    ids; several variants, since "Answer:" after a space or a newline tokenises differently), and with `temperature` /
+    `top_p` from the next token on. The switch is per sequence and sticky. `marker` is the text itself, for engines that
+    stop on text rather than token ids (vLLM).
     """
 
     marker_ids: tuple[tuple[int, ...], ...]
@@ -81,8 +77,8 @@ class AnswerPhase:
 
 
 def replace_completions(batch: Rollout, rows: torch.Tensor, new: Rollout, pad_token_id: int) -> Rollout:
-    """`batch` with its completions at `rows` (b,) replaced by the b completions of `new`, in order (a resampled
-    group replaces the old one). The width becomes that of the longest completion kept."""
+    """`batch` with its completions at `rows` (b,) replaced by the b completions of `new`, in order (a resampled group
+    replaces the old one). The width becomes that of the longest completion kept."""
     width = max(batch.completion_ids.shape[1], new.completion_ids.shape[1])
 
     def widen(t: torch.Tensor, fill) -> torch.Tensor:
@@ -107,9 +103,9 @@ def replace_completions(batch: Rollout, rows: torch.Tensor, new: Rollout, pad_to
 
 def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """The repetition penalty of CTRL (Keskar et al. 2019, section 4.1, "penalized sampling"): the logit of each token
-    already in the prompt or the completion (`seen`, (B, V) bool) is divided by the penalty theta. A negative logit
-    is multiplied by theta instead, as transformers' RepetitionPenaltyLogitsProcessor and vLLM do, so that theta > 1
-    lowers a seen token's probability whatever its sign. Applied to the model's logits, before the temperature."""
+    already in the prompt or the completion (`seen`, (B, V) bool) is divided by the penalty theta. A negative logit is
+    multiplied by theta instead, as transformers' RepetitionPenaltyLogitsProcessor and vLLM do, so that theta > 1 lowers
+    a seen token's probability whatever its sign. Applied to the model's logits, before the temperature."""
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
@@ -121,14 +117,14 @@ def sampling_probs(
     min_p: float = 0.0,
     normalize: bool = True,
 ) -> torch.Tensor:
-    """The distribution a token is drawn from, (B, V): logits (B, V) float; temperature (B,) (rows with 0 are
-    computed at temperature 1, the caller takes their argmax); top_p a float or (B,) per row.
+    """The distribution a token is drawn from, (B, V): logits (B, V) float; temperature (B,) (rows with 0 are computed
+    at temperature 1, the caller takes their argmax); top_p a float or (B,) per row.
 
     In vLLM's order (docs/models.md 3), so that both backends sample the same distribution: temperature, then min-p
-    (Nguyen et al. 2024: drop tokens below min_p x the top token's probability), top-k, and top-p (nucleus, Holtzman
-    et al. 2020: the smallest prefix, by probability, whose mass reaches top_p, over what min-p and top-k kept; the
-    top token is always kept). Min-p and top-k commute (each keeps a prefix of the sorted tokens), so top-k goes first
-    here, where it is cheaper. `normalize` False leaves the kept mass unnormalised (the sampler's draw scales by it).
+    (Nguyen et al. 2024: drop tokens below min_p x the top token's probability), top-k, and top-p (nucleus, Holtzman et
+    al. 2020: the smallest prefix, by probability, whose mass reaches top_p, over what min-p and top-k kept; the top
+    token is always kept). Min-p and top-k commute (each keeps a prefix of the sorted tokens), so top-k goes first here,
+    where it is cheaper. `normalize` False leaves the kept mass unnormalised (the sampler's draw scales by it).
     """
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
@@ -175,10 +171,10 @@ def sample_next_token(
 
 
 def prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
-    """Run left-padded prompts (P, L) through the model once: (the logits of each prompt's next token (P, V) in
-    float32, as the model's forward computes them, and the KV cache). The output layer is applied to a contiguous
-    (P, H) slice only: on a CPU, a bf16 linear on a strided 3-D slice expands the [V x H] weight per row (13 s for
-    100 prompts, measured); `OutputHead` adds the model's logit post-processing (soft cap, scaling)."""
+    """Run left-padded prompts (P, L) through the model once: (the logits of each prompt's next token (P, V) in float32,
+    as the model's forward computes them, and the KV cache). The output layer is applied to a contiguous (P, H) slice
+    only: on a CPU, a bf16 linear on a strided 3-D slice expands the [V x H] weight per row (13 s for 100 prompts,
+    measured); `OutputHead` adds the model's logit post-processing (soft cap, scaling)."""
     lm = unwrap_causal_lm(model)
     out = lm.get_decoder()(input_ids=prompt_ids, attention_mask=prompt_mask,
                            position_ids=positions_from_mask(prompt_mask),
@@ -186,26 +182,38 @@ def prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch
     return OutputHead(lm)(out.last_hidden_state[:, -1].contiguous()), out.past_key_values
 
 
+class ModelStep:
+    """The sampler's decode step: the model's forward, one token a row, over a transformers cache; `attention` is the
+    (B, L) mask so far. `keep(rows)` keeps the live rows; `step(tokens, positions)` gives (B, V) float32 logits."""
+
+    def __init__(self, model: torch.nn.Module, cache: DynamicCache, attention: torch.Tensor):
+        self.model, self.cache, self.attention = model, cache, attention
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.cache.reorder_cache(rows)
+        self.attention = self.attention[rows]
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.attention = torch.cat([self.attention, torch.ones_like(self.attention[:, :1])], dim=1)
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.attention, position_ids=positions[:, None],
+                         past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1].float()
+
+
 class HFRollout:
     """Sample with a Hugging Face causal LM and a shared-prefix KV cache.
 
-    The sampler decodes with a plain copy of the policy's weights when that is faster than the policy itself,
-    refreshed by `sync_weights` after each optimizer step (docs/performance.md 2.1):
-      - a fully trained fp32 policy with `bf16`: a bf16 copy (decoding is about 1.7x faster than fp32 on a CPU with
-        bf16, and no per-step weight casts as under autocast); training keeps the fp32 master weights, so small
-        updates are not lost to bf16 rounding;
-      - a LoRA policy (4-bit base or not, `merge_adapter`): a plain model with the adapter merged, W + (alpha/r) B A
-        (a 4-bit base dequantised first), in bf16 with `bf16` or else in the policy's compute dtype. Decoding then
-        skips the adapter's two extra products and PEFT's wrappers on every layer; a sync recomputes only the
-        adapted layers. It costs a copy of the weights in the sampler's dtype (on a 16 GB card with a 1.5B model:
-        3 GB in bf16); `merge_adapter=False` samples with the policy itself under bf16 autocast instead.
-    `prepack(copy)` may replace the copy's linear layers by faster ones that take their weights through
-    `load(weight, bias)` (lib/extras/cpu_kernels.prepack_for_cpu: oneDNN's prepacked bf16 layers on a CPU). A copy
-    of a Llama-family model decodes with `lib.decode.LlamaStep` (the same logits, less per-step overhead), anything
-    else with its own forward (`fast_decode = False` forces that, for comparisons).
+    The sampler decodes with a plain copy of the policy's weights where that is faster (docs/performance.md 2.1),
+    refreshed by `sync_weights` after each optimizer step: a bf16 copy of a fully trained fp32 policy with `bf16`; a
+    LoRA policy's base with the adapter merged, W + (alpha/r) B A, a 4-bit base dequantised, in bf16 with `bf16`, else
+    the compute dtype (`merge_adapter=False`: the policy itself under bf16 autocast); a full copy of a policy that will
+    be sharded (`own_copy`).
+    `prepack(copy)`, the copy's speed-ups (lib/extras/cpu_kernels.prepack_for_cpu), may replace the copy's linear
+    layers by faster ones that take their weights through `load(weight, bias)`, and returns the copy's decode step,
+    `decode_step(model, cache, attention, max_new_tokens)` with `ModelStep`'s interface (lib/extras/decode.LlamaStep:
+    the same logits, less per-step overhead), or None: the model's own forward (`ModelStep`; also what setting
+    `decode_step = None` forces, for comparisons).
     """
-
-    fast_decode = True
 
     def __init__(self, policy: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int,
                  bf16: bool = False, seed: int = 0, merge_adapter: bool = True, own_copy: bool = False,
@@ -232,8 +240,9 @@ class HFRollout:
         # a tied output layer is the input embeddings' parameter, which a policy lists once, under the embeddings'
         # name: a prepacked copy of it must be packed again from the embeddings after each sync
         self.tied_head = self.copy is not None and _tied_output_layer(self.copy)
+        self.decode_step = None
         if self.copy is not None and prepack is not None:
-            prepack(self.copy)
+            self.decode_step = prepack(self.copy)
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def autocast(self):
@@ -247,8 +256,8 @@ class HFRollout:
 
     @torch.no_grad()
     def sync_weights(self, policy: torch.nn.Module) -> None:
-        """Copy the policy's current weights into the sampling copy (no-op when sampling with the policy): every
-        weight of a fully trained policy; the adapted layers only of a LoRA policy (W + (alpha/r) B A)."""
+        """Copy the policy's current weights into the sampling copy (no-op when sampling with the policy): every weight
+        of a fully trained policy; the adapted layers only of a LoRA policy (W + (alpha/r) B A)."""
         if self.copy is None:
             return
         if self.adapted:
@@ -308,11 +317,11 @@ class HFRollout:
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
     ) -> Rollout:
-        """Sample completions for P prompts: `num_generations` each (an int, or a (P,) tensor of counts, for a
-        process that holds part of a group). temperature, top_p: floats or (P,) tensors. answer_phase: switch each
-        sequence to the phase's parameters after its answer marker (ignored when greedy). min_p, top_k, top_p:
-        `sampling_probs`; repetition_penalty: `penalize_repetitions` over each row's prompt and completion so far
-        (greedy rows too, as in transformers and vLLM)."""
+        """Sample completions for P prompts: `num_generations` each (an int, or a (P,) tensor of counts, for a process
+        that holds part of a group). temperature, top_p: floats or (P,) tensors. answer_phase: switch each sequence to
+        the phase's parameters after its answer marker (ignored when greedy). min_p, top_k, top_p: `sampling_probs`;
+        repetition_penalty: `penalize_repetitions` over each row's prompt and completion so far (greedy rows too, as in
+        transformers and vLLM)."""
         model = self.model
         was_training = model.training
         model.eval()
@@ -353,8 +362,8 @@ class HFRollout:
             # the whole cache at every step
             cache.reorder_cache(prompt_index)  # every layer kind (linear-attention states too)
             attention = prompt_mask[prompt_index]
-            if self.copy is not None and self.fast_decode and llama_family(model):
-                decoder = LlamaStep(model, cache, attention, max_new_tokens)
+            if self.copy is not None and self.decode_step is not None:
+                decoder = self.decode_step(model, cache, attention, max_new_tokens)
             else:
                 decoder = ModelStep(model, cache, attention)
             next_pos = prompt_mask.long().sum(-1)[prompt_index]
@@ -446,8 +455,8 @@ def dense_weight(linear: torch.nn.Module) -> torch.Tensor:
 
 
 def merged_linear(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of a layer as the plain model computes it: for a LoRA layer with its active adapters,
-    W + sum_a scale_a B_a A_a (PEFT's get_delta_weight; Hu et al. 2021, eq. 3); a 4-bit base dequantised."""
+    """(weight, bias) of a layer as the plain model computes it: for a LoRA layer with its active adapters, W + sum_a
+    scale_a B_a A_a (PEFT's get_delta_weight; Hu et al. 2021, eq. 3); a 4-bit base dequantised."""
     if not is_lora_layer(module):
         return dense_weight(module), getattr(module, "bias", None)
     base = module.base_layer

@@ -1,6 +1,6 @@
 """What the sampling phases work with: the prompts of a generation batch, the batch as sampled and scored, and the
-context (engine, data, reward functions, process group) through which a method's refill rule and controllers sample
-and score again (lib/methods.py; docs/methods.md 6.1)."""
+context (engine, data, reward functions, process group) through which a method's refill rule and controllers sample and
+score again (lib/methods.py; docs/methods.md 6.1)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ class RolloutContext:
         self.local_rollout, self.first = local_rollout, first
         self.device = accelerator.device
         self.reward_seconds = 0.0  # time spent in reward functions, reported apart from generation
-        self.worker = worker  # lib.extras.reward_worker.RewardWorker (reward_timeout > 0), or None: called in this process
+        # lib.extras.reward_worker.RewardWorker (reward_timeout > 0), or None: called in this process
+        self.worker = worker
         self.nonfinite = dict.fromkeys(self.reward_names, 0)  # completions scored inf / -inf / NaN, this batch
         self.trainer_state = RewardState(0, cfg.max_steps, 0.0)  # the reward functions' `trainer_state`
 
@@ -122,8 +123,8 @@ class RolloutContext:
 
     def score(self, rollout: Rollout, records: list[dict]) -> tuple[torch.Tensor, dict[str, int], list[str]]:
         """Every reward function on a rollout's completions, called as TRL calls them (lib/reward_funcs.py; prompts and
-        completions as messages for a conversational record, as text otherwise): (B, K) rewards, error counts,
-        decoded texts."""
+        completions as messages for a conversational record, as text otherwise): (B, K) rewards, error counts, decoded
+        texts."""
         t0 = time.perf_counter()
         texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         index = rollout.prompt_index.tolist()
@@ -156,9 +157,9 @@ class RolloutContext:
         return rewards[:, self.correct_index] > 0
 
     def sample_again(self, sampled: Sampled, flagged: torch.Tensor, temperature, top_p: float) -> tuple[Sampled, int]:
-        """The groups of this process's prompt rows `flagged` (bool, P_local) sampled again, at `temperature` /
-        `top_p`, in place of their completions, and scored (adaGRPO's retries, DAPO's dynamic sampling). Returns the
-        new batch (its rewards not yet gathered) and the number of tokens the new completions replaced."""
+        """The groups of this process's prompt rows `flagged` (bool, P_local) sampled again, at `temperature` / `top_p`,
+        in place of their completions, and scored (adaGRPO's retries, DAPO's dynamic sampling). Returns the new batch
+        (its rewards not yet gathered) and the number of tokens the new completions replaced."""
         again = flagged.nonzero().squeeze(1)
         redo = self.generate(sampled.prompts, temperature, top_p, rows=again)
         rows = flagged[sampled.rollout.prompt_index].nonzero().squeeze(1)

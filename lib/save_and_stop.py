@@ -1,7 +1,7 @@
-"""Saving a run and stopping it safely: checkpoints and final/, the stop on a signal (SIGTERM /
-SIGUSR1) where resuming is exact, and the non-finite guard (a reward, loss or gradient norm that is
-not finite moves no weight; max_nonfinite_steps such steps in a row stop the run). The checkpoint
-format itself is lib/checkpoint.py; what to do when a run stops is docs/faults.md.
+"""Saving a run and stopping it safely: checkpoints and final/, the stop on a signal (SIGTERM / SIGUSR1) where resuming
+is exact, and the non-finite guard (a reward, loss or gradient norm that is not finite moves no weight;
+max_nonfinite_steps such steps in a row stop the run). The checkpoint format itself is lib/checkpoint.py; what to do
+when a run stops is docs/faults.md.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from lib.setup import Run, TrainerState
 
 
 def nonfinite_rewards(run: Run, sampled: Sampled, advantages: torch.Tensor) -> tuple[str, dict]:
-    """(what was not finite, "" if nothing; the per-function counts to log). A reward of inf,
-    -inf or NaN (None is not one: it means 'does not apply') makes every advantage of the batch
-    meaningless, so no step trains on it."""
+    """(what was not finite, "" if nothing; the per-function counts to log). A reward of inf, -inf or NaN (None is not
+    one: it means 'does not apply') makes every advantage of the batch meaningless, so no step trains on it."""
     names, accelerator = run.ctx.reward_names, run.accelerator
     local = torch.tensor([sampled.nonfinite.get(n, 0) for n in names], dtype=torch.float32,
                          device=accelerator.device)
@@ -76,10 +75,10 @@ def step_optimizer(run: Run, loss: torch.Tensor, skip_update: bool, nonfinite: s
 
 
 def save_checkpoint(run: Run, state: TrainerState) -> None:
-    """Phase 8: model (or adapter), optimizer, scheduler, RNG per process and trainer state,
-    written to a staging folder and renamed into place (lib/checkpoint.py). Never from non-finite
-    weights. A write that fails (a full disk) on any process removes the staging folder, leaves
-    the previous checkpoint whole and stops the run with the space a checkpoint needs."""
+    """Phase 8: model (or adapter), optimizer, scheduler, RNG per process and trainer state, written to a staging folder
+    and renamed into place (lib/checkpoint.py). Never from non-finite weights. A write that fails (a full disk) on any
+    process removes the staging folder, leaves the previous checkpoint whole and stops the run with the space a
+    checkpoint needs."""
     accelerator, step = run.accelerator, state.global_step
     main_process = accelerator.is_main_process
     check_finite_weights(run, f"checkpoint-{step}")
@@ -122,8 +121,7 @@ def save_checkpoint(run: Run, state: TrainerState) -> None:
 
 
 def first_error(run: Run, error: str | None) -> str | None:
-    """The first process's error, on every process (a collective: every process calls it at the
-    same point)."""
+    """The first process's error, on every process (a collective: every process calls it at the same point)."""
     if run.accelerator.num_processes == 1:
         return error
     return next((e for e in run.ctx.gather_object([error]) if e is not None), None)
@@ -149,8 +147,8 @@ def save_failed_message(run: Run, what: str, error: str) -> str:
 
 
 def check_finite_weights(run: Run, what: str) -> None:
-    """Refuse to save weights that are not finite (the trained ones; frozen ones never change).
-    Every process calls it: sharded, each checks its shards and all take the same decision."""
+    """Refuse to save weights that are not finite (the trained ones; frozen ones never change). Every process calls it:
+    sharded, each checks its shards and all take the same decision."""
     finite = all(bool(torch.isfinite(distributed.local_tensor(p)).all()) for p in run.params)
     if run.sharded:
         votes = torch.tensor(float(finite), device=run.accelerator.device)
@@ -164,8 +162,7 @@ def check_finite_weights(run: Run, what: str) -> None:
 
 
 def stop_if_nonfinite(run: Run, state: TrainerState, reason: str) -> None:
-    """Say that a step was skipped for a non-finite value; stop after max_nonfinite_steps in a
-    row."""
+    """Say that a step was skipped for a non-finite value; stop after max_nonfinite_steps in a row."""
     cfg, step = run.cfg, state.global_step
     if run.accelerator.is_main_process:
         tqdm.write(f"step {step}: optimizer step skipped, the weights unchanged: {reason} not "
@@ -183,8 +180,7 @@ def stop_if_nonfinite(run: Run, state: TrainerState, reason: str) -> None:
 
 
 def stop_requested(run: Run) -> str | None:
-    """The stop signal any process received (SIGTERM / SIGUSR1), the same answer on every
-    process."""
+    """The stop signal any process received (SIGTERM / SIGUSR1), the same answer on every process."""
     name = run.stop.signal_name
     if run.accelerator.num_processes > 1:
         names = ckpt.StopRequest.SIGNALS
@@ -205,9 +201,9 @@ def stop_for_signal(run: Run, state: TrainerState, signal_name: str, saved: bool
 
 
 def save_final(run: Run, end_eval: dict, step: int, write_files: Callable | None = None) -> None:
-    """final/: a model (or adapter) folder that transformers / peft load as is, renamed into
-    place. `write_files`, given by the entry script, adds files before the rename:
-    lib/extras/hub.write_final_files's model card and generation_config.json (docs/hub.md 2)."""
+    """final/: a model (or adapter) folder that transformers / peft load as is, renamed into place. `write_files`, given
+    by the entry script, adds files before the rename: lib/extras/hub.write_final_files's model card and
+    generation_config.json (docs/hub.md 2)."""
     check_finite_weights(run, "final/")
     # sharded: the whole model gathered on the main process (a collective), saved as one folder
     state = distributed.full_state_dict(run.accelerator, run.scorer) if run.sharded else None
@@ -226,8 +222,8 @@ def save_final(run: Run, end_eval: dict, step: int, write_files: Callable | None
             else:
                 model.save_pretrained(staging)
             run.tokenizer.save_pretrained(staging)
-            # the model card and the sampling the run trained with go in before the rename, so that
-            # final/ never exists without them (docs/hub.md 2)
+            # the model card and the sampling the run trained with go in before the rename, so that final/ never
+            # exists without them (docs/hub.md 2)
             if write_files is not None:
                 write_files(staging, run.cfg, end_ids=end_token_ids(run.policy, run.tokenizer),
                             generation_config=getattr(run.policy, "generation_config", None),

@@ -1,8 +1,8 @@
 """The learning-rate schedule: a multiplier of the peak rate per optimizer step, as a torch `LambdaLR`; and the run's
 length it is laid out over, in optimizer steps (`steps_per_rollout`, `resolve_epochs`, `warmup_steps`).
 
-The schedules of `lr_scheduler_type`, with linear warmup from 0 over `num_warmup_steps` where the schedule has
-one, then (Loshchilov and Hutter, SGDR, 2017, for the cosine):
+The schedules of `lr_scheduler_type`, with linear warmup from 0 over `num_warmup_steps` where the schedule has one, then
+(Loshchilov and Hutter, SGDR, 2017, for the cosine):
 
     constant               1                                  (no warmup, whatever warmup_ratio says)
     constant_with_warmup   1
@@ -13,10 +13,8 @@ one, then (Loshchilov and Hutter, SGDR, 2017, for the cosine):
 `lr_scheduler_kwargs` (a mapping, as in transformers' TrainingArguments) carries num_cycles for both cosines and
 min_lr_rate or min_lr for the second.
 
-These are the values of transformers' `get_scheduler` for the same names, step for step (tests/test_schedule.py
-compares them). We write them here rather than import that function because importing `transformers.optimization`
-imports `transformers.trainer_utils`, which imports peft, bitsandbytes and triton: 4.7 s of the trainer's 9.5 s start
-on a 2-core CPU, paid by every run, full fine-tuning included (docs/performance.md 5).
+These are transformers' `get_scheduler` values, step for step (tests/test_schedule.py), written here because
+importing that function costs every run seconds of start-up (docs/performance.md 5).
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Building a run: everything train_agrpo.py does before its first step, and what the loop reads.
 
-`Run` holds what set-up builds (the accelerator, the policy and its scorer, the reference, the
-sampler, the method, the optimizer and scheduler, the data); `TrainerState` what the loop advances
-and a checkpoint saves; `Geometry` the batch sizes. The functions below are the set-up's steps,
-which train_agrpo.setup calls in the order that fails fastest: configuration and data errors before
-any model loads, the memory check before any sampling.
+`Run` holds what set-up builds (the accelerator, the policy and its scorer, the reference, the sampler, the method, the
+optimizer and scheduler, the data); `TrainerState` what the loop advances and a checkpoint saves; `Geometry` the batch
+sizes. The functions below are the set-up's steps, which train_agrpo.setup calls in the order that fails fastest:
+configuration and data errors before any model loads, the memory check before any sampling.
 
-This module is core: it never imports lib/extras/. The optional parts a run may use (the hub, the
-health warnings, the memory check, the reward worker, the generation server) are made by
-train_agrpo.setup and held here as plain objects.
+This module is core: it never imports lib/extras/. The optional parts a run may use (the hub, the health warnings, the
+memory check, the reward worker, the generation server) are made by train_agrpo.setup and held here as plain objects.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ RUN_LOGS = ("metrics.jsonl", "completions.jsonl", "warnings.jsonl")
 
 @dataclass
 class TrainerState:
-    """What the loop advances; saved as trainer_state.json in every checkpoint and restored on
-    resume."""
+    """What the loop advances; saved as trainer_state.json in every checkpoint and restored on resume."""
 
     global_step: int = 0
     data_position: int = 0  # prompts taken from the data order so far (lib/data.prompts_for_step)
@@ -58,11 +55,10 @@ class TrainerState:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Batch geometry, TRL semantics: per_device_train_batch_size counts completions; the group
-    size may change from one generation batch to the next (adaptive_group_size), the batch size
-    never does. A generation batch serves steps_per_generation / gradient_accumulation_steps
-    optimizer steps (times num_iterations): each process samples a contiguous share of it, and
-    step s of the batch trains on the s-th slice of every process's share."""
+    """Batch geometry, TRL semantics: per_device_train_batch_size counts completions; the group size may change from one
+    generation batch to the next (adaptive_group_size), the batch size never does. A generation batch serves
+    steps_per_generation / gradient_accumulation_steps optimizer steps (times num_iterations): each process samples a
+    contiguous share of it, and step s of the batch trains on the s-th slice of every process's share."""
 
     world: int
     local_completions: int  # per optimizer step and process
@@ -111,18 +107,16 @@ class Run:
 
 
 def start_accelerator(cfg: Config) -> tuple[Accelerator, bool, bool, bool]:
-    """The Accelerator as launched (data parallel, FSDP2 or DeepSpeed; lib/distributed.py), its
-    launch checked against the configuration. Returns (accelerator, bf16, sharded, partitioned):
-    sharded for FSDP2 and DeepSpeed, partitioned where each process holds only part of the
-    weights (FSDP2, ZeRO-3)."""
+    """The Accelerator as launched (data parallel, FSDP2 or DeepSpeed; lib/distributed.py), its launch checked against
+    the configuration. Returns (accelerator, bf16, sharded, partitioned): sharded for FSDP2 and DeepSpeed, partitioned
+    where each process holds only part of the weights (FSDP2, ZeRO-3)."""
     hf_logging.disable_progress_bar()  # per-file loading bars would drown the one training bar
     bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16(
         "cuda" if torch.cuda.is_available() and not cfg.use_cpu else "cpu")
-    # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU)
-    # when launched with several processes, instead of running each process alone
-    # the scheduler is stepped by us once per optimizer step: its Accelerate wrapper must not step
-    # it once per process (except under DeepSpeed, which forms the group itself:
-    # lib/distributed.enable_deepspeed_on_cpu)
+    # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU) when launched
+    # with several processes, instead of running each process alone (except under DeepSpeed, which forms the group
+    # itself: lib/distributed.enable_deepspeed_on_cpu). The scheduler is stepped by us once per optimizer step: its
+    # Accelerate wrapper must not step it once per process
     accelerator = Accelerator(cpu=(cfg.use_cpu or torch.accelerator.current_accelerator() is None)
                               and not distributed.deepspeed_requested(),
                               mixed_precision="bf16" if bf16 else "no",
@@ -149,11 +143,10 @@ def start_accelerator(cfg: Config) -> tuple[Accelerator, bool, bool, bool]:
 
 
 def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
-    """(the reward specs as given, the resolved functions): bad names stop here, before any data
-    or model loads; reward models load later, onto each process's device."""
-    # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a
-    # reward model too (lib/reward_funcs.py). Bad names stop here; reward models load below, onto this
-    # process's device.
+    """(the reward specs as given, the resolved functions): bad names stop here, before any data or model loads; reward
+    models load later, onto each process's device."""
+    # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
+    # (lib/reward_funcs.py)
     specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
     try:
         reward_funcs = resolve_reward_funcs(specs, reward_options(cfg))
@@ -170,15 +163,13 @@ def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
 
 
 def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None) -> tuple[list[dict], list[dict]]:
-    """(train records, eval records). Errors in the data surface here, before any model is loaded;
-    so does a data set with no gold answer trained with a reward function that needs one
-    (lib/data.check_answers).
+    """(train records, eval records). Errors in the data surface here, before any model is loaded; so does a data set
+    with no gold answer trained with a reward function that needs one (lib/data.check_answers).
 
-    The held-out set is eval_dataset_name; else dataset_name's dataset_test_split where it has
-    one (a folder or a hub data set, as TRL evaluates on it); else, for a single file, a seeded
-    share of its rows. Held-out data with no gold answer cannot be scored: the evaluation is left
-    out, and `say` says so in one line. `reader` reads hub ids and the folders only `datasets`
-    reads (lib/extras/hub_data.py; lib/data.load_records)."""
+    The held-out set is eval_dataset_name; else dataset_name's dataset_test_split where it has one (a folder or a hub
+    data set, as TRL evaluates on it); else, for a single file, a seeded share of its rows. Held-out data with no gold
+    answer cannot be scored: the evaluation is left out, and `say` says so in one line. `reader` reads hub ids and the
+    folders only `datasets` reads (lib/extras/hub_data.py; lib/data.load_records)."""
     try:
         if cfg.dataset_name is None:
             return builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train,
@@ -193,8 +184,8 @@ def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None) -> t
         if cfg.num_eval_samples == 0:
             source = None  # no evaluation asked for
         elif cfg.eval_dataset_name:
-            # dataset_config names a configuration of dataset_name (TRL's ScriptArguments); this set
-            # is read with its default one
+            # dataset_config names a configuration of dataset_name (TRL's ScriptArguments); this set is read with
+            # its default one
             evals = load_records(cfg.eval_dataset_name, split=cfg.dataset_test_split,
                                  max_samples=cfg.num_eval_samples, seed=cfg.seed, **columns)
         elif cfg.dataset_test_split != cfg.dataset_train_split and cfg.dataset_test_split in (
@@ -203,8 +194,7 @@ def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None) -> t
                                  max_samples=cfg.num_eval_samples, seed=cfg.seed,
                                  config=cfg.dataset_config, **columns)
         elif "answer" in train[0]:
-            # a single file has no test split: hold out a seeded share of it, disjoint from what we
-            # train on
+            # a single file has no test split: hold out a seeded share of it, disjoint from what we train on
             order = list(range(len(train)))
             random.Random(cfg.seed).shuffle(order)
             held = set(order[: min(cfg.num_eval_samples, len(train) // 10 or 1)])
@@ -222,8 +212,7 @@ def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None) -> t
 
 
 def prepare_output_dir(cfg: Config, accelerator: Accelerator) -> Path | None:
-    """Refuse to write over an existing run unless asked; returns the checkpoint to resume from,
-    if any."""
+    """Refuse to write over an existing run unless asked; returns the checkpoint to resume from, if any."""
     out = Path(cfg.output_dir)
     try:  # every process: on several nodes each writes its RNG state into the same folder
         out.mkdir(parents=True, exist_ok=True)
@@ -239,9 +228,8 @@ def prepare_output_dir(cfg: Config, accelerator: Accelerator) -> Path | None:
     accelerator.wait_for_everyone()
     resume = None
     if cfg.resume_from_checkpoint == "latest":
-        # a job script passes 'latest' every time: on the first start, or after a kill before the
-        # first checkpoint, there is none yet and the run starts from step 0 (what a killed run
-        # logged is set aside, not lost)
+        # a job script passes 'latest' every time: on the first start, or after a kill before the first checkpoint,
+        # there is none yet and the run starts from step 0 (what a killed run logged is set aside, not lost)
         resume = ckpt.latest_checkpoint(out)
         if resume is None and accelerator.is_main_process:
             tqdm.write(f"resume_from_checkpoint: 'latest' found no checkpoint in '{out}': "
@@ -271,8 +259,7 @@ def prepare_output_dir(cfg: Config, accelerator: Accelerator) -> Path | None:
 
 
 def record_and_seed(cfg: Config, accelerator: Accelerator) -> Path:
-    """config.yaml in output_dir (the main process), then Python, NumPy and torch seeded; returns
-    output_dir."""
+    """config.yaml in output_dir (the main process), then Python, NumPy and torch seeded; returns output_dir."""
     out = Path(cfg.output_dir)
     if accelerator.is_main_process:
         save_yaml(cfg, out / "config.yaml")
@@ -283,8 +270,8 @@ def record_and_seed(cfg: Config, accelerator: Accelerator) -> Path:
 
 
 def load_checked_tokenizer(cfg: Config, model_path: str, records: list[dict]):
-    """The tokenizer (with the configuration's chat template), checked to render the data's
-    prompts: a conversation needs a chat template, said before the model loads."""
+    """The tokenizer (with the configuration's chat template), checked to render the data's prompts: a conversation
+    needs a chat template, said before the model loads."""
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.trust_remote_code,
                                revision=cfg.model_revision)
     if cfg.chat_template is not None:
@@ -301,9 +288,8 @@ def load_checked_tokenizer(cfg: Config, model_path: str, records: list[dict]):
 def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: Path | None,
                 bf16: bool, sharded: bool, partitioned: bool
                 ) -> tuple[torch.nn.Module, CompletionScorer | None]:
-    """(policy, reference): the policy from the model (or an unsharded checkpoint), the frozen
-    reference (none when beta is 0; with LoRA the base with the adapter disabled, not a second
-    copy). The sampler comes next (make_engine)."""
+    """(policy, reference): the policy from the model (or an unsharded checkpoint), the frozen reference (none when beta
+    is 0; with LoRA the base with the adapter disabled, not a second copy). The sampler comes next (make_engine)."""
     device = accelerator.device
     adapter = cfg.use_peft or is_adapter_folder(model_path)
     if cfg.sync_ref_model and (adapter or sharded or partitioned):
@@ -313,8 +299,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                              "train the full model or set sync_ref_model false" if adapter
                              else "is not implemented for a sharded reference (FSDP / DeepSpeed); run without "
                                   "sharding or set sync_ref_model false"))
-    # a sharded checkpoint's weights are read into the sharded model below
-    # (lib/distributed.load_sharded)
+    # a sharded checkpoint's weights are read into the sharded model below (lib/distributed.load_sharded)
     policy = load_policy(str(resume) if resume and not sharded else model_path, dtype=weights_dtype(
                              cfg.dtype, lora=cfg.use_peft, device=device.type, bf16=bf16),
                          revision=cfg.model_revision, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
@@ -352,21 +337,20 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
 
 def make_engine(cfg: Config, policy, tokenizer, bf16: bool, rank: int,
                 sharded: bool = False, prepack=None) -> HFRollout:
-    """The HF sampler (lib/rollout.py): our decode loop over a copy of the policy's weights where
-    that is faster, refreshed after every optimizer step; a policy that will be sharded is sampled
-    from a full copy; `prepack` (lib/extras/cpu_kernels.prepack_for_cpu) may repack that copy.
-    (A vLLM engine is lib/extras/vllm_rollout.colocated_rollout, one on devices of its own
-    lib/extras/generation_server.server_rollout; the trainer picks.)"""
+    """The HF sampler (lib/rollout.py): our decode loop over a copy of the policy's weights where that is faster,
+    refreshed after every optimizer step; a policy that will be sharded is sampled from a full copy; `prepack`
+    (lib/extras/cpu_kernels.prepack_for_cpu) may repack that copy. (A vLLM engine is
+    lib/extras/vllm_rollout.colocated_rollout, one on devices of its own lib/extras/generation_server.server_rollout;
+    the trainer picks.)"""
     return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id,
                      bf16=bf16, seed=cfg.seed + rank, own_copy=sharded, prepack=prepack)
 
 
 def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float,
                     eps: float = 1e-8):
-    """AdamW by `optim` name: torch's, or bitsandbytes' 8-bit / paged states (Dettmers et al.
-    2022, "8-bit optimizers via block-wise quantization"): 2 bytes of state per parameter instead
-    of 8; paged states are moved to host memory by the CUDA driver when the GPU runs short
-    instead of failing."""
+    """AdamW by `optim` name: torch's, or bitsandbytes' 8-bit / paged states (Dettmers et al. 2022, "8-bit optimizers
+    via block-wise quantization"): 2 bytes of state per parameter instead of 8; paged states are moved to host memory by
+    the CUDA driver when the GPU runs short instead of failing."""
     if name in ("adamw_torch", "adamw_torch_fused"):
         # fused: one kernel for all tensors on CUDA, the same update
         fused = name == "adamw_torch_fused" and all(p.is_cuda for p in params)
@@ -389,9 +373,8 @@ def policy_optimizer(cfg: Config, policy: torch.nn.Module) -> torch.optim.Optimi
 def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Module,
                    optimizer: torch.optim.Optimizer, sharded: bool, partitioned: bool
                    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, object, list]:
-    """(scorer, optimizer, scheduler, trained parameters): the scheduler built, the scorer and
-    the optimizer prepared by Accelerate. Called after the memory check, which needs the
-    optimizer built."""
+    """(scorer, optimizer, scheduler, trained parameters): the scheduler built, the scorer and the optimizer prepared by
+    Accelerate. Called after the memory check, which needs the optimizer built."""
     device = accelerator.device
     if accelerator.is_main_process:
         note = hf_sampler_note(cfg, device.type == "cuda",
@@ -403,9 +386,8 @@ def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Modul
                        "in its memory)")
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
                                 num_warmup_steps=warmup_steps(cfg), kwargs=cfg.lr_scheduler_kwargs)
-    # DDP, or FSDP2: the policy's decoder layers sharded, the optimizer given the shards; or a
-    # DeepSpeed engine, whose optimizer follows our scheduler's rates (the scheduler stays ours:
-    # lib/distributed.py)
+    # DDP, or FSDP2: the policy's decoder layers sharded, the optimizer given the shards; or a DeepSpeed engine,
+    # whose optimizer follows our scheduler's rates (the scheduler stays ours: lib/distributed.py)
     scorer = CompletionScorer(policy, fixed_calls=partitioned)
     if distributed.is_deepspeed(accelerator):
         scorer, optimizer = accelerator.prepare(scorer, optimizer)
@@ -420,8 +402,8 @@ def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Modul
 
 def restore(resume: Path | None, accelerator: Accelerator, scorer, optimizer, scheduler, engine,
             method: Method, sharded: bool) -> TrainerState:
-    """The checkpoint's trainer state, optimizer and scheduler states, RNG and controllers (a
-    fresh state without one); a sharded checkpoint's weights too, which the sampler then gets."""
+    """The checkpoint's trainer state, optimizer and scheduler states, RNG and controllers (a fresh state without one);
+    a sharded checkpoint's weights too, which the sampler then gets."""
     state = TrainerState()
     if resume is None:
         return state
@@ -433,8 +415,8 @@ def restore(resume: Path | None, accelerator: Accelerator, scorer, optimizer, sc
         # the sampler was made from the base weights
         engine.sync_weights(accelerator.unwrap_model(scorer).model)
     else:
-        # read to the CPU first (load_state_dict then moves each state onto its parameter's device):
-        # a checkpoint written from GPU 0 would otherwise be rebuilt on GPU 0 by every process
+        # read to the CPU first (load_state_dict then moves each state onto its parameter's device): a checkpoint
+        # written from GPU 0 would otherwise be rebuilt on GPU 0 by every process
         optimizer.load_state_dict(torch.load(resume / "optimizer.pt", map_location="cpu",
                                              weights_only=False))
     scheduler.load_state_dict(torch.load(resume / "scheduler.pt", map_location="cpu",
@@ -449,10 +431,9 @@ def restore(resume: Path | None, accelerator: Accelerator, scorer, optimizer, sc
 
 def rollout_context(cfg: Config, engine, tokenizer, reward_funcs: list, train_records: list[dict],
                     accelerator: Accelerator, geometry: Geometry, worker=None) -> RolloutContext:
-    """What sampling and scoring read (lib/methods.RolloutContext): the sampler, the rewards and
-    their weights, the data, the answer phase (answer_marker: the answer sampled at its own
-    temperature), and the reward worker (lib/extras/reward_worker.RewardWorker, made by
-    train_agrpo.setup) or None."""
+    """What sampling and scoring read (lib/methods.RolloutContext): the sampler, the rewards and their weights, the
+    data, the answer phase (answer_marker: the answer sampled at its own temperature), and the reward worker
+    (lib/extras/reward_worker.RewardWorker, made by train_agrpo.setup) or None."""
     answer_phase = None
     if cfg.answer_marker:
         answer_phase = AnswerPhase.from_text(tokenizer, cfg.answer_marker, cfg.answer_temperature,
@@ -463,8 +444,7 @@ def rollout_context(cfg: Config, engine, tokenizer, reward_funcs: list, train_re
 
 
 def close(run: Run) -> None:
-    """After the run, or when it stops early: the sampler, the reward worker, the trackers, the
-    signal handlers."""
+    """After the run, or when it stops early: the sampler, the reward worker, the trackers, the signal handlers."""
     run.stop.restore()
     run.engine.close()
     if run.ctx.worker is not None:
@@ -475,9 +455,8 @@ def close(run: Run) -> None:
 
 
 def clock(run: Run) -> float:
-    """time.perf_counter once the device has run what was queued: on a GPU a kernel runs after
-    the call that queued it, so an unsynchronised phase time would land in the next phase that
-    waits on a result."""
+    """time.perf_counter once the device has run what was queued: on a GPU a kernel runs after the call that queued it,
+    so an unsynchronised phase time would land in the next phase that waits on a result."""
     if run.accelerator.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter()

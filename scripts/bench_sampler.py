@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--attn", nargs="+", default=[None], help="Attention implementations to compare (default: the "
                    "trainer's for this device).")
     p.add_argument("--decode", nargs="+", choices=["fast", "model"], default=["fast"], help="The sampler's decode "
-                   "step: fast (lib.decode.LlamaStep where the model is Llama-family) and/or model (its own forward); "
-                   "several are timed in alternation.")
+                   "step: fast (lib/extras/decode.LlamaStep where the model is Llama-family) and/or model (its own "
+                   "forward); several are timed in alternation.")
     p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto")
     p.add_argument("--bandwidth_mb", type=int, default=None, help="Copy size for the bandwidth (default: 1024 on a "
                    "GPU, 256 on a CPU).")
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         policy = load_policy(path, device=device, attn_implementation=attn).eval()
         # no end token: every row decodes to the cap
         engine = HFRollout(policy, [-1], 0, bf16=bf16, seed=0, prepack=cpu_kernels.prepack_for_cpu)
-        model = engine.model
+        model, fast_step = engine.model, engine.decode_step
         weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()
                            if t.is_floating_point())
         weight_bytes += sum(m.packed.numel() * m.packed.element_size() for m in model.modules()
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
             prompts, mask = prompts.to(device), torch.ones_like(prompts).to(device)
 
             def timed(new_tokens: int, decode: str) -> float:
-                engine.fast_decode = decode == "fast"
+                engine.decode_step = fast_step if decode == "fast" else None
                 sync(device)
                 t0 = time.perf_counter()
                 engine.generate(prompts, mask, 1, new_tokens, temperature=1.0)

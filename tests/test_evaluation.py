@@ -1,5 +1,5 @@
-"""lib/evaluation.py: the metrics with hand-computed values, answer checking on real records of every data set, and
-the KL / entropy pass on the real embedded model."""
+"""lib/evaluation.py and lib/extras/eval_metrics.py: the metrics with hand-computed values, answer checking on real
+records of every data set, and the KL / entropy pass on the real embedded model."""
 
 import math
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lib.data import load_records
-from lib.evaluation import (bootstrap_interval, completion_kl_entropy, majority_answer, pass_at_k, score_problems,
-                            win_rate)
+from lib.extras.eval_metrics import (bootstrap_interval, completion_kl_entropy, majority_answer, pass_at_k,
+                                     score_problems, win_rate)
 from lib.rewards import answers_match, extract_answer
 
 

@@ -362,17 +362,17 @@ def _tiny(kind: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_the_written_out_decode_step_gives_the_models_own_logits_bit_for_bit(kind):
-    """lib.decode.LlamaStep against the model's forward over transformers' cache (ModelStep), on the sampler's bf16
+    """lib/extras/decode.LlamaStep against the model's forward over transformers' cache (ModelStep), on the sampler's bf16
     copy (prepacked layers on a CPU with oneDNN's bf16 kernel): the same float32 logits at every step, through the
     buffers' growth (a block of 8 here) and a compaction of the rows; then a sampled run takes the same tokens
     either way, rows ending and leaving the batch included."""
-    from lib.decode import LlamaStep, ModelStep, llama_family
     from lib.extras.cpu_kernels import can_prepack, prepack_for_cpu
-    from lib.rollout import prefill
+    from lib.extras.decode import LlamaStep, llama_family
+    from lib.rollout import ModelStep, prefill
 
     engine = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3, prepack=prepack_for_cpu)
     model = engine.model
-    assert llama_family(model)
+    assert llama_family(model) and engine.decode_step is LlamaStep
     assert hasattr(model.get_decoder().layers[0].self_attn.q_proj, "packed") == can_prepack()
     ids = torch.randint(3, 300, (3, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -394,7 +394,7 @@ def test_the_written_out_decode_step_gives_the_models_own_logits_bit_for_bit(kin
             positions = positions + 1
     runs = []
     for fast in (False, True):
-        engine.fast_decode = fast
+        engine.decode_step = LlamaStep if fast else None
         engine.generator.manual_seed(3)
         runs.append(engine.generate(ids, mask, 4, 150, temperature=1.0))
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)

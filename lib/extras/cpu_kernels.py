@@ -3,7 +3,7 @@
 
 Importing this module registers `grouped_decode_attention` with transformers under lib.modeling.FAST_ATTENTION,
 which lib.modeling.default_attn_implementation then picks on a CPU; `prepack_for_cpu` is the hook the entry scripts
-give lib.rollout.HFRollout (`prepack`) for its bf16 sampling copy.
+give lib.rollout.HFRollout (`prepack`) for its sampling copy.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from lib.extras.decode import LlamaStep, llama_family
 from lib.modeling import FAST_ATTENTION
 
 
@@ -87,9 +88,11 @@ def prepack_linears(model: torch.nn.Module) -> None:
                 setattr(module, child_name, PackedLinear(child))
 
 
-def prepack_for_cpu(model: torch.nn.Module) -> None:
+def prepack_for_cpu(model: torch.nn.Module):
     """HFRollout's `prepack` hook: prepack a bf16 sampling copy's linear layers where it lives on a CPU that has
-    oneDNN's bf16 kernel; leave any other model as it is."""
+    oneDNN's bf16 kernel (leave any other model as it is); return the copy's decode step: lib/extras/decode.LlamaStep
+    for a Llama-family model (on any device), else None (the model's own forward)."""
     if next(model.parameters()).dtype == torch.bfloat16 and next(model.parameters()).device.type == "cpu" \
             and can_prepack():
         prepack_linears(model)
+    return LlamaStep if llama_family(model) else None

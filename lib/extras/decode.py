@@ -1,17 +1,8 @@
-"""The sampler's decode step: the next token's logits for every live row, from the cache its prompt was prefilled
-into. Two implementations behind one interface (`keep(rows)`, `step(tokens, positions) -> (B, V) float32 logits`):
-
-- `ModelStep`: the model's own forward over transformers' dynamic cache: any architecture, and the policy itself
-  (LoRA wrappers, 4-bit layers) when the sampler has no plain copy.
-- `LlamaStep`: the Llama-family decoder layer (Llama, SmolLM, Qwen2, Qwen3) written out over key/value buffers
-  allocated ahead, for the plain copy the sampler owns (lib/rollout.HFRollout). It performs transformers' operations
-  in the same order, and its logits equal `ModelStep`'s bit for bit on a CPU (tests/test_rollout.py; on an H100,
-  tests/test_gpu.py found them equal too for a first form that sliced the buffers instead). What it leaves out is
-  per-step overhead (docs/performance.md 2.4): concatenating every layer's keys and values onto the cache (both,
-  each layer, each token), the copy a matmul makes of a strided slice of a buffer (attention reads the whole
-  zero-filled buffer, its unwritten part masked out, so the matmul gets contiguous memory), building the 4-D mask,
-  and the module and keyword dispatch of about 15 modules a layer. Measured on the 2-core EPYC: 18% off a decode step
-  at 1 row, 16% at 8, 7% at 64; nothing on an H100, where a step is bound by kernel launches.
+"""The HF sampler's decode step with the Llama-family layer (Llama, SmolLM, Qwen2, Qwen3) written out over key /
+value buffers allocated ahead: the same operations in the same order as the model's forward, so the same logits,
+with less per-step overhead on a CPU (docs/performance.md 2.4). The interface is lib.rollout.ModelStep's
+(`keep(rows)`, `step(tokens, positions) -> (B, V) float32 logits`); lib/extras/cpu_kernels.prepack_for_cpu hands it
+to lib.rollout.HFRollout for a Llama-family copy.
 """
 
 from __future__ import annotations
@@ -22,23 +13,6 @@ from transformers import AttentionInterface, DynamicCache
 from lib.modeling import OutputHead
 
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3")
-
-
-class ModelStep:
-    """The model's forward, one token a row, over a transformers cache; `attention` is the (B, L) mask so far."""
-
-    def __init__(self, model: torch.nn.Module, cache: DynamicCache, attention: torch.Tensor):
-        self.model, self.cache, self.attention = model, cache, attention
-
-    def keep(self, rows: torch.Tensor) -> None:
-        self.cache.reorder_cache(rows)
-        self.attention = self.attention[rows]
-
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.attention = torch.cat([self.attention, torch.ones_like(self.attention[:, :1])], dim=1)
-        out = self.model(input_ids=tokens[:, None], attention_mask=self.attention, position_ids=positions[:, None],
-                         past_key_values=self.cache, use_cache=True)
-        return out.logits[:, -1].float()
 
 
 def llama_family(lm: torch.nn.Module) -> bool:
