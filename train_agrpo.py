@@ -70,7 +70,7 @@ from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation import generate_and_score, summarize
-from lib.extras import cpu_kernels, health, hub, hub_data, memory, reward_models
+from lib.extras import agents, cpu_kernels, health, hub, hub_data, memory, reward_models
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.vllm_rollout import colocated_rollout
@@ -278,6 +278,7 @@ def sample_batch(run: Run, data_position: int, step: int) -> Sampled:
     sampled = Sampled(prompts, temperatures, rollout, scores, rewards, total, errors, group_size,
                       data_position + num_prompts, rounds=[total.view(num_prompts, group_size)], counters=counters)
     sampled = run.method.refill(ctx, sampled, step)
+    sampled.counters.update(ctx.sampling_counters())  # the sampler's hooks' events (an agent's tool calls)
     sampled.reward_seconds = ctx.reward_seconds
     sampled.nonfinite = ctx.nonfinite
     sampled.generation_seconds = clock(run) - t0 - ctx.reward_seconds
@@ -334,7 +335,7 @@ def reference_and_old_logps(run: Run, roll: Rollout):
 
     def per_micro(model, **options) -> list[tuple]:
         return [model(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows], roll.completion_ids[rows],
-                      roll.completion_mask[rows], roll.temperatures[rows], **options) for rows in run.geometry.micro]
+                      roll.attended()[rows], roll.temperatures[rows], **options) for rows in run.geometry.micro]
 
     ref_logp = old_logp = old_entropy = None
     with torch.no_grad(), run.accelerator.autocast():
@@ -377,7 +378,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                 (torch.no_grad() if skip_update else nullcontext()):
             with accelerator.autocast(), memory.offloaded_activations(cfg.activation_offloading, accelerator.device):
                 logp, entropy = scorer(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows],
-                                       roll.completion_ids[rows], roll.completion_mask[rows], roll.temperatures[rows],
+                                       roll.completion_ids[rows], roll.attended()[rows], roll.temperatures[rows],
                                        entropy_grad=values.eta > 0)
             mask = batch.loss_mask[rows]
             width = logp.shape[1]
@@ -474,7 +475,7 @@ def step_drift(run: Run, batch: Batch, timing: dict) -> list[float]:
     run.policy.eval()
     with torch.no_grad(), run.accelerator.autocast():
         after = pad_cat([scorer(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows], roll.completion_ids[rows],
-                                roll.completion_mask[rows], roll.temperatures[rows], with_entropy=False)[0]
+                                roll.attended()[rows], roll.temperatures[rows], with_entropy=False)[0]
                          for rows in run.geometry.micro])
     drift = distributed.group_token_means(run.accelerator, batch.old_logp[:, : after.shape[1]] - after,
                                           roll.completion_mask, batch.group_size)
@@ -534,6 +535,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
 
     model_path = resolve_model_path(cfg.model_name_or_path)
     tokenizer = load_checked_tokenizer(cfg, model_path, train_records[:1] + eval_records[:1])
+    agent = agents.Agent.from_config(cfg, tokenizer)  # tools: checked, their worker started (docs/agents.md)
     policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded,
                                     partitioned)
     if cfg.use_vllm and cfg.vllm_mode == "server":  # an engine on its own devices (serve_vllm.py)
@@ -562,7 +564,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
         with hub.argv_without_secrets():
             accelerator.init_trackers(cfg.project, config=hparams, init_kwargs=trackers)
     ctx = rollout_context(cfg, engine, tokenizer, reward_funcs, train_records, accelerator,
-                          geometry, worker)
+                          geometry, worker, agent)
     history = read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None
     run = Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method,
               params, optimizer, scheduler, eval_records, geometry, ckpt.StopRequest(), sharded,

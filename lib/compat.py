@@ -102,7 +102,6 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
     "vllm_tensor_parallel_size": (1, "a colocated engine runs on its process's GPU; a generation server spans "
                                      "several with python serve_vllm.py --tensor_parallel_size N (vllm_mode server)"),
     "vllm_structured_outputs_regex": (None, "structured outputs are not implemented"),
-    "max_tool_calling_iterations": (None, "tool calling is not implemented"),
     "lora_target_parameters": (None, "adapting parameters (MoE experts) directly is not implemented; use "
                                      "lora_target_modules"),
     "lora_modules_to_save": (None, "training whole modules beside the adapter is not implemented"),

@@ -52,6 +52,10 @@ class Rollout:
     sequence_mask: torch.Tensor | None = None  # (B, T) every token the policy reads, where that is more than the
     # model's own tokens in completion_mask: an agent's episode holds tool results (lib/extras/agents.py)
 
+    def attended(self) -> torch.Tensor:
+        """(B, T) the completion tokens a forward pass reads: all of an episode's, tool results included."""
+        return self.completion_mask if self.sequence_mask is None else self.sequence_mask
+
 
 @dataclass(frozen=True)
 class AnswerPhase:
@@ -92,14 +96,19 @@ def replace_completions(batch: Rollout, rows: torch.Tensor, new: Rollout, pad_to
     mask[rows] = widen(new.completion_mask, 0)
     temps[rows] = widen(new.temperatures, 0.0)
     truncated[rows] = new.is_truncated
-    used = int(mask.sum(1).max()) if mask.numel() else 0
+    sequence = None
+    if batch.sequence_mask is not None or new.sequence_mask is not None:  # agents' episodes: model tokens have gaps
+        sequence = widen(batch.attended(), 0).clone()
+        sequence[rows] = widen(new.attended(), 0)
+    used = int((mask if sequence is None else sequence).sum(1).max()) if mask.numel() else 0
     logps = None
     if batch.sampling_logps is not None and new.sampling_logps is not None:
         logps = widen(batch.sampling_logps, 0.0).clone()
         logps[rows] = widen(new.sampling_logps, 0.0)
         logps = logps[:, :used]
     return replace(batch, completion_ids=ids[:, :used], completion_mask=mask[:, :used], temperatures=temps[:, :used],
-                   is_truncated=truncated, sampling_logps=logps)
+                   is_truncated=truncated, sampling_logps=logps,
+                   sequence_mask=None if sequence is None else sequence[:, :used])
 
 def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """The repetition penalty of CTRL (Keskar et al. 2019, section 4.1, "penalized sampling"): the logit of each token

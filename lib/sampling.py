@@ -69,7 +69,7 @@ class RolloutContext:
     """The engine, the data, the reward functions and the process group, as the sampling parts need them."""
 
     def __init__(self, cfg, engine, tokenizer, reward_funcs, reward_weights: torch.Tensor, train_records: list[dict],
-                 accelerator, answer_phase, local_rollout: int, first: int, worker=None):
+                 accelerator, answer_phase, local_rollout: int, first: int, worker=None, episodes=None):
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
         self.reward_funcs, self.reward_weights = reward_funcs, reward_weights
         self.reward_names = [name for name, _ in reward_funcs]
@@ -81,6 +81,12 @@ class RolloutContext:
         self.reward_seconds = 0.0  # time spent in reward functions, reported apart from generation
         # lib.extras.reward_worker.RewardWorker (reward_timeout > 0), or None: called in this process
         self.worker = worker
+        self.episodes = episodes  # lib.extras.agents.Agent (tools): first turns continued into episodes, or None
+        # what prompts are rendered with: the run's system prompt and template variables, and an agent's tools
+        self.system_prompt, self.template_kwargs = cfg.system_prompt, cfg.chat_template_kwargs
+        if episodes is not None:
+            self.system_prompt, self.template_kwargs = episodes.prompt_settings(cfg.system_prompt,
+                                                                               cfg.chat_template_kwargs)
         self.nonfinite = dict.fromkeys(self.reward_names, 0)  # completions scored inf / -inf / NaN, this batch
         self.trainer_state = RewardState(0, cfg.max_steps, 0.0)  # the reward functions' `trainer_state`
 
@@ -89,13 +95,14 @@ class RolloutContext:
         `data_position` (prompts drawn so far) are the progress the reward functions get as `trainer_state`."""
         self.reward_seconds = 0.0
         self.nonfinite = dict.fromkeys(self.reward_names, 0)
+        if self.episodes is not None:
+            self.episodes.start_batch()
         self.trainer_state = RewardState(step, self.cfg.max_steps, data_position / len(self.train_records))
 
     def prompt_text(self, record: dict) -> str:
         """The text the model is prompted with (lib/data.render_prompt: TRL's prompt as it is or through the chat
         template, or a math problem with the instruction)."""
-        return render_prompt(self.tokenizer, record, self.cfg.instruction, self.cfg.system_prompt,
-                             self.cfg.chat_template_kwargs)
+        return render_prompt(self.tokenizer, record, self.cfg.instruction, self.system_prompt, self.template_kwargs)
 
     def next_slots(self, position: int, count: int) -> list[int]:
         seed = self.cfg.seed if self.cfg.data_seed is None else self.cfg.data_seed
@@ -116,10 +123,15 @@ class RolloutContext:
         ids, mask, counts = prompts.ids, prompts.mask, prompts.counts
         if rows is not None:
             ids, mask, counts = ids[rows], mask[rows], counts[rows]
-        return self.engine.generate(ids, mask, counts, self.cfg.max_completion_length, temperature=temperature,
-                                    top_p=top_p, top_k=self.cfg.top_k,
-                                    answer_phase=self.answer_phase if answer_phase else None,
-                                    min_p=self.cfg.min_p or 0.0, repetition_penalty=self.cfg.repetition_penalty)
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=self.cfg.top_k,
+                        answer_phase=self.answer_phase if answer_phase else None, min_p=self.cfg.min_p or 0.0,
+                        repetition_penalty=self.cfg.repetition_penalty)
+        rollout = self.engine.generate(ids, mask, counts, self.cfg.max_completion_length, **sampling)
+        return rollout if self.episodes is None else self.episodes(rollout, self.engine, sampling)
+
+    def sampling_counters(self) -> dict[str, float]:
+        """This batch's sampling events that the sampler's hooks count, over every process (an agent's tool calls)."""
+        return {} if self.episodes is None else self.episodes.counters(self.reduce_sum)
 
     def score(self, rollout: Rollout, records: list[dict]) -> tuple[torch.Tensor, dict[str, int], list[str]]:
         """Every reward function on a rollout's completions, called as TRL calls them (lib/reward_funcs.py; prompts and
@@ -134,9 +146,9 @@ class RolloutContext:
         prompts, completions, columns, model_prompts = reward_arguments(
             owners, [rendered.get(i) for i in index], texts, instruction=self.cfg.instruction,
             system_prompt=self.cfg.system_prompt)
-        lengths = rollout.completion_mask.sum(1).tolist()
-        columns["completion_length"] = lengths  # tokens, for length-based rewards
-        ids = [row[:n].tolist() for row, n in zip(rollout.completion_ids.cpu(), lengths)]  # the mask is a prefix
+        columns["completion_length"] = rollout.completion_mask.sum(1).tolist()  # the model's tokens
+        # every token of each completion (an episode's tool results too: its attended mask is a prefix)
+        ids = [row[:n].tolist() for row, n in zip(rollout.completion_ids.cpu(), rollout.attended().sum(1).tolist())]
         nonfinite = {}
         per_func, errors = score_completions(self.reward_funcs, prompts, completions, columns,
                                              error_value=self.cfg.reward_error_value,

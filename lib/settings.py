@@ -430,6 +430,18 @@ class GRPOArguments:
                                   "that kills the worker, scores as a failure (reward_error_value) and is counted; "
                                   "the run goes on (0 = no worker and no limit: they run in the trainer).",
         "range": "[0, inf)", "why": "seconds; 0 = no limit"})
+    tools: list[str] = field(default_factory=list, metadata={"help": "Tools the model may call while it samples "
+                             "(module:function / file.py:function; lib.extras.tools:calculator is built in): typed "
+                             "functions with a Google-style docstring, run in a worker process; their results are "
+                             "appended and sampling goes on, and their tokens are not trained (docs/agents.md)."})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Model turns with tool calls "
+                                                    "an episode may have (null = until a turn calls none or the "
+                                                    "completion budget is spent).",
+        "range": "[0, inf)"})
+    tool_timeout: float = field(default=10.0, metadata={"help": "Seconds one tool call may take; a call past it, "
+                                "or one that raises or kills the tool worker, returns an error message to the model "
+                                "and is counted (tools/failure_frequency); 0 = no limit.",
+        "range": "[0, inf)", "why": "seconds; 0 = no limit"})
     max_nonfinite_steps: int = field(default=3, metadata={"help": "A non-finite reward, advantage, loss or gradient "
                                      "norm skips its optimizer step (logged with the reason); after this many "
                                      "consecutive skipped steps the run stops with an error, keeping its last good "

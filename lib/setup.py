@@ -430,7 +430,7 @@ def restore(resume: Path | None, accelerator: Accelerator, scorer, optimizer, sc
 
 
 def rollout_context(cfg: Config, engine, tokenizer, reward_funcs: list, train_records: list[dict],
-                    accelerator: Accelerator, geometry: Geometry, worker=None) -> RolloutContext:
+                    accelerator: Accelerator, geometry: Geometry, worker=None, episodes=None) -> RolloutContext:
     """What sampling and scoring read (lib/methods.RolloutContext): the sampler, the rewards and their weights, the
     data, the answer phase (answer_marker: the answer sampled at its own temperature), and the reward worker
     (lib/extras/reward_worker.RewardWorker, made by train_agrpo.setup) or None."""
@@ -440,15 +440,16 @@ def rollout_context(cfg: Config, engine, tokenizer, reward_funcs: list, train_re
                                              cfg.answer_top_p)
     reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
     return RolloutContext(cfg, engine, tokenizer, reward_funcs, reward_weights, train_records,
-                          accelerator, answer_phase, geometry.local_rollout, geometry.first, worker)
+                          accelerator, answer_phase, geometry.local_rollout, geometry.first, worker, episodes)
 
 
 def close(run: Run) -> None:
     """After the run, or when it stops early: the sampler, the reward worker, the trackers, the signal handlers."""
     run.stop.restore()
     run.engine.close()
-    if run.ctx.worker is not None:
-        run.ctx.worker.close()
+    for worker in (run.ctx.worker, run.ctx.episodes):  # the reward worker, an agent's tool worker
+        if worker is not None:
+            worker.close()
     if run.hub is not None:  # says which pushes an early stop abandons (docs/hub.md 3)
         run.hub.close()
     run.accelerator.end_training()

@@ -1,6 +1,7 @@
-"""Agents (lib/extras/tools.py, lib/extras/agents.py, docs/agents.md): tool schemas, the plain call format, the tool worker's failures,
-the episode loop over the real HF sampler and its masks."""
+"""Agents (lib/extras/tools.py, lib/extras/agents.py, docs/agents.md): tool schemas, the plain call format, the
+tool worker's failures, the episode loop over the real HF sampler and its masks, a run with tools."""
 
+import json
 import time
 
 import pytest
@@ -113,7 +114,7 @@ def test_episodes_append_results_mask_them_and_end_at_each_limit(tokenizer, engi
     texts = [call, "It is 42.", '<tool_call>["calculator", "6 * 7"]</tool_call>']
     worker = ToolWorker(["lib.extras.tools:calculator"], timeout=5.0)
     renderer = ResultRenderer(tokenizer)
-    generate = engine_generate(engine, tokenizer.pad_token_id, temperature=0.7)
+    generate = engine_generate(engine, tokenizer.pad_token_id, {"temperature": 0.7}, torch.arange(3))
     try:
         torch.manual_seed(0)
         first = forced_turn(tokenizer, prompt, texts)
@@ -134,7 +135,7 @@ def test_episodes_append_results_mask_them_and_end_at_each_limit(tokenizer, engi
     roll = episodes_rollout(first, episodes, tokenizer.pad_token_id)
     assert torch.equal(roll.completion_mask[0, :len(called.ids)], torch.tensor(called.model))
     assert int(roll.sequence_mask[0].sum()) == len(called.ids) and int(roll.completion_mask[0].sum()) < len(called.ids)
-    assert (roll.temperatures[0] > 0).tolist() == [bool(m) for m in roll.completion_mask[0].tolist()]
+    assert roll.temperatures[0, :len(called.ids)].tolist() == pytest.approx([0.7 if m else 1.0 for m in called.model])
 
     # max_tool_calling_iterations 0: the call is not run; a budget the result does not fit in: truncated
     worker = ToolWorker(["lib.extras.tools:calculator"], timeout=5.0)
@@ -151,3 +152,106 @@ def test_episodes_append_results_mask_them_and_end_at_each_limit(tokenizer, engi
         assert len(budget.ids) <= n + len(result) + 5 and budget.truncated and budget.turns == 2
     finally:
         worker.close()
+
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_caller(tiny_model, tmp_path_factory):
+    """The tiny model taught (a few seconds of supervised steps) to answer any prompt with CALL and a tool's result
+    with "Done.": a real sampler that writes real tool calls, for the loop's mechanics."""
+    from lib.data import DEFAULT_INSTRUCTION, builtin_task, format_prompt
+    from lib.extras.tools import ResultRenderer
+    from lib.modeling import load_policy, load_tokenizer
+
+    tok = load_tokenizer(tiny_model)
+    model = load_policy(tiny_model)
+    schemas = tool_schemas([f"{TOOLS}:add"])
+    system = plain_tool_prompt(schemas)
+    result = ResultRenderer(tok).ids(["5"])
+    call = tok.encode(CALL, add_special_tokens=False) + [tok.eos_token_id]
+    done = tok.encode("Done.", add_special_tokens=False) + [tok.eos_token_id]
+    sequences = []
+    for record in builtin_task(seed=0, num_train=4, num_eval=0)[0]:  # the run's prompts (--seed 0)
+        prompt = tok.encode(format_prompt(tok, record["problem"], DEFAULT_INSTRUCTION, system),
+                            add_special_tokens=False)
+        sequences += [(prompt, call), (prompt + call + result, done)]
+    # one padded batch; the vocabulary projection only at the target tokens (most of a tiny model's cost)
+    width = max(len(c) + len(t) for c, t in sequences)
+    ids = torch.full((len(sequences), width), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    at, targets = [], []
+    for row, (context, target) in enumerate(sequences):
+        ids[row, :len(context) + len(target)] = torch.tensor(context + target)
+        mask[row, :len(context) + len(target)] = 1
+        at += [(row, len(context) - 1 + k) for k in range(len(target))]
+        targets += target
+    rows, cols = torch.tensor(at).T
+    optimizer = torch.optim.Adam(model.parameters(), lr=6e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    for _ in range(60):
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), torch.tensor(targets))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.set_num_threads(threads)
+    assert loss.item() < 0.1, loss.item()
+    folder = tmp_path_factory.mktemp("tool_caller")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.slow  # a model taught to call the tool, then a run: about 20 s
+def test_a_run_with_tools_trains_only_the_models_tokens(tool_caller, tmp_path, monkeypatch):
+    """The loop with `tools`: episodes of two turns, the tool's result read by the model but no gradient reaching
+    it (the loss's gradient at every tool-result token is exactly 0, at the model's tokens it is not), the tool
+    counters logged, the turns in completions.jsonl."""
+    import train_agrpo
+    from accelerate.state import AcceleratorState
+    from lib.modeling import CompletionScorer
+
+    captured, batches = [], []
+    forward = CompletionScorer.forward
+
+    def keep(self, *args, **kwargs):  # the real forward; its log-probs kept to read their gradient
+        logp, entropy = forward(self, *args, **kwargs)
+        if logp.requires_grad:
+            logp.retain_grad()
+            captured.append(logp)
+        return logp, entropy
+
+    prepare = train_agrpo.prepare_batch
+    monkeypatch.setattr(CompletionScorer, "forward", keep)
+    monkeypatch.setattr(train_agrpo, "prepare_batch", lambda run, sampled: batches.append(prepare(run, sampled))
+                        or batches[-1])
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    try:
+        train_agrpo.main(["--model_name_or_path", tool_caller, "--max_steps", "2", "--per_device_train_batch_size",
+                          "4", "--num_generations", "4", "--max_completion_length", "64", "--num_eval_samples", "0",
+                          "--builtin_num_train", "4", "--seed", "0", "--learning_rate", "1e-4", "--temperature", "0.3",
+                          "--reward_funcs", "tests/tiny_rewards.py:noise", "--bf16", "false", "--beta", "0.04",
+                          "--eta", "0.01", "--tools", f"{TOOLS}:add", "--max_tool_calling_iterations", "2",
+                          "--output_dir", str(out)])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "reward" in m]
+    assert steps[0]["tools/call_frequency"] >= 1.0 and steps[0]["tools/failure_frequency"] == 0.0
+    assert len(batches) == 2 and len(captured) == 2
+    for batch, logp in zip(batches, captured):
+        roll = batch.rollout
+        width = logp.shape[1]
+        tool = (roll.attended() - roll.completion_mask)[:, :width].bool()
+        assert tool.any(), "no episode called the tool"
+        assert torch.all(logp.grad[tool] == 0)
+        assert logp.grad[roll.completion_mask[:, :width].bool()].abs().max() > 0
+        # the model's tokens counted: lengths and the token budget leave the tool's out
+        assert batch.num_tokens == int(roll.completion_mask.sum()) < int(roll.attended().sum())
+    completions = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert any("tool\n5" in c["completion"] for c in completions)

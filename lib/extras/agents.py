@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lib.extras.tools import ResultRenderer, turn_tool_calls
+from lib.config import ConfigError
+from lib.extras.tools import (ResultRenderer, ToolWorker, plain_tool_prompt, template_has_tools, tool_schemas,
+                              tool_spec, turn_tool_calls)
 from lib.rollout import Rollout
 
 
@@ -34,27 +36,91 @@ class Episode:
     done: bool = False
 
 
-def engine_generate(engine, pad_token_id: int, **sampling):
+def engine_generate(engine, pad_token_id: int, sampling: dict, owner: torch.Tensor):
     """`run_episodes`' `generate` over a sampler with the trainer's interface (lib/rollout.HFRollout, vLLM's
-    engines): each prompt left-padded, one completion each, at the run's sampling settings `sampling`."""
-    def generate(prompts: list[list[int]], max_new_tokens: int) -> Rollout:
+    engines): each prompt left-padded, one completion each, at the batch's sampling settings `sampling` (a value
+    given per prompt of the first turns, such as a controller's temperatures, is taken at each episode's prompt:
+    `owner`, the first turns' prompt_index)."""
+    def generate(prompts: list[list[int]], max_new_tokens: int, rows: list[int]) -> Rollout:
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, p in enumerate(prompts):
             ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[row, width - len(p):] = 1
-        device = getattr(engine, "device", "cpu")
-        return engine.generate(ids.to(device), mask.to(device), 1, max_new_tokens, **sampling)
+        index = owner[torch.tensor(rows, device=owner.device)]
+        options = {k: v[index] if torch.is_tensor(v) and v.dim() == 1 else v for k, v in sampling.items()}
+        return engine.generate(ids.to(owner.device), mask.to(owner.device), 1, max_new_tokens, **options)
     return generate
+
+
+class Agent:
+    """The episodes hook of lib/sampling.RolloutContext: a batch's first turns continued into episodes with the tools
+    (`call`: lib/extras/tools.ToolWorker.call), and the batch's tool counters, TRL's `tools/call_frequency` (calls
+    per completion) and `tools/failure_frequency` (failed calls per call)."""
+
+    def __init__(self, tokenizer, call, max_iterations: int | None, max_completion_length: int,
+                 schemas: list[dict] | None = None, worker: ToolWorker | None = None):
+        self.tokenizer, self.call = tokenizer, call
+        self.max_iterations, self.max_completion_length = max_iterations, max_completion_length
+        self.schemas, self.worker = schemas or [], worker
+        self.renderer = ResultRenderer(tokenizer)
+        self.start_batch()
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer) -> Agent | None:
+        """The run's agent (`tools`), its worker started; None without tools. A tool that cannot be imported or
+        described raises ValueError naming it, before any sampling."""
+        if not cfg.tools:
+            return None
+        try:
+            specs = [tool_spec(t) for t in cfg.tools]
+            schemas = tool_schemas(specs)
+        except ValueError as error:
+            raise ConfigError(f"tools: {error}") from None
+        worker = ToolWorker(specs, cfg.tool_timeout)
+        worker.start()
+        return cls(tokenizer, worker.call, cfg.max_tool_calling_iterations, cfg.max_completion_length, schemas,
+                   worker)
+
+    def prompt_settings(self, system_prompt: str | None, template_kwargs: dict | None) -> tuple:
+        """The system prompt and the chat template's variables that give the model the tools: the template's own
+        `tools` where it renders them, else the plain format's description after the system prompt."""
+        if template_has_tools(self.tokenizer):
+            return system_prompt, {**(template_kwargs or {}), "tools": self.schemas}
+        text = plain_tool_prompt(self.schemas)
+        return (f"{system_prompt}\n\n{text}" if system_prompt else text), template_kwargs
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+    def start_batch(self) -> None:
+        self.calls = self.failures = self.completions = 0
+
+    def __call__(self, first: Rollout, engine, sampling: dict) -> Rollout:
+        """The episodes that go on from the sampler `engine`'s first turns `first`, sampled at `sampling`."""
+        generate = engine_generate(engine, self.tokenizer.pad_token_id, sampling, first.prompt_index)
+        episodes = run_episodes(generate, first, self.tokenizer, self.call, self.renderer, self.max_iterations,
+                                self.max_completion_length)
+        self.calls += sum(e.calls for e in episodes)
+        self.failures += sum(e.failures for e in episodes)
+        self.completions += len(episodes)
+        return episodes_rollout(first, episodes, self.tokenizer.pad_token_id)
+
+    def counters(self, reduce_sum) -> dict[str, float]:
+        calls, failures = reduce_sum(self.calls), reduce_sum(self.failures)
+        return {"tools/call_frequency": calls / max(reduce_sum(self.completions), 1.0),
+                "tools/failure_frequency": failures / calls if calls else 0.0}
 
 
 def run_episodes(generate, first: Rollout, tokenizer, call, renderer: ResultRenderer, max_iterations: int | None,
                  max_completion_length: int) -> list[Episode]:
     """Go on from the first turns `first` (a Rollout from the sampler) until every episode ends.
 
-    `generate(prompt_ids: list[list[int]], max_new_tokens: int) -> Rollout` samples one continuation of each prompt
-    (the sampler at the run's settings); `call(name, arguments) -> (text, failed)` runs one tool. An episode ends when
+    `generate(prompt_ids: list[list[int]], max_new_tokens: int, rows: list[int]) -> Rollout` samples one
+    continuation of each prompt, those of episodes `rows` (`engine_generate`: the sampler at the batch's settings);
+    `call(name, arguments) -> (text, failed)` runs one tool. An episode ends when
     a turn calls no tool, when `max_iterations` turns have called tools (TRL's max_tool_calling_iterations; None: no
     limit), or when its tokens reach `max_completion_length` (then it is truncated, as a one-turn completion is)."""
     eos = tokenizer.eos_token_id
@@ -98,8 +164,9 @@ def run_episodes(generate, first: Rollout, tokenizer, call, renderer: ResultRend
             tool_ids = renderer.ids(results)
             room = max_completion_length - len(ep.ids)
             ep.ids += tool_ids[:room]
-            for values in (ep.model, ep.logps, ep.temperatures):
-                values += [0] * len(tool_ids[:room])
+            ep.model += [0] * len(tool_ids[:room])
+            ep.logps += [0.0] * len(tool_ids[:room])
+            ep.temperatures += [1.0] * len(tool_ids[:room])  # never sampled; 1 keeps the forward's division finite
             if len(tool_ids) >= room:  # no room left for the model to read the result and answer
                 ep.truncated = True
                 continue
@@ -112,7 +179,7 @@ def run_episodes(generate, first: Rollout, tokenizer, call, renderer: ResultRend
             break
         iteration += 1
         room = max(max_completion_length - len(episodes[i].ids) for i in active)
-        turn = generate([prompts[owner[i]] + episodes[i].ids for i in active], room)
+        turn = generate([prompts[owner[i]] + episodes[i].ids for i in active], room, active)
         # a continuation longer than its episode's room is cut to it (the longest episode sets the call's budget)
         for k, i in enumerate(active):
             keep = max_completion_length - len(episodes[i].ids)
@@ -125,7 +192,7 @@ def run_episodes(generate, first: Rollout, tokenizer, call, renderer: ResultRend
 def episodes_rollout(first: Rollout, episodes: list[Episode], pad_token_id: int) -> Rollout:
     """The episodes as one Rollout: completion_ids (B, T) every token of each episode; completion_mask (B, T) its
     model tokens (what the trainer trains, regularises and counts); sequence_mask (B, T) all of its tokens (what the
-    policy reads); sampling_logps and temperatures 0 at tool tokens."""
+    policy reads); sampling_logps 0 and temperatures 1 at tool tokens."""
     width = max(1, max(len(e.ids) for e in episodes))
     ids = torch.full((len(episodes), width), pad_token_id, dtype=torch.long)
     model = torch.zeros((len(episodes), width), dtype=torch.long)
