@@ -77,7 +77,7 @@ from lib.extras.vllm_rollout import colocated_rollout
 from lib.extras.runs import read_jsonl
 from lib.logs import append_jsonl, batch_metrics, log_step, watch_health
 from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
-                        per_row, policy_loss, policy_ratio, truncated_importance_weights)
+                        per_row, policy_loss, policy_ratio, token_share, truncated_importance_weights)
 from lib.methods import TrainValues, choose_method
 from lib.modeling import adapter_disabled, mix_into_reference, pad_cat, resolve_model_path
 from lib.reward_funcs import reward_options
@@ -390,12 +390,12 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                 keep = off_policy_sequence_mask(logp, old if sampling is None else sampling, batch.advantages[rows],
                                                 mask, cfg.off_policy_mask_threshold)
                 per_token = per_token * keep
-                clip_stats["masked/off_policy"] = ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
+                clip_stats["masked/off_policy"] = token_share(1 - keep, mask)
             if cfg.top_entropy_quantile < 1.0:  # the 80/20 rule: high-entropy tokens only (docs/methods.md 1.11)
                 pool = distributed.gather_ragged(accelerator, entropy.detach()[mask.bool()].float())
                 keep = high_entropy_mask(entropy, mask, cfg.top_entropy_quantile, pool)
                 per_token = per_token * keep
-                clip_stats["masked/low_entropy"] = ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
+                clip_stats["masked/low_entropy"] = token_share(1 - keep, mask)
             if tis:
                 weight = truncated_importance_weights(old, sampling, mask, cfg.vllm_importance_sampling_mode,
                                                       cfg.vllm_importance_sampling_clip_max,
