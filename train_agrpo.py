@@ -70,14 +70,14 @@ from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation import generate_and_score, summarize
-from lib.extras import agents, cpu_kernels, health, hub, hub_data, memory, reward_models
+from lib.extras import agents, cpu_kernels, health, hub, hub_data, memory, reward_models, sharding
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.vllm_rollout import colocated_rollout
 from lib.extras.runs import read_jsonl
 from lib.logs import append_jsonl, batch_metrics, log_step, watch_health
 from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
-                        per_row, policy_loss, policy_ratio, truncated_importance_weights)
+                        per_row, policy_loss, policy_ratio, token_share, truncated_importance_weights)
 from lib.methods import TrainValues, choose_method
 from lib.modeling import adapter_disabled, mix_into_reference, pad_cat, resolve_model_path
 from lib.reward_funcs import reward_options
@@ -374,7 +374,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     for m, rows in enumerate(step_micro):
         sync = m == len(step_micro) - 1  # gradients are all-reduced once, after the last micro-batch
         # (sharded: every micro-batch's gradients are reduce-scattered; skipping that would keep full gradients)
-        with (nullcontext() if sync or run.sharded else accelerator.no_sync(scorer)), \
+        with (nullcontext() if sync or run.sharding is not None else accelerator.no_sync(scorer)), \
                 (torch.no_grad() if skip_update else nullcontext()):
             with accelerator.autocast(), memory.offloaded_activations(cfg.activation_offloading, accelerator.device):
                 logp, entropy = scorer(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows],
@@ -391,12 +391,12 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                 keep = off_policy_sequence_mask(logp, old if sampling is None else sampling, batch.advantages[rows],
                                                 mask, cfg.off_policy_mask_threshold)
                 per_token = per_token * keep
-                clip_stats["masked/off_policy"] = ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
+                clip_stats["masked/off_policy"] = token_share(1 - keep, mask)
             if cfg.top_entropy_quantile < 1.0:  # the 80/20 rule: high-entropy tokens only (docs/methods.md 1.11)
                 pool = distributed.gather_ragged(accelerator, entropy.detach()[mask.bool()].float())
                 keep = high_entropy_mask(entropy, mask, cfg.top_entropy_quantile, pool)
                 per_token = per_token * keep
-                clip_stats["masked/low_entropy"] = ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
+                clip_stats["masked/low_entropy"] = token_share(1 - keep, mask)
             if tis:
                 weight = truncated_importance_weights(old, sampling, mask, cfg.vllm_importance_sampling_mode,
                                                       cfg.vllm_importance_sampling_clip_max,
@@ -421,8 +421,10 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
             loss = aggregate_loss(per_token, mask, cfg.loss_type, global_num_sequences=geo.global_completions,
                                   global_num_tokens=global_tokens, max_completion_length=cfg.max_completion_length,
                                   num_processes=geo.world, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
-            if not skip_update:
-                distributed.backward(accelerator, scorer, loss, last=sync)
+            if not skip_update and run.sharding is not None:  # DeepSpeed's engine is told the slice's last one
+                run.sharding.backward(scorer, loss, last=sync)
+            elif not skip_update:
+                accelerator.backward(loss)
         sums["loss"] += loss.detach() / geo.world
         sums["entropy"] += (entropy.detach() * roll.completion_mask[rows]).sum()
         sums["trained_entropy"] += (entropy.detach() * mask).sum()  # what the adaptive entropy controller reads
@@ -517,7 +519,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     configuration and data errors before any model loads, the memory check before any sampling.
     Raises ConfigError with the field and the fix. The optional parts (lib/extras/) are made here
     and handed to the core as plain objects."""
-    accelerator, bf16, sharded, partitioned = start_accelerator(cfg)
+    accelerator, bf16, sharded, partitioned = start_accelerator(cfg, sharding)
     rank, world = accelerator.process_index, accelerator.num_processes
     # push_to_hub: the hub reachable, a write token, the repository ready, before data and models
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None

@@ -232,8 +232,9 @@ def _note(message: str) -> None:
     logging.getLogger("agrpo.config").warning(message)
 
 
-def _as_bool(value) -> bool:
-    """A YAML or command-line boolean, read as lib/config.py reads one."""
+def as_bool(value) -> bool:
+    """A YAML or command-line boolean (true / 1 / yes / on, false / 0 / no / off, any case); ValueError otherwise.
+    lib/config.py reads a bool field with it."""
     if isinstance(value, bool):
         return value
     text = str(value).lower()
@@ -252,7 +253,7 @@ def _same_value(value, default) -> bool:
         return value is None and default is None
     try:
         if isinstance(default, bool):
-            return _as_bool(value) is default
+            return as_bool(value) is default
         if isinstance(default, (int, float)):
             return not isinstance(value, bool) and float(value) == float(default)
     except (TypeError, ValueError):

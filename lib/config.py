@@ -28,7 +28,7 @@ import torch
 import yaml
 from transformers import HfArgumentParser
 
-from lib.compat import leftover_values, resolve_keys
+from lib.compat import as_bool, leftover_values, resolve_keys
 from lib.data import looks_local, one_line
 from lib.losses import check_settings
 from lib.methods import METHODS
@@ -65,14 +65,7 @@ def _scalar(name: str, typ, value):
         raise ConfigError(f"{name}: expected one {_type_name(typ)}, got a {type(value).__name__} ({value!r:.80}); "
                           f"give a single value")
     if typ is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).lower()
-        if text in ("true", "1", "yes", "on"):
-            return True
-        if text in ("false", "0", "no", "off"):
-            return False
-        raise ValueError(value)
+        return as_bool(value)
     if isinstance(value, bool):
         quote = "; write it in quotes in YAML" if typ is str else ""
         article = "an" if typ is int else "a"

@@ -294,6 +294,11 @@ def policy_ratio(logp: torch.Tensor, old_logp: torch.Tensor, completion_mask: to
     return torch.exp(log_ratio)
 
 
+def token_share(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The share of the completion tokens (mask, (B, T)) where the (B, T) 0 / 1 `flags` are set; 0 with no tokens."""
+    return (flags * mask).sum() / mask.sum().clamp(min=1.0)
+
+
 def clipped_surrogate(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -339,15 +344,11 @@ def clipped_surrogate(
         r = ratio.expand_as(logp)
         low = ((r < low_bound) & (adv < 0)).to(mask.dtype)
         high = ((r > high_bound) & (adv > 0)).to(mask.dtype)
-        n_tok = mask.sum().clamp(min=1.0)
-        stats = {
-            "clip_ratio/low_mean": (low * mask).sum() / n_tok,
-            "clip_ratio/high_mean": (high * mask).sum() / n_tok,
-            "clip_ratio/region_mean": ((low + high) * mask).sum() / n_tok,
-        }
+        stats = {"clip_ratio/low_mean": token_share(low, mask), "clip_ratio/high_mean": token_share(high, mask),
+                 "clip_ratio/region_mean": token_share(low + high, mask)}
         if dual_clip is not None:
             dual = ((r * adv.abs() > dual_clip * adv.abs()) & (adv < 0)).to(mask.dtype)
-            stats["clip_ratio/dual_mean"] = (dual * mask).sum() / n_tok
+            stats["clip_ratio/dual_mean"] = token_share(dual, mask)
     return per_token, stats
 
 
@@ -377,8 +378,7 @@ def cispo_surrogate(
     adv = advantages.unsqueeze(1)
     per_token = -torch.minimum(ratio, cap).detach() * adv * logp
     with torch.no_grad():
-        capped = ((ratio.expand_as(logp) > cap) & (adv > 0)).to(mask.dtype)
-        share = (capped * mask).sum() / mask.sum().clamp(min=1.0)
+        share = token_share(((ratio.expand_as(logp) > cap) & (adv > 0)).to(mask.dtype), mask)
         stats = {"clip_ratio/low_mean": torch.zeros_like(share), "clip_ratio/high_mean": share,
                  "clip_ratio/region_mean": share}
     return per_token, stats
@@ -422,10 +422,8 @@ def sapo_surrogate(
         s = torch.sigmoid(tau * (ratio - 1.0)).expand_as(logp)
         faded = ((4.0 * s * (1.0 - s) < 0.5) & (adv != 0)).to(mask.dtype)
         low = faded * (ratio.expand_as(logp) < 1.0)
-        n_tok = mask.sum().clamp(min=1.0)
-        stats = {"clip_ratio/low_mean": (low * mask).sum() / n_tok,
-                 "clip_ratio/high_mean": ((faded - low) * mask).sum() / n_tok,
-                 "clip_ratio/region_mean": (faded * mask).sum() / n_tok}
+        stats = {"clip_ratio/low_mean": token_share(low, mask), "clip_ratio/high_mean": token_share(faded - low, mask),
+                 "clip_ratio/region_mean": token_share(faded, mask)}
     return per_token, stats
 
 
@@ -629,15 +627,20 @@ def check_settings(cfg) -> None:
                              f"multi_objective_aggregation sum_then_normalize")
 
 
+def _loss_type(loss_type: str) -> LossType:
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPES)}, got {loss_type!r}")
+    return LOSS_TYPES[loss_type]
+
+
 def policy_loss(loss_type: str, *args, **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The per-token policy loss (B, T) of `loss_type` and its statistics; arguments as `clipped_surrogate`, and
     the options that loss type takes (LossType.options; e.g. dual_clip for the clipped ones)."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPES)}, got {loss_type!r}")
-    unknown = set(options) - set(LOSS_TYPES[loss_type].options)
+    entry = _loss_type(loss_type)
+    unknown = set(options) - set(entry.options)
     if unknown:
         raise ValueError(f"loss_type {loss_type} takes no {', '.join(sorted(unknown))}")
-    return LOSS_TYPES[loss_type].surrogate(*args, **options)
+    return entry.surrogate(*args, **options)
 
 
 def aggregate_loss(
@@ -655,10 +658,8 @@ def aggregate_loss(
     LOSS_TYPES[loss_type].average says (the averages above). `global_num_sequences` and `global_num_tokens` are
     counted over every micro-batch and process of the step. DDP averages gradients over processes; multiplying by
     num_processes turns that average into a sum."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPES)}, got {loss_type!r}")
     mask = completion_mask.to(per_token_loss.dtype)
-    return LOSS_TYPES[loss_type].average(per_token_loss * mask, mask, global_num_sequences, global_num_tokens,
+    return _loss_type(loss_type).average(per_token_loss * mask, mask, global_num_sequences, global_num_tokens,
                                          max_completion_length, num_processes, gradient_accumulation_steps)
 
 

@@ -130,6 +130,7 @@ class Controller:
     """The hooks a controller may use, in the order the loop calls them; here each changes nothing."""
 
     name = ""
+    state = None  # the controller's lib/controllers state (a dataclass), which every checkpoint saves
 
     def group_size(self, size: int) -> int:
         """Before sampling: the group size of the next generation batch."""
@@ -160,10 +161,11 @@ class Controller:
         return {}
 
     def state_dict(self) -> dict:
-        return {}
+        return {} if self.state is None else controllers.to_dict(self.state)
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        if self.state is not None:
+            self.state = controllers.from_dict(type(self.state), state)
 
 
 class KLController(Controller):
@@ -186,12 +188,6 @@ class KLController(Controller):
 
     def metrics(self) -> dict[str, float]:
         return {"kl_ema": self.state.kl_ema, "next_beta": self.state.beta, "next_epsilon": self.state.epsilon}
-
-    def state_dict(self) -> dict:
-        return controllers.to_dict(self.state)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state = controllers.from_dict(controllers.KLControllerState, state)
 
 
 class EntropyController(Controller):
@@ -217,12 +213,6 @@ class EntropyController(Controller):
         # eta: the weight this step trained with; entropy_coef: TRL's key, the coefficient after this step's update
         return {"eta": self.applied, "entropy_coef": self.state.eta}
 
-    def state_dict(self) -> dict:
-        return controllers.to_dict(self.state)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state = controllers.from_dict(controllers.EntropyControllerState, state)
-
 
 class GroupSizeController(Controller):
     """A-GRPO's adaptive group size (docs/methods.md 2.2): G doubles while many groups have no reward spread."""
@@ -240,12 +230,6 @@ class GroupSizeController(Controller):
 
     def metrics(self) -> dict[str, float]:
         return {"zero_std_ema": self.state.zero_std_ema, "next_num_generations": self.state.num_generations}
-
-    def state_dict(self) -> dict:
-        return controllers.to_dict(self.state)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state = controllers.from_dict(controllers.GroupSizeState, state)
 
 
 class DSFController(Controller):
@@ -298,12 +282,6 @@ class DSFController(Controller):
                 "epsilon/group_min": float(self.ranges.min()), "epsilon/group_max": float(self.ranges.max()),
                 "vote_entropy": sum(self.probe["vote"]) / len(self.probe["vote"]),
                 "probe_reward_std": sum(self.probe["dispersion"]) / len(self.probe["dispersion"])}
-
-    def state_dict(self) -> dict:
-        return controllers.to_dict(self.state)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state = controllers.from_dict(controllers.DSFState, state)
 
 
 class Controllers:

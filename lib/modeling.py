@@ -440,7 +440,7 @@ def completion_logps(
     checkpointed blocks, which keep only their inputs; where that cannot be done (reentrant checkpointing,
     sliding-window or linear-attention layers) the full sequences are run instead.
 
-    `fixed_calls` (a sharded model, lib/distributed.py): the decoder runs the same number of times whatever the data,
+    `fixed_calls` (a sharded model, docs/distributed.md 1): the decoder runs the same number of times whatever the data,
     because each call of a sharded layer is a collective that every process must make: no length chunks, and a
     completion pass even for one-token completions (on a padded, masked column that is cut off again).
     """

@@ -172,9 +172,7 @@ def _texts(completions: list) -> list[str]:
 
 def accuracy_reward(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float]:
     """1.0 per completion whose extracted answer equals the gold `answer`, else 0.0."""
-    # str(): a gold read from Parquet/JSON may arrive as a number (SVAMP's 145.0).
-    pairs = zip(_texts(completions), answer, strict=True)
-    return [1.0 if answers_match(extract_answer(c), str(gold)) else 0.0 for c, gold in pairs]
+    return [1.0 if correct else 0.0 for correct in _correct(_texts(completions), answer)]
 
 
 def _is_single_value(value: str) -> bool:
@@ -211,7 +209,8 @@ def _lengths(completions: list[str], completion_length: list[int] | None) -> lis
 
 
 def _correct(completions: list[str], answer: list[str]) -> list[bool]:
-    """Per completion: does its extracted answer equal the gold one (str(): a gold may arrive as a number)."""
+    """Per completion: does its extracted answer equal the gold one (str(): a gold read from Parquet / JSON may arrive
+    as a number, SVAMP's 145.0)."""
     return [answers_match(extract_answer(c), str(gold)) for c, gold in zip(completions, answer, strict=True)]
 
 

@@ -51,17 +51,17 @@ def step_optimizer(run: Run, loss: torch.Tensor, skip_update: bool, nonfinite: s
     before clipping, what was not finite or "", whether the weights moved). No step on a skipped slice or non-finite
     values (the batch's rewards, the loss, the gradient norm); the loss and the norm are reduced over every process,
     so all take the same decision. A DeepSpeed engine steps, clips and skips non-finite gradients in one call
-    (lib/distributed.deepspeed_step). The schedule advances either way: it is laid out over steps, not updates."""
+    (lib/extras/sharding.Sharding.step). The schedule advances either way: it is laid out over steps, not updates."""
     cfg, accelerator = run.cfg, run.accelerator
     grad_norm, moved = torch.zeros(()), False
-    deepspeed = distributed.is_deepspeed(accelerator)
+    deepspeed = run.sharding is not None and run.sharding.deepspeed
     if not skip_update:
         if deepspeed:
-            grad_norm, moved = distributed.deepspeed_step(run.scorer)
+            grad_norm, moved = run.sharding.step(run.scorer)
         else:
             grad_norm = distributed.full_tensor(
                 accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else
-                distributed.grad_norm(run.params, accelerator))
+                distributed.grad_norm(run.params, accelerator, run.sharding is not None))
         if not torch.isfinite(loss):
             nonfinite = nonfinite or f"the loss ({float(loss)})"
         elif not torch.isfinite(grad_norm):
@@ -91,10 +91,10 @@ def save_checkpoint(run: Run, state: TrainerState) -> None:
         accelerator.wait_for_everyone()
         ckpt.write_rng(staging, accelerator.process_index,
                        ckpt.rng_state({"rollout": run.engine.state_dict()}))
-        if run.sharded:  # every process writes its shards of the model and the optimizer states
-            distributed.save_sharded(accelerator, run.scorer, run.optimizer, staging)
+        if run.sharding is not None:  # every process writes its shards of the model and the optimizer states
+            run.sharding.save(run.scorer, run.optimizer, staging)
         if main_process:
-            if not run.sharded:
+            if run.sharding is None:
                 accelerator.unwrap_model(run.scorer).model.save_pretrained(staging)
                 torch.save(run.optimizer.state_dict(), staging / "optimizer.pt")
             if run.cfg.sync_ref_model and step >= run.cfg.ref_model_sync_steps:  # the reference has moved: an
@@ -150,7 +150,7 @@ def check_finite_weights(run: Run, what: str) -> None:
     """Refuse to save weights that are not finite (the trained ones; frozen ones never change). Every process calls it:
     sharded, each checks its shards and all take the same decision."""
     finite = all(bool(torch.isfinite(distributed.local_tensor(p)).all()) for p in run.params)
-    if run.sharded:
+    if run.sharding is not None:
         votes = torch.tensor(float(finite), device=run.accelerator.device)
         agreed = run.accelerator.reduce(votes, reduction="sum")
         finite = bool(agreed == run.accelerator.num_processes)
@@ -206,7 +206,7 @@ def save_final(run: Run, end_eval: dict, step: int, write_files: Callable | None
     generation_config.json (docs/hub.md 2)."""
     check_finite_weights(run, "final/")
     # sharded: the whole model gathered on the main process (a collective), saved as one folder
-    state = distributed.full_state_dict(run.accelerator, run.scorer) if run.sharded else None
+    state = run.sharding.full_state_dict(run.scorer) if run.sharding is not None else None
     if run.accelerator.is_main_process:
         final, staging = run.out / "final", run.out / ".final.partial"
         shutil.rmtree(staging, ignore_errors=True)

@@ -6,7 +6,8 @@ sizes. The functions below are the set-up's steps, which train_agrpo.setup calls
 configuration and data errors before any model loads, the memory check before any sampling.
 
 This module is core: it never imports lib/extras/. The optional parts a run may use (the hub, the health warnings, the
-memory check, the reward worker, the generation server) are made by train_agrpo.setup and held here as plain objects.
+memory check, the reward worker, the generation server, FSDP2 / DeepSpeed) are made by train_agrpo.setup and held here
+as plain objects.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
-from lib import distributed
 from lib.config import Config, ConfigError, hf_sampler_note, save_yaml, validate
 from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
 from lib.methods import Method
@@ -98,7 +99,8 @@ class Run:
     eval_records: list[dict]
     geometry: Geometry
     stop: ckpt.StopRequest  # SIGTERM / SIGUSR1 received
-    sharded: bool = False  # FSDP2 / DeepSpeed: weights, gradients, optimizer states sharded
+    # FSDP2 / DeepSpeed (weights, gradients, optimizer states sharded): lib/extras/sharding.Sharding; else None
+    sharding: object = None
     # optional parts, made by train_agrpo.setup from lib/extras/ (which the core does not import):
     watch: object = None  # lib/extras/health.Watch: the metric history behind the console warnings
     warning_line: object = None  # lib/extras/health.console_line: a health warning as one console line
@@ -106,40 +108,32 @@ class Run:
     hub: object = None  # lib/extras/hub.HubPusher: push_to_hub's uploads (main process), or None
 
 
-def start_accelerator(cfg: Config) -> tuple[Accelerator, bool, bool, bool]:
-    """The Accelerator as launched (data parallel, FSDP2 or DeepSpeed; lib/distributed.py), its launch checked against
-    the configuration. Returns (accelerator, bf16, sharded, partitioned): sharded for FSDP2 and DeepSpeed, partitioned
-    where each process holds only part of the weights (FSDP2, ZeRO-3)."""
+def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, object, bool]:
+    """The Accelerator as launched (data parallel, FSDP2 or DeepSpeed), its launch checked against the configuration.
+    `sharding` (lib/extras/sharding, handed in by train_agrpo.setup) starts FSDP2 and DeepSpeed launches. Returns
+    (accelerator, bf16, the launch's lib/extras/sharding.Sharding or None, partitioned): partitioned where each process
+    holds only part of the weights (FSDP2, ZeRO-3)."""
     hf_logging.disable_progress_bar()  # per-file loading bars would drown the one training bar
     bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16(
         "cuda" if torch.cuda.is_available() and not cfg.use_cpu else "cpu")
     # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU) when launched
     # with several processes, instead of running each process alone (except under DeepSpeed, which forms the group
-    # itself: lib/distributed.enable_deepspeed_on_cpu). The scheduler is stepped by us once per optimizer step: its
-    # Accelerate wrapper must not step it once per process
+    # itself: lib/extras/sharding.enable_deepspeed_on_cpu). The scheduler is stepped by us once per optimizer step:
+    # its Accelerate wrapper must not step it once per process
     accelerator = Accelerator(cpu=(cfg.use_cpu or torch.accelerator.current_accelerator() is None)
-                              and not distributed.deepspeed_requested(),
+                              and not (sharding is not None and sharding.deepspeed_requested()),
                               mixed_precision="bf16" if bf16 else "no",
                               step_scheduler_with_optimizer=False, log_with=cfg.report_to or None,
                               project_dir=cfg.output_dir)
-    # FSDP2 / DeepSpeed (lib/distributed.py): on a CPU too, where Accelerate would not run them
-    try:
-        distributed.enable_deepspeed_on_cpu(accelerator)
-        sharded = distributed.enable_fsdp_on_cpu(accelerator) or distributed.is_sharded(accelerator)
-        distributed.check_supported(accelerator, use_peft=cfg.use_peft,
-                                    load_in_4bit=cfg.load_in_4bit)
-    except distributed.ShardingError as error:
-        raise ConfigError(str(error)) from None
-    # FSDP2 or ZeRO-3: each process holds part of the weights
-    partitioned = distributed.partitions_weights(accelerator)
+    # FSDP2 / DeepSpeed, checked and configured (on a CPU too, where Accelerate would not run them)
+    launch = sharding.start(accelerator, cfg, bf16) if sharding is not None else None
+    if launch is None and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ConfigError("this launch shards (FSDP / DeepSpeed), which lib/extras/sharding.py runs: hand it to "
+                          "start_accelerator as train_agrpo.setup does")
     validate(cfg, accelerator.num_processes)  # the settings that depend on the number of processes
-    if distributed.is_deepspeed(accelerator):
-        distributed.configure_deepspeed(accelerator, micro_batch=cfg.per_device_train_batch_size,
-                                        accumulation=cfg.gradient_accumulation_steps,
-                                        max_grad_norm=cfg.max_grad_norm, bf16=bf16)
     if cfg.tf32 is not None and accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
-    return accelerator, bf16, sharded, partitioned
+    return accelerator, bf16, launch, launch is not None and launch.partitioned
 
 
 def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
@@ -286,11 +280,12 @@ def load_checked_tokenizer(cfg: Config, model_path: str, records: list[dict]):
 
 
 def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: Path | None,
-                bf16: bool, sharded: bool, partitioned: bool
+                bf16: bool, sharding, partitioned: bool
                 ) -> tuple[torch.nn.Module, CompletionScorer | None]:
     """(policy, reference): the policy from the model (or an unsharded checkpoint), the frozen reference (none when beta
-    is 0; with LoRA the base with the adapter disabled, not a second copy). The sampler comes next (make_engine)."""
-    device = accelerator.device
+    is 0; with LoRA the base with the adapter disabled, not a second copy), sharded like the policy will be where
+    `sharding` (Run.sharding) is given. The sampler comes next (make_engine)."""
+    device, sharded = accelerator.device, sharding is not None
     adapter = cfg.use_peft or is_adapter_folder(model_path)
     if cfg.sync_ref_model and (adapter or sharded or partitioned):
         # TRL refuses the adapter case too: the LoRA reference is the base with the adapter off, no copy to mix into
@@ -299,7 +294,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                              "train the full model or set sync_ref_model false" if adapter
                              else "is not implemented for a sharded reference (FSDP / DeepSpeed); run without "
                                   "sharding or set sync_ref_model false"))
-    # a sharded checkpoint's weights are read into the sharded model below (lib/distributed.load_sharded)
+    # a sharded checkpoint's weights are read into the sharded model later (restore)
     policy = load_policy(str(resume) if resume and not sharded else model_path, dtype=weights_dtype(
                              cfg.dtype, lora=cfg.use_peft, device=device.type, bf16=bf16),
                          revision=cfg.model_revision, use_peft=cfg.use_peft, lora_r=cfg.lora_r,
@@ -331,7 +326,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
             cast_lm_head_to_fp32(frozen)
         reference = CompletionScorer(frozen, fixed_calls=partitioned)
         if sharded:
-            reference = distributed.shard_frozen(reference, accelerator)
+            reference = sharding.shard_frozen(reference)
     return policy, reference
 
 
@@ -371,7 +366,7 @@ def policy_optimizer(cfg: Config, policy: torch.nn.Module) -> torch.optim.Optimi
 
 
 def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Module,
-                   optimizer: torch.optim.Optimizer, sharded: bool, partitioned: bool
+                   optimizer: torch.optim.Optimizer, sharding, partitioned: bool
                    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, object, list]:
     """(scorer, optimizer, scheduler, trained parameters): the scheduler built, the scorer and the optimizer prepared by
     Accelerate. Called after the memory check, which needs the optimizer built."""
@@ -386,22 +381,15 @@ def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Modul
                        "in its memory)")
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
                                 num_warmup_steps=warmup_steps(cfg), kwargs=cfg.lr_scheduler_kwargs)
-    # DDP, or FSDP2: the policy's decoder layers sharded, the optimizer given the shards; or a DeepSpeed engine,
-    # whose optimizer follows our scheduler's rates (the scheduler stays ours: lib/distributed.py)
+    # DDP, or FSDP2 / DeepSpeed (lib/extras/sharding.Sharding.prepare)
     scorer = CompletionScorer(policy, fixed_calls=partitioned)
-    if distributed.is_deepspeed(accelerator):
-        scorer, optimizer = accelerator.prepare(scorer, optimizer)
-    else:
-        scorer, optimizer, scheduler = accelerator.prepare(scorer, optimizer, scheduler)
-    if sharded and accelerator.is_main_process:
-        tqdm.write(distributed.describe_sharding(scorer, accelerator.num_processes,
-                                                 distributed.zero_stage(accelerator)))
+    scorer, optimizer, scheduler = (accelerator if sharding is None else sharding).prepare(scorer, optimizer, scheduler)
     # the shards the optimizer holds, when sharded
     return scorer, optimizer, scheduler, [p for p in scorer.parameters() if p.requires_grad]
 
 
 def restore(resume: Path | None, accelerator: Accelerator, scorer, optimizer, scheduler, engine,
-            method: Method, sharded: bool) -> TrainerState:
+            method: Method, sharding) -> TrainerState:
     """The checkpoint's trainer state, optimizer and scheduler states, RNG and controllers (a fresh state without one);
     a sharded checkpoint's weights too, which the sampler then gets."""
     state = TrainerState()
@@ -410,8 +398,8 @@ def restore(resume: Path | None, accelerator: Accelerator, scorer, optimizer, sc
     saved = ckpt.read_trainer_state(resume)
     state = TrainerState(**{f.name: saved[f.name] for f in dataclasses.fields(TrainerState)
                             if f.name in saved})
-    if sharded:
-        distributed.load_sharded(accelerator, scorer, optimizer, resume)
+    if sharding is not None:
+        sharding.load(scorer, optimizer, resume)
         # the sampler was made from the base weights
         engine.sync_weights(accelerator.unwrap_model(scorer).model)
     else:

@@ -1,4 +1,4 @@
-"""Sharded training (FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 through Accelerate, lib/distributed.py) on two CPU
+"""Sharded training (FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 through Accelerate, lib/extras/sharding.py) on two CPU
 processes over gloo: the same sharding code that runs on GPUs (docs/distributed.md).
 
 The fast tests check the pieces a sharded run relies on in one process (the scorer's fixed decoder calls, the

@@ -192,13 +192,13 @@ def plain_model(tmp_path_factory) -> str:
 def test_fsdp2_bf16_mixed_precision_scores_at_the_sampled_temperatures(plain_model):
     """FSDP2 with the trainer's bf16 mixed-precision policy, one process: the policy computes in bf16, but the
     per-row temperatures reach the log-softmax as the float32 values they were sampled at (0.7, not bf16's
-    0.69921875), and the log-probs come back in float32 (lib/distributed.mixed_precision_policy). Under
+    0.69921875), and the log-probs come back in float32 (lib/extras/sharding.mixed_precision_policy). Under
     Accelerate's policy as it was (cast_forward_inputs on) the two temperatures gave the same log-probs."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from lib.distributed import mixed_precision_policy
+    from lib.extras.sharding import mixed_precision_policy
     from lib.modeling import CompletionScorer, load_policy, unwrap_causal_lm
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
