@@ -13,13 +13,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import REPO
 
 SYNC_CHECK = r"""
 import json, sys, time
-import torch
 sys.path.insert(0, sys.argv[1])
 from lib.modeling import CompletionScorer, load_policy, load_tokenizer
 from lib.extras.vllm_rollout import VLLMRollout, adapter_ranks
@@ -118,23 +116,6 @@ if __name__ == "__main__":
             results[setting] = check(sys.argv[2], mode, four_bit == "1")
     print("RESULT" + json.dumps(results))
 """
-
-
-@pytest.fixture(scope="module")
-def small_llama(tmp_path_factory, tokenizer) -> str:
-    """A two-block Llama with random weights (head_dim 32, the smallest vLLM's CPU attention takes; dimensions that
-    are multiples of bitsandbytes' 64-value blocks)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    folder = tmp_path_factory.mktemp("small_llama")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 SYNC_SETTINGS = [("adapter", False), ("adapter", True), ("merge", True)]
