@@ -18,6 +18,7 @@ from conftest import REPO
 
 SYNC_CHECK = r"""
 import json, sys, time
+import torch
 sys.path.insert(0, sys.argv[1])
 from lib.modeling import CompletionScorer, load_policy, load_tokenizer
 from lib.extras.vllm_rollout import VLLMRollout, adapter_ranks
