@@ -73,10 +73,10 @@ def test_a_run_with_no_server_says_where_it_looked_and_how_to_start_one(tmp_path
     port = free_port()
     started = time.time()
     proc = train(["--model_name_or_path", tiny_model, *ARGS, "--vllm_mode", "server", "--vllm_server_base_url",
-                  f"http://127.0.0.1:{port}", "--vllm_server_timeout", "3", "--output_dir", str(tmp_path / "run")],
+                  f"http://127.0.0.1:{port}", "--vllm_server_timeout", "1", "--output_dir", str(tmp_path / "run")],
                  tmp_path, timeout=120)
     assert proc.returncode != 0
-    assert f"no generation server answered at http://127.0.0.1:{port} within 3 s" in proc.stderr
+    assert f"no generation server answered at http://127.0.0.1:{port} within 1 s" in proc.stderr
     assert "python serve_vllm.py --model" in proc.stderr
     assert time.time() - started < 60
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
