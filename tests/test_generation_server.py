@@ -156,20 +156,21 @@ def test_a_server_that_restarts_or_is_too_slow_stops_the_trainer_with_a_message(
     tokenizer, policy = load_tokenizer(small_llama), load_policy(small_llama)
     prompts = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(4))
     try:
-        sampler = ServerRollout(f"http://127.0.0.1:{port}", [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=1,
-                                group_port=free_port(), timeout_s=60, is_main=True)
-        sampler.sync_weights(policy)
-        assert sampler.generate(prompts, torch.ones_like(prompts), 2, 4).completion_ids.shape[0] == 4
-        sampler.http.timeout = httpx.Timeout(1e-4)
-        with pytest.raises(ServerError, match=r"did not answer /generate within .*vllm_server_timeout"):
+        try:
+            sampler = ServerRollout(f"http://127.0.0.1:{port}", [tokenizer.eos_token_id], tokenizer.pad_token_id,
+                                    seed=1, group_port=free_port(), timeout_s=60, is_main=True)
+            sampler.sync_weights(policy)
+            assert sampler.generate(prompts, torch.ones_like(prompts), 2, 4).completion_ids.shape[0] == 4
+            sampler.http.timeout = httpx.Timeout(1e-4)
+            with pytest.raises(ServerError, match=r"did not answer /generate within .*vllm_server_timeout"):
+                sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
+            sampler.http.timeout = httpx.Timeout(60)
+        finally:
+            stop(shared_server.proc)
+        with pytest.raises(ServerError, match="stopped answering .*Restart it"):
             sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
-        sampler.http.timeout = httpx.Timeout(60)
-    finally:
-        stop(shared_server.proc)
-    with pytest.raises(ServerError, match="stopped answering .*Restart it"):
-        sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
-    # the restarted server stays the shared one, for the tests after this one
-    shared_server.proc = start_server(small_llama, port, tmp_path / "second.log")
+    finally:  # the restarted server stays the shared one, for the tests after this one (whether this one passed)
+        shared_server.proc = start_server(small_llama, port, tmp_path / "second.log")
     with pytest.raises(ServerError, match="restarted: it holds the base model's weights"):
         sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
 
