@@ -214,6 +214,24 @@ def tiny_model(tmp_path_factory, embedded_model) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="session")
+def small_llama(tmp_path_factory, tokenizer) -> str:
+    """A two-block Llama with random weights (head_dim 32, the smallest vLLM's CPU attention takes; dimensions that
+    are multiples of bitsandbytes' 64-value blocks): the vLLM tests' model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    folder = tmp_path_factory.mktemp("small_llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 def start_page(args: list[str], cwd: Path, log: Path) -> tuple[subprocess.Popen, int]:
     """chat_app.py started as a user starts it, on a free port, its output in `log`; (process, port) at once."""
     with socket.socket() as s:

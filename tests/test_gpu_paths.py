@@ -100,10 +100,24 @@ if __name__ == "__main__":
     prompts = torch.randint(100, 1000, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(prompts)
     out = {}
+    # one engine for both checks (an engine's start is most of the test's time): seeded once per call, as in-process
+    # engines on a GPU are; the sleep check samples greedily, which no seed touches
+    engine = VLLMRollout(path, [2], 0, max_model_len=128, seed=5, max_num_seqs=8, per_request_seeds=False)
+
+    # one seed per call (in-process engines on a GPU): the same call samples the same tokens, and the caller's
+    # generators are as they were
+    state = torch.get_rng_state()
+    first = engine.generate(prompts, mask, 4, 12, temperature=1.0).completion_ids
+    untouched = bool(torch.equal(state, torch.get_rng_state()))
+    engine.calls = 0
+    again = engine.generate(prompts, mask, 4, 12, temperature=1.0).completion_ids
+    engine.calls = 1
+    other = engine.generate(prompts, mask, 4, 12, temperature=1.0).completion_ids
+    out["seeds"] = {"same_call_equal": bool(torch.equal(first, again)), "next_call_differs":
+                    not torch.equal(first, other), "caller_rng_untouched": untouched}
 
     # sleep mode: vLLM's sleep needs CUDA's memory pool, so the two calls the trainer makes are played here by what
     # level 2 does to the engine (its weights discarded: zeroed in place); everything else is the real engine
-    engine = VLLMRollout(path, [2], 0, max_model_len=128, seed=0, max_num_seqs=8)
     engine.sync_weights(policy)
     before = engine.generate(prompts, mask, 1, 8, greedy=True).completion_ids
     runner = engine._model_runner()
@@ -118,25 +132,11 @@ if __name__ == "__main__":
     after = engine.generate(prompts, mask, 1, 8, greedy=True).completion_ids
     out["sleep"] = {"equal": bool(torch.equal(before, after)), "awake": not engine.sleeping}
     engine.close()
-
-    # one seed per call (in-process engines on a GPU): the same call samples the same tokens, and the caller's
-    # generators are as they were
-    engine = VLLMRollout(path, [2], 0, max_model_len=128, seed=5, max_num_seqs=8, per_request_seeds=False)
-    state = torch.get_rng_state()
-    first = engine.generate(prompts, mask, 4, 12, temperature=1.0).completion_ids
-    untouched = bool(torch.equal(state, torch.get_rng_state()))
-    engine.calls = 0
-    again = engine.generate(prompts, mask, 4, 12, temperature=1.0).completion_ids
-    engine.calls = 1
-    other = engine.generate(prompts, mask, 4, 12, temperature=1.0).completion_ids
-    out["seeds"] = {"same_call_equal": bool(torch.equal(first, again)), "next_call_differs":
-                    not torch.equal(first, other), "caller_rng_untouched": untouched}
-    engine.close()
     print("RESULT" + json.dumps(out), flush=True)
 """
 
 
-@pytest.mark.slow  # two vLLM engines: about a minute on two cores
+@pytest.mark.slow  # one vLLM engine
 def test_an_engine_asleep_after_a_skipped_step_samples_with_the_policys_weights_and_calls_seed_once(
         tmp_path, engine_model):
     """Sleep mode: the engine sleeps after sampling and used to wake only in the sync after a step that moved the
