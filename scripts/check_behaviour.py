@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -26,8 +27,9 @@ sys.path.insert(0, str(REPO))
 from lib.methods import METHODS  # noqa: E402  (the repository root is put on the path just above)
 
 PRESETS = tuple(METHODS)  # every registered method's preset
-# metric names that measure the machine, not the algorithm
-MACHINE = ("time", "seconds", "_s", "per_s", "memory", "mem_", "peak", "throughput", "tokens_per", "wall", "eta")
+# words of metric names that measure the machine, not the algorithm (whole words: "eta" and "_s" as substrings once
+# dropped beta, eta, reward_std and frac_reward_zero_std from the comparison)
+MACHINE = {"time", "seconds", "memory", "mem", "peak", "throughput", "wall"}
 TINY = ["--max_steps", "3", "--per_device_train_batch_size", "8", "--num_generations", "4",
         "--max_completion_length", "16", "--num_eval_samples", "8", "--temperature", "0.8", "--learning_rate", "1e-4",
         "--builtin_num_train", "64", "--report_to", "none", "--save_steps", "100", "--seed", "3"]
@@ -52,7 +54,8 @@ def build_tiny(folder: Path) -> str:
 
 
 def machine_key(key: str) -> bool:
-    return any(part in key for part in MACHINE)
+    words = set(re.split(r"[/_.]", key.lower()))
+    return bool(MACHINE & words) or key.endswith("_s") or "per_s" in key or "tokens_per" in key
 
 
 def run(name: str, args: list[str], work: Path) -> list[dict]:
