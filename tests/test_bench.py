@@ -95,3 +95,14 @@ def test_the_regression_benchmark_compares_two_revisions_phase_by_phase(tmp_path
     for row in report["summary"].values():
         assert row["spread"][0] <= row["ratio"] <= row["spread"][1]
     assert "| step |" in proc.stdout
+
+
+def test_behaviour_check_leaves_out_only_what_measures_the_machine():
+    """scripts/check_behaviour.py compares every metric but timings: a controller's beta / eta and the reward spread
+    are the algorithm's (a substring match once dropped them)."""
+    from scripts.check_behaviour import machine_key
+
+    kept = ["beta", "eta", "next_beta", "reward_std", "frac_reward_zero_std", "nonfinite_skipped", "entropy_coef",
+            "tools/call_frequency", "num_tokens", "update_skipped"]
+    assert not [k for k in kept if machine_key(k)]
+    assert all(machine_key(k) for k in ["step_time", "time/policy", "time/weight_sync", "memory/peak_gb", "wall_s"])
