@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from lib.config import ConfigError
 from lib.extras.tools import (ResultRenderer, ToolWorker, plain_tool_prompt, template_has_tools, tool_schemas,
@@ -23,7 +24,8 @@ from lib.rollout import Rollout
 @dataclass
 class Episode:
     """One completion of several turns. ids: its tokens after the prompt; model: 1 for the model's tokens, 0 for
-    the tool results'; logps: the sampler's log-probability of each model token (0 at tool tokens)."""
+    the tool results'; logps: the sampler's log-probability of each model token (0 at tool tokens); temperatures:
+    each token's sampling temperature (1 at tool tokens: never sampled, and it keeps the forward's division finite)."""
 
     ids: list[int] = field(default_factory=list)
     model: list[int] = field(default_factory=list)
@@ -34,6 +36,12 @@ class Episode:
     turns: int = 0
     truncated: bool = False
     done: bool = False
+
+    def add(self, ids: list[int], model: int, logps: list[float], temperatures: list[float]) -> None:
+        self.ids += ids
+        self.model += [model] * len(ids)
+        self.logps += logps
+        self.temperatures += temperatures
 
 
 def engine_generate(engine, pad_token_id: int, sampling: dict, owner: torch.Tensor):
@@ -127,31 +135,23 @@ def run_episodes(generate, first: Rollout, tokenizer, call, renderer: ResultRend
     prompts = [row[m.bool()].tolist() for row, m in zip(first.prompt_ids, first.prompt_mask)]
     owner = first.prompt_index.tolist()
     episodes = [Episode() for _ in owner]
-    turn = first
-    active = list(range(len(episodes)))
-    iteration = 0
+    turn, active, iteration = first, list(range(len(episodes))), 0
     while active:
-        for k, i in enumerate(active):  # append each active episode's new turn
-            n = int(turn.completion_mask[k].sum())
-            ids = turn.completion_ids[k, :n].tolist()
-            logps = turn.sampling_logps[k, :n].tolist() if turn.sampling_logps is not None else [0.0] * n
-            ep = episodes[i]
-            ep.ids += ids
-            ep.model += [1] * n
-            ep.logps += logps
-            ep.temperatures += turn.temperatures[k, :n].tolist()
-            ep.turns += 1
-            ep.truncated = bool(turn.is_truncated[k]) or len(ep.ids) >= max_completion_length
         go_on = []
         limit_reached = max_iterations is not None and iteration >= max_iterations
         for k, i in enumerate(active):
             ep = episodes[i]
-            if ep.truncated or limit_reached or (ep.ids and ep.ids[-1] != eos):
-                continue
+            # the new turn, cut to the episode's room (a call's budget is its longest episode's)
+            room = max_completion_length - len(ep.ids)
             n = int(turn.completion_mask[k].sum())
-            turn_ids = turn.completion_ids[k, :n].tolist()
-            text = tokenizer.decode(turn_ids, skip_special_tokens=True)
-            calls, errors = turn_tool_calls(tokenizer, turn_ids, text)
+            ids = turn.completion_ids[k, :min(n, room)].tolist()
+            logps = turn.sampling_logps[k, :len(ids)].tolist() if turn.sampling_logps is not None else [0.0] * len(ids)
+            ep.add(ids, 1, logps, turn.temperatures[k, :len(ids)].tolist())
+            ep.turns += 1
+            ep.truncated = bool(turn.is_truncated[k]) or n >= room
+            if ep.truncated or limit_reached or ids[-1:] != [eos]:
+                continue
+            calls, errors = turn_tool_calls(tokenizer, ids, tokenizer.decode(ids, skip_special_tokens=True))
             if not calls and not errors:
                 continue  # a turn that calls nothing ends the episode
             results = list(errors)
@@ -162,30 +162,19 @@ def run_episodes(generate, first: Rollout, tokenizer, call, renderer: ResultRend
             ep.calls += len(calls) + len(errors)
             ep.failures += len(errors)
             tool_ids = renderer.ids(results)
-            room = max_completion_length - len(ep.ids)
-            ep.ids += tool_ids[:room]
-            ep.model += [0] * len(tool_ids[:room])
-            ep.logps += [0.0] * len(tool_ids[:room])
-            ep.temperatures += [1.0] * len(tool_ids[:room])  # never sampled; 1 keeps the forward's division finite
-            if len(tool_ids) >= room:  # no room left for the model to read the result and answer
-                ep.truncated = True
+            kept = tool_ids[:max_completion_length - len(ep.ids)]
+            ep.add(kept, 0, [0.0] * len(kept), [1.0] * len(kept))
+            if len(kept) < len(tool_ids) or len(ep.ids) >= max_completion_length:
+                ep.truncated = True  # no room left for the model to read the result and answer
                 continue
             go_on.append(i)
-        for i in active:
-            if i not in go_on:
-                episodes[i].done = True
+        for i in set(active) - set(go_on):
+            episodes[i].done = True
         active = go_on
-        if not active:
-            break
-        iteration += 1
-        room = max(max_completion_length - len(episodes[i].ids) for i in active)
-        turn = generate([prompts[owner[i]] + episodes[i].ids for i in active], room, active)
-        # a continuation longer than its episode's room is cut to it (the longest episode sets the call's budget)
-        for k, i in enumerate(active):
-            keep = max_completion_length - len(episodes[i].ids)
-            if int(turn.completion_mask[k].sum()) > keep:
-                turn.completion_mask[k, keep:] = 0
-                turn.is_truncated[k] = True
+        if active:
+            iteration += 1
+            room = max(max_completion_length - len(episodes[i].ids) for i in active)
+            turn = generate([prompts[owner[i]] + episodes[i].ids for i in active], room, active)
     return episodes
 
 
@@ -193,19 +182,13 @@ def episodes_rollout(first: Rollout, episodes: list[Episode], pad_token_id: int)
     """The episodes as one Rollout: completion_ids (B, T) every token of each episode; completion_mask (B, T) its
     model tokens (what the trainer trains, regularises and counts); sequence_mask (B, T) all of its tokens (what the
     policy reads); sampling_logps 0 and temperatures 1 at tool tokens."""
-    width = max(1, max(len(e.ids) for e in episodes))
-    ids = torch.full((len(episodes), width), pad_token_id, dtype=torch.long)
-    model = torch.zeros((len(episodes), width), dtype=torch.long)
-    sequence = torch.zeros((len(episodes), width), dtype=torch.long)
-    logps = torch.zeros((len(episodes), width))
-    temperatures = torch.zeros((len(episodes), width))
-    for b, e in enumerate(episodes):
-        n = len(e.ids)
-        ids[b, :n] = torch.tensor(e.ids, dtype=torch.long)
-        model[b, :n] = torch.tensor(e.model, dtype=torch.long)
-        sequence[b, :n] = 1
-        logps[b, :n] = torch.tensor(e.logps)
-        temperatures[b, :n] = torch.tensor(e.temperatures)
+    def padded(name: str, fill, dtype) -> torch.Tensor:
+        return pad_sequence([torch.tensor(getattr(e, name), dtype=dtype) for e in episodes], batch_first=True,
+                            padding_value=fill)
+
+    ids, model = padded("ids", pad_token_id, torch.long), padded("model", 0, torch.long)
+    logps, temperatures = padded("logps", 0.0, torch.float32), padded("temperatures", 0.0, torch.float32)
+    sequence = pad_sequence([torch.ones(len(e.ids), dtype=torch.long) for e in episodes], batch_first=True)
     device = first.completion_ids.device
     return Rollout(first.prompt_ids, first.prompt_mask, ids.to(device), model.to(device),
                    torch.tensor([e.truncated for e in episodes], device=device),
