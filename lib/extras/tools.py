@@ -238,8 +238,7 @@ def _tools_setup(specs: list[str]):
         func = load_tool(spec)
         tools[getattr(func, "__name__", spec)] = func
 
-    def answer(call: tuple[str, dict]) -> tuple[bool, str]:
-        name, arguments = call
+    def outcome(name: str, arguments: dict) -> tuple[bool, str]:
         if name not in tools:
             return False, f"error: no tool named {name!r}; the tools are {', '.join(tools)}"
         try:
@@ -249,6 +248,10 @@ def _tools_setup(specs: list[str]):
             return True, printable(out)
         except Exception as error:  # noqa: BLE001 - the model reads it; the run goes on
             return False, f"error: {name} raised {type(error).__name__}: {error}"
+
+    def answer(jobs: list[tuple[str, dict]]) -> list:
+        # the reward worker's frame: (delivered, payload) per job; a tool's own failure is a delivered outcome
+        return [(True, outcome(name, arguments)) for name, arguments in jobs]
     return answer
 
 
@@ -270,31 +273,12 @@ class ToolWorker(RewardWorker):
         return self.specs
 
     def call(self, name: str, arguments: dict) -> tuple[str, bool]:
+        """One call, in a request of its own (its own time limit): (the text the model reads, whether it failed)."""
         [out] = self.run([(name, arguments)])
-        if isinstance(out, RewardCallFailed):
+        if isinstance(out, RewardCallFailed):  # it hung or killed the worker
             return f"error: {name} {out}", True
         ok, text = out
         return text, not ok
-
-    def run(self, jobs: list, concurrent: bool = False) -> list:
-        """One call per request (each has its own time limit): the answers, or RewardCallFailed."""
-        out = []
-        for job in jobs:
-            try:
-                self.start()
-                if not self._ready:
-                    self._wait_ready()
-                self.conn.send(job)
-                _, answer = self._receive(self.timeout, "")
-                out.append(answer)
-            except OSError:  # the child died between calls
-                self.close()
-                out.append(RewardCallFailed("killed the tool worker; it was restarted"))
-            except RewardCallFailed as failed:
-                out.append(failed)
-        return out
-
-
 
 
 if __name__ == "__main__":
