@@ -39,6 +39,7 @@ from transformers.utils import logging as hf_logging
 from lib.config import EMBEDDED_MODEL
 from lib.data import ANSWER_COLUMNS, DEFAULT_INSTRUCTION, builtin_task, load_records, render_prompt
 from lib.evaluation import generate_and_score
+from lib.extras.agents import Agent
 from lib.extras.eval_metrics import completion_kl_entropy, score_problems, win_rate
 from lib.extras.model_folders import adapter_base, load_for_inference, model_folder_problem
 from lib.modeling import EMBEDDED_ALIASES, end_token_ids, is_adapter_folder, native_bf16, resolve_model_path
@@ -46,6 +47,7 @@ from lib.losses import weighted_rewards
 from lib.extras import cpu_kernels, hub_data
 from lib.extras.reference_cache import cache_key, read_kept, weights_fingerprint, write_kept
 from lib.extras.reward_models import load_reward_models
+from lib.extras.tools import ToolWorker, tool_schemas, tool_spec
 from lib.reward_funcs import resolve_reward_funcs, reward_arguments, score_completions
 from lib.rollout import HFRollout
 from lib.extras.vllm_rollout import VLLMRollout
@@ -109,6 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sampling.add_argument("--max_completion_length", type=int, default=256)
     sampling.add_argument("--batch_size", type=int, default=64, help="Problems per generation batch.")
     sampling.add_argument("--seed", type=int, default=42)
+    agents = parser.add_argument_group("tools (docs/agents.md)")
+    agents.add_argument("--tools", nargs="+", default=[],
+                        help="Tools the model may call while it answers (module:function / file.py:function, as in "
+                             "training): each completion runs as an episode, its calls' results appended.")
+    agents.add_argument("--max_tool_calling_iterations", type=int, default=None,
+                        help="Model turns with tool calls per episode (default: no limit).")
+    agents.add_argument("--tool_timeout", type=float, default=10.0, help="Seconds one tool call may take (0: none).")
     scoring = parser.add_argument_group("scoring")
     scoring.add_argument("--pass_k", type=int, nargs="+", default=None,
                          help="k values for pass@k and maj@k (default: 1 and the powers of 2 up to num_samples).")
@@ -142,10 +151,13 @@ def json_mapping(text: str) -> dict:
     return value
 
 
-def eval_prompts(tokenizer, records: list[dict], args: argparse.Namespace) -> list[str]:
-    """Each record's prompt as the trainer renders it: instruction, system prompt, chat template variables."""
-    return [render_prompt(tokenizer, r, args.instruction, args.system_prompt, args.chat_template_kwargs)
-            for r in records]
+def eval_prompts(tokenizer, records: list[dict], args: argparse.Namespace, agent: Agent | None = None) -> list[str]:
+    """Each record's prompt as the trainer renders it: instruction, system prompt, chat template variables, and the
+    tools' description where there are tools."""
+    system_prompt, template_kwargs = args.system_prompt, args.chat_template_kwargs
+    if agent is not None:
+        system_prompt, template_kwargs = agent.prompt_settings(system_prompt, template_kwargs)
+    return [render_prompt(tokenizer, r, args.instruction, system_prompt, template_kwargs) for r in records]
 
 
 def model_label(name: str) -> str:
@@ -177,6 +189,14 @@ def validate(args: argparse.Namespace) -> None:
         check_model("--model_name_or_path", name)
     if args.reference_model:
         check_model("--reference_model", args.reference_model)
+    if args.tools:  # imported and described now, before any model loads
+        try:
+            args.tools = [tool_spec(t) for t in args.tools]
+            tool_schemas(args.tools)
+        except ValueError as error:
+            raise EvalConfigError(f"--tools: {error}") from None
+    if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 1:
+        raise EvalConfigError("--max_tool_calling_iterations must be at least 1 (leave it out for no limit)")
     if len({model_label(m) for m in args.model_name_or_path}) < len(args.model_name_or_path):
         raise EvalConfigError("--model_name_or_path: a model is listed twice; list each once")
     if args.num_samples < 1:
@@ -418,7 +438,7 @@ def reference_key(args: argparse.Namespace, bf16: bool, records: list[dict], pro
     settings = {k: v for k, v in vars(args).items() if k in (
         "use_vllm", "num_samples", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
         "max_prompt_length", "max_completion_length", "batch_size", "seed", "pass_k", "reward_funcs",
-        "reward_weights")}
+        "reward_weights", "tools", "max_tool_calling_iterations")}
     return cache_key(model_label(args.reference_model), weights_fingerprint(resolve_model_path(args.reference_model)),
                      records, prompts, {**settings, "bf16": bf16})
 
@@ -458,6 +478,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         reference, reference_tokenizer = load_for_inference(args.reference_model, device,
                                                             trust_remote_code=args.trust_remote_code)
     engine, key = None, None
+    tools = None
+    if args.tools:  # one worker for every model (lib/extras/tools.ToolWorker)
+        tools = ToolWorker(args.tools, args.tool_timeout)
+        tools.start()
     rows: list[dict] = []
     kept: dict[tuple[str, str], tuple[list[dict], list[list[float]]]] = {}  # (model, set) -> (results, rewards)
     lines: list[str] = []
@@ -482,8 +506,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else:
             backend = HFRollout(model, end_token_ids(model, tokenizer), tokenizer.pad_token_id, bf16=bf16,
                                 seed=args.seed, prepack=cpu_kernels.prepack_for_cpu)
+        agent = None if tools is None else Agent(tokenizer, tools.call, args.max_tool_calling_iterations,
+                                                 args.max_completion_length, tool_schemas(args.tools))
         for set_label, records in sets.items():
-            prompts = eval_prompts(tokenizer, records, args)
+            prompts = eval_prompts(tokenizer, records, args, agent)
             key = reference_key(args, bf16, records, prompts) if label == reference_label else None
             if key and (entry := read_kept(args.reference_cache, key)) is not None:
                 rows.append({**entry["row"], "cached": True})
@@ -509,7 +535,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                          num_samples=args.num_samples, temperature=args.temperature,
                                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                          repetition_penalty=args.repetition_penalty, device=device,
-                                         on_batch=progress)
+                                         on_batch=progress, episodes=agent)
             seconds = time.perf_counter() - start
             bar.close()
             rewards = reward_totals(reward_funcs, weights, prompts, records, results, args)
@@ -519,6 +545,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 row["kl"], row["entropy"] = completion_kl_entropy(
                     model, reference, tokenizer, prompts, results, temperature=args.temperature,
                     max_prompt_length=args.max_prompt_length, device=device)
+            if agent is not None:
+                row["tool_calls"] = sum(map(sum, (r["tool_calls"] for r in results))) / max(
+                    sum(len(r["tool_calls"]) for r in results), 1)
             rows.append(row)
             kept[(label, set_label)] = (results, rewards)
             for i, (record, result) in enumerate(zip(records, results)):
@@ -527,12 +556,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "model": label, "dataset": set_label, "index": i, "sample": j,
                         "problem": record.get("problem", record.get("prompt")), "gold": result["gold"],
                         "completion": completion, "answer": result["answers"][j], "correct": result["correct"][j],
-                        "reward": rewards[i][j], "tokens": result["lengths"][j], "truncated": result["truncated"][j]}))
+                        "reward": rewards[i][j], "tokens": result["lengths"][j], "truncated": result["truncated"][j],
+                        **({"tool_calls": result["tool_calls"][j]} if "tool_calls" in result else {})}))
             if key:
                 write_kept(args.reference_cache, key, {"row": row, "results": results, "rewards": rewards,
                                                        "lines": lines[first_line:]})
         del model, backend
         gc.collect()
+    if tools is not None:
+        tools.close()
 
     # ------------------------------------------------------------------------------ win rate, then write
     if reference_label:

@@ -495,11 +495,12 @@ def evaluate(run: Run, step: int) -> dict:
     run.engine.ready(accelerator.unwrap_model(run.scorer).model)  # awake, with the weights (sleep mode)
     results = generate_and_score(run.engine, run.tokenizer, shard, [run.ctx.prompt_text(r) for r in shard],
                                  max_new_tokens=cfg.max_completion_length, max_prompt_length=cfg.max_prompt_length,
-                                 batch_size=cfg.per_device_eval_batch_size, device=accelerator.device)
+                                 batch_size=cfg.per_device_eval_batch_size, device=accelerator.device,
+                                 episodes=run.ctx.episodes)  # with tools: whole episodes (docs/agents.md)
     local = summarize(results)
-    keys = ("accuracy", "mean_length", "truncated_ratio", "format")
+    keys = ("accuracy", "mean_length", "truncated_ratio", "format") + (("tool_calls",) if run.ctx.episodes else ())
     n = local["num_problems"]
-    sums = accelerator.reduce(torch.tensor([local[k] * n for k in keys] + [n], device=accelerator.device),
+    sums = accelerator.reduce(torch.tensor([local.get(k, 0.0) * n for k in keys] + [n], device=accelerator.device),
                               reduction="sum")
     total = max(float(sums[-1]), 1.0)
     metrics = {f"eval/{k}": float(v) / total for k, v in zip(keys, sums[:-1])}

@@ -107,14 +107,21 @@ class Agent:
         self.calls = self.failures = self.completions = 0
 
     def __call__(self, first: Rollout, engine, sampling: dict) -> Rollout:
-        """The episodes that go on from the sampler `engine`'s first turns `first`, sampled at `sampling`."""
-        generate = engine_generate(engine, self.tokenizer.pad_token_id, sampling, first.prompt_index)
-        episodes = run_episodes(generate, first, self.tokenizer, self.call, self.renderer, self.max_iterations,
-                                self.max_completion_length)
+        """The episodes that go on from the sampler `engine`'s first turns `first`, sampled at `sampling`, counted
+        in the batch's tool counters."""
+        rollout, episodes = self.run(first, engine, sampling)
         self.calls += sum(e.calls for e in episodes)
         self.failures += sum(e.failures for e in episodes)
         self.completions += len(episodes)
-        return episodes_rollout(first, episodes, self.tokenizer.pad_token_id)
+        return rollout
+
+    def run(self, first: Rollout, engine, sampling: dict) -> tuple[Rollout, list[Episode]]:
+        """The episodes as one Rollout, and each Episode (its calls, failures, turns), counted nowhere (an
+        evaluation's: lib/evaluation.generate_and_score)."""
+        generate = engine_generate(engine, self.tokenizer.pad_token_id, sampling, first.prompt_index)
+        episodes = run_episodes(generate, first, self.tokenizer, self.call, self.renderer, self.max_iterations,
+                                self.max_completion_length)
+        return episodes_rollout(first, episodes, self.tokenizer.pad_token_id), episodes
 
     def counters(self, reduce_sum) -> dict[str, float]:
         calls, failures = reduce_sum(self.calls), reduce_sum(self.failures)

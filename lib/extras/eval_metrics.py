@@ -101,10 +101,12 @@ def completion_kl_entropy(
     Both at the sampling temperature (1 for greedy decoding, where no temperature was applied).
     """
     temp = temperature if temperature > 0 else 1.0
-    rows = [(i, ids) for i, r in enumerate(results) for ids in r["token_ids"]]
+    rows = [(i, ids, kept) for i, r in enumerate(results)
+            for ids, kept in zip(r["token_ids"], r.get("model_mask", [None] * len(r["token_ids"])))]
     kl_sum = entropy_sum = tokens = 0.0
     for start in range(0, len(rows), batch_size):
-        chunk = [(i, ids) for i, ids in rows[start : start + batch_size] if ids]
+        chunk = [(i, ids) for i, ids, _ in rows[start : start + batch_size] if ids]
+        kept = [k for _, ids, k in rows[start : start + batch_size] if ids]
         if not chunk:
             continue
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [prompts[i] for i, _ in chunk], max_prompt_length,
@@ -115,14 +117,18 @@ def completion_kl_entropy(
         for row, (_, ids) in enumerate(chunk):
             completion[row, : len(ids)] = torch.tensor(ids, device=device)
             mask[row, : len(ids)] = 1
+        counted = mask.clone()  # the model's tokens: an episode's tool results are read (mask), never counted
+        for row, model in enumerate(kept):
+            if model is not None:
+                counted[row, : len(model)] = torch.tensor(model, device=device)
         index = torch.arange(len(chunk), device=device)
         temps = torch.full((len(chunk),), temp, device=device)
         logp, entropy = completion_logps(model, prompt_ids, prompt_mask, index, completion, mask, temps)
         ref_logp = logp if reference is model else completion_logps(  # the reference itself: KL 0, one pass
             reference, prompt_ids, prompt_mask, index, completion, mask, temps, with_entropy=False)[0]
         log_u = (ref_logp - logp).clamp(-20, 20)
-        kl = (torch.exp(log_u) - log_u - 1) * mask
+        kl = (torch.exp(log_u) - log_u - 1) * counted
         kl_sum += float(kl.sum())
-        entropy_sum += float((entropy * mask).sum())
-        tokens += float(mask.sum())
+        entropy_sum += float((entropy * counted).sum())
+        tokens += float(counted.sum())
     return kl_sum / max(tokens, 1.0), entropy_sum / max(tokens, 1.0)

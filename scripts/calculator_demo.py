@@ -1,0 +1,121 @@
+"""The calculator demo (docs/agents.md 8): the embedded model learns to call a calculator for word problems whose
+arithmetic it gets wrong, next to the same runs without the tool.
+
+    python scripts/calculator_demo.py --configs grpo/tools grpo/direct agrpo/tools --seeds 42 43 44 \\
+        --max_steps 10 --output_dir runs/calculator
+
+Each configuration is a preset (`--algo`) and a variant: `tools` (the calculator, the data's worked example calls it)
+or `direct` (no tool, the worked example answers directly; the same problems: scripts/calculator_task.py). Each run
+is `train_agrpo.py` with its own greedy held-out evaluation before and after training (the trainer's, which runs
+whole episodes with tools: the same tool, turns and limits as training). Written to <output_dir>: data/, runs/,
+table.md (mean +- sample standard deviation over seeds of the accuracy before and after, the tool calls per
+completion, the minutes a run took). A finished run is kept when the command is run again. Arguments after `--` go
+to every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from scripts import calculator_task  # noqa: E402
+
+VARIANTS = {
+    "tools": ["--tools", "lib.extras.tools:calculator", "--max_tool_calling_iterations", "2"],
+    "direct": [],
+}
+
+
+def run_dir(out: Path, config: str, seed: int) -> Path:
+    method, variant = config.split("/")
+    return out / "runs" / method / variant / f"seed{seed}"
+
+
+def evaluations(folder: Path) -> list[dict]:
+    """The run's held-out evaluations, in step order ([] before the first)."""
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "eval/accuracy" in r]
+
+
+def train(out: Path, config: str, seed: int, args: argparse.Namespace, extra: list[str]) -> None:
+    method, variant = config.split("/")
+    folder = run_dir(out, config, seed)
+    done = evaluations(folder)
+    if done and done[-1]["step"] >= args.max_steps:
+        print(f"{config} seed {seed}: done earlier")
+        return
+    data = out / "data" / variant
+    command = [sys.executable, str(REPO / "train_agrpo.py"), "--algo", method, "--seed", str(seed),
+               "--dataset_name", str(data / "train.jsonl"), "--eval_dataset_name", str(data / "test.jsonl"),
+               "--num_eval_samples", str(args.num_eval_samples), "--max_steps", str(args.max_steps),
+               "--max_completion_length", "64", "--save_steps", str(args.max_steps), "--report_to", "none",
+               "--output_dir", str(folder), "--overwrite_output_dir", *VARIANTS[variant], *extra]
+    print(f"{config} seed {seed}: " + " ".join(command[1:]), flush=True)
+    start = time.perf_counter()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"seed{seed}.log", "w") as log:
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    (folder / "minutes.txt").write_text(f"{(time.perf_counter() - start) / 60:.1f}\n")
+
+
+def spread(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    return f"{100 * mean:.1f}% +- {100 * statistics.stdev(values):.1f}" if len(values) > 1 else f"{100 * mean:.1f}%"
+
+
+def table(out: Path, configs: list[str], seeds: list[int]) -> str:
+    lines = ["| configuration | seeds | accuracy before | accuracy after | tool calls after | minutes a run |",
+             "|---|---|---|---|---|---|"]
+    for config in configs:
+        rows = [(evaluations(run_dir(out, config, s)), run_dir(out, config, s)) for s in seeds]
+        rows = [(e, f) for e, f in rows if len(e) >= 2]
+        if not rows:
+            continue
+        before = [e[0]["eval/accuracy"] for e, _ in rows]
+        after = [e[-1]["eval/accuracy"] for e, _ in rows]
+        calls = [e[-1].get("eval/tool_calls", 0.0) for e, _ in rows]
+        minutes = [float((f / "minutes.txt").read_text()) for _, f in rows if (f / "minutes.txt").exists()]
+        lines.append(f"| {config} | {len(rows)} | {spread(before)} | {spread(after)} | "
+                     f"{statistics.fmean(calls):.2f} | {statistics.fmean(minutes) if minutes else float('nan'):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=["grpo/tools", "grpo/direct"], metavar="ALGO/VARIANT")
+    p.add_argument("--seeds", nargs="+", type=int, default=[42, 43, 44])
+    p.add_argument("--max_steps", type=int, default=10)
+    p.add_argument("--num_eval_samples", type=int, default=100, help="Held-out problems, greedy.")
+    p.add_argument("--output_dir", default="runs/calculator")
+    args = p.parse_args(argv)
+    for config in args.configs:
+        method, _, variant = config.partition("/")
+        if variant not in VARIANTS:
+            p.error(f"--configs: {config!r} is not ALGO/VARIANT with VARIANT one of {', '.join(VARIANTS)}")
+    out = Path(args.output_dir)
+    for variant in {c.split("/")[1] for c in args.configs}:
+        calculator_task.main(["--out", str(out / "data" / variant), "--num_test", str(args.num_eval_samples)]
+                             + (["--direct"] if variant == "direct" else []))
+    for seed in args.seeds:  # seed-major: a stopped demo has every configuration at the first seeds
+        for config in args.configs:
+            train(out, config, seed, args, extra)
+            (out / "table.md").write_text(table(out, args.configs, args.seeds))
+    print(table(out, args.configs, args.seeds))
+
+
+if __name__ == "__main__":
+    main()
