@@ -118,9 +118,9 @@ def completion_kl_entropy(
             completion[row, : len(ids)] = torch.tensor(ids, device=device)
             mask[row, : len(ids)] = 1
         counted = mask.clone()  # the model's tokens: an episode's tool results are read (mask), never counted
-        for row, model in enumerate(kept):
-            if model is not None:
-                counted[row, : len(model)] = torch.tensor(model, device=device)
+        for row, tokens_of_model in enumerate(kept):
+            if tokens_of_model is not None:
+                counted[row, : len(tokens_of_model)] = torch.tensor(tokens_of_model, device=device)
         index = torch.arange(len(chunk), device=device)
         temps = torch.full((len(chunk),), temp, device=device)
         logp, entropy = completion_logps(model, prompt_ids, prompt_mask, index, completion, mask, temps)
