@@ -538,6 +538,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     model_path = resolve_model_path(cfg.model_name_or_path)
     tokenizer = load_checked_tokenizer(cfg, model_path, train_records[:1] + eval_records[:1])
     agent = agents.Agent.from_config(cfg, tokenizer)  # tools: checked, their worker started (docs/agents.md)
+    if agent is not None:  # environments: every row picks one, and each starts on its first row
+        agent.check_records(train_records)
     policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded,
                                     partitioned)
     if cfg.use_vllm and cfg.vllm_mode == "server":  # an engine on its own devices (serve_vllm.py)
@@ -547,6 +549,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     else:
         engine = make_engine(cfg, policy, tokenizer, bf16, rank, partitioned, cpu_kernels.prepack_for_cpu)
     reward_funcs = reward_models.load_rewards(cfg, reward_funcs, accelerator.device)
+    if agent is not None:  # an environment's get_reward: a reward of its own, after the configured ones
+        reward_funcs = reward_funcs + agent.reward_funcs()
     optimizer = policy_optimizer(cfg, policy)
     estimate = memory.check_run(cfg, policy, accelerator.device, bf16)  # stops a run that won't fit
     if accelerator.is_main_process:

@@ -87,6 +87,8 @@ def _coerce(name: str, value):
             return None
         raise ConfigError(f"{name} cannot be null; give a {_type_name(typ)}")
     origin = typing.get_origin(typ)
+    if isinstance(typ, types.UnionType) and set(typing.get_args(typ)) >= {str, dict}:  # a spec, or names -> specs
+        return _spec_or_mapping(name, value)
     try:
         if typ is dict:  # a mapping (generation_kwargs, chat_template_kwargs): YAML, or JSON text on the command line
             try:
@@ -118,6 +120,30 @@ def _coerce(name: str, value):
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(f"{name}: cannot read {value!r:.80} as {_type_name(typ)}") from None
+
+
+def _spec_or_mapping(name: str, value):
+    """A field that takes one spec ('module:Class') or a mapping of names to specs (environment_factory): from YAML as
+    it is, from the command line as the spec, or as a mapping in YAML / JSON text."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{name}: cannot read {value!r:.80} as a mapping; give one as JSON "
+                              "('{\"name\": \"module:Class\"}') or a single module:Class") from None
+    if isinstance(value, type):  # a Python user's class itself (lib/extras/tools.tool_spec names it)
+        return value
+    if isinstance(value, dict):
+        bad = [k for k, v in value.items() if not isinstance(k, str)
+               or not (isinstance(v, type) or isinstance(v, str) and v.strip())]
+        if bad or not value:
+            raise ConfigError(f"{name}: a mapping gives each name a 'module:Class' or 'file.py:Class' spec, got "
+                              f"{value!r:.80}")
+        return dict(value)
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    raise ConfigError(f"{name}: expected 'module:Class' / 'file.py:Class' or a mapping of names to them, got "
+                      f"{value!r:.80}")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

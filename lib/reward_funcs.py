@@ -437,8 +437,8 @@ def score_completions(
 
     def run(jobs: list[tuple[int, dict]]) -> list:
         k = jobs[0][0]
-        if call is None or is_reward_model(funcs[k]):
-            return run_jobs(funcs, jobs)
+        if call is None or is_reward_model(funcs[k]) or getattr(funcs[k], "in_process", False):
+            return run_jobs(funcs, jobs)  # a function the worker does not hold (an environment's reward) runs here
         return call(jobs, is_async(funcs[k]))
 
     fallback = None if error_value is None else float(error_value)  # None: skipped, like a function's None

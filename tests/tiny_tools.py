@@ -74,3 +74,78 @@ def untyped(x):
         x: Anything.
     """
     return x
+
+
+class Counter:
+    """An environment (environment_factory): a counter whose state lives in its instance, one per episode; reset
+    tells the model where it starts, get_reward is the count."""
+
+    def reset(self, start: int = 0, **row) -> str:
+        self.count = int(start)
+        return f" The counter starts at {self.count}."
+
+    def increment(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: How much to add.
+        """
+        self.count += by
+        return self.count
+
+    def explode(self) -> int:
+        """Always raises."""
+        raise RuntimeError(f"boom at {self.count}")
+
+    def stall(self) -> int:
+        """Never returns in time."""
+        time.sleep(600)
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+    def _hidden(self) -> None:  # not a tool: its name starts with "_"
+        pass
+
+
+class Store:
+    """A second environment: a key-value store, no reset text, no reward of its own."""
+
+    def reset(self, **row) -> None:
+        self.data = {}
+
+    def put(self, key: str, value: str) -> str:
+        """Store a value.
+
+        Args:
+            key: The key.
+            value: The value.
+        """
+        self.data[key] = value
+        return "ok"
+
+    def get(self, key: str) -> str:
+        """Read a value.
+
+        Args:
+            key: The key.
+        """
+        return self.data.get(key, "missing")
+
+
+class BadReset:
+    """An environment whose reset fails."""
+
+    def reset(self, **row) -> None:
+        raise KeyError("no such level")
+
+    def look(self) -> str:
+        """Look around."""
+        return "nothing"
+
+
+class NoReset:
+    def look(self) -> str:
+        """Look around."""
+        return "nothing"
