@@ -255,3 +255,149 @@ def test_a_run_with_tools_trains_only_the_models_tokens(tool_caller, tmp_path, m
         assert batch.num_tokens == int(roll.completion_mask.sum()) < int(roll.attended().sum())
     completions = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
     assert any("tool\n5" in c["completion"] for c in completions)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Environments (environment_factory, docs/agents.md 7)
+
+ENVS = {"counter": f"{TOOLS}:Counter", "store": f"{TOOLS}:Store"}
+
+
+def test_environment_factory_is_read_from_yaml_and_the_command_line_and_bad_specs_name_the_key(tmp_path):
+    from lib.config import ConfigError, make_config, parse_config
+    from lib.extras.agents import environment_specs
+    from lib.extras.tools import environment_methods, environment_tools, load_environment
+    from tiny_tools import Counter
+
+    assert parse_config(["--environment_factory", ENVS["counter"]]).environment_factory == ENVS["counter"]
+    assert parse_config(["--environment_factory", json.dumps(ENVS)]).environment_factory == ENVS
+    recipe = tmp_path / "envs.yaml"
+    recipe.write_text("environment_factory:\n  counter: tests/tiny_tools.py:Counter\n  store: tests/tiny_tools.py:Store\n")
+    assert parse_config(["--config", str(recipe)]).environment_factory == ENVS
+    assert make_config({"environment_factory": Counter}).environment_factory is Counter  # a Python user's class
+    with pytest.raises(ConfigError, match=r"environment_factory: a mapping gives each name a 'module:Class'"):
+        parse_config(["--environment_factory", '{"counter": 3}'])
+    # TRL's rule: the class's public functions, less reset and get_reward; a class, with a reset
+    assert environment_methods(load_environment(ENVS["counter"])) == ["explode", "increment", "stall"]
+    [increment] = [s for s in tool_schemas(environment_tools(Counter)) if s["function"]["name"] == "increment"]
+    assert increment["function"]["parameters"]["required"] == ["by"]  # no `self`
+    assert environment_specs(Counter) == {None: "tiny_tools:Counter"}
+    assert environment_specs(ENVS) == ENVS
+    for bad, message in [(f"{TOOLS}:NoReset", r"environment_factory: .*class NoReset has no reset method"),
+                         (f"{TOOLS}:add", r"environment_factory: .*'tests/tiny_tools.py:add' is a function, not a class"),
+                         (f"{TOOLS}:Nope", r"environment_factory: .*has no attribute 'Nope'"),
+                         ({"a": f"{TOOLS}:NoReset"}, r"environment_factory\['a'\]: .*no reset method")]:
+        with pytest.raises(ConfigError, match=message):
+            environment_specs(bad)
+
+
+def test_each_episode_has_its_own_environment_in_the_worker_until_it_ends():
+    from lib.extras.tools import EnvironmentFailed
+
+    worker = ToolWorker([f"{TOOLS}:add"], timeout=2.0, environments={
+        None: ENVS["counter"], "store": ENVS["store"], "bad": f"{TOOLS}:BadReset"})
+    try:
+        assert worker.open(0, None, {"start": 5}) == " The counter starts at 5."
+        assert worker.open(1, None, {"start": 5}) == " The counter starts at 5."
+        assert worker.call("increment", {"by": 2}, episode=0) == ("7", False)
+        assert worker.call("increment", {"by": 3}, episode=0) == ("10", False)  # the state persists in the episode
+        assert worker.call("increment", {"by": 1}, episode=1) == ("6", False)  # and is the episode's own
+        assert worker.call("add", {"a": 1, "b": 2}, episode=0) == ("3", False)  # the run's tools beside the methods
+        assert worker.call("explode", {}, episode=1) == ("error: explode raised RuntimeError: boom at 6", True)
+        text, failed = worker.call("_hidden", {}, episode=1)
+        assert failed and text.startswith("error: no tool named '_hidden'; the tools are add, explode, increment")
+        assert worker.call("increment", {"by": 1}) == ("error: no tool named 'increment'; the tools are add", True)
+        assert worker.close_episode(0) == (10.0, None)  # get_reward, then the instance is dropped
+        assert worker.call("increment", {"by": 1}, episode=0)[1]
+        assert worker.open(2, "store", {}) is None  # reset returned nothing: nothing is appended
+        assert worker.call("put", {"key": "k", "value": "v"}, episode=2) == ("ok", False)
+        assert worker.call("get", {"key": "k"}, episode=2) == ("v", False)
+        assert worker.open(3, "store", {}) is None and worker.call("get", {"key": "k"}, episode=3) == ("missing", False)
+        with pytest.raises(EnvironmentFailed, match=r"BadReset.reset raised KeyError: 'no such level' \(the data-set "
+                                                    r"row's columns: level\)"):
+            worker.open(4, "bad", {"level": 7})
+        start = time.perf_counter()
+        text, failed = worker.call("stall", {}, episode=1)  # hangs: the worker is restarted, the run goes on
+        assert failed and "gave no answer within tool_timeout = 2 s" in text and time.perf_counter() - start < 10
+        text, failed = worker.call("get", {"key": "k"}, episode=2)  # the episodes of the killed child are lost
+        assert failed and "environment is gone" in text
+        assert worker.close_episode(1) == (None, "its environment is gone (the tool worker was restarted after a "
+                                                 "call hung or killed it)")
+        assert worker.call("add", {"a": 1, "b": 1}) == ("2", False)
+    finally:
+        worker.close()
+
+
+def environment_agent(tokenizer, environments, tools=(), timeout=5.0, max_iterations=2):
+    from types import SimpleNamespace
+
+    from lib.extras.agents import Agent
+
+    cfg = SimpleNamespace(tools=list(tools), environment_factory=environments, tool_timeout=timeout,
+                          max_tool_calling_iterations=max_iterations, max_completion_length=120)
+    return Agent.from_config(cfg, tokenizer)
+
+
+def call_text(name: str, **arguments) -> str:
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+def test_environment_episodes_over_the_hf_sampler(tokenizer, engine):
+    """A batch of two prompts, two episodes each, one row per environment (picked by the `environment` column): the
+    reset's text in the prompt, each episode's own state, the other environment's methods refused, a raising method
+    counted, get_reward in the rollout's columns and through the reward function named after the class."""
+    from lib.config import ConfigError
+    from lib.data import render_prompt
+    from lib.extras.agents import EnvironmentReward
+
+    agent = environment_agent(tokenizer, ENVS)
+    try:
+        rows = [{"prompt": [{"role": "user", "content": "Count."}], "start": 5, "environment": "counter"},
+                {"prompt": [{"role": "user", "content": "Store."}], "environment": "store"}]
+        with pytest.raises(ConfigError, match=r"data-set row has environment='nope'; .* column 'environment', one of "
+                                              r"counter, store"):
+            agent.check_records(rows + [{"prompt": "x", "environment": "nope"}])
+        agent.check_records(rows)  # each environment starts on its first row
+        records, ids = agent.open_groups(rows, [2, 2])
+        assert records[0]["prompt"][-1]["content"] == "Count. The counter starts at 5."  # appended, before the template
+        assert records[1] == rows[1] and len({*ids[0], *ids[1]}) == 4
+        # each row's prompt describes its own environment's tools
+        system, kwargs = agent.prompt_settings(None, None, records[0])
+        assert '"name": "increment"' in system and '"name": "put"' not in system
+        system, kwargs = agent.prompt_settings(None, None, records[1])
+        assert '"name": "put"' in system and '"name": "increment"' not in system
+        text = render_prompt(tokenizer, records[0], system_prompt=agent.prompt_settings(None, None, records[0])[0])
+        assert text.endswith("Count. The counter starts at 5.<|im_end|>\n<|im_start|>assistant\n")
+
+        prompt = torch.tensor([tokenizer.encode(render_prompt(tokenizer, r), add_special_tokens=False)[-12:]
+                               for r in records])
+        first = forced_turn(tokenizer, prompt, [
+            call_text("increment", by=2) + call_text("increment", by=3),  # one state across the turn's calls
+            call_text("increment", by=1) + call_text("explode"),  # its own counter; a raising method is counted
+            call_text("put", key="k", value="v") + call_text("increment", by=1),  # not a tool of the store's
+            "Nothing to do."])
+        first.prompt_index = torch.tensor([0, 0, 1, 1])
+        torch.manual_seed(0)
+        roll = agent(first, engine, {"temperature": 0.7}, episodes=[e for group in ids for e in group])
+        texts = [tokenizer.decode(row[:int(n)]) for row, n in zip(roll.completion_ids, roll.attended().sum(1))]
+        assert "tool\n7<|im_end|>" in texts[0] and "tool\n10<|im_end|>" in texts[0]
+        assert "tool\n6<|im_end|>" in texts[1] and "error: explode raised RuntimeError: boom at 6" in texts[1]
+        assert "tool\nok<|im_end|>" in texts[2] and "error: no tool named 'increment'" in texts[2]
+        assert (agent.calls, agent.failures, agent.completions) == (6, 2, 4)
+        # get_reward when the episodes end (the store has none), then the instances are dropped
+        assert roll.columns["environment_reward"] == [10.0, 6.0, None, None]
+        assert roll.columns["environment_class"] == ["Counter", "Counter", "Store", "Store"]
+        assert agent.worker.call("increment", {"by": 1}, episode=ids[0][0])[1] and not agent.worker.opened
+        [(name, reward)] = agent.reward_funcs()
+        assert name == "Counter" and reward(["a"] * 4, **roll.columns) == [10.0, 6.0, None, None]
+        # a get_reward that failed raises in its own class's reward function only (scored as a failing function)
+        with pytest.raises(RuntimeError, match="Counter.get_reward: it broke"):
+            reward(["a"] * 2, environment_reward=["it broke", None], environment_class=["Counter", "Store"])
+        assert EnvironmentReward("Store")(["a"] * 2, environment_reward=["it broke", None],
+                                          environment_class=["Counter", "Store"]) == [None, None]
+        # reset must give the G episodes of one prompt the same text
+        with pytest.raises(RuntimeError, match="reset returned different texts for the same data-set row"):
+            agent.open_groups([{"prompt": "x", "environment": "counter", "start": "random"}], [2])
+        assert not agent.worker.opened
+    finally:
+        agent.close()

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import random
 import time
 
 
@@ -80,8 +81,9 @@ class Counter:
     """An environment (environment_factory): a counter whose state lives in its instance, one per episode; reset
     tells the model where it starts, get_reward is the count."""
 
-    def reset(self, start: int = 0, **row) -> str:
-        self.count = int(start)
+    def reset(self, start: int | str = 0, **row) -> str:
+        # start "random": a reset that draws its own state (refused: one prompt's episodes must share its text)
+        self.count = random.randrange(10**9) if start == "random" else int(start)
         return f" The counter starts at {self.count}."
 
     def increment(self, by: int) -> int:
