@@ -2,6 +2,7 @@
 tool worker's failures, the episode loop over the real HF sampler and its masks, a run with tools."""
 
 import json
+import math
 import time
 
 import pytest
@@ -401,3 +402,61 @@ def test_environment_episodes_over_the_hf_sampler(tokenizer, engine):
         assert not agent.worker.opened
     finally:
         agent.close()
+
+
+def test_a_run_with_environments_scores_get_reward_and_shows_resets_text(tiny_model, tmp_path):
+    """The trainer with `environment_factory` (two classes picked by the rows' column): each prompt carries its
+    environment's reset text, the Counter's get_reward is a reward of its own (weight 1) on its rows only."""
+    import train_agrpo
+    from accelerate.state import AcceleratorState
+
+    data = tmp_path / "rows.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"Count {i}."}], "start": 3, "environment": "counter"}
+            for i in range(2)] + [{"prompt": [{"role": "user", "content": f"Store {i}."}], "environment": "store"}
+                                  for i in range(2)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_agrpo.main(["--model_name_or_path", tiny_model, "--dataset_name", str(data), "--max_steps", "2",
+                          "--per_device_train_batch_size", "8", "--num_generations", "4",
+                          "--max_completion_length", "8", "--num_eval_samples", "0", "--learning_rate", "1e-3",
+                          "--reward_funcs", "tests/tiny_rewards.py:noise", "--bf16", "false",
+                          "--environment_factory", json.dumps(ENVS), "--output_dir", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+        AcceleratorState._reset_state(reset_partial_state=True)
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "reward" in m]
+    # the Counter's rows score their start (nothing incremented it); the store's are not scored by it (NaN)
+    counter = [m["rewards/Counter/mean"] for m in steps]
+    assert len(steps) == 2 and 3.0 in counter and all(v == 3.0 or math.isnan(v) for v in counter)
+    completions = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    counted = [c["prompt"] for c in completions if "Count " in c["prompt"]]
+    assert counted and all("Count 0. The counter starts at 3." in p or "Count 1. The counter starts at 3." in p
+                           for p in counted)
+    assert all("starts at" not in c["prompt"] for c in completions if "Store " in c["prompt"])
+    assert all('"name": "increment"' in p for p in counted)  # the row's environment's tools in its prompt
+
+
+def test_a_run_stops_before_training_on_a_bad_environment(tiny_model, tmp_path):
+    import train_agrpo
+    from accelerate.state import AcceleratorState
+    from lib.config import ConfigError
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "x", "level": 1}) + "\n")
+    args = ["--model_name_or_path", tiny_model, "--dataset_name", str(data), "--max_steps", "1",
+            "--per_device_train_batch_size", "4", "--num_generations", "4", "--num_eval_samples", "0",
+            "--reward_funcs", "tests/tiny_rewards.py:noise", "--output_dir", str(tmp_path / "run")]
+    try:
+        with pytest.raises(ConfigError, match=r"environment_factory: BadReset.reset raised KeyError: 'no such level' "
+                                              r"\(the data-set row's columns: prompt, level\); checked on the first"):
+            train_agrpo.main(args + ["--environment_factory", f"{TOOLS}:BadReset"])
+        with pytest.raises(ConfigError, match=r"environment_factory maps names to classes, and a data-set row has no "
+                                              r"environment column"):
+            train_agrpo.main(args + ["--environment_factory", json.dumps(ENVS)])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

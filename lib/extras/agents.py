@@ -136,17 +136,18 @@ class Agent:
         if not self.environments:
             return
         first = {}
-        for record in records:
-            try:
+        try:
+            for record in records:
                 first.setdefault(self.environment_of(record), record)
-            except ValueError as error:
-                raise ConfigError(str(error)) from None
-        for name, record in first.items():
-            try:
+            for name, record in first.items():
                 [episode] = self.open_episodes(name, record, 1)[1]
-            except RuntimeError as error:
-                raise ConfigError(f"{error}; checked on the first data-set row that uses it") from None
-            self.drop(episode)
+                self.drop(episode)
+        except ValueError as error:  # a row picks no environment: the worker is not needed any more
+            self.close()
+            raise ConfigError(str(error)) from None
+        except RuntimeError as error:  # an environment could not start
+            self.close()
+            raise ConfigError(f"{error}; checked on the first data-set row that uses it") from None
 
     def drop(self, episode: int) -> None:
         """An episode's environment dropped without its reward (opened, never sampled)."""

@@ -51,9 +51,9 @@ def tool_spec(tool, what: str = "tool") -> str:
         return tool
     name, module = getattr(tool, "__qualname__", ""), getattr(tool, "__module__", None)
     if not name or "<" in name or module is None:
-        kind = "a function" if what == "tool" else "a class"
-        raise ValueError(f"{what} {tool!r}: a {what} must be {kind} defined at the top level of a module or file "
-                         "(the tool worker imports it by name); a lambda or a nested definition cannot be")
+        kind = "function" if what == "tool" else "class"
+        raise ValueError(f"{what} {tool!r}: a {what} must be a {kind} defined at the top level of a module or file "
+                         f"(the tool worker imports it by name); a lambda or a nested {kind} cannot be")
     if module == "__main__":
         path = getattr(sys.modules["__main__"], "__file__", None)
         if path is None:
