@@ -460,3 +460,30 @@ def test_a_run_stops_before_training_on_a_bad_environment(tiny_model, tmp_path):
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_groups_sampled_again_get_fresh_environments(tiny_model, tmp_path):
+    """adaGRPO samples the groups with no correct answer again (RolloutContext.sample_again): their new episodes get
+    new instances, reset with the same rows, and their get_reward replaces the old completions' in the batch."""
+    import train_agrpo
+    from accelerate.state import AcceleratorState
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Count {i}."}], "start": 3}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_agrpo.main(["--model_name_or_path", tiny_model, "--dataset_name", str(data), "--max_steps", "2",
+                          "--algo", "adagrpo", "--per_device_train_batch_size", "8", "--num_generations", "4",
+                          "--max_completion_length", "8", "--num_eval_samples", "0", "--bf16", "false",
+                          "--reward_funcs", "tests/tiny_rewards.py:has_x", "--correctness_reward", "has_x",
+                          "--environment_factory", f"{TOOLS}:Counter", "--output_dir", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+        AcceleratorState._reset_state(reset_partial_state=True)
+    steps = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward" in m]
+    assert all(m["resampled_prompts"] > 0 for m in steps)  # the rows path ran
+    # every completion's get_reward read (a closed or reused episode would have failed: counted as an error)
+    assert [(m["rewards/Counter/mean"], m["rewards/Counter/errors"]) for m in steps] == [(3.0, 0.0), (3.0, 0.0)]
