@@ -32,6 +32,7 @@ from lib.compat import as_bool, leftover_values, resolve_keys
 from lib.data import looks_local, one_line
 from lib.losses import check_settings
 from lib.methods import METHODS
+from lib.reward_funcs import object_spec
 from lib.schedule import schedule_options, steps_per_rollout
 from lib.settings import (EMBEDDED_MODEL, FIELDS, PRESETS, REPORT_TO_CHOICES, SECRET_KEYS, SECTIONS, TRACKERS, Config,
                           ConfigError)
@@ -64,6 +65,11 @@ def _scalar(name: str, typ, value):
     if isinstance(value, (dict, list, tuple, set)):
         raise ConfigError(f"{name}: expected one {_type_name(typ)}, got a {type(value).__name__} ({value!r:.80}); "
                           f"give a single value")
+    if typ is str and callable(value):  # a Python user's function or class (tools, rollout_func): recorded by name
+        try:
+            return object_spec(value, "rollout_func" if name == "rollout_func" else "tool")
+        except ValueError as error:
+            raise ConfigError(f"{name}: {error}") from None
     if typ is bool:
         return as_bool(value)
     if isinstance(value, bool):
@@ -131,15 +137,21 @@ def _spec_or_mapping(name: str, value):
         except yaml.YAMLError:
             raise ConfigError(f"{name}: cannot read {value!r:.80} as a mapping; give one as JSON "
                               "('{\"name\": \"module:Class\"}') or a single module:Class") from None
-    if isinstance(value, type):  # a Python user's class itself (lib/extras/tools.tool_spec names it)
-        return value
+    def spec(entry):  # a Python user's class itself: recorded by name (config.yaml holds the spec)
+        try:
+            return object_spec(entry, "environment") if isinstance(entry, type) else entry
+        except ValueError as error:
+            raise ConfigError(f"{name}: {error}") from None
+
+    if isinstance(value, type):
+        return spec(value)
     if isinstance(value, dict):
         bad = [k for k, v in value.items() if not isinstance(k, str)
                or not (isinstance(v, type) or isinstance(v, str) and v.strip())]
         if bad or not value:
             raise ConfigError(f"{name}: a mapping gives each name a 'module:Class' or 'file.py:Class' spec, got "
                               f"{value!r:.80}")
-        return dict(value)
+        return {k: spec(v) for k, v in value.items()}
     if isinstance(value, str) and value.strip():
         return value.strip()
     raise ConfigError(f"{name}: expected 'module:Class' / 'file.py:Class' or a mapping of names to them, got "

@@ -275,7 +275,10 @@ def test_environment_factory_is_read_from_yaml_and_the_command_line_and_bad_spec
     recipe = tmp_path / "envs.yaml"
     recipe.write_text("environment_factory:\n  counter: tests/tiny_tools.py:Counter\n  store: tests/tiny_tools.py:Store\n")
     assert parse_config(["--config", str(recipe)]).environment_factory == ENVS
-    assert make_config({"environment_factory": Counter}).environment_factory is Counter  # a Python user's class
+    # a Python user's class (or function, in tools) is recorded by name: the worker imports it, config.yaml holds it
+    assert make_config({"environment_factory": Counter}).environment_factory == "tiny_tools:Counter"
+    assert make_config({"environment_factory": {"c": Counter}, "tools": [calculator]}).tools == [
+        "lib.extras.tools:calculator"]
     with pytest.raises(ConfigError, match=r"environment_factory: a mapping gives each name a 'module:Class'"):
         parse_config(["--environment_factory", '{"counter": 3}'])
     # TRL's rule: the class's public functions, less reset and get_reward; a class, with a reset

@@ -33,7 +33,7 @@ from pathlib import Path
 
 
 from lib.extras.reward_worker import RewardCallFailed, RewardWorker, serve
-from lib.reward_funcs import _load_module  # the reward specs' importer: the same forms, the same messages
+from lib.reward_funcs import _load_module, object_spec  # the reward specs' importer: the same forms and messages
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 MAX_RESULT_CHARS = 2000  # a longer tool result is cut (the model's context is the limit that matters)
@@ -47,19 +47,7 @@ def tool_spec(tool, what: str = "tool") -> str:
     """A tool (or, `what` "environment", an environment class) given as an object, as the spec the worker imports it
     by ('module:function' or 'file.py:function'): the tool runs in a child process, which imports it rather than
     receiving it. A lambda or a function defined inside another has no such name, and is refused with the fix."""
-    if isinstance(tool, str):
-        return tool
-    name, module = getattr(tool, "__qualname__", ""), getattr(tool, "__module__", None)
-    if not name or "<" in name or module is None:
-        kind = "function" if what == "tool" else "class"
-        raise ValueError(f"{what} {tool!r}: a {what} must be a {kind} defined at the top level of a module or file "
-                         f"(the tool worker imports it by name); a lambda or a nested {kind} cannot be")
-    if module == "__main__":
-        path = getattr(sys.modules["__main__"], "__file__", None)
-        if path is None:
-            raise ValueError(f"{what} {name!r} is defined in an interactive session: put it in a .py file")
-        return f"{Path(path).resolve()}:{name}"
-    return f"{module}:{name}"
+    return object_spec(tool, what)
 
 
 def load_tool(spec: str, what: str = "tool"):
