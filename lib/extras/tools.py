@@ -29,7 +29,6 @@ import re
 import sys
 import types
 from dataclasses import dataclass
-from pathlib import Path
 
 
 from lib.extras.reward_worker import RewardCallFailed, RewardWorker, serve
