@@ -413,6 +413,9 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
                           "master weights), or train a LoRA adapter (use_peft true) on a frozen fp16 base")
     validate_backend(cfg, check_installed)
     validate_hub_and_trackers(cfg)
+    if cfg.rollout_func and (cfg.tools or cfg.environment_factory):
+        raise ConfigError("rollout_func samples the completions itself, tool calls included (its env_mask marks what "
+                          "the environment wrote); give it alone, without tools or environment_factory")
     num_rewards = len(cfg.reward_funcs) + bool(cfg.reward_model_name_or_path)  # the reward model counts first
     if not num_rewards:
         raise ConfigError("reward_funcs is empty: give at least one (e.g. accuracy)")

@@ -85,7 +85,9 @@ class RolloutContext:
         self.reward_seconds = 0.0  # time spent in reward functions, reported apart from generation
         # lib.extras.reward_worker.RewardWorker (reward_timeout > 0), or None: called in this process
         self.worker = worker
-        self.episodes = episodes  # lib.extras.agents.Agent (tools): first turns continued into episodes, or None
+        # lib.extras.agents.Agent (tools, environment_factory): first turns continued into episodes; or
+        # lib.extras.rollout_func.RolloutFunction (rollout_func), which samples in place of the engine; or None
+        self.episodes = episodes
         # what prompts are rendered with: the run's system prompt and template variables, and an agent's tools
         self.system_prompt, self.template_kwargs = cfg.system_prompt, cfg.chat_template_kwargs
         if episodes is not None:
@@ -159,6 +161,9 @@ class RolloutContext:
         sampling = dict(temperature=temperature, top_p=top_p, top_k=self.cfg.top_k,
                         answer_phase=self.answer_phase if answer_phase else None, min_p=self.cfg.min_p or 0.0,
                         repetition_penalty=self.cfg.repetition_penalty)
+        if self.episodes is not None and getattr(self.episodes, "replaces_sampling", False):  # a rollout_func
+            records = prompts.records if rows is None else [prompts.records[i] for i in rows.tolist()]
+            return self.episodes.sample(records, counts.tolist(), self.engine, sampling)
         rollout = self.engine.generate(ids, mask, counts, self.cfg.max_completion_length, **sampling)
         if self.episodes is None:
             return rollout

@@ -440,6 +440,11 @@ class GRPOArguments:
                                              "episode in the tool worker, reset(**row) at its start (a text it returns "
                                              "is appended to the prompt), its public methods the episode's tools, its "
                                              "get_reward() a reward named after the class (docs/agents.md 7)."})
+    rollout_func: str | None = field(default=None, metadata={"help": "A function (module:function / "
+                                     "file.py:function) that samples each batch's completions in place of the "
+                                     "trainer's sampler, with TRL's signature and return contract: f(prompts, "
+                                     "trainer) -> {prompt_ids, completion_ids, logprobs, env_mask (optional), other "
+                                     "keys: reward-function arguments} (docs/agents.md 8)."})
     max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Model turns with tool calls "
                                                     "an episode may have (null = until a turn calls none or the "
                                                     "completion budget is spent).",

@@ -490,3 +490,77 @@ def test_groups_sampled_again_get_fresh_environments(tiny_model, tmp_path):
     assert all(m["resampled_prompts"] > 0 for m in steps)  # the rows path ran
     # every completion's get_reward read (a closed or reused episode would have failed: counted as an error)
     assert [(m["rewards/Counter/mean"], m["rewards/Counter/errors"]) for m in steps] == [(3.0, 0.0), (3.0, 0.0)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rollout_func (docs/agents.md 8)
+
+
+def test_rollout_func_contract_and_config_errors_name_the_key(tokenizer):
+    from types import SimpleNamespace
+
+    from lib.config import ConfigError, make_config, parse_config
+    from lib.extras.rollout_func import RolloutFunction
+    from tiny_tools import rollout_with_feedback
+
+    assert parse_config(["--rollout_func", f"{TOOLS}:rollout_with_feedback"]).rollout_func == \
+        f"{TOOLS}:rollout_with_feedback"
+    assert make_config({"rollout_func": rollout_with_feedback}).rollout_func == "tiny_tools:rollout_with_feedback"
+    with pytest.raises(ConfigError, match="rollout_func samples the completions itself.*without tools or "
+                                          "environment_factory"):
+        make_config({"rollout_func": rollout_with_feedback, "tools": ["lib.extras.tools:calculator"]})
+    cfg = SimpleNamespace(rollout_func=f"{TOOLS}:nope", max_completion_length=6, temperature=0.7)
+    accelerator = SimpleNamespace(device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"rollout_func: rollout_func 'tests/tiny_tools.py:nope': module .* has no "
+                                          r"attribute 'nope'"):
+        RolloutFunction.from_config(cfg, tokenizer, accelerator)
+    cfg.rollout_func = f"{TOOLS}:rollout_with_feedback"
+    hook = RolloutFunction.from_config(cfg, tokenizer, accelerator)
+    owner = torch.tensor([0, 0, 1, 1])
+    eos = tokenizer.eos_token_id
+    good = {"prompt_ids": [[1, 2], [1, 2], [3], [3]], "completion_ids": [[5, eos], [5, 6, 7, 8, 9, 10, 11], [7], []],
+            "logprobs": [[-0.5, -0.25], [-1.0] * 7, [-2.0], []], "env_mask": [[1, 1], [1, 0, 0, 1, 1, 1, 1], [0], []],
+            "score": [1, 2, 3, 4], "tag": "all"}
+    roll = hook.to_rollout(good, owner, {"temperature": torch.tensor([0.5, 0.9])})
+    assert roll.prompt_ids.tolist() == [[1, 2], [tokenizer.pad_token_id, 3]] and roll.prompt_mask.tolist() == [
+        [1, 1], [0, 1]]
+    assert roll.completion_ids.shape == (4, 6) and roll.is_truncated.tolist() == [False, True, True, True]
+    assert roll.completion_mask[1].tolist() == [1, 0, 0, 1, 1, 1] and roll.sequence_mask[1].tolist() == [1] * 6
+    assert roll.temperatures[1].tolist() == pytest.approx([0.5, 1, 1, 0.5, 0.5, 0.5])  # env tokens: 1
+    assert roll.temperatures[2, 0].item() == 1.0 and roll.sampling_logps[1, :3].tolist() == [-1.0, 0.0, 0.0]
+    assert roll.columns == {"score": [1, 2, 3, 4], "tag": ["all"] * 4}  # TRL's rule: a non-list goes to every row
+    for bad, message in [({k: v for k, v in good.items() if k != "logprobs"}, r"must return keys \['logprobs'\]"),
+                         ({**good, "completion_ids": good["completion_ids"][:3]}, "returned 3 completion_ids for 4"),
+                         ({**good, "prompt_ids": [[1, 2], [1], [3], [3]]}, "different prompt_ids for completions of "
+                                                                           "the same prompt"),
+                         ({**good, "score": [1]}, "'score' has 1 values for 4 completions"),
+                         ([1, 2], "must return a dict")]:
+        with pytest.raises(ValueError, match=message):
+            hook.to_rollout(bad, owner, {"temperature": 0.7})
+
+
+def test_a_run_with_rollout_func_trains_on_its_completions(tiny_model, tmp_path):
+    """The trainer with `rollout_func`: the function samples (through the trainer's own sampler) and appends an
+    environment's feedback; the feedback is read but not trained (env_mask), its extra field reaches a reward
+    function."""
+    import train_agrpo
+    from accelerate.state import AcceleratorState
+    from tiny_tools import FEEDBACK
+
+    out = tmp_path / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_agrpo.main(["--model_name_or_path", tiny_model, "--max_steps", "2", "--per_device_train_batch_size", "8",
+                          "--num_generations", "4", "--max_completion_length", "16", "--num_eval_samples", "0",
+                          "--builtin_num_train", "8", "--bf16", "false", "--reward_funcs", f"{TOOLS}:feedback",
+                          "--rollout_func", f"{TOOLS}:rollout_with_feedback", "--output_dir", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+        AcceleratorState._reset_state(reset_partial_state=True)
+    steps = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward" in m]
+    assert len(steps) == 2
+    for m in steps:  # the model's 4 tokens (or fewer, where it ended): the feedback is not the model's
+        assert m["rewards/feedback/mean"] == m["completions/mean_length"] <= 4 and m["rewards/feedback/errors"] == 0
+    completions = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert completions and all(c["completion"].endswith(FEEDBACK) for c in completions)

@@ -151,3 +151,29 @@ class NoReset:
     def look(self) -> str:
         """Look around."""
         return "nothing"
+
+
+# ---- rollout_func (tests/test_agents.py): TRL's signature f(prompts, trainer) -> dict
+
+FEEDBACK = " [checked]"
+
+
+def rollout_with_feedback(prompts, trainer):
+    """Samples 4 tokens of each prompt with the trainer's own sampler, then appends an environment's feedback
+    (env_mask 0 there); the completion's model length travels to the reward functions as `feedback_score`."""
+    tok = trainer.processing_class
+    texts = [p if isinstance(p, str) else tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+             for p in prompts]
+    prompt_ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    completions, logprobs = trainer.generate(prompt_ids, max_new_tokens=4)
+    feedback = tok.encode(FEEDBACK, add_special_tokens=False)
+    return {"prompt_ids": prompt_ids, "completion_ids": [c + feedback for c in completions], "logprobs": None,
+            "env_mask": [[1] * len(c) + [0] * len(feedback) for c in completions],
+            "feedback_score": [float(len(c)) for c in completions], "source": "tiny"}
+
+
+def feedback(prompts, completions, feedback_score, source, **columns):
+    """A reward function that reads the rollout function's extra fields (a value that was not a list comes once per
+    completion, as in TRL)."""
+    assert source == ["tiny"] * len(completions), source
+    return list(feedback_score)
