@@ -417,8 +417,9 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
         raise ConfigError("rollout_func samples the completions itself, tool calls included (its env_mask marks what "
                           "the environment wrote); give it alone, without tools or environment_factory")
     num_rewards = len(cfg.reward_funcs) + bool(cfg.reward_model_name_or_path)  # the reward model counts first
-    if not num_rewards:
-        raise ConfigError("reward_funcs is empty: give at least one (e.g. accuracy)")
+    if not num_rewards and not cfg.environment_factory:  # an environment's get_reward may be the only reward (TRL)
+        raise ConfigError("reward_funcs is empty: give at least one (e.g. accuracy), or an environment_factory whose "
+                          "class has a get_reward method")
     if cfg.reward_weights is not None and len(cfg.reward_weights) != num_rewards:
         raise ConfigError(f"reward_weights has {len(cfg.reward_weights)} values for {num_rewards} "
                           f"reward_funcs{' and reward_model_name_or_path' * bool(cfg.reward_model_name_or_path)}; "

@@ -564,3 +564,37 @@ def test_a_run_with_rollout_func_trains_on_its_completions(tiny_model, tmp_path)
         assert m["rewards/feedback/mean"] == m["completions/mean_length"] <= 4 and m["rewards/feedback/errors"] == 0
     completions = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
     assert completions and all(c["completion"].endswith(FEEDBACK) for c in completions)
+
+
+def test_the_pages_environment_example_runs(tiny_model, tmp_path, monkeypatch):
+    """docs/agents.md 7's example as it is written (its class, its data, its recipe), for one step on the tiny model:
+    get_reward as the only reward."""
+    import re
+
+    import train_agrpo
+    from accelerate.state import AcceleratorState
+    from conftest import REPO
+
+    page = (REPO / "docs" / "agents.md").read_text()
+    section = page[page.index("## 7. Environments"):page.index("## 8.")]
+    blocks = {}
+    for kind, text in re.findall(r"```(python|json lines|yaml)\n(.*?)```", section, re.S):
+        blocks.setdefault(kind, text)  # the first of each kind: the example's three files
+    (tmp_path / "guess_env.py").write_text(blocks["python"])
+    (tmp_path / "guesses.jsonl").write_text(blocks["json lines"])
+    (tmp_path / "guess.yaml").write_text(blocks["yaml"])
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_agrpo.main(["--config", "guess.yaml", "--model_name_or_path", tiny_model, "--max_steps", "1",
+                          "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length",
+                          "16", "--bf16", "false", "--output_dir", str(tmp_path / "run")])
+    finally:
+        torch.set_num_threads(threads)
+        AcceleratorState._reset_state(reset_partial_state=True)
+    [step] = [m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "reward" in m]
+    assert step["rewards/GuessTheNumber/mean"] == 0.0 and step["rewards/GuessTheNumber/errors"] == 0  # no guess yet
+    [line] = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()][:1]
+    assert "Let's play a game. Guess my number, from 1 to 100, with the guess tool." in line["prompt"]
+    assert '"name": "guess"' in line["prompt"]

@@ -200,10 +200,12 @@ class Agent:
                         record: dict | None = None) -> tuple:
         """The system prompt and the chat template's variables that give the model the tools: the template's own
         `tools` where it renders them, else the plain format's description after the system prompt. With
-        environments, a row's tools are the run's and its environment's (`record`; without one, the run's)."""
+        environments, a row's tools are the run's and its environment's (`record`; without one, or for a row that
+        picks none, the run's)."""
         schemas = self.schemas
-        if record is not None and self.environments:
-            schemas = self.environment_schemas[self.environment_of(record)]
+        if record is not None and self.environments:  # a row that picks none (a held-out set's): the run's tools
+            name = None if None in self.environments else record.get(ENVIRONMENT_COLUMN)
+            schemas = self.environment_schemas.get(name, self.schemas)
         if not schemas:
             return system_prompt, template_kwargs
         if template_has_tools(self.tokenizer):
