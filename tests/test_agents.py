@@ -460,6 +460,12 @@ def test_a_run_stops_before_training_on_a_bad_environment(tiny_model, tmp_path):
         with pytest.raises(ConfigError, match=r"environment_factory maps names to classes, and a data-set row has no "
                                               r"environment column"):
             train_agrpo.main(args + ["--environment_factory", json.dumps(ENVS)])
+        recipe = tmp_path / "no_rewards.yaml"
+        recipe.write_text(f"reward_funcs: []\nenvironment_factory: {ENVS['store']}\n")
+        with pytest.raises(ConfigError, match="reward_funcs is empty and no environment_factory class has a "
+                                              "get_reward method"):
+            without_rewards = [a for a in args if a not in ("--reward_funcs", "tests/tiny_rewards.py:noise")]
+            train_agrpo.main(without_rewards + ["--config", str(recipe)])
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -1,4 +1,5 @@
-"""Tools for tests/test_agents.py: one of each way a tool can fail the trainer (docs/agents.md)."""
+"""Tools for tests/test_agents.py: one of each way a tool can fail the trainer, environments (environment_factory) and
+a rollout function (rollout_func) (docs/agents.md)."""
 
 import asyncio
 import os
