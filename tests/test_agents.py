@@ -332,13 +332,13 @@ def test_each_episode_has_its_own_environment_in_the_worker_until_it_ends():
         worker.close()
 
 
-def environment_agent(tokenizer, environments, tools=(), timeout=5.0, max_iterations=2):
+def environment_agent(tokenizer, environments, tools=(), timeout=5.0, max_iterations=1, max_completion_length=80):
     from types import SimpleNamespace
 
     from lib.extras.agents import Agent
 
     cfg = SimpleNamespace(tools=list(tools), environment_factory=environments, tool_timeout=timeout,
-                          max_tool_calling_iterations=max_iterations, max_completion_length=120)
+                          max_tool_calling_iterations=max_iterations, max_completion_length=max_completion_length)
     return Agent.from_config(cfg, tokenizer)
 
 
