@@ -70,7 +70,8 @@ from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation import generate_and_score, summarize
-from lib.extras import agents, cpu_kernels, health, hub, hub_data, memory, reward_models, sharding
+from lib.extras import (agents, cpu_kernels, health, hub, hub_data, memory, reward_models, rollout_func,
+                        sharding)
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.vllm_rollout import colocated_rollout
@@ -539,6 +540,17 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     model_path = resolve_model_path(cfg.model_name_or_path)
     tokenizer = load_checked_tokenizer(cfg, model_path, train_records[:1] + eval_records[:1])
     agent = agents.Agent.from_config(cfg, tokenizer)  # tools: checked, their worker started (docs/agents.md)
+    if agent is not None:  # environments: every row picks one, and each starts on its first row
+        agent.check_records(train_records)
+        clash = sorted({name for name, _ in agent.reward_funcs()} & {name for name, _ in reward_funcs})
+        if clash or not (reward_funcs or agent.reward_funcs()):
+            agent.close()
+            raise ConfigError(f"environment_factory: the reward of class {clash[0]} (its get_reward) would share its "
+                              "name with a reward function; rename one" if clash else "reward_funcs is empty and no "
+                              "environment_factory class has a get_reward method: give a reward function, or a "
+                              "get_reward")
+    # rollout_func: the user's function samples in place of the sampler, behind the same hook (docs/agents.md 8)
+    sampler_hook = agent or rollout_func.RolloutFunction.from_config(cfg, tokenizer, accelerator)
     policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded,
                                     partitioned)
     if cfg.use_vllm and cfg.vllm_mode == "server":  # an engine on its own devices (serve_vllm.py)
@@ -548,6 +560,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     else:
         engine = make_engine(cfg, policy, tokenizer, bf16, rank, partitioned, cpu_kernels.prepack_for_cpu)
     reward_funcs = reward_models.load_rewards(cfg, reward_funcs, accelerator.device)
+    if agent is not None:  # an environment's get_reward: a reward of its own, after the configured ones
+        reward_funcs = reward_funcs + agent.reward_funcs()
     optimizer = policy_optimizer(cfg, policy)
     estimate = memory.check_run(cfg, policy, accelerator.device, bf16)  # stops a run that won't fit
     if accelerator.is_main_process:
@@ -567,7 +581,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
         with hub.argv_without_secrets():
             accelerator.init_trackers(cfg.project, config=hparams, init_kwargs=trackers)
     ctx = rollout_context(cfg, engine, tokenizer, reward_funcs, train_records, accelerator,
-                          geometry, worker, agent)
+                          geometry, worker, sampler_hook)
     history = read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None
     run = Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method,
               params, optimizer, scheduler, eval_records, geometry, ckpt.StopRequest(), sharded,

@@ -32,6 +32,7 @@ from lib.compat import as_bool, leftover_values, resolve_keys
 from lib.data import looks_local, one_line
 from lib.losses import check_settings
 from lib.methods import METHODS
+from lib.reward_funcs import object_spec
 from lib.schedule import schedule_options, steps_per_rollout
 from lib.settings import (EMBEDDED_MODEL, FIELDS, PRESETS, REPORT_TO_CHOICES, SECRET_KEYS, SECTIONS, TRACKERS, Config,
                           ConfigError)
@@ -64,6 +65,11 @@ def _scalar(name: str, typ, value):
     if isinstance(value, (dict, list, tuple, set)):
         raise ConfigError(f"{name}: expected one {_type_name(typ)}, got a {type(value).__name__} ({value!r:.80}); "
                           f"give a single value")
+    if typ is str and callable(value):  # a Python user's function or class (tools, rollout_func): recorded by name
+        try:
+            return object_spec(value, "rollout_func" if name == "rollout_func" else "tool")
+        except ValueError as error:
+            raise ConfigError(f"{name}: {error}") from None
     if typ is bool:
         return as_bool(value)
     if isinstance(value, bool):
@@ -87,6 +93,8 @@ def _coerce(name: str, value):
             return None
         raise ConfigError(f"{name} cannot be null; give a {_type_name(typ)}")
     origin = typing.get_origin(typ)
+    if isinstance(typ, types.UnionType) and set(typing.get_args(typ)) >= {str, dict}:  # a spec, or names -> specs
+        return _spec_or_mapping(name, value)
     try:
         if typ is dict:  # a mapping (generation_kwargs, chat_template_kwargs): YAML, or JSON text on the command line
             try:
@@ -118,6 +126,36 @@ def _coerce(name: str, value):
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(f"{name}: cannot read {value!r:.80} as {_type_name(typ)}") from None
+
+
+def _spec_or_mapping(name: str, value):
+    """A field that takes one spec ('module:Class') or a mapping of names to specs (environment_factory): from YAML as
+    it is, from the command line as the spec, or as a mapping in YAML / JSON text."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{name}: cannot read {value!r:.80} as a mapping; give one as JSON "
+                              "('{\"name\": \"module:Class\"}') or a single module:Class") from None
+    def spec(entry):  # a Python user's class itself: recorded by name (config.yaml holds the spec)
+        try:
+            return object_spec(entry, "environment") if isinstance(entry, type) else entry
+        except ValueError as error:
+            raise ConfigError(f"{name}: {error}") from None
+
+    if isinstance(value, type):
+        return spec(value)
+    if isinstance(value, dict):
+        bad = [k for k, v in value.items() if not isinstance(k, str)
+               or not (isinstance(v, type) or isinstance(v, str) and v.strip())]
+        if bad or not value:
+            raise ConfigError(f"{name}: a mapping gives each name a 'module:Class' or 'file.py:Class' spec, got "
+                              f"{value!r:.80}")
+        return {k: spec(v) for k, v in value.items()}
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    raise ConfigError(f"{name}: expected 'module:Class' / 'file.py:Class' or a mapping of names to them, got "
+                      f"{value!r:.80}")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -375,9 +413,13 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
                           "master weights), or train a LoRA adapter (use_peft true) on a frozen fp16 base")
     validate_backend(cfg, check_installed)
     validate_hub_and_trackers(cfg)
+    if cfg.rollout_func and (cfg.tools or cfg.environment_factory):
+        raise ConfigError("rollout_func samples the completions itself, tool calls included (its env_mask marks what "
+                          "the environment wrote); give it alone, without tools or environment_factory")
     num_rewards = len(cfg.reward_funcs) + bool(cfg.reward_model_name_or_path)  # the reward model counts first
-    if not num_rewards:
-        raise ConfigError("reward_funcs is empty: give at least one (e.g. accuracy)")
+    if not num_rewards and not cfg.environment_factory:  # an environment's get_reward may be the only reward (TRL)
+        raise ConfigError("reward_funcs is empty: give at least one (e.g. accuracy), or an environment_factory whose "
+                          "class has a get_reward method")
     if cfg.reward_weights is not None and len(cfg.reward_weights) != num_rewards:
         raise ConfigError(f"reward_weights has {len(cfg.reward_weights)} values for {num_rewards} "
                           f"reward_funcs{' and reward_model_name_or_path' * bool(cfg.reward_model_name_or_path)}; "

@@ -14,6 +14,7 @@ import math
 import numbers
 import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -128,6 +129,26 @@ def _load_module(spec: str, module_part: str):
         return importlib.import_module(module_part)
     except ImportError as exc:
         raise _spec_error(spec, f"cannot import module {module_part!r} ({exc})") from exc
+
+
+def object_spec(obj, what: str = "tool") -> str:
+    """A function or class given as an object, as the spec a worker process imports it by ('module:name', or
+    'file.py:name' for one defined in the script that runs): a worker imports it rather than receiving it, and
+    config.yaml records the spec. A lambda or a definition nested in another has no such name: ValueError with the
+    fix. `what` names the key's kind in the message (tool, environment, rollout_func)."""
+    if isinstance(obj, str):
+        return obj
+    kind = "class" if what == "environment" else "function"
+    name, module = getattr(obj, "__qualname__", ""), getattr(obj, "__module__", None)
+    if not name or "<" in name or module is None:
+        raise ValueError(f"{what} {obj!r}: a {what} must be a {kind} defined at the top level of a module or file "
+                         f"(it is imported by name); a lambda or a nested {kind} cannot be")
+    if module == "__main__":
+        path = getattr(sys.modules["__main__"], "__file__", None)
+        if path is None:
+            raise ValueError(f"{what} {name!r} is defined in an interactive session: put it in a .py file")
+        return f"{Path(path).resolve()}:{name}"
+    return f"{module}:{name}"
 
 
 def _keyword_only(func) -> set[str]:
@@ -437,8 +458,8 @@ def score_completions(
 
     def run(jobs: list[tuple[int, dict]]) -> list:
         k = jobs[0][0]
-        if call is None or is_reward_model(funcs[k]):
-            return run_jobs(funcs, jobs)
+        if call is None or is_reward_model(funcs[k]) or getattr(funcs[k], "in_process", False):
+            return run_jobs(funcs, jobs)  # a function the worker does not hold (an environment's reward) runs here
         return call(jobs, is_async(funcs[k]))
 
     fallback = None if error_value is None else float(error_value)  # None: skipped, like a function's None

@@ -51,6 +51,8 @@ class Rollout:
     sampling_logps: torch.Tensor | None = None
     sequence_mask: torch.Tensor | None = None  # (B, T) every token the policy reads, where that is more than the
     # model's own tokens in completion_mask: an agent's episode holds tool results (lib/extras/agents.py)
+    columns: dict[str, list] | None = None  # values per completion that the sampler adds to the reward functions'
+    # keyword arguments (an environment's get_reward: lib/extras/agents.py)
 
     def attended(self) -> torch.Tensor:
         """(B, T) the completion tokens a forward pass reads: all of an episode's, tool results included."""
@@ -106,9 +108,17 @@ def replace_completions(batch: Rollout, rows: torch.Tensor, new: Rollout, pad_to
         logps = widen(batch.sampling_logps, 0.0).clone()
         logps[rows] = widen(new.sampling_logps, 0.0)
         logps = logps[:, :used]
+    columns = None
+    if batch.columns or new.columns:
+        columns = {}
+        for key in {**(batch.columns or {}), **(new.columns or {})}:
+            column = list((batch.columns or {}).get(key, [None] * len(truncated)))
+            for row, value in zip(rows.tolist(), (new.columns or {}).get(key, [None] * len(rows))):
+                column[row] = value
+            columns[key] = column
     return replace(batch, completion_ids=ids[:, :used], completion_mask=mask[:, :used], temperatures=temps[:, :used],
                    is_truncated=truncated, sampling_logps=logps,
-                   sequence_mask=None if sequence is None else sequence[:, :used])
+                   sequence_mask=None if sequence is None else sequence[:, :used], columns=columns)
 
 def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """The repetition penalty of CTRL (Keskar et al. 2019, section 4.1, "penalized sampling"): the logit of each token

@@ -26,6 +26,8 @@ class Prompts:
       share of the generation batch, so a prompt's group may be split between two processes).
     records, ids, mask: those prompts' records and left-padded token ids (P_local, Lp).
     counts: (P_local,) how many completions of each this process samples.
+    sources, episodes: with an agent's environments, the records as the data set holds them (`records` then hold the
+      text each environment's reset appended to the prompt) and each prompt's episodes opened for its first sampling.
     """
 
     slots: list[int]
@@ -34,6 +36,8 @@ class Prompts:
     ids: torch.Tensor
     mask: torch.Tensor
     counts: torch.Tensor
+    sources: list[dict] | None = None
+    episodes: list[list[int]] | None = None
 
 
 @dataclass
@@ -81,7 +85,9 @@ class RolloutContext:
         self.reward_seconds = 0.0  # time spent in reward functions, reported apart from generation
         # lib.extras.reward_worker.RewardWorker (reward_timeout > 0), or None: called in this process
         self.worker = worker
-        self.episodes = episodes  # lib.extras.agents.Agent (tools): first turns continued into episodes, or None
+        # lib.extras.agents.Agent (tools, environment_factory): first turns continued into episodes; or
+        # lib.extras.rollout_func.RolloutFunction (rollout_func), which samples in place of the engine; or None
+        self.episodes = episodes
         # what prompts are rendered with: the run's system prompt and template variables, and an agent's tools
         self.system_prompt, self.template_kwargs = cfg.system_prompt, cfg.chat_template_kwargs
         if episodes is not None:
@@ -102,7 +108,11 @@ class RolloutContext:
     def prompt_text(self, record: dict) -> str:
         """The text the model is prompted with (lib/data.render_prompt: TRL's prompt as it is or through the chat
         template, or a math problem with the instruction)."""
-        return render_prompt(self.tokenizer, record, self.cfg.instruction, self.system_prompt, self.template_kwargs)
+        system_prompt, template_kwargs = self.system_prompt, self.template_kwargs
+        if self.episodes is not None and self.episodes.environments:  # the row's environment's tools
+            system_prompt, template_kwargs = self.episodes.prompt_settings(self.cfg.system_prompt,
+                                                                          self.cfg.chat_template_kwargs, record)
+        return render_prompt(self.tokenizer, record, self.cfg.instruction, system_prompt, template_kwargs)
 
     def next_slots(self, position: int, count: int) -> list[int]:
         seed = self.cfg.seed if self.cfg.data_seed is None else self.cfg.data_seed
@@ -113,9 +123,34 @@ class RolloutContext:
         used = torch.unique(local_slots)
         records = [self.train_records[slots[s]] for s in used.tolist()]
         counts = torch.bincount(local_slots - used[0], minlength=len(used)).to(self.device)
+        sources = episodes = None
+        if self.episodes is not None and self.episodes.environments:  # each episode's environment, reset with its row
+            sources = records
+            records, episodes = self.episodes.open_groups(records, counts.tolist())
         ids, mask = tokenize_prompts(self.tokenizer, [self.prompt_text(r) for r in records],
                                      self.cfg.max_prompt_length, self.device)
-        return Prompts(slots, used, records, ids, mask, counts)
+        return Prompts(slots, used, records, ids, mask, counts, sources, episodes)
+
+    def episode_ids(self, prompts: Prompts, rows: torch.Tensor | None) -> list[int] | None:
+        """The episodes of the completions about to be sampled for `prompts` (or its rows `rows`), in completion
+        order: those `prompts` opened, the first time; then new ones, their environments reset with the same rows
+        (a refill's or a second round's), the text their reset returns checked against the prompt's."""
+        if prompts.episodes is None:
+            return None
+        if rows is None and prompts.episodes:
+            ids, prompts.episodes = [e for group in prompts.episodes for e in group], []  # used once
+            return ids
+        for episode in (e for group in prompts.episodes for e in group):  # opened, never sampled: dropped
+            self.episodes.drop(episode)
+        prompts.episodes, ids = [], []
+        for row in (range(len(prompts.records)) if rows is None else rows.tolist()):
+            source, count = prompts.sources[row], int(prompts.counts[row])
+            [record], [group] = self.episodes.open_groups([source], [count])
+            if record != prompts.records[row]:
+                raise RuntimeError("environment_factory: reset returned another text for a data-set row when its "
+                                   "prompt was sampled again; reset must return the same text for the same row")
+            ids += group
+        return ids
 
     def generate(self, prompts: Prompts, temperature, top_p: float, rows: torch.Tensor | None = None,
                  answer_phase: bool = True) -> Rollout:
@@ -126,8 +161,16 @@ class RolloutContext:
         sampling = dict(temperature=temperature, top_p=top_p, top_k=self.cfg.top_k,
                         answer_phase=self.answer_phase if answer_phase else None, min_p=self.cfg.min_p or 0.0,
                         repetition_penalty=self.cfg.repetition_penalty)
+        if self.episodes is not None and getattr(self.episodes, "replaces_sampling", False):  # a rollout_func
+            records = prompts.records if rows is None else [prompts.records[i] for i in rows.tolist()]
+            return self.episodes.sample(records, counts.tolist(), self.engine, sampling)
         rollout = self.engine.generate(ids, mask, counts, self.cfg.max_completion_length, **sampling)
-        return rollout if self.episodes is None else self.episodes(rollout, self.engine, sampling)
+        if self.episodes is None:
+            return rollout
+        episodes = self.episode_ids(prompts, rows)
+        if episodes is None:
+            return self.episodes(rollout, self.engine, sampling)
+        return self.episodes(rollout, self.engine, sampling, episodes=episodes)
 
     def sampling_counters(self) -> dict[str, float]:
         """This batch's sampling events that the sampler's hooks count, over every process (an agent's tool calls)."""
@@ -147,6 +190,7 @@ class RolloutContext:
             owners, [rendered.get(i) for i in index], texts, instruction=self.cfg.instruction,
             system_prompt=self.cfg.system_prompt)
         columns["completion_length"] = rollout.completion_mask.sum(1).tolist()  # the model's tokens
+        columns.update(rollout.columns or {})  # what the sampler adds (an environment's get_reward)
         # every token of each completion (an episode's tool results too: its attended mask is a prefix)
         ids = [row[:n].tolist() for row, n in zip(rollout.completion_ids.cpu(), rollout.attended().sum(1).tolist())]
         nonfinite = {}

@@ -434,6 +434,17 @@ class GRPOArguments:
                              "(module:function / file.py:function; lib.extras.tools:calculator is built in): typed "
                              "functions with a Google-style docstring, run in a worker process; their results are "
                              "appended and sampling goes on, and their tokens are not trained (docs/agents.md)."})
+    environment_factory: str | dict | None = field(default=None, metadata={"help": "An environment class "
+                                             "(module:Class / file.py:Class), or a mapping of names to classes picked "
+                                             "per data-set row by its `environment` column (TRL's): one instance per "
+                                             "episode in the tool worker, reset(**row) at its start (a text it returns "
+                                             "is appended to the prompt), its public methods the episode's tools, its "
+                                             "get_reward() a reward named after the class (docs/agents.md 7)."})
+    rollout_func: str | None = field(default=None, metadata={"help": "A function (module:function / "
+                                     "file.py:function) that samples each batch's completions in place of the "
+                                     "trainer's sampler, with TRL's signature and return contract: f(prompts, "
+                                     "trainer) -> {prompt_ids, completion_ids, logprobs, env_mask (optional), other "
+                                     "keys: reward-function arguments} (docs/agents.md 8)."})
     max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Model turns with tool calls "
                                                     "an episode may have (null = until a turn calls none or the "
                                                     "completion budget is spent).",

@@ -426,7 +426,10 @@ def rollout_context(cfg: Config, engine, tokenizer, reward_funcs: list, train_re
     if cfg.answer_marker:
         answer_phase = AnswerPhase.from_text(tokenizer, cfg.answer_marker, cfg.answer_temperature,
                                              cfg.answer_top_p)
-    reward_weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs))
+    weights = list(cfg.reward_weights or [])
+    # weight 1 for each function without one: all of them without reward_weights, and the reward functions the
+    # trainer adds after the configured ones (an environment's get_reward, weight 1 as in TRL: docs/agents.md 7)
+    reward_weights = torch.tensor(weights + [1.0] * (len(reward_funcs) - len(weights)))
     return RolloutContext(cfg, engine, tokenizer, reward_funcs, reward_weights, train_records,
                           accelerator, answer_phase, geometry.local_rollout, geometry.first, worker, episodes)
 

@@ -1,7 +1,9 @@
-"""Tools for tests/test_agents.py: one of each way a tool can fail the trainer (docs/agents.md)."""
+"""Tools for tests/test_agents.py: one of each way a tool can fail the trainer, environments (environment_factory) and
+a rollout function (rollout_func) (docs/agents.md)."""
 
 import asyncio
 import os
+import random
 import time
 
 
@@ -74,3 +76,105 @@ def untyped(x):
         x: Anything.
     """
     return x
+
+
+class Counter:
+    """An environment (environment_factory): a counter whose state lives in its instance, one per episode; reset
+    tells the model where it starts, get_reward is the count."""
+
+    def reset(self, start: int | str = 0, **row) -> str:
+        # start "random": a reset that draws its own state (refused: one prompt's episodes must share its text)
+        self.count = random.randrange(10**9) if start == "random" else int(start)
+        return f" The counter starts at {self.count}."
+
+    def increment(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: How much to add.
+        """
+        self.count += by
+        return self.count
+
+    def explode(self) -> int:
+        """Always raises."""
+        raise RuntimeError(f"boom at {self.count}")
+
+    def stall(self) -> int:
+        """Never returns in time."""
+        time.sleep(600)
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+    def _hidden(self) -> None:  # not a tool: its name starts with "_"
+        pass
+
+
+class Store:
+    """A second environment: a key-value store, no reset text, no reward of its own."""
+
+    def reset(self, **row) -> None:
+        self.data = {}
+
+    def put(self, key: str, value: str) -> str:
+        """Store a value.
+
+        Args:
+            key: The key.
+            value: The value.
+        """
+        self.data[key] = value
+        return "ok"
+
+    def get(self, key: str) -> str:
+        """Read a value.
+
+        Args:
+            key: The key.
+        """
+        return self.data.get(key, "missing")
+
+
+class BadReset:
+    """An environment whose reset fails."""
+
+    def reset(self, **row) -> None:
+        raise KeyError("no such level")
+
+    def look(self) -> str:
+        """Look around."""
+        return "nothing"
+
+
+class NoReset:
+    def look(self) -> str:
+        """Look around."""
+        return "nothing"
+
+
+# ---- rollout_func (tests/test_agents.py): TRL's signature f(prompts, trainer) -> dict
+
+FEEDBACK = " [checked]"
+
+
+def rollout_with_feedback(prompts, trainer):
+    """Samples 4 tokens of each prompt with the trainer's own sampler, then appends an environment's feedback
+    (env_mask 0 there); the completion's model length travels to the reward functions as `feedback_score`."""
+    tok = trainer.processing_class
+    texts = [p if isinstance(p, str) else tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+             for p in prompts]
+    prompt_ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    completions, logprobs = trainer.generate(prompt_ids, max_new_tokens=4)
+    feedback = tok.encode(FEEDBACK, add_special_tokens=False)
+    return {"prompt_ids": prompt_ids, "completion_ids": [c + feedback for c in completions], "logprobs": None,
+            "env_mask": [[1] * len(c) + [0] * len(feedback) for c in completions],
+            "feedback_score": [float(len(c)) for c in completions], "source": "tiny"}
+
+
+def feedback(prompts, completions, feedback_score, source, **columns):
+    """A reward function that reads the rollout function's extra fields (a value that was not a list comes once per
+    completion, as in TRL)."""
+    assert source == ["tiny"] * len(completions), source
+    return list(feedback_score)

@@ -6,19 +6,29 @@ a turn calls no tool, `max_tool_calling_iterations` turns have called one, or th
 tokens of the results are part of the completion (later turns read them: `Rollout.sequence_mask`) but not the
 model's (`Rollout.completion_mask` is 0 there), so the trainer trains, regularises and counts only the model's.
 `run_episodes` works over any sampler with the trainer's `generate` (the HF sampler and vLLM's).
+
+Environments (`environment_factory`, as TRL 1.16's GRPOTrainer takes it; docs/agents.md 7): a class, or a mapping of
+names to classes picked per data-set row by its `environment` column. Each episode has its own instance, made in the
+tool worker (the state lives where the methods run) before the episode's first turn: its `reset(**row)` gets the
+data-set row, and the text it returns is appended to the prompt's last user message, before the chat template. Its
+public methods are the episode's tools, beside the run's `tools`; its `get_reward()`, read when the episodes end, is
+a reward function of its own (named after the class, weight 1), and the instance is then dropped.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from lib.config import ConfigError
-from lib.extras.tools import (ResultRenderer, ToolWorker, plain_tool_prompt, template_has_tools, tool_schemas,
-                              tool_spec, turn_tool_calls)
+from lib.extras.tools import (ResultRenderer, ToolWorker, environment_tools, load_environment, plain_tool_prompt,
+                              template_has_tools, tool_schemas, tool_spec, turn_tool_calls)
 from lib.rollout import Rollout
+
+ENVIRONMENT_COLUMN = "environment"  # TRL's: the data-set column that picks a row's environment by name
 
 
 @dataclass
@@ -65,38 +75,142 @@ def engine_generate(engine, pad_token_id: int, sampling: dict, owner: torch.Tens
 class Agent:
     """The episodes hook of lib/sampling.RolloutContext: a batch's first turns continued into episodes with the tools
     (`call`: lib/extras/tools.ToolWorker.call), and the batch's tool counters, TRL's `tools/call_frequency` (calls
-    per completion) and `tools/failure_frequency` (failed calls per call)."""
+    per completion) and `tools/failure_frequency` (failed calls per call). With environments (`environments`: {name:
+    class spec}, the name None for a single class), `open_groups` starts each episode's instance before sampling."""
 
     def __init__(self, tokenizer, call, max_iterations: int | None, max_completion_length: int,
-                 schemas: list[dict] | None = None, worker: ToolWorker | None = None):
+                 schemas: list[dict] | None = None, worker: ToolWorker | None = None,
+                 environments: dict | None = None, environment_schemas: dict | None = None):
         self.tokenizer, self.call = tokenizer, call
         self.max_iterations, self.max_completion_length = max_iterations, max_completion_length
         self.schemas, self.worker = schemas or [], worker
+        self.environments = environments or {}
+        self.environment_schemas = environment_schemas or {}  # name -> the run's tools and the class's methods
+        self.classes = {name: spec.rpartition(":")[2] for name, spec in self.environments.items()}
         self.renderer = ResultRenderer(tokenizer)
+        self.next_episode = 0
+        self.episode_class: dict[int, str] = {}  # open episode -> its environment's class name
         self.start_batch()
 
     @classmethod
     def from_config(cls, cfg, tokenizer) -> Agent | None:
-        """The run's agent (`tools`), its worker started; None without tools. A tool that cannot be imported or
-        described raises ValueError naming it, before any sampling."""
-        if not cfg.tools:
+        """The run's agent (`tools`, `environment_factory`), its worker started; None without either. A tool or an
+        environment that cannot be imported or described raises ConfigError naming the key, before any sampling."""
+        if not cfg.tools and not cfg.environment_factory:
             return None
         try:
             specs = [tool_spec(t) for t in cfg.tools]
             schemas = tool_schemas(specs)
         except ValueError as error:
             raise ConfigError(f"tools: {error}") from None
-        worker = ToolWorker(specs, cfg.tool_timeout)
+        environments = environment_specs(cfg.environment_factory)
+        environment_schemas = {}
+        for name, spec in environments.items():
+            try:
+                environment_schemas[name] = tool_schemas(specs + environment_tools(load_environment(spec)))
+            except ValueError as error:
+                raise ConfigError(f"environment_factory: {spec}: {error} (its methods are tools, beside `tools`: "
+                                  "each needs type hints and a Google-style docstring)") from None
+        worker = ToolWorker(specs, cfg.tool_timeout, environments)
         worker.start()
         return cls(tokenizer, worker.call, cfg.max_tool_calling_iterations, cfg.max_completion_length, schemas,
-                   worker)
+                   worker, environments, environment_schemas)
 
-    def prompt_settings(self, system_prompt: str | None, template_kwargs: dict | None) -> tuple:
+    # ---------------------------------------------------------------------------------------------- environments
+    def environment_of(self, record: dict):
+        """The name of the environment a data-set row uses (None for a single class); ValueError naming the column
+        and the names where the row picks none of them."""
+        if None in self.environments:
+            return None
+        name = record.get(ENVIRONMENT_COLUMN)
+        if name not in self.environments:
+            given = "has no environment column" if ENVIRONMENT_COLUMN not in record else f"has environment={name!r}"
+            raise ValueError(f"environment_factory maps names to classes, and a data-set row {given}; each row names "
+                             f"its environment in the column {ENVIRONMENT_COLUMN!r}, one of "
+                             f"{', '.join(map(str, self.environments))}")
+        return name
+
+    def check_records(self, records: list[dict]) -> None:
+        """Before any model loads: every row picks a known environment, and each environment starts (one episode
+        opened on the first row that uses it, and closed). ConfigError naming the key and the cause."""
+        if not self.environments:
+            return
+        first = {}
+        try:
+            for record in records:
+                first.setdefault(self.environment_of(record), record)
+            for name, record in first.items():
+                [episode] = self.open_episodes(name, record, 1)[1]
+                self.drop(episode)
+        except ValueError as error:  # a row picks no environment: the worker is not needed any more
+            self.close()
+            raise ConfigError(str(error)) from None
+        except RuntimeError as error:  # an environment could not start
+            self.close()
+            raise ConfigError(f"{error}; checked on the first data-set row that uses it") from None
+
+    def drop(self, episode: int) -> None:
+        """An episode's environment dropped without its reward (opened, never sampled)."""
+        self.worker.close_episode(episode)
+        self.episode_class.pop(episode, None)
+
+    def open_episodes(self, name, record: dict, count: int) -> tuple[str | None, list[int]]:
+        """`count` episodes of environment `name` on one data-set row, each instance reset with the row (less the
+        `environment` column where it picks the class): (the text reset returned, the episodes' ids). The episodes
+        of one prompt share it, so their resets must return the same text: RuntimeError otherwise."""
+        row = record if name is None else {k: v for k, v in record.items() if k != ENVIRONMENT_COLUMN}
+        texts, ids = [], []
+        for _ in range(count):
+            ids.append(self.next_episode)
+            self.episode_class[self.next_episode] = self.classes[name]
+            self.next_episode += 1
+            texts.append(self.worker.open(ids[-1], name, row))
+        if len(set(texts)) > 1:
+            for episode in ids:
+                self.drop(episode)
+            raise RuntimeError(f"environment_factory: {self.classes[name]}.reset returned different texts for the "
+                               f"same data-set row ({texts[0]!r:.60} and {next(t for t in texts if t != texts[0])!r:.60}"
+                               f"); the completions of one prompt share it (GRPO compares them), so reset must return "
+                               "the same text for the same row: draw any randomness from the row's own columns")
+        return texts[0] if texts else None, ids
+
+    def open_groups(self, records: list[dict], counts: list[int]) -> tuple[list[dict], list[list[int]]]:
+        """Each prompt's episodes opened (lib/sampling.RolloutContext.prompts): the records with the text their
+        environment's reset returned appended to the prompt (`with_observation`), and each one's episode ids."""
+        out, ids = [], []
+        for record, count in zip(records, counts):
+            text, episodes = self.open_episodes(self.environment_of(record), record, count)
+            out.append(with_observation(record, text))
+            ids.append(episodes)
+        return out, ids
+
+    def reward_funcs(self) -> list[tuple[str, object]]:
+        """A reward function for each environment class with a get_reward method, named after the class (TRL's
+        extra reward source, weight 1): it reads the `environment_reward` column the episodes fill."""
+        funcs, seen = [], set()
+        for name, spec in self.environments.items():
+            cls = load_environment(spec)
+            if callable(getattr(cls, "get_reward", None)) and cls.__name__ not in seen:
+                seen.add(cls.__name__)
+                funcs.append((cls.__name__, EnvironmentReward(cls.__name__)))
+        return funcs
+
+    # ---------------------------------------------------------------------------------------------- sampling
+    def prompt_settings(self, system_prompt: str | None, template_kwargs: dict | None,
+                        record: dict | None = None) -> tuple:
         """The system prompt and the chat template's variables that give the model the tools: the template's own
-        `tools` where it renders them, else the plain format's description after the system prompt."""
+        `tools` where it renders them, else the plain format's description after the system prompt. With
+        environments, a row's tools are the run's and its environment's (`record`; without one, or for a row that
+        picks none, the run's)."""
+        schemas = self.schemas
+        if record is not None and self.environments:  # a row that picks none (a held-out set's): the run's tools
+            name = None if None in self.environments else record.get(ENVIRONMENT_COLUMN)
+            schemas = self.environment_schemas.get(name, self.schemas)
+        if not schemas:
+            return system_prompt, template_kwargs
         if template_has_tools(self.tokenizer):
-            return system_prompt, {**(template_kwargs or {}), "tools": self.schemas}
-        text = plain_tool_prompt(self.schemas)
+            return system_prompt, {**(template_kwargs or {}), "tools": schemas}
+        text = plain_tool_prompt(schemas)
         return (f"{system_prompt}\n\n{text}" if system_prompt else text), template_kwargs
 
     def close(self) -> None:
@@ -106,22 +220,36 @@ class Agent:
     def start_batch(self) -> None:
         self.calls = self.failures = self.completions = 0
 
-    def __call__(self, first: Rollout, engine, sampling: dict) -> Rollout:
+    def __call__(self, first: Rollout, engine, sampling: dict, episodes: list[int] | None = None) -> Rollout:
         """The episodes that go on from the sampler `engine`'s first turns `first`, sampled at `sampling`, counted
-        in the batch's tool counters."""
-        rollout, episodes = self.run(first, engine, sampling)
-        self.calls += sum(e.calls for e in episodes)
-        self.failures += sum(e.failures for e in episodes)
-        self.completions += len(episodes)
-        return rollout
+        in the batch's tool counters. `episodes`: each completion's episode id (`open_groups`), whose environment's
+        methods are its tools; its environment is dropped when the episodes end, after its get_reward() (the
+        rollout's `environment_reward`)."""
+        roll, done = self.run(first, engine, sampling, episodes)
+        self.calls += sum(e.calls for e in done)
+        self.failures += sum(e.failures for e in done)
+        self.completions += len(done)
+        return roll
 
-    def run(self, first: Rollout, engine, sampling: dict) -> tuple[Rollout, list[Episode]]:
-        """The episodes as one Rollout, and each Episode (its calls, failures, turns), counted nowhere (an
-        evaluation's: lib/evaluation.generate_and_score)."""
+    def run(self, first: Rollout, engine, sampling: dict,
+            episodes: list[int] | None = None) -> tuple[Rollout, list[Episode]]:
+        """As `__call__`, counted nowhere (an evaluation's: lib/evaluation.generate_and_score), with each Episode
+        (its calls, failures, turns)."""
         generate = engine_generate(engine, self.tokenizer.pad_token_id, sampling, first.prompt_index)
-        episodes = run_episodes(generate, first, self.tokenizer, self.call, self.renderer, self.max_iterations,
-                                self.max_completion_length)
-        return episodes_rollout(first, episodes, self.tokenizer.pad_token_id), episodes
+        call = self.call if episodes is None else [partial(self.worker.call, episode=e) for e in episodes]
+        done = run_episodes(generate, first, self.tokenizer, call, self.renderer, self.max_iterations,
+                            self.max_completion_length)
+        columns = None
+        if episodes is not None:
+            columns = {"environment_reward": [], "environment_class": []}
+            for episode in episodes:
+                reward, error = self.worker.close_episode(episode)  # the instance is dropped
+                # a failed get_reward travels as its message: EnvironmentReward raises it, scored as a failure
+                columns["environment_reward"].append(reward if error is None else f"{error}")
+                columns["environment_class"].append(self.episode_class.pop(episode, None))
+        roll = episodes_rollout(first, done, self.tokenizer.pad_token_id)
+        roll.columns = columns
+        return roll, done
 
     def counters(self, reduce_sum) -> dict[str, float]:
         calls, failures = reduce_sum(self.calls), reduce_sum(self.failures)
@@ -135,13 +263,15 @@ def run_episodes(generate, first: Rollout, tokenizer, call, renderer: ResultRend
 
     `generate(prompt_ids: list[list[int]], max_new_tokens: int, rows: list[int]) -> Rollout` samples one
     continuation of each prompt, those of episodes `rows` (`engine_generate`: the sampler at the batch's settings);
-    `call(name, arguments) -> (text, failed)` runs one tool. An episode ends when
+    `call(name, arguments) -> (text, failed)` runs one tool (or a list of them, one per episode: each episode's
+    environment's own, `Agent.__call__`). An episode ends when
     a turn calls no tool, when `max_iterations` turns have called tools (TRL's max_tool_calling_iterations; None: no
     limit), or when its tokens reach `max_completion_length` (then it is truncated, as a one-turn completion is)."""
     eos = tokenizer.eos_token_id
     prompts = [row[m.bool()].tolist() for row, m in zip(first.prompt_ids, first.prompt_mask)]
     owner = first.prompt_index.tolist()
     episodes = [Episode() for _ in owner]
+    calls_of = call if isinstance(call, list) else [call] * len(episodes)
     turn, active, iteration = first, list(range(len(episodes))), 0
     while active:
         go_on = []
@@ -163,7 +293,7 @@ def run_episodes(generate, first: Rollout, tokenizer, call, renderer: ResultRend
                 continue  # a turn that calls nothing ends the episode
             results = list(errors)
             for c in calls:
-                text, failed = call(c.name, c.arguments)
+                text, failed = calls_of[i](c.name, c.arguments)
                 results.append(text)
                 ep.failures += failed
             ep.calls += len(calls) + len(errors)
@@ -203,3 +333,62 @@ def episodes_rollout(first: Rollout, episodes: list[Episode], pad_token_id: int)
                    first.prompt_index, logps.to(device) if first.sampling_logps is not None else None,
                    sequence_mask=sequence.to(device))
 
+
+
+def environment_specs(value) -> dict:
+    """`environment_factory` as {name: 'module:Class' spec}: a class or its spec under the name None (every row
+    uses it), or a mapping of names to either (a row picks one in its `environment` column). ConfigError naming the
+    key, the entry and the fix, for what is not a class with a reset method."""
+    if not value:
+        return {}
+    entries = value.items() if isinstance(value, dict) else [(None, value)]
+    specs = {}
+    for name, entry in entries:
+        where = "environment_factory" if name is None else f"environment_factory[{name!r}]"
+        try:
+            spec = tool_spec(entry, "environment")
+            load_environment(spec)
+        except ValueError as error:
+            raise ConfigError(f"{where}: {error}") from None
+        specs[name] = spec
+    return specs
+
+
+def with_observation(record: dict, text: str | None) -> dict:
+    """A data-set row with the text its environment's reset returned appended to the prompt's last message, as TRL
+    does before the chat template (no separator): a conversation's last message, a text prompt's end, or a math
+    problem's text (the run's instruction follows it, as always)."""
+    if not text:
+        return record
+    if "prompt" not in record:
+        return {**record, "problem": record["problem"] + text}
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+        return {**record, "prompt": prompt + text}
+    last = prompt[-1]
+    if not isinstance(last.get("content"), str):
+        raise ValueError("environment_factory: reset returned text, and the prompt's last message has no text content "
+                         "to append it to")
+    return {**record, "prompt": [*prompt[:-1], {**last, "content": last["content"] + text}]}
+
+
+class EnvironmentReward:
+    """The reward an environment class gives (its get_reward(), read when each episode ended): the
+    `environment_reward` column at the completions whose environment is of class `name`, None elsewhere (TRL's
+    rule: a row of another environment is not scored by it). A get_reward that failed raises its message here, and is
+    scored as a failing reward function is (reward_error_value, counted). It runs in the trainer's process."""
+
+    in_process = True  # lib/reward_funcs.score_completions: not sent to the reward worker (it holds no columns' code)
+
+    def __init__(self, name: str):
+        self.name = self.__name__ = name
+
+    def __call__(self, completions, environment_reward=None, environment_class=None, **kwargs) -> list:
+        if environment_reward is None:  # completions without episodes (an evaluation's)
+            return [None] * len(completions)
+        out = []
+        for value, cls in zip(environment_reward, environment_class):
+            if cls == self.name and isinstance(value, str):
+                raise RuntimeError(f"{self.name}.get_reward: {value}")
+            out.append(value if cls == self.name else None)
+        return out

@@ -11,6 +11,10 @@ the worker process they run in. Light on purpose (no torch): the worker's child 
 - `ToolWorker`: the tools run in a child process, each call with a time limit (`tool_timeout`), as reward functions
   do (lib/extras/reward_worker.py); a call that raises, hangs, kills the child or returns something that cannot be
   printed becomes an error message the model reads, and is counted; it never stops the run.
+- Environments (`environment_factory`, docs/agents.md 7): a class whose public methods are an episode's tools. Its
+  instances live in the same child, one per episode, addressed by the episode's id: `ToolWorker.open` makes one and
+  calls its `reset(**row)`, `call(..., episode=)` runs one of its methods, `close_episode` reads its `get_reward()`
+  and drops it.
 """
 
 
@@ -23,12 +27,12 @@ import json
 import operator
 import re
 import sys
+import types
 from dataclasses import dataclass
-from pathlib import Path
 
 
 from lib.extras.reward_worker import RewardCallFailed, RewardWorker, serve
-from lib.reward_funcs import _load_module  # the reward specs' importer: the same forms, the same messages
+from lib.reward_funcs import _load_module, object_spec  # the reward specs' importer: the same forms and messages
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 MAX_RESULT_CHARS = 2000  # a longer tool result is cut (the model's context is the limit that matters)
@@ -38,37 +42,62 @@ MAX_RESULT_CHARS = 2000  # a longer tool result is cut (the model's context is t
 # Tools: specs, schemas, the prompt
 
 
-def tool_spec(tool) -> str:
-    """A tool given as an object, as the spec the worker imports it by ('module:function' or 'file.py:function'):
-    the tool runs in a child process, which imports it rather than receiving it. A lambda or a function defined
-    inside another has no such name, and is refused with the fix."""
-    if isinstance(tool, str):
-        return tool
-    name, module = getattr(tool, "__qualname__", ""), getattr(tool, "__module__", None)
-    if not name or "<" in name or module is None:
-        raise ValueError(f"tool {tool!r}: a tool must be a function defined at the top level of a module or file "
-                         "(the tool worker imports it by name); a lambda or a nested function cannot be")
-    if module == "__main__":
-        path = getattr(sys.modules["__main__"], "__file__", None)
-        if path is None:
-            raise ValueError(f"tool {name!r} is defined in an interactive session: put it in a .py file")
-        return f"{Path(path).resolve()}:{name}"
-    return f"{module}:{name}"
+def tool_spec(tool, what: str = "tool") -> str:
+    """A tool (or, `what` "environment", an environment class) given as an object, as the spec the worker imports it
+    by ('module:function' or 'file.py:function'): the tool runs in a child process, which imports it rather than
+    receiving it. A lambda or a function defined inside another has no such name, and is refused with the fix."""
+    return object_spec(tool, what)
 
 
-def load_tool(spec: str):
+def load_tool(spec: str, what: str = "tool"):
     """The function a tool spec names ('module:function', 'file.py:function'); ValueError naming the spec."""
     module_part, _, attr = spec.rpartition(":")
+    kind = "function" if what == "tool" else "Class"
     if not module_part or not attr:
-        raise ValueError(f"tool {spec!r}: give it as 'module:function' or 'file.py:function'")
+        raise ValueError(f"{what} {spec!r}: give it as 'module:{kind}' or 'file.py:{kind}'")
     target = _load_module(spec, module_part)
     for part in attr.split("."):
         target = getattr(target, part, None)
         if target is None:
-            raise ValueError(f"tool {spec!r}: module {module_part!r} has no attribute {attr!r}")
+            raise ValueError(f"{what} {spec!r}: module {module_part!r} has no attribute {attr!r}")
     if not callable(target):
-        raise ValueError(f"tool {spec!r}: {attr!r} is a {type(target).__name__}, not a function")
+        raise ValueError(f"{what} {spec!r}: {attr!r} is a {type(target).__name__}, not a {kind.lower()}")
     return target
+
+
+# TRL's rule (GRPOTrainer, environment_factory): the class's functions not starting with "_", but reset and get_reward
+ENVIRONMENT_HOOKS = ("reset", "get_reward")
+
+
+def load_environment(spec: str) -> type:
+    """The environment class a spec names; ValueError naming the spec and the fix where it is not a class or has no
+    `reset`."""
+    cls = load_tool(spec, "environment")
+    if not inspect.isclass(cls):
+        raise ValueError(f"environment {spec!r} is a {type(cls).__name__}, not a class: give the environment's class "
+                         "(the tool worker makes one instance of it per episode)")
+    if not callable(getattr(cls, "reset", None)):
+        raise ValueError(f"environment {spec!r}: class {cls.__name__} has no reset method; an environment defines "
+                         "reset(**row), called with the data-set row at the start of each episode")
+    return cls
+
+
+def environment_methods(cls: type) -> list[str]:
+    """The names of an environment class's tools, in name order: its functions (as TRL lists them:
+    inspect.getmembers of the class, so properties are not read) not starting with "_", but reset and get_reward."""
+    return [name for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+            if not name.startswith("_") and name not in ENVIRONMENT_HOOKS]
+
+
+def environment_tools(cls: type) -> list:
+    """An environment class's tools as functions without `self` (each method bound to a placeholder: their schemas
+    are read, never called, in the trainer's process)."""
+    tools = []
+    for name in environment_methods(cls):
+        func = getattr(cls, name)
+        static = isinstance(inspect.getattr_static(cls, name), staticmethod)
+        tools.append(func if static else types.MethodType(func, object()))
+    return tools
 
 
 def tool_schemas(tools: list) -> list[dict]:
@@ -232,26 +261,79 @@ def printable(value) -> str:
     return text if len(text) <= MAX_RESULT_CHARS else text[:MAX_RESULT_CHARS] + " [cut]"
 
 
-def _tools_setup(specs: list[str]):
+def _tools_setup(init):
+    """The child's side: the tools `specs` and the environment classes `environments` ({name: spec}) loaded; the
+    jobs it answers are ("call", episode, name, arguments) (episode None: a tool of the run's own), ("open",
+    episode, environment name, row) and ("close", episode)."""
+    specs, environments = init
     tools = {}
     for spec in specs:
         func = load_tool(spec)
         tools[getattr(func, "__name__", spec)] = func
+    classes = {name: load_environment(spec) for name, spec in environments.items()}
+    instances: dict = {}  # episode id -> its environment instance, from "open" to "close"
 
-    def outcome(name: str, arguments: dict) -> tuple[bool, str]:
-        if name not in tools:
-            return False, f"error: no tool named {name!r}; the tools are {', '.join(tools)}"
+    def run(label: str, func, arguments: dict) -> tuple[bool, object]:
         try:
-            out = tools[name](**arguments)
+            out = func(**arguments)
             if inspect.isawaitable(out):
                 out = asyncio.run(_awaited(out))
+            return True, out
+        except Exception as error:  # noqa: BLE001 - the model (or the trainer) reads it; the run goes on
+            return False, f"error: {label} raised {type(error).__name__}: {error}"
+
+    def call(episode, name: str, arguments: dict) -> tuple[bool, str]:
+        table = dict(tools)
+        if episode is not None:
+            if episode not in instances:
+                return False, (f"error: {name}: this episode's environment is gone (the tool worker was restarted "
+                               "after an earlier call hung or killed it)")
+            instance = instances[episode]
+            table.update({method: getattr(instance, method) for method in environment_methods(type(instance))})
+        if name not in table:
+            return False, f"error: no tool named {name!r}; the tools are {', '.join(table)}"
+        ok, out = run(name, table[name], arguments)
+        if not ok:
+            return ok, out
+        try:
             return True, printable(out)
-        except Exception as error:  # noqa: BLE001 - the model reads it; the run goes on
+        except Exception as error:  # noqa: BLE001 - str() of the result raised
             return False, f"error: {name} raised {type(error).__name__}: {error}"
 
-    def answer(jobs: list[tuple[str, dict]]) -> list:
+    def open_episode(episode, name, row: dict) -> tuple[bool, object]:
+        cls = classes[name]
+        try:
+            instance = cls()
+        except Exception as error:  # noqa: BLE001 - the trainer names it
+            return False, f"{cls.__name__}() raised {type(error).__name__}: {error}"
+        ok, out = run(f"{cls.__name__}.reset", instance.reset, row)
+        if not ok:
+            return ok, out[len("error: "):]
+        if out is not None and not isinstance(out, str):
+            return False, (f"{cls.__name__}.reset returned a {type(out).__name__}; it returns None or the text "
+                           "appended to the prompt")
+        instances[episode] = instance
+        return True, out
+
+    def close_episode(episode) -> tuple[bool, object]:
+        instance = instances.pop(episode, None)
+        if instance is None:
+            return False, "its environment is gone (the tool worker was restarted after a call hung or killed it)"
+        if not callable(getattr(instance, "get_reward", None)):
+            return True, None
+        ok, out = run(f"{type(instance).__name__}.get_reward", instance.get_reward, {})
+        if ok and out is not None:
+            try:
+                out = float(out)
+            except (TypeError, ValueError):
+                return False, f"{type(instance).__name__}.get_reward returned {out!r:.80}, not a number"
+        return ok, out
+
+    actions = {"call": call, "open": open_episode, "close": close_episode}
+
+    def answer(jobs: list[tuple]) -> list:
         # the reward worker's frame: (delivered, payload) per job; a tool's own failure is a delivered outcome
-        return [(True, outcome(name, arguments)) for name, arguments in jobs]
+        return [(True, actions[kind](*args)) for kind, *args in jobs]
     return answer
 
 
@@ -259,26 +341,75 @@ async def _awaited(awaitable):
     return await awaitable
 
 
+class EnvironmentFailed(RuntimeError):
+    """An environment that could not start an episode: its class or its `reset` raised, hung or killed the worker."""
+
+
 class ToolWorker(RewardWorker):
-    """The tools `specs` in a child process; `call(name, arguments)` -> (result text, failed), each call with a
-    time limit of `timeout` seconds (0: none). The child starts on the first call, and again after a call that
-    hung or killed it."""
+    """The tools `specs` and the environments `environments` ({name: class spec}) in a child process;
+    `call(name, arguments, episode=None)` -> (result text, failed), each call with a time limit of `timeout` seconds
+    (0: none). The child starts on the first call, and again after a call that hung or killed it; the environments of
+    the episodes open then are lost with it (their later calls fail with a message)."""
 
     CHILD, NAME, TIMEOUT_KEY = "lib.extras.tools", "tool worker", "tool_timeout"
 
-    def __init__(self, specs: list[str], timeout: float):
+    def __init__(self, specs: list[str], timeout: float, environments: dict | None = None):
         super().__init__(specs, {}, timeout)
+        self.environments = dict(environments or {})
+        self.children = 0  # children started; an episode lives in the child it was opened in
+        self.opened: dict = {}  # episode id -> the child it lives in
 
     def init_payload(self):
-        return self.specs
+        return self.specs, self.environments
 
-    def call(self, name: str, arguments: dict) -> tuple[str, bool]:
-        """One call, in a request of its own (its own time limit): (the text the model reads, whether it failed)."""
-        [out] = self.run([(name, arguments)])
+    def _start(self) -> None:
+        super()._start()
+        self.children += 1
+
+    def _lives(self, episode) -> bool:
+        return (self.opened.get(episode) == self.children and self.conn is not None and self.proc is not None
+                and self.proc.poll() is None)
+
+    def call(self, name: str, arguments: dict, episode=None) -> tuple[str, bool]:
+        """One call, in a request of its own (its own time limit): (the text the model reads, whether it failed).
+        `episode`: the episode whose environment's methods are tools too."""
+        if episode is not None and episode not in self.opened:
+            return f"error: {name}: episode {episode} has no environment open (never opened, or ended)", True
+        if episode is not None and not self._lives(episode):
+            return (f"error: {name}: this episode's environment is gone (the tool worker was restarted after an "
+                    "earlier call hung or killed it)"), True
+        [out] = self.run([("call", episode, name, arguments)])
         if isinstance(out, RewardCallFailed):  # it hung or killed the worker
             return f"error: {name} {out}", True
         ok, text = out
         return text, not ok
+
+    def open(self, episode, environment, row: dict) -> str | None:
+        """Make episode `episode`'s instance of environment `environment` and call its reset(**row): the text it
+        returns (None: nothing to add to the prompt). Raises EnvironmentFailed naming the class and the cause."""
+        cls = self.environments[environment].rpartition(":")[2]
+        [out] = self.run([("open", episode, environment, row)])
+        if isinstance(out, RewardCallFailed):
+            raise EnvironmentFailed(f"environment_factory: {cls}'s reset {out}")
+        ok, payload = out
+        if not ok:
+            raise EnvironmentFailed(f"environment_factory: {payload} (the data-set row's columns: "
+                                    f"{', '.join(map(str, row))})")
+        self.opened[episode] = self.children
+        return payload
+
+    def close_episode(self, episode) -> tuple[float | None, str | None]:
+        """Episode `episode`'s environment dropped, after its get_reward() where it has one: (the reward or None,
+        an error message or None)."""
+        if not self._lives(episode):
+            self.opened.pop(episode, None)
+            return None, "its environment is gone (the tool worker was restarted after a call hung or killed it)"
+        del self.opened[episode]
+        [out] = self.run([("close", episode)])
+        if isinstance(out, RewardCallFailed):
+            return None, f"get_reward {out}"
+        ok, payload = out
+        return (payload, None) if ok else (None, str(payload))
 
 
 if __name__ == "__main__":
