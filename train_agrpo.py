@@ -539,16 +539,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
 
     model_path = resolve_model_path(cfg.model_name_or_path)
     tokenizer = load_checked_tokenizer(cfg, model_path, train_records[:1] + eval_records[:1])
-    agent = agents.Agent.from_config(cfg, tokenizer)  # tools: checked, their worker started (docs/agents.md)
-    if agent is not None:  # environments: every row picks one, and each starts on its first row
-        agent.check_records(train_records)
-        clash = sorted({name for name, _ in agent.reward_funcs()} & {name for name, _ in reward_funcs})
-        if clash or not (reward_funcs or agent.reward_funcs()):
-            agent.close()
-            raise ConfigError(f"environment_factory: the reward of class {clash[0]} (its get_reward) would share its "
-                              "name with a reward function; rename one" if clash else "reward_funcs is empty and no "
-                              "environment_factory class has a get_reward method: give a reward function, or a "
-                              "get_reward")
+    # tools and environments: checked, every row's environment started once, their worker running (docs/agents.md)
+    agent = agents.Agent.for_run(cfg, tokenizer, train_records, reward_funcs)
     # rollout_func: the user's function samples in place of the sampler, behind the same hook (docs/agents.md 8)
     sampler_hook = agent or rollout_func.RolloutFunction.from_config(cfg, tokenizer, accelerator)
     policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded,

@@ -116,6 +116,29 @@ class Agent:
         return cls(tokenizer, worker.call, cfg.max_tool_calling_iterations, cfg.max_completion_length, schemas,
                    worker, environments, environment_schemas)
 
+    @classmethod
+    def for_run(cls, cfg, tokenizer, records: list[dict], reward_funcs: list) -> Agent | None:
+        """`from_config`, then the run's checks before any model loads: every row picks an environment and each
+        starts on its first row (`check_records`), and the environments' rewards (get_reward) fit the run's reward
+        functions. ConfigError naming the key; the worker is stopped on a refusal."""
+        agent = cls.from_config(cfg, tokenizer)
+        if agent is None:
+            return None
+        try:
+            agent.check_records(records)
+        except ConfigError:
+            agent.close()
+            raise
+        own = [name for name, _ in agent.reward_funcs()]
+        clash = sorted(set(own) & {name for name, _ in reward_funcs})
+        if clash or not (reward_funcs or own):
+            agent.close()
+            raise ConfigError(f"environment_factory: the reward of class {clash[0]} (its get_reward) would share its "
+                              "name with a reward function; rename one" if clash else "reward_funcs is empty and no "
+                              "environment_factory class has a get_reward method: give a reward function, or a "
+                              "get_reward")
+        return agent
+
     # ---------------------------------------------------------------------------------------------- environments
     def environment_of(self, record: dict):
         """The name of the environment a data-set row uses (None for a single class); ValueError naming the column
