@@ -493,13 +493,15 @@ def evaluate(run: Run, step: int) -> dict:
         return {}
     accelerator, cfg = run.accelerator, run.cfg
     shard = run.eval_records[accelerator.process_index::accelerator.num_processes]
+    # an agent's episodes; a rollout_func run is evaluated with the trainer's own sampler
+    agent = run.ctx.episodes if isinstance(run.ctx.episodes, agents.Agent) else None
     run.engine.ready(accelerator.unwrap_model(run.scorer).model)  # awake, with the weights (sleep mode)
     results = generate_and_score(run.engine, run.tokenizer, shard, [run.ctx.prompt_text(r) for r in shard],
                                  max_new_tokens=cfg.max_completion_length, max_prompt_length=cfg.max_prompt_length,
                                  batch_size=cfg.per_device_eval_batch_size, device=accelerator.device,
-                                 episodes=run.ctx.episodes)  # with tools: whole episodes (docs/agents.md)
+                                 episodes=agent)  # with tools: whole episodes (docs/agents.md 9)
     local = summarize(results)
-    keys = ("accuracy", "mean_length", "truncated_ratio", "format") + (("tool_calls",) if run.ctx.episodes else ())
+    keys = ("accuracy", "mean_length", "truncated_ratio", "format") + (("tool_calls",) if agent else ())
     n = local["num_problems"]
     sums = accelerator.reduce(torch.tensor([local.get(k, 0.0) * n for k in keys] + [n], device=accelerator.device),
                               reduction="sum")

@@ -558,14 +558,18 @@ def test_a_run_with_rollout_func_trains_on_its_completions(tiny_model, tmp_path)
     torch.set_num_threads(1)
     try:
         train_agrpo.main(["--model_name_or_path", tiny_model, "--max_steps", "2", "--per_device_train_batch_size", "8",
-                          "--num_generations", "4", "--max_completion_length", "16", "--num_eval_samples", "0",
+                          "--num_generations", "4", "--max_completion_length", "16", "--num_eval_samples", "2",
                           "--builtin_num_train", "8", "--bf16", "false", "--reward_funcs", f"{TOOLS}:feedback",
                           "--rollout_func", f"{TOOLS}:rollout_with_feedback", "--output_dir", str(out)])
     finally:
         torch.set_num_threads(threads)
         AcceleratorState._reset_state(reset_partial_state=True)
-    steps = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward" in m]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "reward" in m]
     assert len(steps) == 2
+    # the evaluations (before and after) sample with the trainer's sampler: no feedback, no tool counters
+    evals = [m for m in lines if "eval/accuracy" in m]
+    assert [m["step"] for m in evals] == [0, 2] and all("eval/tool_calls" not in m for m in evals)
     for m in steps:  # the model's 4 tokens (or fewer, where it ended): the feedback is not the model's
         assert m["rewards/feedback/mean"] == m["completions/mean_length"] <= 4 and m["rewards/feedback/errors"] == 0
     completions = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
