@@ -70,6 +70,10 @@ def log_step(run: Run, step: int, metrics: dict, batch) -> None:
     rows = [{"step": step, "prompt": batch.prompts[i], "completion": batch.texts[i], "answer": batch.answers[i],
              "reward": float(batch.total[first + i]), "advantage": float(batch.advantages[i])}
             for i in range(min(run.cfg.num_completions_to_print if run.cfg.log_completions else 0, len(batch.texts)))]
+    turns = (batch.rollout.columns or {}).get("turns")  # an agent's episodes: each turn and tool result apart
+    for i, row in enumerate(rows):
+        if turns is not None and turns[i] is not None:
+            row["turns"] = turns[i]
     append_jsonl(run, "completions.jsonl", rows)
     if rows and run.accelerator.is_main_process:  # a table per tracker: wandb / trackio Tables, TensorBoard text
         for name in run.cfg.report_to:

@@ -130,6 +130,8 @@ def test_episodes_append_results_mask_them_and_end_at_each_limit(tokenizer, engi
     assert called.ids[n:n + len(result)] == result and called.model[n:n + len(result)] == [0] * len(result)
     assert called.model[:n] == [1] * n and set(called.model[n + len(result):]) == {1}
     assert (called.calls, called.failures, called.turns) == (1, 0, 2) and called.done
+    assert [m["role"] for m in called.messages] == ["assistant", "tool", "assistant"]
+    assert called.messages[0]["content"] == call and called.messages[1]["content"] == "42"
     assert (plain.calls, plain.turns, set(plain.model)) == (0, 1, {1})  # no call: the episode ends with its turn
     assert (malformed.calls, malformed.failures) == (1, 1)
     assert "error: a tool call is" in tokenizer.decode(malformed.ids)
@@ -256,6 +258,17 @@ def test_a_run_with_tools_trains_only_the_models_tokens(tool_caller, tmp_path, m
         assert batch.num_tokens == int(roll.completion_mask.sum()) < int(roll.attended().sum())
     completions = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
     assert any("tool\n5" in c["completion"] for c in completions)
+    # each episode turn by turn, and the run view's completions browser showing the call and the result apart
+    from lib.extras.page import completion_detail, split_reasoning
+    from lib.extras.runs import completion_rows, load_run
+
+    called = [c for c in completions if len(c.get("turns", [])) == 3]
+    assert called and all([t["role"] for t in c["turns"]] == ["assistant", "tool", "assistant"] and
+                          c["turns"][0]["content"] == CALL and c["turns"][1]["content"] == "5" for c in called)
+    row = next(r for r in completion_rows(load_run(out), split_reasoning) if r["turns"] and len(r["turns"]) == 3)
+    messages, _ = completion_detail(row)
+    assert [m.get("metadata", {}).get("title") for m in messages[1:3]] == ["Tool call", "Tool result"]
+    assert CALL in messages[1]["content"] and messages[2]["content"] == "```\n5\n```"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -35,7 +35,9 @@ ENVIRONMENT_COLUMN = "environment"  # TRL's: the data-set column that picks a ro
 class Episode:
     """One completion of several turns. ids: its tokens after the prompt; model: 1 for the model's tokens, 0 for
     the tool results'; logps: the sampler's log-probability of each model token (0 at tool tokens); temperatures:
-    each token's sampling temperature (1 at tool tokens: never sampled, and it keeps the forward's division finite)."""
+    each token's sampling temperature (1 at tool tokens: never sampled, and it keeps the forward's division finite);
+    messages: its turns as chat messages, {"role": "assistant" | "tool", "content": text}, in order (the run view's
+    and completions.jsonl's `turns`)."""
 
     ids: list[int] = field(default_factory=list)
     model: list[int] = field(default_factory=list)
@@ -44,6 +46,7 @@ class Episode:
     calls: int = 0
     failures: int = 0
     turns: int = 0
+    messages: list[dict] = field(default_factory=list)
     truncated: bool = False
     done: bool = False
 
@@ -262,9 +265,9 @@ class Agent:
         call = self.call if episodes is None else [partial(self.worker.call, episode=e) for e in episodes]
         done = run_episodes(generate, first, self.tokenizer, call, self.renderer, self.max_iterations,
                             self.max_completion_length)
-        columns = None
+        columns = {"turns": [e.messages for e in done]}  # the run view's and completions.jsonl's
         if episodes is not None:
-            columns = {"environment_reward": [], "environment_class": []}
+            columns |= {"environment_reward": [], "environment_class": []}
             for episode in episodes:
                 reward, error = self.worker.close_episode(episode)  # the instance is dropped
                 # a failed get_reward travels as its message: EnvironmentReward raises it, scored as a failure
@@ -308,10 +311,12 @@ def run_episodes(generate, first: Rollout, tokenizer, call, renderer: ResultRend
             logps = turn.sampling_logps[k, :len(ids)].tolist() if turn.sampling_logps is not None else [0.0] * len(ids)
             ep.add(ids, 1, logps, turn.temperatures[k, :len(ids)].tolist())
             ep.turns += 1
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            ep.messages.append({"role": "assistant", "content": text})
             ep.truncated = bool(turn.is_truncated[k]) or n >= room
             if ep.truncated or limit_reached or ids[-1:] != [eos]:
                 continue
-            calls, errors = turn_tool_calls(tokenizer, ids, tokenizer.decode(ids, skip_special_tokens=True))
+            calls, errors = turn_tool_calls(tokenizer, ids, text)
             if not calls and not errors:
                 continue  # a turn that calls nothing ends the episode
             results = list(errors)
@@ -319,6 +324,7 @@ def run_episodes(generate, first: Rollout, tokenizer, call, renderer: ResultRend
                 text, failed = calls_of[i](c.name, c.arguments)
                 results.append(text)
                 ep.failures += failed
+            ep.messages += [{"role": "tool", "content": r} for r in results]
             ep.calls += len(calls) + len(errors)
             ep.failures += len(errors)
             tool_ids = renderer.ids(results)

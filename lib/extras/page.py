@@ -311,11 +311,28 @@ def completions_table(rows: list[dict], limit: int = TABLE_ROWS) -> tuple[list[s
     return headers, table
 
 
+def episode_messages(turns: list[dict]) -> list[dict]:
+    """An agent's episode (docs/agents.md 6) as chat messages: each turn that called a tool and each tool result
+    folded under its title, as written (a code block, so that a call's markup shows), then the last turn as an
+    answer."""
+    messages = []
+    for k, turn in enumerate(turns):
+        text = str(turn.get("content", ""))
+        if turn.get("role") == "assistant" and k == len(turns) - 1:
+            messages += assistant_messages(text)
+        else:
+            title = "Tool result" if turn.get("role") == "tool" else "Tool call"
+            messages.append({"role": "assistant", "content": f"```\n{text}\n```",
+                             "metadata": {"title": title, "status": "done"}})
+    return messages
+
+
 def completion_detail(row: dict | None) -> tuple[list[dict], str]:
     """The chat messages of one completion (its reasoning folded, as in the chat) and a line of its numbers."""
     if row is None:
         return [], "Pick a row of the table."
-    messages = [{"role": "user", "content": row["problem"]}, *assistant_messages(row["completion"])]
+    messages = [{"role": "user", "content": row["problem"]}, *episode_messages(row.get("turns"))] \
+        if row.get("turns") else [{"role": "user", "content": row["problem"]}, *assistant_messages(row["completion"])]
     numbers = [f"step {row['step']}", f"gold answer {row['answer'] or '?'}",
                f"reward {row['reward']:g}" if row["reward"] is not None else "reward ?",
                *[f"{k} {v:g}" for k, v in row["rewards"].items() if v is not None],

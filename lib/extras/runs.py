@@ -411,7 +411,8 @@ def completion_rows(run: Run, split) -> list[dict]:
     """completions.jsonl of a run as table rows, newest first: step, problem, final answer (and the reasoning, by
     `split`, the chat's split_reasoning), gold answer, reward, advantage, the sampling temperature (the record's
     own, else the step's token mean from metrics.jsonl, marked `temperature_of` "step mean") and the reward per
-    function where the record holds them ("rewards": {name: value})."""
+    function where the record holds them ("rewards": {name: value}), and an agent's episode turn by turn where the
+    record holds them ("turns": [{"role": "assistant" | "tool", "content": text}], docs/agents.md 6)."""
     records, _ = read_jsonl(run.folder / COMPLETIONS)
     step_temperature = {m["step"]: _number(m.get("temperature")) for m in run.train}
     instruction, system_prompt = run.config.get("instruction"), run.config.get("system_prompt")
@@ -429,7 +430,8 @@ def completion_rows(run: Run, split) -> list[dict]:
                      "reward": _number(r.get("reward")), "advantage": _number(r.get("advantage")),
                      "temperature": own if own is not None else step_temperature.get(int(r["step"])),
                      "temperature_of": "completion" if own is not None else "step mean",
-                     "rewards": {str(k): _number(v) for k, v in rewards.items()}})
+                     "rewards": {str(k): _number(v) for k, v in rewards.items()},
+                     "turns": r["turns"] if isinstance(r.get("turns"), list) else None})
     return rows[::-1]
 
 
