@@ -10,13 +10,14 @@ is `train_agrpo.py` with its own greedy held-out evaluation before and after tra
 whole episodes with tools: the same tool, turns and limits as training). Written to <output_dir>: data/, runs/,
 table.md (mean +- sample standard deviation over seeds of the accuracy before and after, the tool calls per
 completion, the minutes a run took). A finished run is kept when the command is run again. Arguments after `--` go
-to every run.
+to every run. `--probe N` measures instead how the starting model takes the call format under three prompt forms.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -91,6 +92,54 @@ def table(out: Path, configs: list[str], seeds: list[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def probe(samples: int, seed: int = 0) -> str:
+    """How the starting model takes the plain call format (docs/agents.md 10): the share of `samples` completions
+    (temperature 1, at most 48 tokens) of the first 12 test problems that write a tool call, and that call the
+    calculator with an expression that gives the answer, for three prompt forms: the tools' description in the
+    system prompt; the same with an example call written in it; the description and the data's worked example as
+    earlier turns (the `tools` variant's prompts)."""
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lib.data import render_prompt
+    from lib.extras.tools import calculator, plain_tool_prompt, tool_schemas
+    from lib.modeling import embedded_model_path, load_tokenizer
+
+    path = str(embedded_model_path())
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(seed)
+    problems = [calculator_task.problem(rng) for _ in range(12)]
+    system = plain_tool_prompt(tool_schemas([calculator]))
+    example = (f"\n\nFor example, asked \"{calculator_task.EXAMPLE_QUESTION}\", you write "
+               f"{calculator_task.EXAMPLE_CALL}, the tool answers 391, and you write Answer: 391.")
+    forms = {"description": (system, False), "description + example call in it": (system + example, False),
+             "description + worked example as earlier turns": (system, True)}
+    lines = ["| prompt | writes a tool call | calls the calculator with the right expression |", "|---|---|---|"]
+    for name, (system_prompt, shot) in forms.items():
+        torch.manual_seed(seed)
+        calls = right = 0
+        for text, answer in problems:
+            ask = [{"role": "user", "content": f"{text}\n{calculator_task.INSTRUCTION}"}]
+            record = {"prompt": (calculator_task.example(False) if shot else []) + ask}
+            ids = tokenizer(render_prompt(tokenizer, record, "", system_prompt), return_tensors="pt")
+            out = model.generate(**ids, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=48,
+                                 num_return_sequences=samples, pad_token_id=tokenizer.pad_token_id)
+            for row in out[:, ids.input_ids.shape[1]:]:
+                completion = tokenizer.decode(row, skip_special_tokens=True)
+                calls += "<tool_call>" in completion
+                expression = re.search(r'"expression":\s*"([^"]*)"', completion)
+                try:
+                    right += bool(expression) and calculator(expression.group(1)) == str(answer)
+                except ValueError:
+                    pass
+        total = samples * len(problems)
+        lines.append(f"| {name} | {calls} / {total} | {right} / {total} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -101,7 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max_steps", type=int, default=10)
     p.add_argument("--num_eval_samples", type=int, default=100, help="Held-out problems, greedy.")
     p.add_argument("--output_dir", default="runs/calculator")
+    p.add_argument("--probe", type=int, default=0, metavar="N", help="Only measure how the starting model takes the "
+                   "call format (N samples of each of 12 problems per prompt form; docs/agents.md 10), then stop.")
     args = p.parse_args(argv)
+    if args.probe:
+        print(probe(args.probe))
+        return
     for config in args.configs:
         method, _, variant = config.partition("/")
         if variant not in VARIANTS:
