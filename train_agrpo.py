@@ -70,7 +70,7 @@ from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation import generate_and_score, summarize
-from lib.extras import agents, health, hub, hub_data, memory, reward_models, sharding
+from lib.extras import agents, checkpointed_prefix, health, hub, hub_data, memory, reward_models, sharding
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.vllm_rollout import colocated_rollout
@@ -556,7 +556,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     if accelerator.is_main_process:
         tqdm.write(estimate)
     scorer, optimizer, scheduler, params = prepare_policy(cfg, accelerator, policy, optimizer,
-                                                          sharded, partitioned)
+                                                          sharded, partitioned, checkpointed_prefix)
 
     geometry = Geometry.of(cfg, rank, world)
     method = choose_method(cfg, geometry.steps_per_rollout)
