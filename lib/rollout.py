@@ -22,7 +22,7 @@ import copy
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import DynamicCache
 
 from lib.distributed import full_parameters
 from lib.modeling import OutputHead, positions_from_mask, unwrap_causal_lm

@@ -366,10 +366,11 @@ def policy_optimizer(cfg: Config, policy: torch.nn.Module) -> torch.optim.Optimi
 
 
 def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Module,
-                   optimizer: torch.optim.Optimizer, sharding, partitioned: bool
+                   optimizer: torch.optim.Optimizer, sharding, partitioned: bool, checkpointed_prefix=None
                    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, object, list]:
     """(scorer, optimizer, scheduler, trained parameters): the scheduler built, the scorer and the optimizer prepared by
-    Accelerate. Called after the memory check, which needs the optimizer built."""
+    Accelerate. Called after the memory check, which needs the optimizer built. `checkpointed_prefix`
+    (lib/extras/checkpointed_prefix, handed in by train_agrpo.setup) shares the prompt under gradient checkpointing."""
     device = accelerator.device
     if accelerator.is_main_process:
         note = hf_sampler_note(cfg, device.type == "cuda",
@@ -382,7 +383,7 @@ def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Modul
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
                                 num_warmup_steps=warmup_steps(cfg), kwargs=cfg.lr_scheduler_kwargs)
     # DDP, or FSDP2 / DeepSpeed (lib/extras/sharding.Sharding.prepare)
-    scorer = CompletionScorer(policy, fixed_calls=partitioned)
+    scorer = CompletionScorer(policy, fixed_calls=partitioned, checkpointed_prefix=checkpointed_prefix)
     scorer, optimizer, scheduler = (accelerator if sharding is None else sharding).prepare(scorer, optimizer, scheduler)
     # the shards the optimizer holds, when sharded
     return scorer, optimizer, scheduler, [p for p in scorer.parameters() if p.requires_grad]

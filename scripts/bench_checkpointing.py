@@ -9,8 +9,8 @@ lib/modeling.CompletionScorer and run backward, in three settings, each in a fre
   plain        no checkpointing, the prompt run once and shared (the default)
   full         gradient checkpointing, the full [prompt; completion] sequences (what the scorer did under
                checkpointing before the prefix could pass through checkpointed blocks)
-  shared       gradient checkpointing, the prompt run once and its keys and values shared (lib/modeling
-               .checkpointed_prefix_cache)
+  shared       gradient checkpointing, the prompt run once and its keys and values shared
+               (lib/extras/checkpointed_prefix.py, which the trainer hands to its scorer)
 
 It prints seconds (median of --repeats passes, after one warm-up pass) and the peak resident set above the loaded
 model (glibc's mmap threshold fixed at 64 KiB, the kernel's high-water mark restarted before the pass: the method of
@@ -39,6 +39,7 @@ def worker(spec: dict) -> dict:
     import torch
 
     from lib.extras import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
+    from lib.extras import checkpointed_prefix
     from lib.modeling import CompletionScorer, load_policy, resolve_model_path
     from scripts.bench_memory import peak, resident, restart_peak
 
@@ -46,7 +47,7 @@ def worker(spec: dict) -> dict:
     checkpointing, shared = SETTINGS[spec["setting"]]
     policy = load_policy(resolve_model_path(spec["model"]), use_peft=spec["lora"], gradient_checkpointing=checkpointing)
     policy.train()
-    scorer = CompletionScorer(policy, share_prompt_prefix=shared)
+    scorer = CompletionScorer(policy, share_prompt_prefix=shared, checkpointed_prefix=checkpointed_prefix)
     vocab = policy.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (1, spec["prompt_length"]), generator=g)

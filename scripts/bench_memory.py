@@ -200,7 +200,7 @@ def run_worker(spec: dict) -> dict:
     from lib.extras.memory import CHUNK_ELEMENTS, estimate_step_memory, step_token_counts
     from lib.modeling import (CompletionScorer, OutputHead, adapter_disabled, load_policy, native_bf16,
                               unwrap_causal_lm, weights_dtype)
-    from lib.extras import cpu_kernels
+    from lib.extras import checkpointed_prefix, cpu_kernels
     from lib.rollout import HFRollout, prefill
     from lib.setup import build_optimizer
 
@@ -307,7 +307,7 @@ def run_worker(spec: dict) -> dict:
     completion_mask = torch.ones_like(completion_ids)
     temperatures = torch.full((batch,), cfg.temperature)
     advantages = torch.randn(batch, generator=generator)
-    scorer = CompletionScorer(policy)
+    scorer = CompletionScorer(policy, checkpointed_prefix=checkpointed_prefix)  # as the trainer's
     decoder = lm.get_decoder()
     positions = []  # token positions each decoder call ran (shared prompt prefix or whole sequences)
     decoder.register_forward_pre_hook(

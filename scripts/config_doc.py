@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from lib import compat  # noqa: E402
+from lib.extras import trl_differences  # noqa: E402
 from lib.config import FIELDS, PRESETS, SECTIONS  # noqa: E402
 from lib.methods import METHODS  # noqa: E402
 from lib.config import _type_hints as type_hints  # noqa: E402  (the repository root is put on the path just above)
@@ -125,7 +126,8 @@ def render() -> str:
 
 
 def trl_section(number: int) -> str:
-    """lib/compat.py's tables: what a recipe written for TRL or open-r1 gets for each key that is not a field."""
+    """lib/compat.py's tables (what a recipe written for TRL or open-r1 gets for each key that is not a field) and
+    lib/extras/trl_differences.py's (the fields whose values, combinations or defaults differ from TRL's)."""
     renamed = ["| key | read as | note |", "|---|---|---|"] + [
         f"| `{k}` | `{target}` | {cell(note or 'the same setting')} |"
         for k, (target, note) in compat.RENAMED.items()]
@@ -139,17 +141,18 @@ def trl_section(number: int) -> str:
         f"| `{k}` | `{cell(value_text(default))}` | {cell(why)} |"
         for k, (default, why) in compat.UNSUPPORTED.items()]
     refused_values = ["| value | refused because |", "|---|---|"] + [
-        f"| {cell(what)} | {cell(linked(why))} |" for what, why in compat.REFUSED_VALUES]
+        f"| {cell(what)} | {cell(linked(why))} |" for what, why in trl_differences.REFUSED_VALUES]
     limited = ["| key | refused in, or read otherwise in |", "|---|---|"] + [
-        f"| `{k}` | {cell(why)} |" for k, why in compat.LIMITED.items()]
+        f"| `{k}` | {cell(why)} |" for k, why in trl_differences.LIMITED.items()]
     differ = ["| key | TRL's default | ours, and why |", "|---|---|---|"] + [
         f"| `{k}` | `{cell(value_text(trl))}` | `{cell(value_text(default_of(FIELDS[k])))}`: {cell(linked(why))} |"
-        for k, (trl, why) in compat.DIFFERENT_DEFAULTS.items()]
+        for k, (trl, why) in trl_differences.DIFFERENT_DEFAULTS.items()]
     return (f"## {number}. Recipes written for TRL or open-r1\n\n"
             "A YAML recipe or command line written for TRL's `GRPOConfig` + `ModelConfig` + `ScriptArguments` (what\n"
             "`trl/scripts/grpo.py` and open-r1 parse) runs here as it is: every key above has TRL's meaning where TRL\n"
-            "has the key, and each other key of theirs is handled as the tables below say (`lib/compat.py`;\n"
-            "`tests/test_trl_keys.py` checks them against TRL's own dataclasses). `--flag` alone means true.\n\n"
+            "has the key, and each other key of theirs is handled as the tables below say (`lib/compat.py`,\n"
+            "`lib/extras/trl_differences.py`; `tests/test_trl_keys.py` checks them against TRL's own dataclasses).\n"
+            "`--flag` alone means true.\n\n"
             "Renamed: the value goes to our key (a note is printed for our own old names).\n\n"
             + "\n".join(renamed) + "\n\nIgnored, with one warning line each:\n\n" + "\n".join(ignored_rows)
             + "\n\nNot implemented: accepted at TRL's default (the recipe then asks for what this trainer does), "

@@ -291,7 +291,7 @@ def test_ranges_and_choices_come_from_the_fields_metadata(values, message):
      r"entropy_coef_min \(0.5\) must not exceed entropy_coef_max"),
 ])
 def test_objective_keys_refuse_what_they_cannot_combine_with(values, message):
-    """docs/configuration.md 10 lists these refusals with their reasons (lib/compat.LIMITED)."""
+    """docs/configuration.md 10 lists these refusals with their reasons (lib/extras/trl_differences.LIMITED)."""
     with pytest.raises(ConfigError, match=message):
         make_config(values)
 

@@ -383,3 +383,21 @@ def test_normalize_then_sum_and_fp32_head_train(tmp_path, tiny_model):
     final = load_file(out / "final" / "model.safetensors")
     assert final["model.embed_tokens.weight"].dtype == torch.float32
     assert final["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+
+
+def test_gradient_checkpointing_shares_the_prompt_in_the_trainer(tmp_path, tiny_model, monkeypatch):
+    """train_agrpo.setup hands lib/extras/checkpointed_prefix.py to the policy's scorer: under gradient checkpointing
+    the training pass runs each prompt once (docs/performance.md 3.6), and the step equals the one without
+    checkpointing. The real completion_cache runs; the wrapper only counts its calls."""
+    from lib.extras import checkpointed_prefix
+
+    calls = []
+    completion_cache = checkpointed_prefix.completion_cache
+    monkeypatch.setattr(checkpointed_prefix, "completion_cache",
+                        lambda cache, index: calls.append(len(index)) or completion_cache(cache, index))
+    plain = train(tiny_model, tmp_path / "plain", "--max_steps", "1")
+    assert not calls
+    checkpointed = train(tiny_model, tmp_path / "checkpointed", "--max_steps", "1", "--gradient_checkpointing", "true")
+    assert calls and sum(calls) >= 8  # the step's 8 completions, through the shared prompts
+    assert checkpointed[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-4, abs=1e-6)
+    assert checkpointed[0]["grad_norm"] == pytest.approx(plain[0]["grad_norm"], rel=1e-3)

@@ -474,6 +474,7 @@ def test_activation_offloading_moves_the_checkpointed_block_inputs(tmp_path):
     move are counted with the same hooks; the scores and gradients under save_on_cpu are checked against none."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from lib.extras import checkpointed_prefix
     from lib.modeling import CompletionScorer, load_policy
 
     config = Qwen2Config(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
@@ -490,7 +491,7 @@ def test_activation_offloading_moves_the_checkpointed_block_inputs(tmp_path):
     def saved_bytes(checkpointing: bool) -> tuple[int, torch.Tensor]:
         policy = load_policy(str(tmp_path), gradient_checkpointing=checkpointing)
         policy.train()
-        scorer, seen = CompletionScorer(policy), {}
+        scorer, seen = CompletionScorer(policy, checkpointed_prefix=checkpointed_prefix), {}  # as the trainer's
         weights = {p.untyped_storage().data_ptr() for p in policy.parameters()}  # (a tied head's transpose too)
 
         def pack(tensor):

@@ -53,7 +53,7 @@ def test_shared_prefix_logps_and_gradients_equal_the_full_forward(tiny_model, to
 def test_checkpointed_blocks_share_the_prompt_and_equal_the_plain_forward(tiny_model, tokenizer, lora):
     """Under gradient checkpointing the prompt still runs once per distinct prompt (docs/performance.md 3.2), with
     the values and gradients of the plain full-sequence forward without checkpointing."""
-    from lib.modeling import checkpointed_prefix_cache
+    from lib.extras import checkpointed_prefix
 
     plain = load_policy(tiny_model, use_peft=lora, lora_r=4)
     checkpointed = load_policy(tiny_model, use_peft=lora, lora_r=4, gradient_checkpointing=True)
@@ -67,12 +67,13 @@ def test_checkpointed_blocks_share_the_prompt_and_equal_the_plain_forward(tiny_m
     plain.train(), checkpointed.train()  # checkpointing acts in training mode (the tiny model has no dropout)
     ro = _rollout(plain, tokenizer, tokens=12)
     args = (ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ro.completion_ids, ro.completion_mask, ro.temperatures)
-    assert checkpointed_prefix_cache(checkpointed.get_base_model() if lora else checkpointed) is not None
+    assert checkpointed_prefix.prompt_cache(checkpointed.get_base_model() if lora else checkpointed) is not None
 
     positions = []  # token positions each decoder call embeds
     embed = (checkpointed.get_base_model() if lora else checkpointed).model.embed_tokens
     hook = embed.register_forward_hook(lambda m, inputs, out: positions.append(inputs[0].numel()))
-    ours, ent_ours = completion_logps(checkpointed, *args, share_prompt_prefix=True)
+    ours, ent_ours = completion_logps(checkpointed, *args, share_prompt_prefix=True,
+                                      checkpointed_prefix=checkpointed_prefix)
     hook.remove()
     expected, ent_expected = completion_logps(plain, *args, share_prompt_prefix=False)
     # the prompts ran once each (2 distinct prompts, 6 completions), not once per completion; chunks by length may
@@ -96,15 +97,15 @@ def test_checkpointed_blocks_share_the_prompt_and_equal_the_plain_forward(tiny_m
 def test_reentrant_checkpointing_runs_the_full_sequences(tiny_model, tokenizer):
     """Reentrant checkpointing does not differentiate through the prompt's keys read inside a block, so there the
     scorer runs the full sequences (and still equals the plain forward)."""
-    from lib.modeling import checkpointed_prefix_cache
+    from lib.extras import checkpointed_prefix
 
     policy = load_policy(tiny_model, gradient_checkpointing=True,
                          gradient_checkpointing_kwargs={"use_reentrant": True})
     policy.train()
-    assert checkpointed_prefix_cache(policy) is None
+    assert checkpointed_prefix.prompt_cache(policy) is None
     ro = _rollout(policy, tokenizer, tokens=8)
     args = (ro.prompt_ids, ro.prompt_mask, ro.prompt_index, ro.completion_ids, ro.completion_mask, ro.temperatures)
-    ours, _ = completion_logps(policy, *args)
+    ours, _ = completion_logps(policy, *args, checkpointed_prefix=checkpointed_prefix)
     expected, _ = completion_logps(policy, *args, share_prompt_prefix=False)
     assert_close_to_scale(ours, expected, 1e-5, "log-probs")
 

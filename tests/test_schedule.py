@@ -75,7 +75,10 @@ def test_bad_schedule_options_are_configuration_errors_before_anything_loads():
 
 @pytest.mark.slow
 def test_starting_the_trainer_imports_neither_peft_nor_bitsandbytes():
-    code = "import sys, train_agrpo; print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))"
+    """Nor transformers' model code (modeling_utils, and with it torch._dynamo), which a run loads with its model and
+    which --help and a refused configuration do without (docs/performance.md 5)."""
+    code = ("import sys, train_agrpo; print(sorted(m for m in ('peft', 'bitsandbytes', 'transformers.modeling_utils') "
+            "if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"

@@ -13,6 +13,7 @@ import yaml
 from safetensors.torch import load_file
 
 from lib import compat as trl_keys
+from lib.extras import trl_differences
 from lib.config import FIELDS, ConfigError, build_parser, make_config, parse_config, validate
 from lib.losses import kl_penalty, policy_ratio
 from lib.schedule import resolve_epochs, steps_per_rollout, warmup_steps
@@ -49,8 +50,8 @@ def test_every_key_of_trls_grpo_script_is_a_field_or_handled_in_exactly_one_tabl
     ours = {k: FIELDS[k].default if FIELDS[k].default is not dataclasses.MISSING else FIELDS[k].default_factory()
             for k in FIELDS}
     differ = {k for k in fields if k in ours and ours[k] != fields[k]}
-    assert differ == set(trl_keys.DIFFERENT_DEFAULTS), (differ ^ set(trl_keys.DIFFERENT_DEFAULTS))
-    assert all(fields[k] == trl for k, (trl, _) in trl_keys.DIFFERENT_DEFAULTS.items())
+    assert differ == set(trl_differences.DIFFERENT_DEFAULTS), (differ ^ set(trl_differences.DIFFERENT_DEFAULTS))
+    assert all(fields[k] == trl for k, (trl, _) in trl_differences.DIFFERENT_DEFAULTS.items())
 
 
 # the keys of open-r1's recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml (40 keys), with values of our own: what
@@ -286,7 +287,7 @@ def test_a_tiny_run_with_trls_keys_trains_the_weights_in_the_asked_dtype(tmp_pat
 
 @pytest.mark.skipif(not HAS_TRL, reason="TRL is not installed (pip install -r requirements-bench.txt)")
 def test_limited_keys_are_trls_keys_implemented_here():
-    """lib/compat.LIMITED (docs/configuration.md 10) names TRL keys that are fields here, with TRL's default."""
+    """lib/extras/trl_differences.LIMITED (docs/configuration.md 10) names TRL keys that are fields here, with TRL's default."""
     fields = trl_fields()
-    for key in trl_keys.LIMITED:
+    for key in trl_differences.LIMITED:
         assert key in FIELDS and key in fields and FIELDS[key].default == fields[key], key
