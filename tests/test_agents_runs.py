@@ -15,8 +15,11 @@ from safetensors.torch import load_file
 
 from conftest import REPO
 from episode_replay import RecordingSampler, sampling_with
-from test_agents import TOOLS, tool_caller  # noqa: F401 - the fixture
+import test_agents
 from test_loop import REWARDS, steps_of, without_times
+
+TOOLS = test_agents.TOOLS
+tool_caller = test_agents.tool_caller  # the fixture: the tiny model taught to call `add`
 
 # 2 prompts x 4 episodes a step, of up to 2 tool-calling turns; temperature 1 so that one prompt's episodes differ
 # (the lengths `characters` scores give the groups a spread); fp32
@@ -51,7 +54,7 @@ def episodes_of(out: Path) -> list[dict]:
 
 
 @pytest.mark.slow  # a run in this process, then the same run on two launched processes: about a minute
-def test_two_processes_with_tools_train_as_one(tool_caller, tmp_path):  # noqa: F811 - the fixture
+def test_two_processes_with_tools_train_as_one(tool_caller, tmp_path):
     """The run with tools on one process, then on two (gloo, one group a process) sampling what the one process
     sampled (tests/episode_replay.py: the sampler's random stream is per process, so each call of the episode loop,
     first turns and continuations, is answered from the one-process record; the tool calls themselves run again, in
@@ -84,3 +87,44 @@ def test_two_processes_with_tools_train_as_one(tool_caller, tmp_path):  # noqa: 
     final, reference = load_file(two / "final" / "model.safetensors"), load_file(one / "final" / "model.safetensors")
     for name in reference:
         torch.testing.assert_close(final[name], reference[name], rtol=1e-4, atol=1e-6)
+
+
+def tool_workers() -> list:
+    """This process's tool workers still alive (lib/extras/tools.ToolWorker's children)."""
+    import psutil
+
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "lib.extras.tools" in " ".join(p.cmdline())]
+
+
+@pytest.mark.slow  # two short runs in this process: about 13 s a case
+@pytest.mark.parametrize("agent", ["tools", "environment"])
+def test_a_run_with_tools_or_an_environment_resumes_exactly(agent, tool_caller, tmp_path):
+    """The run stopped after its step-1 checkpoint and resumed from it logs every number of step 2 (the tool counters
+    and an environment's reward among them) and ends with every weight exactly as the uninterrupted run: with the
+    run's `tools` (tests/tiny_tools.py:add), and with an environment_factory class instead (tests/tiny_tools.py:Adder,
+    whose `add` method the model calls: one instance per episode, reset with the row, its count of calls the state
+    get_reward reads). Nothing of an episode outlives its batch (its environment is dropped when the episode ends), so
+    a checkpoint holds none; the resumed run starts a tool worker of its own, and each run's worker is stopped when
+    the run ends."""
+    args = ["--model_name_or_path", tool_caller, *RUN, "--per_device_train_batch_size", "8", "--save_steps", "1"]
+    if agent == "environment":
+        args = [a for a in args if a not in ("--tools", f"{TOOLS}:add")] + ["--environment_factory", f"{TOOLS}:Adder"]
+    reference = tmp_path / "uninterrupted"
+    train([*args, "--output_dir", str(reference)])
+    assert not tool_workers()
+    want = steps_of(reference)
+    assert len(want) == 2 and all(m["tools/call_frequency"] > 0 for m in want)
+    assert min(m["tools/failure_frequency"] for m in want) < 1  # calls that ran, not only malformed ones
+    if agent == "environment":  # each episode's own count: the calls of other episodes never reach it
+        assert all(m["rewards/Adder/errors"] == 0 and 0 < m["rewards/Adder/mean"] <= m["tools/call_frequency"]
+                   for m in want)
+    out = tmp_path / "resumed"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("checkpoint-2", "final"))
+    train([*args, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    assert not tool_workers()
+    got = steps_of(out)
+    assert [m["step"] for m in got] == [1, 2]  # step 1 as logged before the stop, step 2 by the resumed run
+    assert [without_times(m) for m in got] == [without_times(m) for m in want]
+    a, b = load_file(out / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in b)
