@@ -53,6 +53,19 @@ def episodes_of(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
 
 
+def test_a_tool_or_environment_that_cannot_be_imported_is_named_as_such():
+    """The error names the tool or environment and the working directory a path is read from (a tool's spec used to
+    get the reward functions' message: "reward function ...: ... Built-in reward functions: ...")."""
+    from lib.extras.tools import load_environment, tool_schemas
+
+    with pytest.raises(ValueError, match=r"^tool 'no/such_tools\.py:add': file 'no/such_tools\.py' not found \(a path is "
+                                         r"read from the working directory, ") as error:
+        tool_schemas(["no/such_tools.py:add"])
+    assert "reward" not in str(error.value)
+    with pytest.raises(ValueError, match=r"^environment 'no_such_module_xyz:Env': cannot import module"):
+        load_environment("no_such_module_xyz:Env")
+
+
 @pytest.mark.slow  # a run in this process, then the same run on two launched processes: about a minute
 def test_two_processes_with_tools_train_as_one(tool_caller, tmp_path):
     """The run with tools on one process, then on two (gloo, one group a process) sampling what the one process
