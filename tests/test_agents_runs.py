@@ -1,6 +1,7 @@
 """Runs with tools and environments held to the exactness the trainer's other runs are held to (docs/agents.md, issue
-40): two processes train as one, a resumed run equals the uninterrupted one, and a vLLM engine serves the episodes.
-All on the tiny model taught to call a tool (tests/test_agents.py::tool_caller)."""
+40): two processes train as one, a resumed run equals the uninterrupted one, and vLLM engines (colocated, and the
+generation server) serve the episodes. On a model taught to call a tool: the tiny model (tests/test_agents.py::
+tool_caller), and for vLLM small_llama (vllm_tool_caller below)."""
 
 import json
 import os
@@ -188,6 +189,8 @@ def vllm_tool_caller(small_llama, tmp_path_factory) -> str:
         targets += target
     rows, cols = torch.tensor(at).T
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)  # measured: loss 0.06 after 60 steps, 0.025 after 70
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a module fixture: set up before the tests' one_thread
     torch.manual_seed(0)
     for _ in range(70):  # the output layer only at the target positions
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
@@ -195,6 +198,7 @@ def vllm_tool_caller(small_llama, tmp_path_factory) -> str:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    torch.set_num_threads(threads)
     assert loss.item() < 0.1, loss.item()
     folder = tmp_path_factory.mktemp("vllm_tool_caller")
     model.save_pretrained(folder)
