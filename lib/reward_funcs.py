@@ -114,12 +114,16 @@ def _reward_model(spec: str) -> RewardModelSpec | None:
     return None
 
 
-def _load_module(spec: str, module_part: str):
-    """Import `module_part`, a dotted module name or a path to a .py file (relative to the working directory)."""
+def _load_module(spec: str, module_part: str, what: str | None = None):
+    """Import `module_part`, a dotted module name or a path to a .py file (relative to the working directory). A spec
+    that is not a reward function's (`what`: tool, environment) gets its errors in its own words."""
+    def error(problem: str) -> ValueError:
+        return _spec_error(spec, problem) if what is None else ValueError(f"{what} {spec!r}: {problem}")
+
     if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
         path = Path(module_part)
         if not path.is_file():
-            raise _spec_error(spec, f"file {module_part!r} not found")
+            raise error(f"file {module_part!r} not found (a path is read from the working directory, {Path.cwd()})")
         # importlib recipe "Importing a source file directly"; the prefix keeps 'math.py' from shadowing math.
         module_spec = importlib.util.spec_from_file_location(f"_agrpo_reward_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
@@ -128,7 +132,7 @@ def _load_module(spec: str, module_part: str):
     try:
         return importlib.import_module(module_part)
     except ImportError as exc:
-        raise _spec_error(spec, f"cannot import module {module_part!r} ({exc})") from exc
+        raise error(f"cannot import module {module_part!r} ({exc})") from exc
 
 
 def object_spec(obj, what: str = "tool") -> str:

@@ -154,6 +154,28 @@ class NoReset:
         return "nothing"
 
 
+class Adder:
+    """An environment whose one method is `add` as described above (the same schema, and reset adds no text, so the
+    model taught to call that tool sees its own prompt and calls it here): the episode's successful calls are its
+    state, get_reward their count (tests/test_agents_runs.py)."""
+
+    def reset(self, **row) -> None:
+        self.calls = 0
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        self.calls += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
 # ---- rollout_func (tests/test_agents.py): TRL's signature f(prompts, trainer) -> dict
 
 FEEDBACK = " [checked]"

@@ -55,7 +55,7 @@ def load_tool(spec: str, what: str = "tool"):
     kind = "function" if what == "tool" else "Class"
     if not module_part or not attr:
         raise ValueError(f"{what} {spec!r}: give it as 'module:{kind}' or 'file.py:{kind}'")
-    target = _load_module(spec, module_part)
+    target = _load_module(spec, module_part, what)
     for part in attr.split("."):
         target = getattr(target, part, None)
         if target is None:
