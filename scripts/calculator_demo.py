@@ -133,7 +133,7 @@ def probe(samples: int, seed: int = 0) -> str:
                 expression = re.search(r'"expression":\s*"([^"]*)"', completion)
                 try:
                     right += bool(expression) and calculator(expression.group(1)) == str(answer)
-                except ValueError:
+                except (ValueError, SyntaxError):  # what the calculator refuses: not arithmetic
                     pass
         total = samples * len(problems)
         lines.append(f"| {name} | {calls} / {total} | {right} / {total} |")
