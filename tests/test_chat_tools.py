@@ -1,0 +1,125 @@
+"""The chat page with tools (chat_app.py, docs/agents.md 10): each answer an episode, its tool calls run in the page's
+worker and shown apart from the answer; bad tool options refused before any model loads."""
+
+import sys
+
+import pytest
+
+from conftest import REPO
+from test_agents import CALL, TOOLS, tool_caller  # noqa: F401  (the fixture: a tiny model taught to call `add`)
+
+sys.path.insert(0, str(REPO))
+from chat_app import PageTools, Slot, build_app, main, page_tools, parse_args  # noqa: E402
+from lib.data import DEFAULT_INSTRUCTION, builtin_task  # noqa: E402
+from lib.extras.page import assistant_messages, model_messages, read_conversation  # noqa: E402
+
+
+@pytest.fixture
+def run_with_tools(tool_caller, tmp_path):  # noqa: F811
+    """A run folder as the trainer leaves it after a run with tools: config.yaml naming them, final/ the model."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tool_caller, run / "final")
+    (run / "config.yaml").write_text(f"model_name_or_path: {tool_caller}\ntools: [{TOOLS}:add]\n"
+                                     "max_tool_calling_iterations: 2\ntool_timeout: 5.0\n")
+    return run
+
+
+def test_an_answer_with_tools_shows_the_call_the_result_and_the_final_turn(run_with_tools, monkeypatch):
+    from chat_app import resolve_models
+
+    monkeypatch.chdir(REPO)  # the run's tool spec is a file path, read from where the page starts
+    args = parse_args(["--model_name_or_path", str(run_with_tools / "final"), "--reward_funcs", "accuracy"])
+    name, base_name, run_dir, settings = resolve_models(args)
+    tools = page_tools(args, settings)  # the run's own tools and limits, from its config.yaml
+    assert isinstance(tools, PageTools) and tools.specs == [f"{TOOLS}:add"] and tools.max_iterations == 2
+    assert tools.worker.timeout == 5.0
+    checkpoint = Slot("checkpoint")
+    assert checkpoint.load(name).endswith("loaded " + name)
+    app = build_app(checkpoint, Slot("base"), args, run_dir, settings, tools=tools)
+    send = {d.api_name: d.fn for d in app.fns.values() if d.api_name}["send"]
+    problem = builtin_task(seed=0, num_train=4, num_eval=0)[0][0]["problem"]  # a prompt the model was taught on
+    try:
+        updates = list(send(problem, "5", DEFAULT_INSTRUCTION, "", True, 0.7, 1.0, 64, []))
+        assert tools.worker.proc is not None and tools.worker.restarts == 0  # the call ran in the real worker
+    finally:
+        tools.close()
+    chat, _, reward, _, status, turns = updates[-1]
+    assert status.startswith("answered in")
+    assert [m.get("metadata", {}).get("title") for m in chat[:3]] == [None, "Tool call", "Tool result"]
+    assert CALL in chat[1]["content"] and chat[2]["content"] == "```\n5\n```"  # add(2, 3), computed by the worker
+    assert chat[3:] == assistant_messages("Done.")  # the final turn, read after the result, shown as an answer
+    # the turns as the episode's messages; the answer as the rewards get it in training (the whole episode's text)
+    [turn] = turns
+    assert [(m["role"], m["content"]) for m in turn["checkpoint_episode"]] == [
+        ("assistant", CALL), ("tool", "5"), ("assistant", "Done.")]
+    assert "tool\n5" in turn["checkpoint"] and reward == "reward: accuracy 1"
+    # streamed: the page was updated while the turns were written, the call shown folded before the final turn
+    assert len(updates) > 5
+    assert any([m.get("metadata", {}).get("title") for m in u[0]][1:3] == ["Tool call", "Tool result"]
+               and len(u[0]) == 3 for u in updates)
+    # the next prompt's conversation carries the episode as the template's messages
+    history = model_messages(turns, "checkpoint", "And 4 more?", DEFAULT_INSTRUCTION, None)
+    assert [m["role"] for m in history] == ["user", "assistant", "tool", "assistant", "user"]
+
+
+def test_the_system_prompt_describes_the_tools_as_in_training(tool_caller):  # noqa: F811
+    from lib.data import format_prompt
+    from lib.extras.tools import plain_tool_prompt, tool_schemas
+
+    args = parse_args(["--tools", f"{TOOLS}:add"])
+    tools = page_tools(args, {"tools": ["lib.extras.tools:calculator"]})  # --tools wins over the run's
+    slot = Slot("checkpoint")
+    slot.load(tool_caller)
+    agent = tools.agent(slot.tokenizer, 64)
+    system, kwargs = agent.prompt_settings(None, None)
+    assert system == plain_tool_prompt(tool_schemas([f"{TOOLS}:add"])) and kwargs is None
+    messages = model_messages([], "checkpoint", "2 + 3?", DEFAULT_INSTRUCTION, system)
+    config = type("Config", (), {"max_new_tokens": 64})
+    assert slot.tokenizer.decode(slot.prompt_ids(messages, config)) == format_prompt(
+        slot.tokenizer, "2 + 3?", DEFAULT_INSTRUCTION, system)
+    assert page_tools(parse_args(["--tools"]), {"tools": [f"{TOOLS}:add"]}) is None  # --tools alone: none
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tools", f"{TOOLS}:untyped"], "error: --tools: tool 'untyped': "),
+    (["--tools", f"{TOOLS}:nope"], "error: --tools: tool 'tests/tiny_tools.py:nope': module"),
+    (["--tools", "no_such_module_here:add"], "error: --tools: "),
+    (["--tools", f"{TOOLS}:add", "--max_tool_calling_iterations", "-1"],
+     "error: --max_tool_calling_iterations must be >= 0"),
+    (["--tools", f"{TOOLS}:add", "--tool_timeout", "nan"], "error: --tool_timeout must be >= 0 seconds"),
+])
+def test_bad_tool_options_are_refused_before_any_model_loads(argv, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    # a model that does not exist: the tools are checked first, so their error is the one that stops the page
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--model_name_or_path", str(tmp_path / "missing")])
+    assert str(stop.value).startswith(message), stop.value
+    assert "\n" not in str(stop.value)
+
+
+def test_a_runs_tools_that_do_not_load_here_are_named_with_the_fix(run_with_tools, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the run's file path does not resolve from here
+    with pytest.raises(SystemExit, match=r"error: the run's config.yaml 'tools': .*; pass --tools with tools that "
+                                         r"load here, or --tools alone to chat without tools"):
+        main(["--model_name_or_path", str(run_with_tools / "final")])
+
+
+def test_a_saved_episode_loads_back_and_a_malformed_one_is_refused(tmp_path):
+    import json
+
+    from lib.extras.page import PageInputError, chat_view
+
+    episode = [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "5"},
+               {"role": "assistant", "content": "Done."}]
+    path = tmp_path / "conversation.json"
+    path.write_text(json.dumps({"format": "agrpo-chat/1", "turns": [
+        {"prompt": "2 + 3?", "checkpoint": "...", "checkpoint_episode": episode}]}))
+    data = read_conversation(str(path))
+    assert [m.get("metadata", {}).get("title") for m in chat_view(data["turns"], "checkpoint")][:3] == [
+        None, "Tool call", "Tool result"]
+    path.write_text(json.dumps({"format": "agrpo-chat/1", "turns": [
+        {"prompt": "2 + 3?", "base_episode": [{"role": "user", "content": "hi"}]}]}))
+    with pytest.raises(PageInputError, match="turn 1: 'base_episode' must be a list of"):
+        read_conversation(str(path))
