@@ -22,7 +22,7 @@ adapter loads on its base. Conversations save to and load from JSON, and the sam
 `generation_config.json` that a model folder can use. Bad input (not a model folder, an adapter whose base is
 missing, an empty prompt, a conversation longer than the model's context) is reported in the page.
 
-With tools (`--tools`, else the run's own from its config.yaml; docs/agents.md 10) each answer is an episode, as in
+With tools (`--tools`, else the run's own from its config.yaml; docs/agents.md 9.1) each answer is an episode, as in
 training: the model's tool calls run in one tool worker for the page, their results go back as the chat template's
 tool messages, and the model goes on; the chat shows each call and each result folded, then the answer.
 """
@@ -274,7 +274,7 @@ class Slot:
 
 @dataclass
 class PageTools:
-    """The page's tools (docs/agents.md 10): their specs and schemas, the one worker that runs their calls for the
+    """The page's tools (docs/agents.md 9.1): their specs and schemas, the one worker that runs their calls for the
     whole page (started once, closed when the page stops), and the episode limit."""
 
     specs: list[str]
@@ -339,7 +339,7 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
     """The page: a Chat tab and a Run tab. `roots`: the folders whose models it may list and load and whose runs it
     may show (default: the run folder); `started`: the names it was started with, which it may load again (hub ids
     included); `watched`: the run folders the Run tab shows first; `refresh_seconds`: how often it looks for new
-    lines; `tools`: the tools each answer may call (an answer is then an episode, docs/agents.md 10)."""
+    lines; `tools`: the tools each answer may call (an answer is then an episode, docs/agents.md 9.1)."""
     import gradio as gr
 
     roots = roots if roots is not None else ([run_dir.resolve()] if run_dir else [])
@@ -602,7 +602,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tools", nargs="*", default=None, metavar="SPEC",
                         help="Tools the models may call, as module:function or file.py:function (as the trainer's "
                              "--tools): each answer is then an episode, its calls and results shown in the chat "
-                             "(docs/agents.md 10). Default: the tools of the run's config.yaml; --tools alone: none.")
+                             "(docs/agents.md 9.1). Default: the tools of the run's config.yaml; --tools alone: none.")
     parser.add_argument("--max_tool_calling_iterations", type=int, default=None,
                         help="Model turns with tool calls an answer may have (default: the run's, else no limit).")
     parser.add_argument("--tool_timeout", type=float, default=None,

@@ -1,4 +1,4 @@
-"""The chat page with tools (chat_app.py, docs/agents.md 10): each answer an episode, its tool calls run in the page's
+"""The chat page with tools (chat_app.py, docs/agents.md 9.1): each answer an episode, its tool calls run in the page's
 worker and shown apart from the answer; bad tool options refused before any model loads."""
 
 import sys
@@ -6,16 +6,20 @@ import sys
 import pytest
 
 from conftest import REPO
-from test_agents import CALL, TOOLS, tool_caller  # noqa: F401  (the fixture: a tiny model taught to call `add`)
+import test_agents
+from test_agents import CALL, TOOLS
 
 sys.path.insert(0, str(REPO))
 from chat_app import PageTools, Slot, build_app, main, page_tools, parse_args  # noqa: E402
 from lib.data import DEFAULT_INSTRUCTION, builtin_task  # noqa: E402
 from lib.extras.page import assistant_messages, model_messages, read_conversation  # noqa: E402
+from lib.extras.tools import plain_tool_prompt, tool_schemas  # noqa: E402
+
+tool_caller = test_agents.tool_caller  # the fixture: the tiny model taught to answer any prompt with a call to `add`
 
 
 @pytest.fixture
-def run_with_tools(tool_caller, tmp_path):  # noqa: F811
+def run_with_tools(tool_caller, tmp_path):
     """A run folder as the trainer leaves it after a run with tools: config.yaml naming them, final/ the model."""
     import shutil
 
@@ -64,9 +68,8 @@ def test_an_answer_with_tools_shows_the_call_the_result_and_the_final_turn(run_w
     assert [m["role"] for m in history] == ["user", "assistant", "tool", "assistant", "user"]
 
 
-def test_the_system_prompt_describes_the_tools_as_in_training(tool_caller):  # noqa: F811
+def test_the_system_prompt_describes_the_tools_as_in_training(tool_caller):
     from lib.data import format_prompt
-    from lib.extras.tools import plain_tool_prompt, tool_schemas
 
     args = parse_args(["--tools", f"{TOOLS}:add"])
     tools = page_tools(args, {"tools": ["lib.extras.tools:calculator"]})  # --tools wins over the run's
@@ -123,3 +126,21 @@ def test_a_saved_episode_loads_back_and_a_malformed_one_is_refused(tmp_path):
         {"prompt": "2 + 3?", "base_episode": [{"role": "user", "content": "hi"}]}]}))
     with pytest.raises(PageInputError, match="turn 1: 'base_episode' must be a list of"):
         read_conversation(str(path))
+
+
+def test_without_tools_the_same_model_answers_in_one_streamed_turn(tool_caller, tmp_path):
+    """The page without tools (--tools alone): the call the model writes is its answer, nothing runs."""
+    args = parse_args(["--tools", "--reward_funcs", "accuracy"])
+    assert page_tools(args, {"tools": [f"{TOOLS}:add"]}) is None
+    checkpoint = Slot("checkpoint")
+    checkpoint.load(tool_caller)
+    app = build_app(checkpoint, Slot("base"), args, None, {})
+    send = {d.api_name: d.fn for d in app.fns.values() if d.api_name}["send"]
+    problem = builtin_task(seed=0, num_train=4, num_eval=0)[0][0]["problem"]
+    # the system prompt the model was taught with, typed in the page: it writes the call, and the answer ends there
+    system = plain_tool_prompt(tool_schemas([f"{TOOLS}:add"]))
+    updates = list(send(problem, "", DEFAULT_INSTRUCTION, system, True, 0.7, 1.0, 64, []))
+    chat, *_, status, turns = updates[-1]
+    assert status.startswith("answered in") and len(updates) > 5  # token by token
+    assert turns[0]["checkpoint"] == CALL and "checkpoint_episode" not in turns[0]
+    assert all("Tool" not in str(m.get("metadata", {}).get("title")) for m in chat)
