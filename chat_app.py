@@ -704,6 +704,9 @@ def main(argv: list[str] | None = None) -> None:
         if tools is not None:
             tools.worker.start()  # one worker for the page: it imports the tools while the page starts
             print(f"Answers are episodes with {tools.line()}", flush=True)
+            if settings.get("environment_factory"):
+                print("The run's environment_factory is not made here: answers get the run's plain tools only "
+                      "(docs/agents.md 9.1).", flush=True)
         app = build_app(checkpoint, base, args, run_dir, settings, roots, started, watched, args.refresh, tools)
         app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True,
                            auth=auth, max_file_size=page.MAX_UPLOAD_BYTES)

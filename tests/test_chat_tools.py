@@ -144,3 +144,49 @@ def test_without_tools_the_same_model_answers_in_one_streamed_turn(tool_caller, 
     assert status.startswith("answered in") and len(updates) > 5  # token by token
     assert turns[0]["checkpoint"] == CALL and "checkpoint_episode" not in turns[0]
     assert all("Tool" not in str(m.get("metadata", {}).get("title")) for m in chat)
+
+
+def children(pid: int) -> set[int]:
+    """The child processes of `pid` (Linux /proc)."""
+    from pathlib import Path
+
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+@pytest.mark.slow  # the page started as a user starts it, on the taught model: 23 s on 2 shared CPU cores
+def test_the_page_started_on_a_run_with_tools_answers_with_episodes_and_stops_its_worker(run_with_tools, tmp_path):
+    import os
+    import signal
+    import time
+
+    from gradio_client import Client
+
+    from conftest import start_page, wait_for_page
+
+    log = tmp_path / "page.log"
+    proc, port = start_page(["--model_name_or_path", str(run_with_tools / "final"), "--max_new_tokens", "64"], REPO,
+                            log)
+    try:
+        client = Client(wait_for_page(proc, port, log, timeout_s=300), verbose=False)
+        problem = builtin_task(seed=0, num_train=4, num_eval=0)[0][0]["problem"]
+        chat_a, chat_b, reward_a, reward_b, status = client.predict(problem, "5", DEFAULT_INSTRUCTION, "", True, 0.7,
+                                                                    1.0, 64, api_name="/send")
+        assert status.startswith("answered in")
+        # both sides (the checkpoint, and the run's starting model as its base) ran episodes with the run's tool
+        for chat in (chat_a, chat_b):
+            assert [(m.get("metadata") or {}).get("title") for m in chat[1:3]] == ["Tool call", "Tool result"]
+            content = chat[2]["content"]  # the client's form: a list of text parts
+            assert [part["text"] for part in content] == ["```\n5\n```"]
+        assert "Answers are episodes with tools: add (turns with calls: at most 2" in log.read_text()
+        workers = children(proc.pid)
+        assert workers  # the page's tool worker
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        proc.wait(timeout=60)
+    deadline = time.time() + 10
+    while time.time() < deadline and any(os.path.exists(f"/proc/{w}") for w in workers):
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{w}") for w in workers), "the tool worker outlived the page"
