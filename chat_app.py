@@ -679,11 +679,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [f for f in args.reward_funcs if f not in REWARD_FUNCS]
     if unknown:
         raise SystemExit(f"error: --reward_funcs: unknown {unknown}; choose from {', '.join(REWARD_FUNCS)}")
-    # the tools imported and described before any model loads (--tools before the model arguments are looked at)
-    tools = page_tools(args, {}) if args.tools is not None else None
+    if args.tools is not None:  # --tools checked before the model arguments are looked at
+        page_tools(args, {})
     name, base_name, run_dir, settings = resolve_models(args)
-    if args.tools is None:  # the run's own
-        tools = page_tools(args, settings)
+    tools = page_tools(args, settings)  # the tools imported and described before any model loads
     hf_logging.disable_progress_bar()
     checkpoint, base = Slot("checkpoint"), Slot("base")
     for slot, target in ((checkpoint, name), (base, base_name)):
@@ -699,7 +698,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"The page is reachable from other machines ({'a public --share link' if args.share else args.host}), "
               f"{login}. Whoever reaches it can: chat with {name} and {base_name or '(no base)'}; list and load "
               f"(and so run) any model folder inside {', '.join(map(str, roots)) or '(none)'}; save and load "
-              f"conversations.", flush=True)
+              f"conversations{'; make the models call ' + tools.line() if tools is not None else ''}.", flush=True)
     try:
         if tools is not None:
             tools.worker.start()  # one worker for the page: it imports the tools while the page starts

@@ -72,7 +72,12 @@ def test_the_system_prompt_describes_the_tools_as_in_training(tool_caller):
     from lib.data import format_prompt
 
     args = parse_args(["--tools", f"{TOOLS}:add"])
-    tools = page_tools(args, {"tools": ["lib.extras.tools:calculator"]})  # --tools wins over the run's
+    run = {"tools": ["lib.extras.tools:calculator"], "max_tool_calling_iterations": 3, "tool_timeout": 7.0}
+    tools = page_tools(args, run)  # --tools wins over the run's tools; the run's limits stay
+    assert tools.specs == [f"{TOOLS}:add"] and tools.max_iterations == 3 and tools.worker.timeout == 7.0
+    limited = page_tools(parse_args(["--tools", f"{TOOLS}:add", "--max_tool_calling_iterations", "1",
+                                     "--tool_timeout", "0"]), run)
+    assert limited.max_iterations == 1 and limited.worker.timeout == 0.0
     slot = Slot("checkpoint")
     slot.load(tool_caller)
     agent = tools.agent(slot.tokenizer, 64)
