@@ -195,3 +195,28 @@ def test_the_page_started_on_a_run_with_tools_answers_with_episodes_and_stops_it
     while time.time() < deadline and any(os.path.exists(f"/proc/{w}") for w in workers):
         time.sleep(0.2)
     assert not any(os.path.exists(f"/proc/{w}") for w in workers), "the tool worker outlived the page"
+
+
+def test_the_iteration_limit_and_the_budget_end_an_answer_as_they_end_an_episode(tool_caller):
+    """--max_tool_calling_iterations 0: the call is written but not run (section 3's rule); a max new tokens the
+    call does not fit in: the episode ends cut, nothing run."""
+    checkpoint = Slot("checkpoint")
+    checkpoint.load(tool_caller)
+    problem = builtin_task(seed=0, num_train=4, num_eval=0)[0][0]["problem"]
+    for argv, max_new_tokens, expected in ((["--max_tool_calling_iterations", "0"], 64, CALL),
+                                           ([], 8, None)):
+        args = parse_args(["--tools", f"{TOOLS}:add", *argv, "--reward_funcs", "accuracy"])
+        tools = page_tools(args, {})
+        send = {d.api_name: d.fn for d in build_app(checkpoint, Slot("base"), args, None, {}, tools=tools)
+                .fns.values() if d.api_name}["send"]
+        try:
+            *_, turns = list(send(problem, "", DEFAULT_INSTRUCTION, "", True, 0.7, 1.0, max_new_tokens, []))[-1]
+            assert tools.worker.proc is None  # no call ran: the worker never started
+        finally:
+            tools.close()
+        [message] = turns[0]["checkpoint_episode"]
+        assert message["role"] == "assistant"
+        if expected:
+            assert message["content"] == expected
+        else:
+            assert CALL.startswith(message["content"]) and len(message["content"]) < len(CALL)
