@@ -21,18 +21,24 @@ training reward functions. A run folder's `checkpoint-*` and `final/` are listed
 adapter loads on its base. Conversations save to and load from JSON, and the sampling settings export as a
 `generation_config.json` that a model folder can use. Bad input (not a model folder, an adapter whose base is
 missing, an empty prompt, a conversation longer than the model's context) is reported in the page.
+
+With tools (`--tools`, else the run's own from its config.yaml; docs/agents.md 9.1) each answer is an episode, as in
+training: the model's tool calls run in one tool worker for the page, their results go back as the chat template's
+tool messages, and the model goes on; the chat shows each call and each result folded, then the answer.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import count
 from functools import partial
 from pathlib import Path
 
@@ -44,6 +50,8 @@ from lib.checkpoint import list_checkpoints
 from lib.data import DEFAULT_INSTRUCTION
 from lib.extras import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
 from lib.extras import page
+from lib.extras.agents import Agent
+from lib.extras.tools import ToolWorker, tool_schemas, tool_spec
 from lib.extras import runs as run_data
 from lib.extras.model_folders import adapter_base, load_for_inference, model_folder_problem
 from lib.modeling import EMBEDDED_ALIASES, end_token_ids, is_adapter_folder
@@ -224,25 +232,102 @@ class Slot:
         config = getattr(self.model, "get_base_model", lambda: self.model)().config
         return int(getattr(config, "max_position_embeddings", 2048))
 
-    def start(self, messages: list[dict], config: GenerationConfig, seed: int):
-        """Start generating in a thread; returns (streamer, thread). Raises ValueError if the prompt is too long."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                 return_dict=True)
-        length, limit = ids["input_ids"].shape[1], self.context_length()
+    def prompt_ids(self, messages: list[dict], config: GenerationConfig, template_kwargs: dict | None = None):
+        """The conversation's token ids, the generation prompt opened (`template_kwargs`: the chat template's
+        variables, such as `tools`). Raises ValueError if it and max new tokens do not fit the model's context."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True, **(template_kwargs or {}))["input_ids"]
+        length, limit = len(ids), self.context_length()
         if length + config.max_new_tokens > limit:
             raise ValueError(f"{self.label}: the conversation is {length} tokens and max new tokens is "
                              f"{config.max_new_tokens}, more than the model's context of {limit}; clear the chat, "
                              f"shorten the prompt or lower max new tokens")
+        return list(ids)
+
+    def sample(self, ids: list[int], config: GenerationConfig, seed: int, max_new_tokens: int | None = None):
+        """One model turn from the token ids `ids`, generated in a thread: a generator that yields its text as it
+        comes (token by token) and returns its new token ids (lib/extras/agents.Agent.chat's `sample`)."""
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
+        out = {}
 
         def work():
-            with self.lock, torch.no_grad():
-                torch.manual_seed(seed)
-                self.model.generate(**ids, generation_config=config, streamer=streamer)
+            try:
+                with self.lock, torch.no_grad():
+                    torch.manual_seed(seed)
+                    tensor = torch.tensor([ids], device=self.model.device)
+                    turn_config = copy.deepcopy(config)
+                    turn_config.max_new_tokens = max_new_tokens or config.max_new_tokens
+                    out["ids"] = self.model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor),
+                                                     generation_config=turn_config, streamer=streamer)
+            except Exception as error:  # noqa: BLE001 - raised again in the page's thread, which reports it
+                out["error"] = error
+                streamer.end()
 
         thread = threading.Thread(target=work, daemon=True)
         thread.start()
-        return streamer, thread
+        yield from streamer
+        thread.join()
+        if "error" in out:
+            raise out["error"]
+        return out["ids"][0, len(ids):].tolist()
+
+
+@dataclass
+class PageTools:
+    """The page's tools (docs/agents.md 9.1): their specs and schemas, the one worker that runs their calls for the
+    whole page (started once, closed when the page stops), and the episode limit."""
+
+    specs: list[str]
+    schemas: list[dict]
+    worker: ToolWorker
+    max_iterations: int | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def call(self, name: str, arguments: dict) -> tuple[str, bool]:
+        with self.lock:  # one call at a time: the worker answers one request at a time
+            return self.worker.call(name, arguments)
+
+    def agent(self, tokenizer, max_new_tokens: int) -> Agent:
+        """An answer's agent: the training rules (the call format, the results' rendering, the limits), the page's
+        max new tokens as the episode's budget, the turns and the results together (max_completion_length's
+        rule)."""
+        return Agent(tokenizer, self.call, self.max_iterations, max_new_tokens, self.schemas)
+
+    def line(self) -> str:
+        names = ", ".join(s["function"]["name"] for s in self.schemas)
+        limit = "no limit" if self.max_iterations is None else f"at most {self.max_iterations}"
+        return f"tools: {names} (turns with calls: {limit}; tool_timeout {self.worker.timeout:g} s)"
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def page_tools(args: argparse.Namespace, settings: dict) -> PageTools | None:
+    """The page's tools: `--tools` (given alone: none), else the `tools` of the run's config.yaml; their limits from
+    --max_tool_calling_iterations / --tool_timeout, else the run's, else no limit and 10 s. Each tool is imported and
+    described here, before any model loads; SystemExit naming the option (or config.yaml) and the fix. The worker
+    is made, not started."""
+    from_run = args.tools is None
+    specs = (settings.get("tools") or []) if from_run else args.tools
+    if not specs:
+        return None
+    where = "the run's config.yaml 'tools'" if from_run else "--tools"
+    fix = ("; pass --tools with tools that load here, or --tools alone to chat without tools" if from_run else
+           "; give each as module:function or file.py:function, a typed function with a Google-style docstring")
+    try:
+        specs = [tool_spec(t) for t in specs]
+        schemas = tool_schemas(specs)
+    except ValueError as error:
+        raise SystemExit(f"error: {where}: {error}{fix}") from None
+    limit = args.max_tool_calling_iterations
+    if limit is None:
+        limit = settings.get("max_tool_calling_iterations")
+    elif limit < 0:
+        raise SystemExit(f"error: --max_tool_calling_iterations must be >= 0, got {limit} (leave it out for no limit)")
+    timeout = args.tool_timeout if args.tool_timeout is not None else settings.get("tool_timeout", 10.0)
+    if not (isinstance(timeout, (int, float)) and timeout >= 0):  # also NaN
+        raise SystemExit(f"error: --tool_timeout must be >= 0 seconds (0: no limit), got {timeout}")
+    return PageTools(specs, schemas, ToolWorker(specs, float(timeout)), limit)
 
 
 # ---------------------------------------------------------------------------------------------- the page
@@ -250,11 +335,11 @@ class Slot:
 
 def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: Path | None, settings: dict,
               roots: list[Path] | None = None, started: set[str] | None = None, watched: list[str] | None = None,
-              refresh_seconds: float = 2.0):
+              refresh_seconds: float = 2.0, tools: PageTools | None = None):
     """The page: a Chat tab and a Run tab. `roots`: the folders whose models it may list and load and whose runs it
     may show (default: the run folder); `started`: the names it was started with, which it may load again (hub ids
     included); `watched`: the run folders the Run tab shows first; `refresh_seconds`: how often it looks for new
-    lines."""
+    lines; `tools`: the tools each answer may call (an answer is then an episode, docs/agents.md 9.1)."""
     import gradio as gr
 
     roots = roots if roots is not None else ([run_dir.resolve()] if run_dir else [])
@@ -268,6 +353,27 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
         per_func, _ = score_completions(reward_funcs, [""], [text], {"answer": [reference.strip()]})
         return {name: values[0] for (name, _), values in zip(reward_funcs, per_func)}
 
+    def answer(slot: Slot, side: str, turns, prompt, instruction, system_prompt, greedy, temperature, top_p,
+               max_new_tokens):
+        """One side's answer, as a generator: without tools, the text of one model turn as it comes, returning its
+        token ids; with tools, an episode (lib/extras/agents.Agent.chat: the text as it comes, then each finished
+        message), returning the Episode. The settings and the conversation's length are checked here (ValueError,
+        TypeError) before anything is generated."""
+        config = page.generation_config(greedy, temperature, top_p, max_new_tokens,
+                                        end_token_ids(slot.model, slot.tokenizer), slot.tokenizer.pad_token_id)
+        agent = tools.agent(slot.tokenizer, config.max_new_tokens) if tools is not None else None
+        # the tools' description as in training: the template's own `tools`, else the plain format's system text
+        system, template_kwargs = (agent.prompt_settings(system_prompt or None, None) if agent is not None
+                                   else (system_prompt or None, None))
+        ids = slot.prompt_ids(page.model_messages(turns, side, prompt, instruction, system), config, template_kwargs)
+        if agent is None:
+            return slot.sample(ids, config, args.seed)
+        seeds = count(args.seed)  # each turn of the episode its own seed, the first the page's
+
+        def sample(context: list[int], room: int):
+            return slot.sample(context, config, next(seeds), room)
+        return agent.chat(sample, ids)
+
     def send(prompt, reference, instruction, system_prompt, greedy, temperature, top_p, max_new_tokens, turns):
         turns = list(turns or [])
         if not prompt or not prompt.strip():
@@ -276,31 +382,44 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
             return
         sides = [s for s in (("checkpoint", checkpoint), ("base", base)) if s[1].model is not None]
         try:
-            streams = {}
-            for side, slot in sides:
-                config = page.generation_config(greedy, temperature, top_p, max_new_tokens,
-                                           end_token_ids(slot.model, slot.tokenizer), slot.tokenizer.pad_token_id)
-                messages = page.model_messages(turns, side, prompt.strip(), instruction, system_prompt or None)
-                streams[side] = slot.start(messages, config, args.seed)
+            answers = {side: answer(slot, side, turns, prompt.strip(), instruction, system_prompt, greedy,
+                                    temperature, top_p, max_new_tokens) for side, slot in sides}
         except (TypeError, ValueError) as error:  # TypeError: a setting sent as null through the API
             yield page.chat_view(turns, "checkpoint"), page.chat_view(turns, "base"), "", "", str(error), turns
             return
         turn = {"prompt": prompt.strip(), "reference": reference.strip(), "streaming": True,
-                **{side: "" for side in streams}}
+                **{side: "" for side in answers}}
         turns.append(turn)
         start = time.perf_counter()
-        pending = dict(streams)
+        pending, writing = dict(answers), set()  # writing: the sides whose last episode message is still growing
         while pending:
-            for side, (streamer, thread) in list(pending.items()):
+            for side, stream in list(pending.items()):
                 try:
-                    turn[side] += next(streamer)
-                except StopIteration:
-                    thread.join()
+                    event = next(stream)
+                except StopIteration as end:  # the answer's end: the episode, or the turn's token ids
                     del pending[side]
+                    if tools is not None:  # the episode's text as the rewards get it in training
+                        turn[side] = dict(sides)[side].tokenizer.decode(end.value.ids, skip_special_tokens=True)
+                        turn[page.episode_key(side)] = end.value.messages
+                    continue
+                if tools is None:
+                    turn[side] += event
+                    continue
+                episode = turn.setdefault(page.episode_key(side), [])
+                if isinstance(event, str):  # the model's next piece of text
+                    if side not in writing:
+                        episode.append({"role": "assistant", "content": ""})
+                        writing.add(side)
+                    episode[-1]["content"] += event
+                elif event["role"] == "assistant":  # the turn, finished
+                    episode[-1 if side in writing else len(episode):] = [event]
+                    writing.discard(side)
+                else:  # a tool's result
+                    episode.append(event)
             yield page.chat_view(turns, "checkpoint"), page.chat_view(turns, "base"), "", "", "generating...", turns
         turn["streaming"] = False
         turn["seconds"] = round(time.perf_counter() - start, 2)
-        turn["rewards"] = {side: score(turn[side], turn["reference"]) for side in streams}
+        turn["rewards"] = {side: score(turn[side], turn["reference"]) for side in answers}
         yield (page.chat_view(turns, "checkpoint"), page.chat_view(turns, "base"),
                page.reward_line(turn["rewards"].get("checkpoint")), page.reward_line(turn["rewards"].get("base")),
                f"answered in {turn['seconds']:.1f} s", turns)
@@ -374,7 +493,8 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
         return str(folder / "generation_config.json"), "generation_config.json: put it in the model folder"
 
     def title() -> str:
-        return f"### {checkpoint.name or '(no checkpoint)'}  vs  base {base.name or '(none)'}"
+        heading = f"### {checkpoint.name or '(no checkpoint)'}  vs  base {base.name or '(none)'}"
+        return heading if tools is None else f"{heading}\n\n{tools.line()}"
 
     with gr.Blocks(title="agrpo chat") as app:
         with gr.Tabs(selected="run" if getattr(args, "run", None) else "chat") as tabs:
@@ -479,6 +599,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "loads the first run's final/ or newest checkpoint, if it has one yet.")
     parser.add_argument("--refresh", type=float, default=2.0, metavar="SECONDS",
                         help="How often the Run tab looks for new lines while 'live' is ticked.")
+    parser.add_argument("--tools", nargs="*", default=None, metavar="SPEC",
+                        help="Tools the models may call, as module:function or file.py:function (as the trainer's "
+                             "--tools): each answer is then an episode, its calls and results shown in the chat "
+                             "(docs/agents.md 9.1). Default: the tools of the run's config.yaml; --tools alone: none.")
+    parser.add_argument("--max_tool_calling_iterations", type=int, default=None,
+                        help="Model turns with tool calls an answer may have (default: the run's, else no limit).")
+    parser.add_argument("--tool_timeout", type=float, default=None,
+                        help="Seconds one tool call may take, 0: no limit (default: the run's, else 10).")
     args = parser.parse_args(argv)
     listen_address(args, os.environ)
     return args
@@ -551,7 +679,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [f for f in args.reward_funcs if f not in REWARD_FUNCS]
     if unknown:
         raise SystemExit(f"error: --reward_funcs: unknown {unknown}; choose from {', '.join(REWARD_FUNCS)}")
+    if args.tools is not None:  # --tools checked before the model arguments are looked at
+        page_tools(args, {})
     name, base_name, run_dir, settings = resolve_models(args)
+    tools = page_tools(args, settings)  # the tools imported and described before any model loads
     hf_logging.disable_progress_bar()
     checkpoint, base = Slot("checkpoint"), Slot("base")
     for slot, target in ((checkpoint, name), (base, base_name)):
@@ -567,10 +698,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"The page is reachable from other machines ({'a public --share link' if args.share else args.host}), "
               f"{login}. Whoever reaches it can: chat with {name} and {base_name or '(no base)'}; list and load "
               f"(and so run) any model folder inside {', '.join(map(str, roots)) or '(none)'}; save and load "
-              f"conversations.", flush=True)
-    app = build_app(checkpoint, base, args, run_dir, settings, roots, started, watched, args.refresh)
-    app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True, auth=auth,
-                       max_file_size=page.MAX_UPLOAD_BYTES)
+              f"conversations{'; make the models call ' + tools.line() if tools is not None else ''}.", flush=True)
+    try:
+        if tools is not None:
+            tools.worker.start()  # one worker for the page: it imports the tools while the page starts
+            print(f"Answers are episodes with {tools.line()}", flush=True)
+            if settings.get("environment_factory"):
+                print("The run's environment_factory is not made here: answers get the run's plain tools only "
+                      "(docs/agents.md 9.1).", flush=True)
+        app = build_app(checkpoint, base, args, run_dir, settings, roots, started, watched, args.refresh, tools)
+        app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True,
+                           auth=auth, max_file_size=page.MAX_UPLOAD_BYTES)
+    finally:
+        if tools is not None:
+            tools.close()
 
 
 if __name__ == "__main__":

@@ -56,6 +56,38 @@ class Episode:
         self.logps += logps
         self.temperatures += temperatures
 
+    def model_turn(self, ids: list[int], logps: list[float], temperatures: list[float], tokenizer) -> str:
+        """A turn the model wrote appended (its tokens, counted, and its message): its text."""
+        self.add(ids, 1, logps, temperatures)
+        self.turns += 1
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": text})
+        return text
+
+    def run_calls(self, ids: list[int], text: str, tokenizer, call, renderer: ResultRenderer,
+                  max_completion_length: int) -> bool:
+        """The calls of the model's last turn (`ids`, `text`) run through `call`, their results appended as the
+        chat template's tool messages, cut at the episode's room: whether the episode goes on (False: the turn
+        called nothing, or no room is left for the model to read the results and answer: then it is truncated)."""
+        calls, errors = turn_tool_calls(tokenizer, ids, text)
+        if not calls and not errors:
+            return False  # a turn that calls nothing ends the episode
+        results = list(errors)
+        for c in calls:
+            result, failed = call(c.name, c.arguments)
+            results.append(result)
+            self.failures += failed
+        self.messages += [{"role": "tool", "content": r} for r in results]
+        self.calls += len(calls) + len(errors)
+        self.failures += len(errors)
+        tool_ids = renderer.ids(results)
+        kept = tool_ids[:max_completion_length - len(self.ids)]
+        self.add(kept, 0, [0.0] * len(kept), [1.0] * len(kept))
+        if len(kept) < len(tool_ids) or len(self.ids) >= max_completion_length:
+            self.truncated = True  # no room left for the model to read the result and answer
+            return False
+        return True
+
 
 def engine_generate(engine, pad_token_id: int, sampling: dict, owner: torch.Tensor):
     """`run_episodes`' `generate` over a sampler with the trainer's interface (lib/rollout.HFRollout, vLLM's
@@ -277,6 +309,37 @@ class Agent:
         roll.columns = columns
         return roll, done
 
+    def chat(self, sample, prompt_ids: list[int]):
+        """One episode of one prompt, as it happens (the chat page's, chat_app.py): a generator that yields each
+        piece of text the model writes (as `sample` yields it), then each finished message ({"role": "assistant" |
+        "tool", "content": text}, those of Episode.messages), and returns the Episode. The same rules as
+        `run_episodes`: a turn's calls run through `call`, their results are appended as the chat template's tool
+        messages, and the model goes on from the prompt, its turns and the results, until a turn calls no tool,
+        `max_iterations` turns have called tools, or the episode's tokens reach `max_completion_length`.
+
+        `sample(ids: list[int], max_new_tokens: int)`: a generator of one model turn from the token ids `ids`,
+        yielding its text as it comes and returning its new token ids (ending with the end-of-turn token unless it
+        was cut). Nothing is counted in the batch's counters; logps are 0 (nothing here is trained)."""
+        eos = self.tokenizer.eos_token_id
+        episode = Episode()
+        while True:
+            room = self.max_completion_length - len(episode.ids)
+            ids = (yield from sample(prompt_ids + episode.ids, room))[:room]
+            text = episode.model_turn(ids, [0.0] * len(ids), [1.0] * len(ids), self.tokenizer)
+            yield episode.messages[-1]
+            episode.truncated = len(ids) >= room
+            limit_reached = self.max_iterations is not None and episode.turns - 1 >= self.max_iterations
+            if episode.truncated or limit_reached or ids[-1:] != [eos]:
+                break
+            seen = len(episode.messages)
+            goes_on = episode.run_calls(ids, text, self.tokenizer, self.call, self.renderer,
+                                        self.max_completion_length)
+            yield from episode.messages[seen:]
+            if not goes_on:
+                break
+        episode.done = True
+        return episode
+
     def counters(self, reduce_sum) -> dict[str, float]:
         calls, failures = reduce_sum(self.calls), reduce_sum(self.failures)
         return {"tools/call_frequency": calls / max(reduce_sum(self.completions), 1.0),
@@ -309,31 +372,12 @@ def run_episodes(generate, first: Rollout, tokenizer, call, renderer: ResultRend
             n = int(turn.completion_mask[k].sum())
             ids = turn.completion_ids[k, :min(n, room)].tolist()
             logps = turn.sampling_logps[k, :len(ids)].tolist() if turn.sampling_logps is not None else [0.0] * len(ids)
-            ep.add(ids, 1, logps, turn.temperatures[k, :len(ids)].tolist())
-            ep.turns += 1
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            ep.messages.append({"role": "assistant", "content": text})
+            text = ep.model_turn(ids, logps, turn.temperatures[k, :len(ids)].tolist(), tokenizer)
             ep.truncated = bool(turn.is_truncated[k]) or n >= room
             if ep.truncated or limit_reached or ids[-1:] != [eos]:
                 continue
-            calls, errors = turn_tool_calls(tokenizer, ids, text)
-            if not calls and not errors:
-                continue  # a turn that calls nothing ends the episode
-            results = list(errors)
-            for c in calls:
-                text, failed = calls_of[i](c.name, c.arguments)
-                results.append(text)
-                ep.failures += failed
-            ep.messages += [{"role": "tool", "content": r} for r in results]
-            ep.calls += len(calls) + len(errors)
-            ep.failures += len(errors)
-            tool_ids = renderer.ids(results)
-            kept = tool_ids[:max_completion_length - len(ep.ids)]
-            ep.add(kept, 0, [0.0] * len(kept), [1.0] * len(kept))
-            if len(kept) < len(tool_ids) or len(ep.ids) >= max_completion_length:
-                ep.truncated = True  # no room left for the model to read the result and answer
-                continue
-            go_on.append(i)
+            if ep.run_calls(ids, text, tokenizer, calls_of[i], renderer, max_completion_length):
+                go_on.append(i)
         for i in set(active) - set(go_on):
             episodes[i].done = True
         active = go_on

@@ -55,25 +55,39 @@ def assistant_messages(text: str, *, streaming: bool = False) -> list[dict]:
     return messages
 
 
+def episode_key(side: str) -> str:
+    """The key of a turn that holds one side's episode with tools (its messages, docs/agents.md 6)."""
+    return f"{side}_episode"
+
+
 def chat_view(turns: list[dict], side: str) -> list[dict]:
-    """The chatbot messages of one side (`checkpoint` or `base`) for a list of turns."""
+    """The chatbot messages of one side (`checkpoint` or `base`) for a list of turns: an answer with tools turn by
+    turn (`episode_messages`), one without as its reasoning and final answer."""
     messages = []
     for turn in turns:
         messages.append({"role": "user", "content": turn["prompt"]})
-        if turn.get(side) is not None:
-            messages += assistant_messages(turn[side], streaming=turn.get("streaming", False))
+        streaming = turn.get("streaming", False)
+        if turn.get(episode_key(side)):
+            messages += episode_messages(turn[episode_key(side)], streaming=streaming)
+        elif turn.get(side) is not None:
+            messages += assistant_messages(turn[side], streaming=streaming)
     return messages
 
 
 def model_messages(turns: list[dict], side: str, prompt: str, instruction: str, system_prompt: str | None):
     """The conversation a model sees: every earlier prompt (with the instruction, as in training), its own earlier
-    answers, and the new prompt."""
+    answers (an answer with tools as its turns and the tools' results, in the template's `tool` messages), and the
+    new prompt."""
     def user(text: str) -> dict:
         return {"role": "user", "content": f"{text}\n{instruction}" if instruction else text}
 
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for turn in turns:
-        messages += [user(turn["prompt"]), {"role": "assistant", "content": turn.get(side) or ""}]
+        messages.append(user(turn["prompt"]))
+        if turn.get(episode_key(side)):
+            messages += [{"role": m["role"], "content": m["content"]} for m in turn[episode_key(side)]]
+        else:
+            messages.append({"role": "assistant", "content": turn.get(side) or ""})
     return messages + [user(prompt)]
 
 
@@ -102,14 +116,17 @@ def checkpoint_choices(run_dir: str) -> list[str]:
 
 
 def run_settings(run_dir: Path | None) -> dict:
-    """The starting model, instruction and system prompt a run trained with (its config.yaml), where known."""
+    """The starting model, instruction, system prompt and tools a run trained with (its config.yaml), where
+    known."""
     if run_dir is None:
         return {}
     try:
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
         return {}
-    return {k: config[k] for k in ("model_name_or_path", "instruction", "system_prompt") if k in config}
+    keys = ("model_name_or_path", "instruction", "system_prompt", "tools", "max_tool_calling_iterations",
+            "tool_timeout", "environment_factory")
+    return {k: config[k] for k in keys if k in config}
 
 
 def generation_config(greedy: bool, temperature: float, top_p: float, max_new_tokens: int,
@@ -235,6 +252,13 @@ def read_conversation(file: str) -> dict:
         for key in ("checkpoint", "base", "reference"):
             if turn.get(key) is not None and not isinstance(turn[key], str):
                 raise PageInputError(f"turn {i}: '{key}' must be text, got {type(turn[key]).__name__}")
+        for key in map(episode_key, ("checkpoint", "base")):
+            episode = turn.get(key)
+            if episode is not None and not (isinstance(episode, list) and all(
+                    isinstance(m, dict) and m.get("role") in ("assistant", "tool") and isinstance(m.get("content"), str)
+                    for m in episode)):
+                raise PageInputError(f"turn {i}: '{key}' must be a list of {{\"role\": \"assistant\" or \"tool\", "
+                                     f"\"content\": text}} messages")
         turns.append({k: v for k, v in turn.items() if k != "streaming"})
     saved = data.get("settings") if isinstance(data.get("settings"), dict) else {}
 
@@ -311,15 +335,15 @@ def completions_table(rows: list[dict], limit: int = TABLE_ROWS) -> tuple[list[s
     return headers, table
 
 
-def episode_messages(turns: list[dict]) -> list[dict]:
+def episode_messages(turns: list[dict], *, streaming: bool = False) -> list[dict]:
     """An agent's episode (docs/agents.md 6) as chat messages: each turn that called a tool and each tool result
     folded under its title, as written (a code block, so that a call's markup shows), then the last turn as an
-    answer."""
+    answer (`streaming`: still being written)."""
     messages = []
     for k, turn in enumerate(turns):
         text = str(turn.get("content", ""))
         if turn.get("role") == "assistant" and k == len(turns) - 1:
-            messages += assistant_messages(text)
+            messages += assistant_messages(text, streaming=streaming)
         else:
             title = "Tool result" if turn.get("role") == "tool" else "Tool call"
             messages.append({"role": "assistant", "content": f"```\n{text}\n```",
