@@ -347,7 +347,7 @@ def test_the_default_run_prompts_are_byte_for_byte_what_they_were(tokenizer):
     train, held_out = builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train, num_eval=cfg.num_eval_samples)
     # the trainer's own method (sampling, rewards and evaluation all call it), on just what it reads
     context = SimpleNamespace(tokenizer=tokenizer, cfg=cfg, system_prompt=cfg.system_prompt,
-                              template_kwargs=cfg.chat_template_kwargs)
+                              template_kwargs=cfg.chat_template_kwargs, episodes=None)
     texts = [RolloutContext.prompt_text(context, r) for r in train + held_out]
     assert hashlib.sha256("\x00".join(texts).encode()).hexdigest() == DEFAULT_RUN_PROMPTS_SHA256
     assert texts[0] == render_prompt(tokenizer, train[0]) == format_prompt(tokenizer, train[0]["problem"])
