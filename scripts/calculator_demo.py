@@ -93,11 +93,11 @@ def table(out: Path, configs: list[str], seeds: list[int]) -> str:
 
 
 def probe(samples: int, seed: int = 0) -> str:
-    """How the starting model takes the plain call format (docs/agents.md 10): the share of `samples` completions
-    (temperature 1, at most 48 tokens) of the first 12 test problems that write a tool call, and that call the
-    calculator with an expression that gives the answer, for three prompt forms: the tools' description in the
-    system prompt; the same with an example call written in it; the description and the data's worked example as
-    earlier turns (the `tools` variant's prompts)."""
+    """How the starting model takes the plain call format (docs/agents.md 10): of `samples` completions of each of 12
+    problems (temperature 0.7, the trainer's default, no top-k; at most 48 tokens), how many write a tool call, and
+    how many call the calculator with an expression that gives the answer, for three prompt forms: the tools'
+    description in the system prompt; the same with an example call written in it; the description and the data's
+    worked example as earlier turns (the `tools` variant's prompts)."""
     import re
 
     import torch
@@ -125,7 +125,7 @@ def probe(samples: int, seed: int = 0) -> str:
             ask = [{"role": "user", "content": f"{text}\n{calculator_task.INSTRUCTION}"}]
             record = {"prompt": (calculator_task.example(False) if shot else []) + ask}
             ids = tokenizer(render_prompt(tokenizer, record, "", system_prompt), return_tensors="pt")
-            out = model.generate(**ids, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=48,
+            out = model.generate(**ids, do_sample=True, temperature=0.7, top_k=0, max_new_tokens=48,
                                  num_return_sequences=samples, pad_token_id=tokenizer.pad_token_id)
             for row in out[:, ids.input_ids.shape[1]:]:
                 completion = tokenizer.decode(row, skip_special_tokens=True)
