@@ -190,8 +190,8 @@ def test_the_page_started_on_a_run_with_tools_answers_with_episodes_and_stops_it
         assert workers  # the page's tool worker
         client.close()  # its heartbeat connection
     finally:
-        # stopped as tests/test_chat_app.py stops the page (SIGTERM): once under CI, a Ctrl-C with a client connected
-        # took over 60 s to end the page (issue 40's closing note); the worker must not outlive the page either way
+        # stopped as tests/test_chat_app.py stops the page (SIGTERM): a suite started as a background job inherits
+        # SIGINT ignored, and then Python never raises KeyboardInterrupt; the worker must not outlive the page
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     deadline = time.time() + 10
