@@ -71,7 +71,7 @@ from lib import distributed
 from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation import generate_and_score, summarize
 from lib.extras import (agents, checkpointed_prefix, health, hub, hub_data, memory, reward_models, rollout_func,
-                        sharding)
+                        sharding, trl_keys)
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.vllm_rollout import colocated_rollout
@@ -94,7 +94,7 @@ from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_t
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(argv)
+    cfg = parse_config(argv, keys=trl_keys.resolve_keys)
     if cfg.estimate_memory_only:  # arithmetic on the model's configuration: no weights, no accelerator
         return memory.estimate_only(cfg)
     try:

@@ -6,7 +6,8 @@ does with each, and `resolve_keys`, which turns a mapping written with any of th
 Every such key is in exactly one table: RENAMED (the value goes to the new key), IGNORED (cannot change what is
 trained; one warning line each) or UNSUPPORTED (accepted only at TRL's default value, refused otherwise with the
 reason); docs/configuration.md 10 lists them, with lib/extras/trl_differences.py's tables about fields.
-tests/test_trl_keys.py checks the tables against TRL's own dataclasses when TRL is installed.
+tests/test_trl_keys.py checks the tables against TRL's own dataclasses when TRL is installed. The entry scripts pass
+`resolve_keys` to lib.config.parse_config / make_config as their `keys`; without it only our fields are read.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import difflib
 import logging
 
+from lib.config import as_bool
 from lib.settings import FIELDS, ConfigError
 
 # old or foreign name -> (our key, deprecation note or None). A note is printed once when the old name is used.
@@ -121,52 +123,9 @@ def all_known() -> set[str]:
     return set(RENAMED) | set(IGNORED) | set(UNSUPPORTED)
 
 
-def flag_before(argv: list[str], at: int) -> int | None:
-    """The index of the nearest `--flag` word before argv[at], or None."""
-    return next((i for i in range(at - 1, -1, -1) if argv[i].startswith("--")), None)
-
-
-def leftover_values(words: list[str], argv: list[str], follows: dict[str, str]) -> dict:
-    """The flags argparse did not know, as {key: value}: `--key value`, `--key=value`, `--key v1 v2`, or `--key`
-    alone (true). They are TRL keys, our old names, or mistakes; `resolve_keys` tells which. An unknown flag that
-    follows a known one is named with it (`follows`): it may be a value meant for that flag."""
-    values: dict[str, list[str]] = {}
-    key = None
-    for word in words:
-        if word.startswith("--") and len(word) > 2:
-            key, eq, value = word[2:].partition("=")
-            values[key] = [value] if eq else []
-            at = argv.index(word) if word in argv else 0
-            flag_at = flag_before(argv, at)
-            if flag_at is not None and argv[flag_at][2:].split("=")[0].replace("-", "_") in FIELDS:
-                flag, given = argv[flag_at].split("=")[0], at - flag_at - 1 + ("=" in argv[flag_at])
-                # `--run_name x --lr`: a flag of its own, or a value meant for the known flag before it
-                follows[key] = (f"after {flag} and its value{'s' if given > 1 else ''}" if given else
-                                f"after {flag}, a switch that is true when given alone")
-        elif key is None:
-            flag_at = flag_before(argv, argv.index(word) if word in argv else 0)
-            after = f" after {argv[flag_at].split('=')[0]}, which takes one value" if flag_at is not None else ""
-            raise ConfigError(f"unexpected argument {word!r:.80} on the command line{after}; flags are written "
-                              f"--key value (a list: --key v1 v2; see `python train_agrpo.py --help`)")
-        else:
-            values[key].append(word)
-    return {k: (True if not v else v[0] if len(v) == 1 else v) for k, v in values.items()}
-
-
 def _note(message: str) -> None:
     """One line on stderr (and in the caller's log capture): a key ignored or renamed, said once per parse."""
     logging.getLogger("agrpo.config").warning(message)
-
-
-def as_bool(value) -> bool:
-    """A YAML or command-line boolean (true / 1 / yes / on, false / 0 / no / off, any case); ValueError otherwise.
-    lib/config.py reads a bool field with it."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).lower()
-    if text not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        raise ValueError(value)
-    return text in ("true", "1", "yes", "on")
 
 
 def _same_value(value, default) -> bool:
@@ -188,8 +147,8 @@ def _same_value(value, default) -> bool:
 
 
 def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None) -> dict:
-    """The values of our fields, from a mapping that may use TRL's or open-r1's keys (lib/py): renamed keys
-    moved to ours (a note for our old names), ignored keys dropped with one warning line each, unimplemented keys
+    """The values of our fields, from a mapping that may use TRL's or open-r1's keys (lib/config.py's `keys`):
+    renamed keys moved to ours (a note for our old names), ignored keys dropped with one warning line each, unimplemented keys
     accepted at TRL's default and refused otherwise, anything else an error with the closest field."""
     resolved, given_as = {}, {}
     for key, value in values.items():
