@@ -126,8 +126,8 @@ def render() -> str:
 
 
 def trl_section(number: int) -> str:
-    """lib/extras/trl_keys.py's tables (what a recipe written for TRL or open-r1 gets for each key that is not a field) and
-    lib/extras/trl_differences.py's (the fields whose values, combinations or defaults differ from TRL's)."""
+    """lib/extras/trl_keys.py's tables (what a recipe written for TRL or open-r1 gets for each key that is not a
+    field) and lib/extras/trl_differences.py's (the fields whose values, combinations or defaults differ from TRL's)."""
     renamed = ["| key | read as | note |", "|---|---|---|"] + [
         f"| `{k}` | `{target}` | {cell(note or 'the same setting')} |"
         for k, (target, note) in trl_keys.RENAMED.items()]

@@ -148,8 +148,9 @@ def _same_value(value, default) -> bool:
 
 def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None) -> dict:
     """The values of our fields, from a mapping that may use TRL's or open-r1's keys (lib/config.py's `keys`):
-    renamed keys moved to ours (a note for our old names), ignored keys dropped with one warning line each, unimplemented keys
-    accepted at TRL's default and refused otherwise, anything else an error with the closest field."""
+    renamed keys moved to ours (a note for our old names), ignored keys dropped with one warning line each,
+    unimplemented keys accepted at TRL's default and refused otherwise, anything else an error with the closest
+    field."""
     resolved, given_as = {}, {}
     for key, value in values.items():
         if not isinstance(key, str):
