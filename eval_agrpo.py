@@ -42,7 +42,8 @@ from lib.evaluation import generate_and_score
 from lib.extras.agents import Agent
 from lib.extras.eval_metrics import completion_kl_entropy, score_problems, win_rate
 from lib.extras.model_folders import adapter_base, load_for_inference, model_folder_problem
-from lib.modeling import EMBEDDED_ALIASES, end_token_ids, is_adapter_folder, native_bf16, resolve_model_path
+from lib.extras.embedded_model import EMBEDDED_ALIASES, resolve_model_path
+from lib.modeling import end_token_ids, is_adapter_folder, native_bf16
 from lib.losses import weighted_rewards
 from lib.extras import cpu_kernels, hub_data
 from lib.extras.reference_cache import cache_key, read_kept, weights_fingerprint, write_kept

@@ -280,11 +280,12 @@ def load_checked_tokenizer(cfg: Config, model_path: str, records: list[dict]):
 
 
 def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: Path | None,
-                bf16: bool, sharding, partitioned: bool
+                bf16: bool, sharding, partitioned: bool, resolve=None
                 ) -> tuple[torch.nn.Module, CompletionScorer | None]:
     """(policy, reference): the policy from the model (or an unsharded checkpoint), the frozen reference (none when beta
     is 0; with LoRA the base with the adapter disabled, not a second copy), sharded like the policy will be where
-    `sharding` (Run.sharding) is given. The sampler comes next (make_engine)."""
+    `sharding` (Run.sharding) is given; `resolve` as lib/modeling.load_policy takes it. The sampler comes next
+    (make_engine)."""
     device, sharded = accelerator.device, sharding is not None
     adapter = cfg.use_peft or is_adapter_folder(model_path)
     if cfg.sync_ref_model and (adapter or sharded or partitioned):
@@ -305,7 +306,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                          gradient_checkpointing=cfg.gradient_checkpointing,
                          gradient_checkpointing_kwargs=cfg.gradient_checkpointing_kwargs,
                          attn_implementation=cfg.attn_implementation, device=device,
-                         trust_remote_code=cfg.trust_remote_code)
+                         trust_remote_code=cfg.trust_remote_code, resolve=resolve)
     if cfg.cast_lm_head_to_fp32:
         cast_lm_head_to_fp32(policy)
     if cfg.disable_dropout:  # TRL's disable_dropout: the scored distribution is the sampled one

@@ -29,7 +29,8 @@ def worker(args) -> dict:
     import torch
 
     from lib.extras import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
-    from lib.modeling import load_policy, load_tokenizer, resolve_model_path
+    from lib.extras.embedded_model import resolve_model_path
+    from lib.modeling import load_policy, load_tokenizer
     from lib.extras.vllm_rollout import VLLMRollout, adapter_ranks
 
     path = resolve_model_path(args.model_name_or_path)

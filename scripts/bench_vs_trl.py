@@ -162,7 +162,7 @@ def check_args(args) -> None:
 
 def model_folder(args, workdir: Path) -> str:
     """The folder both trainers load: the embedded model, a given folder, or a random-weight model of --shape."""
-    from lib.modeling import resolve_model_path
+    from lib.extras.embedded_model import resolve_model_path
 
     if args.shape is None:
         return resolve_model_path(args.model_name_or_path)
