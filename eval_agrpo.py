@@ -37,7 +37,8 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from lib.config import EMBEDDED_MODEL
-from lib.data import ANSWER_COLUMNS, DEFAULT_INSTRUCTION, builtin_task, load_records, render_prompt
+from lib.data import ANSWER_COLUMNS, DEFAULT_INSTRUCTION, load_records, render_prompt
+from lib.extras.word_problems import builtin_task
 from lib.evaluation import generate_and_score
 from lib.extras.agents import Agent
 from lib.extras.eval_metrics import completion_kl_entropy, score_problems, win_rate

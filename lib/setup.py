@@ -29,7 +29,7 @@ from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
 from lib.config import Config, ConfigError, hf_sampler_note, save_yaml, validate
-from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
+from lib.data import check_answers, load_records, render_prompt, split_names
 from lib.methods import Method
 from lib.sampling import RolloutContext
 from lib.modeling import (REFERENCE_FOLDER, CompletionScorer, cast_lm_head_to_fp32, end_token_ids,
@@ -156,18 +156,21 @@ def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
     return specs, reward_funcs
 
 
-def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None) -> tuple[list[dict], list[dict]]:
+def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None,
+              builtin=None) -> tuple[list[dict], list[dict]]:
     """(train records, eval records). Errors in the data surface here, before any model is loaded; so does a data set
     with no gold answer trained with a reward function that needs one (lib/data.check_answers).
 
     The held-out set is eval_dataset_name; else dataset_name's dataset_test_split where it has one (a folder or a hub
     data set, as TRL evaluates on it); else, for a single file, a seeded share of its rows. Held-out data with no gold
     answer cannot be scored: the evaluation is left out, and `say` says so in one line. `reader` reads hub ids and the
-    folders only `datasets` reads (lib/extras/hub_data.py; lib/data.load_records)."""
+    folders only `datasets` reads (lib/extras/hub_data.py; lib/data.load_records); builtin(seed, num_train, num_eval)
+    makes the data of a run without dataset_name (lib/extras/word_problems.builtin_task)."""
     try:
         if cfg.dataset_name is None:
-            return builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train,
-                                num_eval=cfg.num_eval_samples)
+            if builtin is None:
+                raise ConfigError("dataset_name is not set: give a data set (a file, a folder or a hub id)")
+            return builtin(seed=cfg.seed, num_train=cfg.builtin_num_train, num_eval=cfg.num_eval_samples)
         columns = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column,
                        skip_invalid_rows=cfg.skip_invalid_rows, reader=reader)
         train = load_records(cfg.dataset_name, split=cfg.dataset_train_split,

@@ -185,7 +185,8 @@ def model_folder(args, workdir: Path) -> str:
 def bench_prompts(args, model_path: str) -> tuple[list[str], list[str]]:
     """The prompts our trainer sees in its first --steps steps, in order, as chat-formatted text, and answers."""
     from lib.config import Config
-    from lib.data import builtin_task, format_prompt
+    from lib.data import format_prompt
+    from lib.extras.word_problems import builtin_task
     from lib.modeling import load_tokenizer
     from lib.data import prompts_for_step
 

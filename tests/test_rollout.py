@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import assert_close_to_scale, rel_diff, rollout_logps
-from lib.data import builtin_task, format_prompt, tokenize_prompts
+from lib.data import format_prompt, tokenize_prompts
+from lib.extras.word_problems import builtin_task
 from lib.modeling import load_policy
 from lib.rollout import AnswerPhase, HFRollout, Rollout, replace_completions, sample_next_token
 
@@ -235,7 +236,8 @@ VLLM_ENGINES = r"""
 import json, os, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from lib.data import builtin_task, format_prompt, tokenize_prompts
+from lib.data import format_prompt, tokenize_prompts
+from lib.extras.word_problems import builtin_task
 from lib.extras.embedded_model import embedded_model_path
 from lib.modeling import load_tokenizer
 from lib.rollout import AnswerPhase
