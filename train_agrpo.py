@@ -531,7 +531,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     rank, world = accelerator.process_index, accelerator.num_processes
     # push_to_hub: the hub reachable, a write token, the repository ready, before data and models
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
-    reward_specs, reward_funcs = resolve_rewards(cfg)
+    reward_specs, reward_funcs = resolve_rewards(cfg, reward_models.reward_model_spec)
     train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print, hub_data, word_problems.builtin_task)
     resolve_epochs(cfg, len(train_records), world)  # max_steps -1, and the epoch strategies
     resume = prepare_output_dir(cfg, accelerator)

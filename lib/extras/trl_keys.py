@@ -1,7 +1,8 @@
 """Recipes and command lines written for TRL or open-r1 (docs/configuration.md, "Recipes written for TRL or
 open-r1"): the keys of TRL's GRPO configuration (GRPOConfig on top of transformers' TrainingArguments, ModelConfig,
 the GRPO script's arguments) and of open-r1's recipes that are not fields of lib.settings.Config, what this package
-does with each, and `resolve_keys`, which turns a mapping written with any of them into our fields' values.
+does with each, and `resolve_keys`, which turns a mapping written with any of them into our fields' values (TRL's
+reward names in reward_funcs too: `reward_name`).
 
 Every such key is in exactly one table: RENAMED (the value goes to the new key), IGNORED (cannot change what is
 trained; one warning line each) or UNSUPPORTED (accepted only at TRL's default value, refused otherwise with the
@@ -36,6 +37,30 @@ RENAMED: dict[str, tuple[str, str | None]] = {
     "delta": ("dual_clip", None),
     "wandb_project": ("project", None),  # open-r1's GRPOConfig
 }
+
+# TRL's built-in reward names (trl/scripts/grpo.py) that mean what one of ours means: the name is logged as ours.
+TRL_NAMES = {
+    # 1 when math-verify finds the completion's answer equal to the gold, else 0. TRL reads the gold from the column
+    # `solution`, we from `answer`, which lib/data.py fills from the data's answer column (MATH's solution too).
+    "accuracy_reward": "accuracy",
+    # DAPO's soft overlong punishment, the same formula on completion tokens. TRL's script fixes L_max 1280 and
+    # L_cache 256; here they are max_completion_length and overlong_buffer_length.
+    "get_soft_overlong_punishment": "soft_overlong",
+}
+
+# TRL's names that mean something none of ours does: refused, with what to use instead.
+TRL_REFUSED = {
+    "think_format_reward": (
+        "TRL's think_format_reward scores 1 for a completion that opens with one <think>...</think> block, whatever "
+        "follows; this package's think_format (open-r1's format reward) also requires an <answer>...</answer> block "
+        "after it. Pass think_format for that layout, or TRL's own function as 'trl.rewards:think_format_reward'"),
+    "reasoning_accuracy_reward": (
+        "TRL's reasoning_accuracy_reward checks only the answer after the last </think> and scores 0 without one; "
+        "this package's accuracy reads the answer wherever it is (an <answer> block, an 'Answer:' line, \\boxed{}, "
+        "the last number). Pass accuracy (with think_format for the layout), or TRL's own function as "
+        "'trl.rewards:reasoning_accuracy_reward'"),
+}
+
 
 # key -> why ignoring it cannot change what is trained (printed in the warning line)
 IGNORED: dict[str, str] = {}
@@ -118,6 +143,14 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
 }
 
 
+def reward_name(spec: str) -> str:
+    """Our name for one of TRL's reward names (TRL_NAMES), any other spec as it is; ValueError for a TRL name none
+    of ours means (TRL_REFUSED)."""
+    if spec in TRL_REFUSED:
+        raise ValueError(f"reward function {spec!r}: {TRL_REFUSED[spec]}")
+    return TRL_NAMES.get(spec, spec)
+
+
 def all_known() -> set[str]:
     """Every key these tables handle."""
     return set(RENAMED) | set(IGNORED) | set(UNSUPPORTED)
@@ -186,6 +219,12 @@ def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None
         given_as[target] = key
         if target == "scale_rewards" and str(value).lower() in ("true", "false"):  # TRL's older boolean form
             value = "group" if str(value).lower() == "true" else "none"
+        if target == "reward_funcs" and isinstance(value, (str, list)):  # TRL's reward names read as ours
+            try:
+                value = [reward_name(v) if isinstance(v, str) else v
+                         for v in (value if isinstance(value, list) else value.replace(",", " ").split())]
+            except ValueError as error:
+                raise ConfigError(f"reward_funcs: {error}") from None
         if target == "resume_from_checkpoint" and str(value).lower() == "true":  # transformers': the newest one
             value = "latest"
         if target == "log_completions" and not isinstance(value, bool) and str(value).strip().isdigit():
