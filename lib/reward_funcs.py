@@ -27,8 +27,8 @@ from lib.rewards import REWARD_FUNCS, RewardFunc
 # Resolving `--reward_funcs`
 
 _HOW_TO_CUSTOM = (
-    "Built-in reward functions: {names}. For your own, pass 'module:function' or 'module.function' (a module on sys.path) or "
-    "'path/to/file.py:function', called as TRL calls it: function(prompts=..., completions=..., **columns) returns "
+    "Built-in reward functions: {names}. For your own, pass 'module:function' or 'module.function' (a module on "
+    "sys.path) or 'path/to/file.py:function', called as TRL calls it: function(prompts=..., completions=..., **columns) returns "
     "one float (or None to skip) per completion; columns holds per-completion lists such as answer. A reward model "
     "is a folder or hub id of a sequence-classification model (num_labels=1)."
 )

@@ -71,7 +71,8 @@ def _distinct_problems(rng: random.Random, count: int, exclude: set[str], operat
             seen.add(record["problem"])
             records.append(record)
     if len(records) < count:
-        raise ValueError(f"could not generate {count} distinct problems; widen the *_RANGE constants in lib/extras/word_problems.py")
+        raise ValueError(f"could not generate {count} distinct problems; widen the *_RANGE constants in "
+                         f"lib/extras/word_problems.py")
     return records
 
 
