@@ -1,7 +1,8 @@
-"""Which reward functions a run uses, and calling them: `--reward_funcs` specs resolved (our built-in names, TRL's,
-'module:function', 'file.py:function', a reward model's folder or hub id), the keyword arguments TRL passes them
-(prompts, completions, completion_ids, trainer_state and every other column), and scoring a batch (sync and `async
-def` functions, a time limit per call, failures counted, None skipped). The functions themselves are lib/rewards.py.
+"""Which reward functions a run uses, and calling them: `--reward_funcs` specs resolved (our built-in names,
+'module:function', 'file.py:function'; a reward model's folder or hub id through the `models` hook), the keyword
+arguments TRL passes them (prompts, completions, completion_ids, trainer_state and every other column), and scoring a
+batch (sync and `async def` functions, a time limit per call, failures counted, None skipped). The functions
+themselves are lib/rewards.py.
 """
 
 import asyncio
