@@ -54,7 +54,8 @@ from lib.extras.agents import Agent
 from lib.extras.tools import ToolWorker, tool_schemas, tool_spec
 from lib.extras import runs as run_data
 from lib.extras.model_folders import adapter_base, load_for_inference, model_folder_problem
-from lib.modeling import EMBEDDED_ALIASES, end_token_ids, is_adapter_folder
+from lib.extras.embedded_model import EMBEDDED_ALIASES
+from lib.modeling import end_token_ids, is_adapter_folder
 from lib.rewards import REWARD_FUNCS
 from lib.reward_funcs import resolve_reward_funcs, score_completions
 

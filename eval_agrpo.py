@@ -37,16 +37,19 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from lib.config import EMBEDDED_MODEL
-from lib.data import ANSWER_COLUMNS, DEFAULT_INSTRUCTION, builtin_task, load_records, render_prompt
+from lib.data import ANSWER_COLUMNS, DEFAULT_INSTRUCTION, load_records, render_prompt
+from lib.extras.word_problems import builtin_task
 from lib.evaluation import generate_and_score
 from lib.extras.agents import Agent
 from lib.extras.eval_metrics import completion_kl_entropy, score_problems, win_rate
 from lib.extras.model_folders import adapter_base, load_for_inference, model_folder_problem
-from lib.modeling import EMBEDDED_ALIASES, end_token_ids, is_adapter_folder, native_bf16, resolve_model_path
+from lib.extras.embedded_model import EMBEDDED_ALIASES, resolve_model_path
+from lib.modeling import end_token_ids, is_adapter_folder, native_bf16
 from lib.losses import weighted_rewards
 from lib.extras import cpu_kernels, hub_data
 from lib.extras.reference_cache import cache_key, read_kept, weights_fingerprint, write_kept
-from lib.extras.reward_models import load_reward_models
+from lib.extras.reward_models import load_reward_models, reward_model_spec
+from lib.extras.trl_keys import reward_name
 from lib.extras.tools import ToolWorker, tool_schemas, tool_spec
 from lib.reward_funcs import resolve_reward_funcs, reward_arguments, score_completions
 from lib.rollout import HFRollout
@@ -235,7 +238,8 @@ def validate(args: argparse.Namespace) -> None:
         raise EvalConfigError(f"--reward_weights has {len(args.reward_weights)} values for {len(args.reward_funcs)} "
                               f"--reward_funcs; give one weight per function")
     try:
-        resolve_reward_funcs(args.reward_funcs)
+        args.reward_funcs = [reward_name(spec) for spec in args.reward_funcs]  # TRL's reward names read as ours
+        resolve_reward_funcs(args.reward_funcs, models=reward_model_spec)
     except ValueError as error:
         raise EvalConfigError(f"--reward_funcs: {error}") from error
     if not 0 < args.vllm_gpu_memory_utilization <= 1:
@@ -461,8 +465,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     bf16 = args.bf16 if args.bf16 is not None else native_bf16(device)
     # reward models (a folder or hub id in --reward_funcs) load once, onto the device (lib/extras/reward_models.py)
     try:
-        reward_funcs = load_reward_models(resolve_reward_funcs(args.reward_funcs), device, args.batch_size,
-                                          trust_remote_code=args.trust_remote_code,
+        reward_funcs = load_reward_models(resolve_reward_funcs(args.reward_funcs, models=reward_model_spec), device,
+                                          args.batch_size, trust_remote_code=args.trust_remote_code,
                                           chat_template_kwargs=args.chat_template_kwargs)
     except ValueError as error:
         raise EvalConfigError(f"--reward_funcs: {error}") from error

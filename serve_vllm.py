@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from lib.modeling import load_tokenizer, resolve_model_path
+    from lib.extras.embedded_model import resolve_model_path
+    from lib.modeling import load_tokenizer
     from lib.extras.vllm_rollout import VLLMRollout
 
     args = parse_args(argv)

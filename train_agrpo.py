@@ -70,8 +70,8 @@ from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation import generate_and_score, summarize
-from lib.extras import (agents, checkpointed_prefix, health, hub, hub_data, memory, reward_models, rollout_func,
-                        sharding)
+from lib.extras import (agents, checkpointed_prefix, embedded_model, health, hub, hub_data, memory, reward_models,
+                        rollout_func, sharding, trl_keys, word_problems)
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.vllm_rollout import colocated_rollout
@@ -80,7 +80,7 @@ from lib.logs import append_jsonl, batch_metrics, log_step, watch_health
 from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
                         per_row, policy_loss, policy_ratio, token_share, truncated_importance_weights)
 from lib.methods import TrainValues, choose_method
-from lib.modeling import adapter_disabled, mix_into_reference, pad_cat, resolve_model_path
+from lib.modeling import adapter_disabled, mix_into_reference, pad_cat
 from lib.reward_funcs import reward_options
 from lib.rollout import Rollout
 from lib.sampling import Sampled
@@ -94,7 +94,7 @@ from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_t
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse_config(argv)
+    cfg = parse_config(argv, keys=trl_keys.resolve_keys)
     if cfg.estimate_memory_only:  # arithmetic on the model's configuration: no weights, no accelerator
         return memory.estimate_only(cfg)
     try:
@@ -531,8 +531,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     rank, world = accelerator.process_index, accelerator.num_processes
     # push_to_hub: the hub reachable, a write token, the repository ready, before data and models
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
-    reward_specs, reward_funcs = resolve_rewards(cfg)
-    train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print, hub_data)
+    reward_specs, reward_funcs = resolve_rewards(cfg, reward_models.reward_model_spec)
+    train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print, hub_data, word_problems.builtin_task)
     resolve_epochs(cfg, len(train_records), world)  # max_steps -1, and the epoch strategies
     resume = prepare_output_dir(cfg, accelerator)
     # reward functions run in a worker process with a time limit per call
@@ -543,14 +543,14 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
         worker.start()
     out = record_and_seed(cfg, accelerator)
 
-    model_path = resolve_model_path(cfg.model_name_or_path)
+    model_path = embedded_model.resolve_model_path(cfg.model_name_or_path)
     tokenizer = load_checked_tokenizer(cfg, model_path, train_records[:1] + eval_records[:1])
     # tools and environments: checked, every row's environment started once, their worker running (docs/agents.md)
     agent = agents.Agent.for_run(cfg, tokenizer, train_records, reward_funcs)
     # rollout_func: the user's function samples in place of the sampler, behind the same hook (docs/agents.md 8)
     sampler_hook = agent or rollout_func.RolloutFunction.from_config(cfg, tokenizer, accelerator)
     policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded,
-                                    partitioned)
+                                    partitioned, embedded_model.resolve_model_path)
     if cfg.use_vllm and cfg.vllm_mode == "server":  # an engine on its own devices (serve_vllm.py)
         engine = server_rollout(cfg, policy, tokenizer, rank, partitioned, world)
     elif cfg.use_vllm:  # a vLLM engine in each process

@@ -5,15 +5,17 @@ and checkpoint.
     python train_agrpo.py --config recipe.yaml --learning_rate 1e-5 --use_peft true
 
 Precedence: dataclass defaults < the `algo` preset (lib/methods.py) < the YAML file < the command line. A key that is
-not a field is an error that names the closest field (TRL's and open-r1's keys: lib/compat.py); an invalid value is an
-error that names the field and the fix: each field's choices and range in one loop (`check_fields`), then the checks
-that span several keys (`validate`, each method's own in lib/methods.py, the loss type's in lib/losses.py).
+not a field is an error that names the closest field (TRL's and open-r1's keys: lib/extras/trl_keys.py, which the
+entry scripts pass as `keys`); an invalid value is an error that names the field and the fix: each field's choices
+and range in one loop (`check_fields`), then the checks that span several keys (`validate`, each method's own in
+lib/methods.py, the loss type's in lib/losses.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import functools
 import importlib.util
 import math
@@ -28,7 +30,6 @@ import torch
 import yaml
 from transformers import HfArgumentParser
 
-from lib.compat import as_bool, leftover_values, resolve_keys
 from lib.data import looks_local, one_line
 from lib.losses import check_settings
 from lib.methods import METHODS
@@ -56,6 +57,16 @@ def _field_type(name: str):
 
 def _type_name(typ) -> str:
     return getattr(typ, "__name__", str(typ))
+
+
+def as_bool(value) -> bool:
+    """A YAML or command-line boolean (true / 1 / yes / on, false / 0 / no / off, any case); ValueError otherwise."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        raise ValueError(value)
+    return text in ("true", "1", "yes", "on")
 
 
 def _scalar(name: str, typ, value):
@@ -276,21 +287,70 @@ def _parser() -> HfArgumentParser:
     return build_parser()
 
 
-def parse_config(argv: list[str] | None = None, *, check_installed: bool = True) -> Config:
-    """Defaults < algo preset < YAML < command line, then `validate` (`check_installed`: as `validate` takes it)."""
+def flag_before(argv: list[str], at: int) -> int | None:
+    """The index of the nearest `--flag` word before argv[at], or None."""
+    return next((i for i in range(at - 1, -1, -1) if argv[i].startswith("--")), None)
+
+
+def leftover_values(words: list[str], argv: list[str], follows: dict[str, str]) -> dict:
+    """The flags argparse did not know, as {key: value}: `--key value`, `--key=value`, `--key v1 v2`, or `--key`
+    alone (true). They are mistakes, or keys of other projects that parse_config's `keys` reads. An unknown flag that
+    follows a known one is named with it (`follows`): it may be a value meant for that flag."""
+    values: dict[str, list[str]] = {}
+    key = None
+    for word in words:
+        if word.startswith("--") and len(word) > 2:
+            key, eq, value = word[2:].partition("=")
+            values[key] = [value] if eq else []
+            at = argv.index(word) if word in argv else 0
+            flag_at = flag_before(argv, at)
+            if flag_at is not None and argv[flag_at][2:].split("=")[0].replace("-", "_") in FIELDS:
+                flag, given = argv[flag_at].split("=")[0], at - flag_at - 1 + ("=" in argv[flag_at])
+                # `--run_name x --lr`: a flag of its own, or a value meant for the known flag before it
+                follows[key] = (f"after {flag} and its value{'s' if given > 1 else ''}" if given else
+                                f"after {flag}, a switch that is true when given alone")
+        elif key is None:
+            flag_at = flag_before(argv, argv.index(word) if word in argv else 0)
+            after = f" after {argv[flag_at].split('=')[0]}, which takes one value" if flag_at is not None else ""
+            raise ConfigError(f"unexpected argument {word!r:.80} on the command line{after}; flags are written "
+                              f"--key value (a list: --key v1 v2; see `python train_agrpo.py --help`)")
+        else:
+            values[key].append(word)
+    return {k: (True if not v else v[0] if len(v) == 1 else v) for k, v in values.items()}
+
+
+def field_values(values: dict, where: str, follows: dict[str, str] | None = None) -> dict:
+    """`values` as they are when every key is a field; ConfigError naming the closest field otherwise (`where`: the
+    YAML file or the command line; `follows`: where an unknown flag stood, from `leftover_values`). The default
+    `keys` of parse_config and make_config; lib/extras/trl_keys.resolve_keys also reads TRL's and open-r1's keys."""
+    for key in values:
+        if not isinstance(key, str):
+            raise ConfigError(f"the key {key!r} in {where} is not a name; keys are field names such as learning_rate")
+        if key not in FIELDS:
+            close = difflib.get_close_matches(key, FIELDS, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else " See `python train_agrpo.py --help` for the keys."
+            after = f", {follows[key]}" if follows and key in follows else ""
+            raise ConfigError(f"unknown configuration key {key!r} ({where}{after}).{hint}")
+    return dict(values)
+
+
+def parse_config(argv: list[str] | None = None, *, check_installed: bool = True, keys=field_values) -> Config:
+    """Defaults < algo preset < YAML < command line, then `validate` (`check_installed`: as `validate` takes it).
+    keys(values, where, follows): the values of our fields from those given (`field_values`, or
+    lib/extras/trl_keys.resolve_keys, which the entry scripts pass, for TRL's and open-r1's keys as well)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     known, rest = _parser().parse_known_args(argv)  # a malformed flag: argparse's one-line error and exit status 2
     args = vars(known)
-    values = resolve_keys(load_yaml(args.pop("config")), "the YAML config") if "config" in args else {}
+    values = keys(load_yaml(args.pop("config")), "the YAML config") if "config" in args else {}
     follows: dict[str, str] = {}  # an unknown flag -> where it stands (after which known flag)
-    command_line = resolve_keys({**args, **leftover_values(rest, argv, follows)}, "the command line", follows)
-    return make_config({**values, **command_line}, check_installed=check_installed)  # command line wins
+    command_line = keys({**args, **leftover_values(rest, argv, follows)}, "the command line", follows)
+    return make_config({**values, **command_line}, check_installed=check_installed, keys=keys)  # command line wins
 
 
-def make_config(values: dict, *, check_installed: bool = True) -> Config:
-    """A validated Config from a dict of field values (TRL's and open-r1's keys accepted as `resolve_keys` says; the
-    preset of `algo` fills the keys not given)."""
-    values = resolve_keys(values, "the configuration")
+def make_config(values: dict, *, check_installed: bool = True, keys=field_values) -> Config:
+    """A validated Config from a dict of field values (`keys` as parse_config takes it; the preset of `algo` fills
+    the keys not given)."""
+    values = keys(values, "the configuration")
     algo = str(values.get("algo", "grpo"))
     if algo not in PRESETS:
         raise ConfigError(f"algo: {algo!r:.80} is not a preset; choose one of {', '.join(PRESETS)}")

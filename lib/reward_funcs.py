@@ -1,7 +1,8 @@
-"""Which reward functions a run uses, and calling them: `--reward_funcs` specs resolved (our built-in names, TRL's,
-'module:function', 'file.py:function', a reward model's folder or hub id), the keyword arguments TRL passes them
-(prompts, completions, completion_ids, trainer_state and every other column), and scoring a batch (sync and `async
-def` functions, a time limit per call, failures counted, None skipped). The functions themselves are lib/rewards.py.
+"""Which reward functions a run uses, and calling them: `--reward_funcs` specs resolved (our built-in names,
+'module:function', 'file.py:function'; a reward model's folder or hub id through the `models` hook), the keyword
+arguments TRL passes them (prompts, completions, completion_ids, trainer_state and every other column), and scoring a
+batch (sync and `async def` functions, a time limit per call, failures counted, None skipped). The functions
+themselves are lib/rewards.py.
 """
 
 import asyncio
@@ -9,10 +10,8 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import json
 import math
 import numbers
-import os
 import re
 import sys
 import threading
@@ -26,99 +25,28 @@ from lib.rewards import REWARD_FUNCS, RewardFunc
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Other projects' names (docs/methods.md 2.5)
-
-# TRL's built-in reward names (trl/scripts/grpo.py) that mean what one of ours means: the name is logged as ours.
-TRL_NAMES = {
-    # 1 when math-verify finds the completion's answer equal to the gold, else 0. TRL reads the gold from the column
-    # `solution`, we from `answer`, which lib/data.py fills from the data's answer column (MATH's solution too).
-    "accuracy_reward": "accuracy",
-    # DAPO's soft overlong punishment, the same formula on completion tokens. TRL's script fixes L_max 1280 and
-    # L_cache 256; here they are max_completion_length and overlong_buffer_length.
-    "get_soft_overlong_punishment": "soft_overlong",
-}
-# TRL's names that mean something none of ours does: refused, with what to use instead.
-TRL_REFUSED = {
-    "think_format_reward": (
-        "TRL's think_format_reward scores 1 for a completion that opens with one <think>...</think> block, whatever "
-        "follows; this package's think_format (open-r1's format reward) also requires an <answer>...</answer> block "
-        "after it. Pass think_format for that layout, or TRL's own function as 'trl.rewards:think_format_reward'"),
-    "reasoning_accuracy_reward": (
-        "TRL's reasoning_accuracy_reward checks only the answer after the last </think> and scores 0 without one; "
-        "this package's accuracy reads the answer wherever it is (an <answer> block, an 'Answer:' line, \\boxed{}, "
-        "the last number). Pass accuracy (with think_format for the layout), or TRL's own function as "
-        "'trl.rewards:reasoning_accuracy_reward'"),
-}
-
-# ---------------------------------------------------------------------------------------------------------------------
 # Resolving `--reward_funcs`
 
 _HOW_TO_CUSTOM = (
-    "Built-in reward functions: {names} (TRL's accuracy_reward and get_soft_overlong_punishment map to accuracy and "
-    "soft_overlong). For your own, pass 'module:function' or 'module.function' (a module on sys.path) or "
-    "'path/to/file.py:function', called as TRL calls it: function(prompts=..., completions=..., **columns) returns "
+    "Built-in reward functions: {names}. For your own, pass 'module:function' or 'module.function' (a module on "
+    "sys.path) or 'path/to/file.py:function', called as TRL calls it: function(prompts=..., completions=..., **columns) returns "
     "one float (or None to skip) per completion; columns holds per-completion lists such as answer. A reward model "
     "is a folder or hub id of a sequence-classification model (num_labels=1)."
 )
 
-# A hub id ("org/name"); a dotted Python name ("package.module.function", TRL's form).
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# A dotted Python name ("package.module.function", TRL's form).
 _DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 
 
-def _spec_error(spec: str, problem: str) -> ValueError:
+def spec_error(spec: str, problem: str) -> ValueError:
     return ValueError(f"reward function {spec!r}: {problem}. " + _HOW_TO_CUSTOM.format(names=", ".join(REWARD_FUNCS)))
-
-
-@dataclass(frozen=True)
-class RewardModelSpec:
-    """A reward model named in reward_funcs (a local folder or a hub id of a sequence-classification model), not
-    loaded yet: lib/extras/reward_models.load_reward_models loads it onto the trainer's device. It scores nothing itself."""
-
-    path: str
-
-
-def reward_model_name(spec: str) -> str:
-    """A reward model's name in the logs (`rewards/<name>/mean`): the folder's name, or the part of a hub id after the
-    '/' (TRL's naming)."""
-    return Path(spec.rstrip("/\\")).name
-
-
-def _reward_model(spec: str) -> RewardModelSpec | None:
-    """The reward model `spec` names (a local folder, or a hub id 'org/name'), or None when it names a function.
-    Raises on a folder that holds no sequence-classification model: a causal LM would get a new, random score head
-    (transformers initialises what the checkpoint lacks) and train the policy on noise."""
-    if ":" in spec:
-        return None
-    path = Path(os.path.expanduser(spec))
-    if path.is_dir():
-        try:
-            config = json.loads((path / "config.json").read_text())
-        except FileNotFoundError:
-            raise _spec_error(spec, "a folder without config.json, so not a model; a reward model folder is what "
-                                    "AutoModelForSequenceClassification.save_pretrained writes") from None
-        except (OSError, ValueError) as exc:
-            raise _spec_error(spec, f"its config.json cannot be read ({exc})") from exc
-        architectures = config.get("architectures") or []
-        if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
-            held = ", ".join(map(str, architectures)) or "model with no 'architectures' entry"
-            raise _spec_error(spec, f"the folder holds a {held}, not a sequence-classification model; a reward model "
-                                    "has a one-score head (AutoModelForSequenceClassification, num_labels=1)")
-        return RewardModelSpec(str(path))
-    if spec.endswith(".py"):
-        raise _spec_error(spec, f"name the function in the file: '{spec}:function'")
-    if spec.startswith((".", "/", "~", "\\")):
-        raise _spec_error(spec, "no such folder (a reward model is a folder or a hub id)")
-    if _HUB_ID.fullmatch(spec):
-        return RewardModelSpec(spec)
-    return None
 
 
 def _load_module(spec: str, module_part: str, what: str | None = None):
     """Import `module_part`, a dotted module name or a path to a .py file (relative to the working directory). A spec
     that is not a reward function's (`what`: tool, environment) gets its errors in its own words."""
     def error(problem: str) -> ValueError:
-        return _spec_error(spec, problem) if what is None else ValueError(f"{what} {spec!r}: {problem}")
+        return spec_error(spec, problem) if what is None else ValueError(f"{what} {spec!r}: {problem}")
 
     if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
         path = Path(module_part)
@@ -193,41 +121,41 @@ def reward_options(cfg) -> dict:
             "ngram_size": cfg.repetition_n_grams, "max_penalty": cfg.repetition_max_penalty}
 
 
-def resolve_reward_funcs(specs: list[str], options: dict | None = None) -> list[tuple[str, RewardFunc]]:
-    """(name, function) per spec, in order. A spec is a built-in name, one of TRL's names that maps to one
-    (TRL_NAMES), 'module:function', 'module.function' (TRL's form) or 'file.py:function', or a reward model (a
-    folder or a hub id, resolved to a RewardModelSpec for lib/extras/reward_models.py to load). A custom function is named by
-    its `__name__`, a built-in by our name, a reward model by its folder. Raises ValueError naming the spec and the
-    fix on any bad spec.
+def resolve_reward_funcs(specs: list[str], options: dict | None = None,
+                         models=None) -> list[tuple[str, RewardFunc]]:
+    """(name, function) per spec, in order. A spec is a built-in name, 'module:function', 'module.function' (TRL's
+    form) or 'file.py:function', or, where `models` is given, a reward model: models(spec) is (name, the model to
+    load) for a folder or hub id of one, None otherwise (lib/extras/reward_models.reward_model_spec, which the entry
+    scripts pass). A custom function is named by its `__name__`, a built-in by our name. Raises ValueError naming the
+    spec and the fix on any bad spec (TRL's reward names: lib/extras/trl_keys.reward_name).
 
     `options` (e.g. {"max_len": 1000, "ngram_size": 3}): each function gets, bound, the entries whose key is one of its
     keyword-only parameters, and nothing else; the name stays the spec's. A built-in with a bad value raises here."""
     options = options or {}
     resolved = []
     for spec in specs:
-        if spec in TRL_REFUSED:
-            raise ValueError(f"reward function {spec!r}: {TRL_REFUSED[spec]}")
-        name = TRL_NAMES.get(spec, spec)
-        if name in REWARD_FUNCS:
-            resolved.append((name, _bind_options(name, REWARD_FUNCS[name], options)))
+        if spec in REWARD_FUNCS:
+            resolved.append((spec, _bind_options(spec, REWARD_FUNCS[spec], options)))
             continue
-        model = _reward_model(spec)
+        model = models(spec) if models else None
         if model is not None:
-            resolved.append((reward_model_name(spec), model))
+            resolved.append(model)
             continue
+        if spec.endswith(".py"):
+            raise spec_error(spec, f"name the function in the file: '{spec}:function'")
         if ":" in spec:
             module_part, _, attr = spec.rpartition(":")
         elif _DOTTED.fullmatch(spec):
             module_part, _, attr = spec.rpartition(".")
         else:
-            raise _spec_error(spec, "unknown name")
+            raise spec_error(spec, "unknown name")
         if not module_part or not attr:
-            raise _spec_error(spec, "unknown name")
+            raise spec_error(spec, "unknown name")
         func = getattr(_load_module(spec, module_part), attr, None)
         if func is None:
-            raise _spec_error(spec, f"module {module_part!r} has no attribute {attr!r}")
+            raise spec_error(spec, f"module {module_part!r} has no attribute {attr!r}")
         if not callable(func):
-            raise _spec_error(spec, f"{attr!r} is a {type(func).__name__}, not a function")
+            raise spec_error(spec, f"{attr!r} is a {type(func).__name__}, not a function")
         resolved.append((getattr(func, "__name__", attr), _bind_options(spec, func, options)))
     names = [name for name, _ in resolved]
     duplicates = sorted({name for name in names if names.count(name) > 1})
@@ -319,9 +247,9 @@ def is_async(func) -> bool:
 
 
 def is_reward_model(func) -> bool:
-    """A loaded reward model (lib/extras/reward_models.RewardModel) or one still to load: it runs in the trainer's process,
-    on its device, never in the reward worker."""
-    return isinstance(func, RewardModelSpec) or getattr(func, "is_reward_model", False)
+    """A reward model, loaded or still to load (lib/extras/reward_models.py): it runs in the trainer's process, on its
+    device, never in the reward worker."""
+    return getattr(func, "is_reward_model", False)
 
 
 class RewardTimeout(Exception):
@@ -438,7 +366,7 @@ def score_completions(
     function does not apply).
     """
     funcs = [func for _, func in reward_funcs]
-    unloaded = [name for name, func in reward_funcs if isinstance(func, RewardModelSpec)]
+    unloaded = [name for name, func in reward_funcs if not callable(func)]
     if unloaded:
         raise ValueError(f"reward model(s) {unloaded} not loaded: lib/extras/reward_models.load_reward_models loads "
                          "them onto the device before scoring")

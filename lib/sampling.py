@@ -131,27 +131,6 @@ class RolloutContext:
                                      self.cfg.max_prompt_length, self.device)
         return Prompts(slots, used, records, ids, mask, counts, sources, episodes)
 
-    def episode_ids(self, prompts: Prompts, rows: torch.Tensor | None) -> list[int] | None:
-        """The episodes of the completions about to be sampled for `prompts` (or its rows `rows`), in completion
-        order: those `prompts` opened, the first time; then new ones, their environments reset with the same rows
-        (a refill's or a second round's), the text their reset returns checked against the prompt's."""
-        if prompts.episodes is None:
-            return None
-        if rows is None and prompts.episodes:
-            ids, prompts.episodes = [e for group in prompts.episodes for e in group], []  # used once
-            return ids
-        for episode in (e for group in prompts.episodes for e in group):  # opened, never sampled: dropped
-            self.episodes.drop(episode)
-        prompts.episodes, ids = [], []
-        for row in (range(len(prompts.records)) if rows is None else rows.tolist()):
-            source, count = prompts.sources[row], int(prompts.counts[row])
-            [record], [group] = self.episodes.open_groups([source], [count])
-            if record != prompts.records[row]:
-                raise RuntimeError("environment_factory: reset returned another text for a data-set row when its "
-                                   "prompt was sampled again; reset must return the same text for the same row")
-            ids += group
-        return ids
-
     def generate(self, prompts: Prompts, temperature, top_p: float, rows: torch.Tensor | None = None,
                  answer_phase: bool = True) -> Rollout:
         """Sample this process's completions of `prompts` (or of the prompt rows `rows` only)."""
@@ -167,10 +146,7 @@ class RolloutContext:
         rollout = self.engine.generate(ids, mask, counts, self.cfg.max_completion_length, **sampling)
         if self.episodes is None:
             return rollout
-        episodes = self.episode_ids(prompts, rows)
-        if episodes is None:
-            return self.episodes(rollout, self.engine, sampling)
-        return self.episodes(rollout, self.engine, sampling, episodes=episodes)
+        return self.episodes(rollout, self.engine, sampling, prompts=prompts, rows=rows)  # an agent's episodes
 
     def sampling_counters(self) -> dict[str, float]:
         """This batch's sampling events that the sampler's hooks count, over every process (an agent's tool calls)."""

@@ -29,13 +29,13 @@ from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
 from lib.config import Config, ConfigError, hf_sampler_note, save_yaml, validate
-from lib.data import builtin_task, check_answers, load_records, render_prompt, split_names
+from lib.data import check_answers, load_records, render_prompt, split_names
 from lib.methods import Method
 from lib.sampling import RolloutContext
 from lib.modeling import (REFERENCE_FOLDER, CompletionScorer, cast_lm_head_to_fp32, end_token_ids,
                           is_adapter_folder, load_policy, load_reference, load_tokenizer, native_bf16,
                           reference_dtype, weights_dtype)
-from lib.reward_funcs import resolve_reward_funcs, reward_options
+from lib.reward_funcs import is_reward_model, resolve_reward_funcs, reward_options
 from lib.rollout import AnswerPhase, HFRollout
 from lib.schedule import build_scheduler, steps_per_rollout, warmup_steps
 
@@ -136,14 +136,14 @@ def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, ob
     return accelerator, bf16, launch, launch is not None and launch.partitioned
 
 
-def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
-    """(the reward specs as given, the resolved functions): bad names stop here, before any data or model loads; reward
-    models load later, onto each process's device."""
+def resolve_rewards(cfg: Config, models=None) -> tuple[list[str], list]:
+    """(the reward specs the reward worker resolves, None for a reward model, the resolved functions): bad names stop
+    here, before any data or model loads; reward models (`models`, as lib/reward_funcs.resolve_reward_funcs takes it)
+    load later, onto each process's device, and run in this process."""
     # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
-    # (lib/reward_funcs.py)
     specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
     try:
-        reward_funcs = resolve_reward_funcs(specs, reward_options(cfg))
+        reward_funcs = resolve_reward_funcs(specs, reward_options(cfg), models)
     except ValueError as error:
         raise ConfigError(f"reward_funcs: {error}") from error
     names = [name for name, _ in reward_funcs]
@@ -153,21 +153,24 @@ def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
                           f"reward_funcs {names}; homogeneous_advantage, resample_schedule and "
                           f"dynamic_sampling_rounds judge correctness with it. Add it to "
                           f"reward_funcs or name another function")
-    return specs, reward_funcs
+    return [None if is_reward_model(func) else spec for spec, (_, func) in zip(specs, reward_funcs)], reward_funcs
 
 
-def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None) -> tuple[list[dict], list[dict]]:
+def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None,
+              builtin=None) -> tuple[list[dict], list[dict]]:
     """(train records, eval records). Errors in the data surface here, before any model is loaded; so does a data set
     with no gold answer trained with a reward function that needs one (lib/data.check_answers).
 
     The held-out set is eval_dataset_name; else dataset_name's dataset_test_split where it has one (a folder or a hub
     data set, as TRL evaluates on it); else, for a single file, a seeded share of its rows. Held-out data with no gold
     answer cannot be scored: the evaluation is left out, and `say` says so in one line. `reader` reads hub ids and the
-    folders only `datasets` reads (lib/extras/hub_data.py; lib/data.load_records)."""
+    folders only `datasets` reads (lib/extras/hub_data.py; lib/data.load_records); builtin(seed, num_train, num_eval)
+    makes the data of a run without dataset_name (lib/extras/word_problems.builtin_task)."""
     try:
         if cfg.dataset_name is None:
-            return builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train,
-                                num_eval=cfg.num_eval_samples)
+            if builtin is None:
+                raise ConfigError("dataset_name is not set: give a data set (a file, a folder or a hub id)")
+            return builtin(seed=cfg.seed, num_train=cfg.builtin_num_train, num_eval=cfg.num_eval_samples)
         columns = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column,
                        skip_invalid_rows=cfg.skip_invalid_rows, reader=reader)
         train = load_records(cfg.dataset_name, split=cfg.dataset_train_split,
@@ -280,11 +283,12 @@ def load_checked_tokenizer(cfg: Config, model_path: str, records: list[dict]):
 
 
 def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: Path | None,
-                bf16: bool, sharding, partitioned: bool
+                bf16: bool, sharding, partitioned: bool, resolve=None
                 ) -> tuple[torch.nn.Module, CompletionScorer | None]:
     """(policy, reference): the policy from the model (or an unsharded checkpoint), the frozen reference (none when beta
     is 0; with LoRA the base with the adapter disabled, not a second copy), sharded like the policy will be where
-    `sharding` (Run.sharding) is given. The sampler comes next (make_engine)."""
+    `sharding` (Run.sharding) is given; `resolve` as lib/modeling.load_policy takes it. The sampler comes next
+    (make_engine)."""
     device, sharded = accelerator.device, sharding is not None
     adapter = cfg.use_peft or is_adapter_folder(model_path)
     if cfg.sync_ref_model and (adapter or sharded or partitioned):
@@ -305,7 +309,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                          gradient_checkpointing=cfg.gradient_checkpointing,
                          gradient_checkpointing_kwargs=cfg.gradient_checkpointing_kwargs,
                          attn_implementation=cfg.attn_implementation, device=device,
-                         trust_remote_code=cfg.trust_remote_code)
+                         trust_remote_code=cfg.trust_remote_code, resolve=resolve)
     if cfg.cast_lm_head_to_fp32:
         cast_lm_head_to_fp32(policy)
     if cfg.disable_dropout:  # TRL's disable_dropout: the scored distribution is the sampled one

@@ -40,7 +40,8 @@ def worker(spec: dict) -> dict:
 
     from lib.extras import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
     from lib.extras import checkpointed_prefix
-    from lib.modeling import CompletionScorer, load_policy, resolve_model_path
+    from lib.extras.embedded_model import resolve_model_path
+    from lib.modeling import CompletionScorer, load_policy
     from scripts.bench_memory import peak, resident, restart_peak
 
     torch.set_num_threads(spec["threads"])

@@ -200,7 +200,7 @@ def run_worker(spec: dict) -> dict:
     from lib.extras.memory import CHUNK_ELEMENTS, estimate_step_memory, step_token_counts
     from lib.modeling import (CompletionScorer, OutputHead, adapter_disabled, load_policy, native_bf16,
                               unwrap_causal_lm, weights_dtype)
-    from lib.extras import checkpointed_prefix, cpu_kernels
+    from lib.extras import checkpointed_prefix, cpu_kernels, trl_keys
     from lib.rollout import HFRollout, prefill
     from lib.setup import build_optimizer
 
@@ -214,7 +214,7 @@ def run_worker(spec: dict) -> dict:
     values = {**load_yaml(spec["recipe"]), "model_name_or_path": spec["model"], "max_completion_length": length}
     if spec["max_prompt_length"]:
         values["max_prompt_length"] = spec["max_prompt_length"]
-    cfg = make_config(values)
+    cfg = make_config(values, keys=trl_keys.resolve_keys)
     bf16 = native_bf16("cpu") if spec["bf16"] == "auto" else spec["bf16"] == "true"
     accelerator = Accelerator(cpu=True, mixed_precision="bf16" if bf16 else "no")  # as lib/setup.py
     if spec["dtype"] in ("gpu", "cpu"):

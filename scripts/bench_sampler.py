@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lib.extras.memory import kv_bytes_per_token  # noqa: E402
-from lib.modeling import load_policy, native_bf16, resolve_model_path  # noqa: E402
+from lib.extras.embedded_model import resolve_model_path  # noqa: E402
+from lib.modeling import load_policy, native_bf16  # noqa: E402
 from lib.extras import cpu_kernels  # noqa: E402  (also registers --attn agrpo_sdpa)
 from lib.rollout import HFRollout  # noqa: E402
 

@@ -29,7 +29,8 @@ def worker(args) -> dict:
     import torch
 
     from lib.extras import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
-    from lib.modeling import load_policy, load_tokenizer, resolve_model_path
+    from lib.extras.embedded_model import resolve_model_path
+    from lib.modeling import load_policy, load_tokenizer
     from lib.extras.vllm_rollout import VLLMRollout, adapter_ranks
 
     path = resolve_model_path(args.model_name_or_path)
@@ -39,7 +40,8 @@ def worker(args) -> dict:
     engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=512, seed=0,
                          dtype="bfloat16" if args.bf16 else "float32", sampling_kwargs={"ignore_eos": True},
                          lora_rank=max(adapter_ranks(policy)) if args.mode == "adapter" else None)
-    from lib.data import builtin_task, format_prompt, tokenize_prompts
+    from lib.data import format_prompt, tokenize_prompts
+    from lib.extras.word_problems import builtin_task
 
     records = builtin_task(seed=0, num_train=args.num_prompts, num_eval=1)[0][: args.num_prompts]
     ids, mask = tokenize_prompts(tokenizer, [format_prompt(tokenizer, r["problem"]) for r in records], 256)

@@ -162,7 +162,7 @@ def check_args(args) -> None:
 
 def model_folder(args, workdir: Path) -> str:
     """The folder both trainers load: the embedded model, a given folder, or a random-weight model of --shape."""
-    from lib.modeling import resolve_model_path
+    from lib.extras.embedded_model import resolve_model_path
 
     if args.shape is None:
         return resolve_model_path(args.model_name_or_path)
@@ -185,7 +185,8 @@ def model_folder(args, workdir: Path) -> str:
 def bench_prompts(args, model_path: str) -> tuple[list[str], list[str]]:
     """The prompts our trainer sees in its first --steps steps, in order, as chat-formatted text, and answers."""
     from lib.config import Config
-    from lib.data import builtin_task, format_prompt
+    from lib.data import format_prompt
+    from lib.extras.word_problems import builtin_task
     from lib.modeling import load_tokenizer
     from lib.data import prompts_for_step
 

@@ -105,7 +105,8 @@ def probe(samples: int, seed: int = 0) -> str:
 
     from lib.data import render_prompt
     from lib.extras.tools import calculator, plain_tool_prompt, tool_schemas
-    from lib.modeling import embedded_model_path, load_tokenizer
+    from lib.extras.embedded_model import embedded_model_path
+    from lib.modeling import load_tokenizer
 
     path = str(embedded_model_path())
     tokenizer = load_tokenizer(path)

@@ -40,7 +40,8 @@ def build_tiny(folder: Path) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lib.modeling import embedded_model_path, load_tokenizer
+    from lib.extras.embedded_model import embedded_model_path
+    from lib.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(str(embedded_model_path()))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

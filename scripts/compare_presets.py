@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from lib.config import PRESETS, parse_config  # noqa: E402  (the repository root is put on the path just above)
+from lib.extras.trl_keys import resolve_keys  # noqa: E402
 
 LAST = 5  # steps averaged for the end-of-run columns
 
@@ -54,7 +55,7 @@ def preset_steps(algo: str, batches: int, extra: list[str]) -> int:
     (AGPO-DSF's 4 update epochs, num_iterations) takes mu steps on each. AGPO-DSF counts a step per rollout batch
     (its scheduler runs max_steps x update_epochs, docs/methods.md 5.1); at 40 optimizer steps it would see 20 prompts
     where every other preset sees 80."""
-    return batches * parse_config(["--algo", algo, *extra]).num_iterations
+    return batches * parse_config(["--algo", algo, *extra], keys=resolve_keys).num_iterations
 
 
 def run_preset(algo: str, out: Path, max_steps: int, extra: list[str]) -> float | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lib import compat  # noqa: E402
+from lib.extras import trl_keys  # noqa: E402
 from lib.extras import trl_differences  # noqa: E402
 from lib.config import FIELDS, PRESETS, SECTIONS  # noqa: E402
 from lib.methods import METHODS  # noqa: E402
@@ -126,20 +126,20 @@ def render() -> str:
 
 
 def trl_section(number: int) -> str:
-    """lib/compat.py's tables (what a recipe written for TRL or open-r1 gets for each key that is not a field) and
-    lib/extras/trl_differences.py's (the fields whose values, combinations or defaults differ from TRL's)."""
+    """lib/extras/trl_keys.py's tables (what a recipe written for TRL or open-r1 gets for each key that is not a
+    field) and lib/extras/trl_differences.py's (the fields whose values, combinations or defaults differ from TRL's)."""
     renamed = ["| key | read as | note |", "|---|---|---|"] + [
         f"| `{k}` | `{target}` | {cell(note or 'the same setting')} |"
-        for k, (target, note) in compat.RENAMED.items()]
+        for k, (target, note) in trl_keys.RENAMED.items()]
     renamed.append("| `dataset_configs` | `dataset_config` | open-r1's list form; one configuration |")
     ignored: dict[str, list[str]] = {}
-    for key, why in compat.IGNORED.items():
+    for key, why in trl_keys.IGNORED.items():
         ignored.setdefault(why, []).append(f"`{key}`")
     ignored_rows = ["| keys | why ignoring them cannot change what is trained |", "|---|---|"] + [
         f"| {', '.join(keys)} | {cell(why)} |" for why, keys in ignored.items()]
     refused = ["| key | accepted at (TRL's default) | otherwise refused because |", "|---|---|---|"] + [
         f"| `{k}` | `{cell(value_text(default))}` | {cell(why)} |"
-        for k, (default, why) in compat.UNSUPPORTED.items()]
+        for k, (default, why) in trl_keys.UNSUPPORTED.items()]
     refused_values = ["| value | refused because |", "|---|---|"] + [
         f"| {cell(what)} | {cell(linked(why))} |" for what, why in trl_differences.REFUSED_VALUES]
     limited = ["| key | refused in, or read otherwise in |", "|---|---|"] + [
@@ -150,7 +150,7 @@ def trl_section(number: int) -> str:
     return (f"## {number}. Recipes written for TRL or open-r1\n\n"
             "A YAML recipe or command line written for TRL's `GRPOConfig` + `ModelConfig` + `ScriptArguments` (what\n"
             "`trl/scripts/grpo.py` and open-r1 parse) runs here as it is: every key above has TRL's meaning where TRL\n"
-            "has the key, and each other key of theirs is handled as the tables below say (`lib/compat.py`,\n"
+            "has the key, and each other key of theirs is handled as the tables below say (`lib/extras/trl_keys.py`,\n"
             "`lib/extras/trl_differences.py`; `tests/test_trl_keys.py` checks them against TRL's own dataclasses).\n"
             "`--flag` alone means true.\n\n"
             "Renamed: the value goes to our key (a note is printed for our own old names).\n\n"

@@ -54,7 +54,8 @@ PACKAGES = ["torch", "transformers", "accelerate", "peft", "trl", "datasets", "b
 def prepare() -> None:
     """The tokenizer and the wheels, into .gpu/."""
     sys.path.insert(0, str(ROOT))
-    from lib.modeling import embedded_model_path, load_tokenizer
+    from lib.extras.embedded_model import embedded_model_path
+    from lib.modeling import load_tokenizer
 
     load_tokenizer(str(embedded_model_path())).save_pretrained(ASSETS / "tokenizer")
     wheels = ASSETS / "wheels"

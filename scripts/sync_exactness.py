@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lib.modeling import CompletionScorer, embedded_model_path, end_token_ids, load_policy, load_tokenizer  # noqa
+from lib.extras.embedded_model import embedded_model_path  # noqa
+from lib.modeling import CompletionScorer, end_token_ids, load_policy, load_tokenizer  # noqa
 from lib.extras import cpu_kernels  # noqa: E402
 from lib.rollout import HFRollout  # noqa: E402
 

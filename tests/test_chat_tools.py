@@ -11,7 +11,8 @@ from test_agents import CALL, TOOLS
 
 sys.path.insert(0, str(REPO))
 from chat_app import PageTools, Slot, build_app, main, page_tools, parse_args  # noqa: E402
-from lib.data import DEFAULT_INSTRUCTION, builtin_task  # noqa: E402
+from lib.data import DEFAULT_INSTRUCTION  # noqa: E402
+from lib.extras.word_problems import builtin_task  # noqa: E402
 from lib.extras.page import assistant_messages, model_messages, read_conversation  # noqa: E402
 from lib.extras.tools import plain_tool_prompt, tool_schemas  # noqa: E402
 

@@ -7,6 +7,7 @@ import yaml
 
 from conftest import REPO
 from lib.config import ConfigError, make_config, parse_config
+from lib.extras import trl_keys
 
 
 def test_defaults_are_the_grpo_preset():
@@ -304,5 +305,6 @@ def test_objective_keys_accept_their_combinations_with_the_presets():
         assert make_config({"algo": algo, "multi_objective_aggregation": "normalize_then_sum",
                             "use_adaptive_entropy": True, "sync_ref_model": True, "beta": 0.04}).use_adaptive_entropy
     # with a TRL recipe's names: entropy_coef is eta, the controller's starting value
-    cfg = make_config({"entropy_coef": 0.01, "use_adaptive_entropy": True, "entropy_target": 0.3})
+    cfg = make_config({"entropy_coef": 0.01, "use_adaptive_entropy": True, "entropy_target": 0.3},
+                      keys=trl_keys.resolve_keys)
     assert (cfg.eta, cfg.entropy_target) == (0.01, 0.3)

@@ -8,10 +8,9 @@ import re
 import pytest
 
 from conftest import FULL_DATA, NO_FULL_DATA, REPO
-from lib import data
-from lib.extras import hub_data
-from lib.data import (DEFAULT_INSTRUCTION, builtin_task, format_number, format_prompt, last_boxed, load_records,
-                      render_prompt)
+from lib.extras import hub_data, word_problems
+from lib.data import DEFAULT_INSTRUCTION, format_number, format_prompt, last_boxed, load_records, render_prompt
+from lib.extras.word_problems import builtin_task
 
 # (file, records in the full set (its README) and in the slice (tests/data/README.md), gold of row 1, gold of row 2),
 # read off the files by hand; a slice starts at the set's first row
@@ -273,25 +272,26 @@ def test_builtin_task_disjoint_and_distinct():
 
 
 def test_builtin_task_answers_and_ranges():
-    assert {r["operation"] for r in builtin_task(seed=0, num_train=300)[0]} == set(data.DEFAULT_OPERATIONS)
+    assert {r["operation"] for r in builtin_task(seed=0, num_train=300)[0]} == set(word_problems.DEFAULT_OPERATIONS)
     with pytest.raises(ValueError, match="operations must be"):
         builtin_task(seed=0, operations=("division",))
-    train, evaluation = builtin_task(seed=0, operations=tuple(data.TEMPLATES))
+    train, evaluation = builtin_task(seed=0, operations=tuple(word_problems.TEMPLATES))
     compute = {"addition": lambda a, b: a + b, "subtraction": lambda a, b: a - b, "multiplication": lambda a, b: a * b}
     for record in train + evaluation:
         assert set(record) == {"problem", "answer", "operation"}
         a, b = operands(record["problem"])
         assert record["answer"] == str(compute[record["operation"]](a, b))
         if record["operation"] == "addition":
-            assert data.ADDITION_RANGE[0] <= min(a, b) and max(a, b) <= data.ADDITION_RANGE[1]
+            assert word_problems.ADDITION_RANGE[0] <= min(a, b) and max(a, b) <= word_problems.ADDITION_RANGE[1]
         elif record["operation"] == "subtraction":
-            assert data.SUBTRACTION_RANGE[0] <= a <= data.SUBTRACTION_RANGE[1] and 1 <= b < a
+            assert word_problems.SUBTRACTION_RANGE[0] <= a <= word_problems.SUBTRACTION_RANGE[1] and 1 <= b < a
         else:
-            assert data.MULTIPLICATION_RANGE[0] <= min(a, b) and max(a, b) <= data.MULTIPLICATION_RANGE[1]
+            low, high = word_problems.MULTIPLICATION_RANGE
+            assert low <= min(a, b) and max(a, b) <= high
     assert {r["operation"] for r in evaluation} == set(compute)
     # every phrasing of every operation shows up in 2,000 draws
     patterns = []
-    for template in (t for templates in data.TEMPLATES.values() for t in templates):
+    for template in (t for templates in word_problems.TEMPLATES.values() for t in templates):
         pattern = re.escape(template).replace(r"\{name\}", r"\w+").replace(r"\{item\}", r"\w+")
         patterns.append(pattern.replace(r"\{a\}", r"\d+").replace(r"\{b\}", r"\d+"))
     assert all(any(re.fullmatch(p, r["problem"]) for r in train) for p in patterns)
@@ -462,3 +462,14 @@ def test_reward_functions_that_need_the_gold_answer_are_named_with_the_fix():
         assert part in message, part
     check_answers(no_gold, resolve_reward_funcs(["format", tiny]), "dataset_name", "chat.jsonl")  # nothing to say
     check_answers([{"problem": "p", "answer": "1"}], funcs, "dataset_name", "gold.jsonl")
+
+
+def test_a_run_without_dataset_name_trains_on_the_builtin_task_it_is_handed():
+    """lib/setup.load_data makes no data of its own: the entry scripts hand it lib/extras/word_problems.builtin_task."""
+    from lib.config import Config, ConfigError
+    from lib.setup import load_data
+
+    with pytest.raises(ConfigError, match="dataset_name is not set"):
+        load_data(Config())
+    cfg = Config(builtin_num_train=20, num_eval_samples=5)
+    assert load_data(cfg, builtin=builtin_task) == builtin_task(seed=cfg.seed, num_train=20, num_eval=5)

@@ -145,8 +145,8 @@ def missing_references(page: Path) -> list[str]:
 
 def test_the_reference_finder_catches_a_stale_path_a_stale_name_and_a_stale_section(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# Top\n`lib/extras/vllm_rollout.VLLMRollout`, `lib/data.py::builtin_task`, scripts/recipes/*.yaml, "
-                    "[ok](#top), `lib/data.py::builtin_t...`\n"
+    page.write_text("# Top\n`lib/extras/vllm_rollout.VLLMRollout`, `lib/extras/word_problems.py::builtin_task`, "
+                    "scripts/recipes/*.yaml, [ok](#top), `lib/extras/word_problems.py::builtin_t...`\n"
                     "`lib/rollout.NoSuchThing`, lib/nowhere.py, [gone](#nowhere), docs/*.nothing\n")
     assert missing_references(page) == ["section #nowhere", "lib/rollout.py defines no NoSuchThing",
                                         "path lib/nowhere.py", "no file matches docs/*.nothing"]

@@ -59,7 +59,7 @@ def tokenizer_folder() -> str:
     path = os.environ.get("AGRPO_TOKENIZER_DIR")
     if path:
         return path
-    from lib.modeling import embedded_model_path
+    from lib.extras.embedded_model import embedded_model_path
 
     return str(embedded_model_path())
 

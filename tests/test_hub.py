@@ -232,7 +232,7 @@ def test_the_command_line_is_exact_from_the_script_and_never_shows_the_token():
 
 
 def test_the_embedded_model_is_named_by_its_upstream_hub_id():
-    from lib.modeling import EMBEDDED_ALIASES
+    from lib.extras.embedded_model import EMBEDDED_ALIASES
 
     assert set(hub.EMBEDDED_ALIASES) == set(EMBEDDED_ALIASES)  # lib/extras/hub.py keeps its own copy (import order)
     assert hub.base_model_label("embedded").startswith("`HuggingFaceTB/SmolLM2-135M-Instruct` (agrpo's embedded")

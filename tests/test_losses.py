@@ -600,6 +600,7 @@ def test_delta_below_one_plus_epsilon_high_differs_from_dual_clip_and_is_refused
     A > 0 TRL's delta caps rho at delta, dual-clip PPO leaves it alone. So lib/losses.check_settings refuses that
     range."""
     from lib.config import ConfigError, make_config
+    from lib.extras.trl_keys import resolve_keys
 
     rho = torch.tensor([[1.15, 1.3]])
     logp, old, mask = torch.log(rho), torch.zeros(1, 2), torch.ones(1, 2)
@@ -608,8 +609,8 @@ def test_delta_below_one_plus_epsilon_high_differs_from_dual_clip_and_is_refused
     loss_gap, grad_gap, *_ = _compare_with_trl("grpo", {"options": {"dual_clip": 1.1}}, {}, {"delta": 1.1})
     assert loss_gap > 1e-3 and grad_gap > 1e-3
     with pytest.raises(ConfigError, match=r"dual_clip \(TRL's delta\) 1.1 is below 1 \+ epsilon_high = 1.2"):
-        make_config({"delta": 1.1})
-    assert make_config({"delta": 4.0}).dual_clip == 4.0
+        make_config({"delta": 1.1}, keys=resolve_keys)
+    assert make_config({"delta": 4.0}, keys=resolve_keys).dual_clip == 4.0
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])

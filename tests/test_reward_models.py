@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import assert_close_to_scale
-from lib.extras.reward_models import load_reward_models
-from lib.reward_funcs import RewardModelSpec, resolve_reward_funcs, reward_arguments, score_completions
+from lib.extras.reward_models import RewardModelSpec, load_reward_models, reward_model_spec
+from lib.reward_funcs import resolve_reward_funcs, reward_arguments, score_completions
 from test_loop import REWARDS, train
 
 TRL_STYLE = REWARDS.replace("tiny_rewards.py", "trl_style_rewards.py")
@@ -42,7 +42,7 @@ def own_forward(model, tokenizer, text: str) -> float:
 
 
 def test_a_completion_scores_what_the_model_itself_gives_its_conversation(tiny_reward_model):
-    [(name, spec)] = resolve_reward_funcs([tiny_reward_model])
+    [(name, spec)] = resolve_reward_funcs([tiny_reward_model], models=reward_model_spec)
     assert (name, spec) == ("tiny_rm", RewardModelSpec(tiny_reward_model))
     [(name, rm)] = load_reward_models([(name, spec)], "cpu", batch_size=2)
     assert rm.__name__ == "tiny_rm" and not rm.model.training

@@ -550,8 +550,12 @@ def test_functions_written_for_trl_and_open_r1_run_unchanged():
 
 
 def test_trl_names_map_to_ours_or_are_refused_with_what_to_use():
+    """TRL's reward names are lib/extras/trl_keys.py's: read as ours (or refused) with the configuration's keys."""
+    from lib.config import ConfigError, make_config
+    from lib.extras.trl_keys import resolve_keys, reward_name
+
     options = {"max_completion_length": 40, "overlong_buffer_length": 20}
-    funcs = resolve_reward_funcs(["accuracy_reward", "get_soft_overlong_punishment"], options)
+    funcs = resolve_reward_funcs([reward_name(s) for s in ("accuracy_reward", "get_soft_overlong_punishment")], options)
     assert [name for name, _ in funcs] == ["accuracy", "soft_overlong"]
     assert funcs[0][1] is accuracy_reward
     # TRL's soft overlong punishment counts completion_ids; ours does too when completion_length is absent
@@ -559,13 +563,18 @@ def test_trl_names_map_to_ours_or_are_refused_with_what_to_use():
         == pytest.approx([0.0, -0.5, -1.0])
     with pytest.raises(ValueError, match=r"'think_format_reward': TRL's think_format_reward .* also requires an "
                                          r"<answer>.*Pass think_format"):
-        resolve_reward_funcs(["think_format_reward"])
-    with pytest.raises(ValueError, match=r"'reasoning_accuracy_reward': .* after the last </think>.*Pass accuracy"):
-        resolve_reward_funcs(["reasoning_accuracy_reward"])
+        reward_name("think_format_reward")
+    with pytest.raises(ConfigError, match=r"reward_funcs: reward function 'reasoning_accuracy_reward': .* after the "
+                                          r"last </think>.*Pass accuracy"):
+        make_config({"reward_funcs": "reasoning_accuracy_reward"}, keys=resolve_keys)
+    assert make_config({"reward_funcs": ["accuracy_reward", "format"]}, keys=resolve_keys).reward_funcs == [
+        "accuracy", "format"]
+    with pytest.raises(ValueError, match="'accuracy_reward': unknown name"):  # lib/reward_funcs.py alone: ours only
+        resolve_reward_funcs(["accuracy_reward"])
 
 
 def test_reward_model_specs_are_told_apart_from_functions_before_anything_loads(tmp_path, monkeypatch):
-    from lib.reward_funcs import RewardModelSpec
+    from lib.extras.reward_models import RewardModelSpec, reward_model_spec
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_rm").mkdir()
@@ -573,15 +582,17 @@ def test_reward_model_specs_are_told_apart_from_functions_before_anything_loads(
     (tmp_path / "policy").mkdir()
     (tmp_path / "policy" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     (tmp_path / "empty").mkdir()
-    resolved = resolve_reward_funcs(["my_rm", f"{tmp_path / 'my_rm'}/", "org/rm-v1.5"][::2])
+    resolved = resolve_reward_funcs(["my_rm", f"{tmp_path / 'my_rm'}/", "org/rm-v1.5"][::2], models=reward_model_spec)
     assert resolved == [("my_rm", RewardModelSpec("my_rm")), ("rm-v1.5", RewardModelSpec("org/rm-v1.5"))]
-    assert resolve_reward_funcs([f"{tmp_path / 'my_rm'}/"])[0][0] == "my_rm"
+    assert resolve_reward_funcs([f"{tmp_path / 'my_rm'}/"], models=reward_model_spec)[0][0] == "my_rm"
+    with pytest.raises(ValueError, match="'my_rm': unknown name"):  # a reward model only where `models` is given
+        resolve_reward_funcs(["my_rm"])
     for spec, problem in [("policy", "holds a LlamaForCausalLM, not a sequence-classification model"),
                           ("empty", "a folder without config.json"),
                           ("rewards.py", "name the function in the file: 'rewards.py:function'"),
                           ("./no_such_rm", "no such folder")]:
         with pytest.raises(ValueError, match=re.escape(problem)):
-            resolve_reward_funcs([spec])
+            resolve_reward_funcs([spec], models=reward_model_spec)
     with pytest.raises(ValueError, match=r"reward model\(s\) \['my_rm'\] not loaded"):
         score_completions(resolved[:1], ["q"], ["a"], {})
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import assert_close_to_scale, rel_diff, rollout_logps
-from lib.data import builtin_task, format_prompt, tokenize_prompts
+from lib.data import format_prompt, tokenize_prompts
+from lib.extras.word_problems import builtin_task
 from lib.modeling import load_policy
 from lib.rollout import AnswerPhase, HFRollout, Rollout, replace_completions, sample_next_token
 
@@ -235,8 +236,10 @@ VLLM_ENGINES = r"""
 import json, os, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from lib.data import builtin_task, format_prompt, tokenize_prompts
-from lib.modeling import embedded_model_path, load_tokenizer
+from lib.data import format_prompt, tokenize_prompts
+from lib.extras.word_problems import builtin_task
+from lib.extras.embedded_model import embedded_model_path
+from lib.modeling import load_tokenizer
 from lib.rollout import AnswerPhase
 from lib.extras.vllm_rollout import VLLMRollout
 
@@ -322,7 +325,7 @@ def test_a_cpu_engines_kv_cache_is_what_its_largest_call_needs_within_half_the_f
     from transformers import AutoConfig
 
     from lib.extras.memory import kv_bytes_per_token
-    from lib.modeling import embedded_model_path
+    from lib.extras.embedded_model import embedded_model_path
     from lib.extras.vllm_rollout import CPU_KV_CACHE_MIN, cpu_kv_cache_bytes
 
     # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, a key and a value, 2 bytes each in bf16

@@ -1,9 +1,10 @@
-"""TRL's and open-r1's configuration keys (lib/compat.py): a recipe or command line
+"""TRL's and open-r1's configuration keys (lib/extras/trl_keys.py): a recipe or command line
 written for TRL's GRPOConfig + ModelConfig + ScriptArguments, or an open-r1 recipe, parses here as it is; keys with
 TRL's name have TRL's meaning; keys that are not implemented are ignored with a line only where that cannot change
 what is trained, and refused otherwise."""
 
 import dataclasses
+import functools
 import importlib.util
 import logging
 
@@ -12,11 +13,15 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from lib import compat as trl_keys
-from lib.extras import trl_differences
-from lib.config import FIELDS, ConfigError, build_parser, make_config, parse_config, validate
+from lib import config
+from lib.extras import trl_differences, trl_keys
+from lib.config import FIELDS, ConfigError, build_parser, validate
 from lib.losses import kl_penalty, policy_ratio
 from lib.schedule import resolve_epochs, steps_per_rollout, warmup_steps
+
+# as the trainer parses (train_agrpo.py passes TRL's and open-r1's keys to the configuration as `keys`)
+parse_config = functools.partial(config.parse_config, keys=trl_keys.resolve_keys)
+make_config = functools.partial(config.make_config, keys=trl_keys.resolve_keys)
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
 
@@ -291,3 +296,14 @@ def test_limited_keys_are_trls_keys_implemented_here():
     fields = trl_fields()
     for key in trl_differences.LIMITED:
         assert key in FIELDS and key in fields and FIELDS[key].default == fields[key], key
+
+
+def test_only_the_fields_are_read_unless_the_trl_keys_are_passed():
+    """lib/config.py alone reads our fields; the entry scripts pass lib/extras/trl_keys.resolve_keys as `keys`."""
+    with pytest.raises(ConfigError, match=r"unknown configuration key 'torch_dtype' \(the configuration\)\. Did you "
+                                          r"mean 'dtype'\?"):
+        config.make_config({"torch_dtype": "float32"})
+    with pytest.raises(ConfigError, match=r"unknown configuration key 'delta' \(the command line\)"):
+        config.parse_config(["--delta", "4"])
+    assert make_config({"torch_dtype": "float32"}).dtype == parse_config(["--dtype", "float32"]).dtype == "float32"
+    assert parse_config(["--delta", "4"]).dual_clip == 4.0

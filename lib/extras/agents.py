@@ -278,16 +278,42 @@ class Agent:
     def start_batch(self) -> None:
         self.calls = self.failures = self.completions = 0
 
-    def __call__(self, first: Rollout, engine, sampling: dict, episodes: list[int] | None = None) -> Rollout:
+    def __call__(self, first: Rollout, engine, sampling: dict, episodes: list[int] | None = None, prompts=None,
+                 rows: torch.Tensor | None = None) -> Rollout:
         """The episodes that go on from the sampler `engine`'s first turns `first`, sampled at `sampling`, counted
         in the batch's tool counters. `episodes`: each completion's episode id (`open_groups`), whose environment's
         methods are its tools; its environment is dropped when the episodes end, after its get_reward() (the
-        rollout's `environment_reward`)."""
+        rollout's `environment_reward`). The trainer's sampling (lib/sampling.RolloutContext.generate) gives the
+        `prompts` sampled (and their `rows`) instead, whose episodes `episode_ids` finds."""
+        if prompts is not None:
+            episodes = self.episode_ids(prompts, rows)
         roll, done = self.run(first, engine, sampling, episodes)
         self.calls += sum(e.calls for e in done)
         self.failures += sum(e.failures for e in done)
         self.completions += len(done)
         return roll
+
+    def episode_ids(self, prompts, rows: torch.Tensor | None) -> list[int] | None:
+        """The episodes of the completions about to be sampled for `prompts` (lib/sampling.Prompts, or its rows
+        `rows`), in completion order: those `prompts` opened, the first time; then new ones, their environments reset
+        with the same rows (a refill's or a second round's), the text their reset returns checked against the
+        prompt's."""
+        if prompts.episodes is None:
+            return None
+        if rows is None and prompts.episodes:
+            ids, prompts.episodes = [e for group in prompts.episodes for e in group], []  # used once
+            return ids
+        for episode in (e for group in prompts.episodes for e in group):  # opened, never sampled: dropped
+            self.drop(episode)
+        prompts.episodes, ids = [], []
+        for row in (range(len(prompts.records)) if rows is None else rows.tolist()):
+            source, count = prompts.sources[row], int(prompts.counts[row])
+            [record], [group] = self.open_groups([source], [count])
+            if record != prompts.records[row]:
+                raise RuntimeError("environment_factory: reset returned another text for a data-set row when its "
+                                   "prompt was sampled again; reset must return the same text for the same row")
+            ids += group
+        return ids
 
     def run(self, first: Rollout, engine, sampling: dict,
             episodes: list[int] | None = None) -> tuple[Rollout, list[Episode]]:

@@ -28,7 +28,7 @@ from lib.config import SECRET_KEYS, Config, ConfigError, to_dict, validate
 from lib.data import looks_local, one_line
 from lib.extras.runs import read_jsonl
 from lib.methods import METHODS
-from lib.modeling import EMBEDDED_ALIASES
+from lib.extras.embedded_model import EMBEDDED_ALIASES
 
 # ---- trackers --------------------------------------------------------------------------------------------------------
 

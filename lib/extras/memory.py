@@ -61,7 +61,8 @@ import torch
 from lib.config import ConfigError
 from lib.extras.hub_data import HUB_TIMEOUT_S
 from lib.extras.model_folders import adapter_base
-from lib.modeling import _lora_targets, is_adapter_folder, reference_dtype, resolve_model_path, weights_dtype
+from lib.extras.embedded_model import resolve_model_path
+from lib.modeling import _lora_targets, is_adapter_folder, reference_dtype, weights_dtype
 
 GB = 2**30
 CHUNK_ELEMENTS = 2**26  # lib/losses.token_logps_and_entropy's default

@@ -12,7 +12,8 @@ import torch
 
 from lib.config import EMBEDDED_MODEL
 from lib.data import looks_local
-from lib.modeling import EMBEDDED_ALIASES, is_adapter_folder, load_policy, load_tokenizer, resolve_model_path
+from lib.extras.embedded_model import EMBEDDED_ALIASES, resolve_model_path
+from lib.modeling import is_adapter_folder, load_policy, load_tokenizer
 
 
 def model_folder_problem(name: str) -> str | None:
@@ -61,6 +62,7 @@ def load_for_inference(name: str, device: torch.device | str = "cpu", dtype: tor
     if is_adapter_folder(path) and not Path(path, "tokenizer_config.json").exists():
         tokenizer_path = adapter_base(path)
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
-    model = load_policy(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    model = load_policy(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                        resolve=resolve_model_path)
     model = model.eval().requires_grad_(False)
     return model, tokenizer

@@ -16,7 +16,7 @@ from lib.checkpoint import list_checkpoints
 from lib.data import DEFAULT_INSTRUCTION
 from lib.extras import health
 from lib.extras import runs as run_data
-from lib.modeling import EMBEDDED_ALIASES
+from lib.extras.embedded_model import EMBEDDED_ALIASES
 from lib.rewards import extract_answer
 
 CONVERSATION_FORMAT = "agrpo-chat/1"

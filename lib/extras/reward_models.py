@@ -1,23 +1,78 @@
 """Reward models: a sequence-classification model that scores prompt + completion, used as a reward function
 (docs/methods.md 2.5).
 
-A folder or hub id in reward_funcs (or reward_model_name_or_path) names one; lib/reward_funcs.py resolves it to a
-RewardModelSpec, checked before anything loads, and load_reward_models loads it onto the trainer's device. It scores
-as TRL's GRPOTrainer scores one: the prompt's messages and the completion as one conversation in the reward model's
-own chat template (prompt text + completion where its tokenizer has none), tokenized with its own tokenizer without
-added special tokens (the template holds them), padded on the right, and the reward is the first logit at the last
-non-padding token (`logits[:, 0]`). In eval mode, without gradients, `batch_size` texts at a time. It runs in the
-trainer's process, never in the reward worker: its weights are on the trainer's device.
+A folder or hub id in reward_funcs (or reward_model_name_or_path) names one; `reward_model_spec` (the `models` the
+entry scripts hand lib/reward_funcs.resolve_reward_funcs) resolves it to a RewardModelSpec, checked before anything
+loads, and load_reward_models loads it onto the trainer's device. It scores as TRL's GRPOTrainer scores one: the
+prompt's messages and the completion as one conversation in the reward model's own chat template (prompt text +
+completion where its tokenizer has none), tokenized with its own tokenizer without added special tokens (the template
+holds them), padded on the right, and the reward is the first logit at the last non-padding token (`logits[:, 0]`).
+In eval mode, without gradients, `batch_size` texts at a time. It runs in the trainer's process, never in the reward
+worker: its weights are on the trainer's device.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from lib.config import ConfigError
 from lib.modeling import load_tokenizer
-from lib.reward_funcs import RewardModelSpec, reward_model_name
+from lib.reward_funcs import spec_error
 from lib.rewards import completion_text
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a hub id ("org/name")
+
+
+@dataclass(frozen=True)
+class RewardModelSpec:
+    """A reward model named in reward_funcs (a local folder or a hub id of a sequence-classification model), not
+    loaded yet: load_reward_models loads it onto the trainer's device. It scores nothing itself."""
+
+    path: str
+    is_reward_model = True  # lib.reward_funcs.is_reward_model
+
+
+def reward_model_name(spec: str) -> str:
+    """A reward model's name in the logs (`rewards/<name>/mean`): the folder's name, or the part of a hub id after the
+    '/' (TRL's naming)."""
+    return Path(spec.rstrip("/\\")).name
+
+
+def reward_model_spec(spec: str) -> tuple[str, RewardModelSpec] | None:
+    """(name, the reward model) `spec` names (a local folder, or a hub id 'org/name'), or None when it names a
+    function: lib/reward_funcs.resolve_reward_funcs' `models`, which the entry scripts pass.
+    Raises on a folder that holds no sequence-classification model: a causal LM would get a new, random score head
+    (transformers initialises what the checkpoint lacks) and train the policy on noise."""
+    if ":" in spec:
+        return None
+    path = Path(os.path.expanduser(spec))
+    if path.is_dir():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except FileNotFoundError:
+            raise spec_error(spec, "a folder without config.json, so not a model; a reward model folder is what "
+                                    "AutoModelForSequenceClassification.save_pretrained writes") from None
+        except (OSError, ValueError) as exc:
+            raise spec_error(spec, f"its config.json cannot be read ({exc})") from exc
+        architectures = config.get("architectures") or []
+        if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+            held = ", ".join(map(str, architectures)) or "model with no 'architectures' entry"
+            raise spec_error(spec, f"the folder holds a {held}, not a sequence-classification model; a reward model "
+                                    "has a one-score head (AutoModelForSequenceClassification, num_labels=1)")
+        return reward_model_name(spec), RewardModelSpec(str(path))
+    if spec.endswith(".py"):
+        return None  # a file of functions (lib/reward_funcs.py says what is missing)
+    if spec.startswith((".", "/", "~", "\\")):
+        raise spec_error(spec, "no such folder (a reward model is a folder or a hub id)")
+    if _HUB_ID.fullmatch(spec):
+        return reward_model_name(spec), RewardModelSpec(spec)
+    return None
 
 
 class RewardModel:

@@ -7,8 +7,8 @@ trainer starts once and talks to over a pipe: a call that does not answer within
 child is killed and started again on the next call) and one whose child dies is reported the same way; both raise
 `RewardCallFailed`, which `lib.reward_funcs.score_completions` scores as a failure and counts, exactly as it does for a
 function that raises. The child resolves the reward specs itself (`resolve_reward_funcs`), so built-ins,
-`module:function` and `file.py:function` all work without pickling functions; reward models (a folder or hub id in
-the specs) stay in the trainer, on its device, and are never sent here.
+`module:function` and `file.py:function` all work without pickling functions; reward models (None in the specs,
+lib/setup.resolve_rewards) stay in the trainer, on its device, and are never sent here.
 
 A request is a list of jobs, (function index, TRL's keyword arguments): one call of a synchronous function, or
 several calls of `async def` functions, which the child runs at once on its event loop (lib.reward_funcs.run_jobs), each
@@ -61,7 +61,7 @@ class RewardWorker:
     # what the child runs and how its failures are named: lib/extras/agents.py's ToolWorker runs tools the same way
     CHILD, NAME, TIMEOUT_KEY = "lib.extras.reward_worker", "reward worker", "reward_timeout"
 
-    def __init__(self, specs: list[str], options: dict, timeout: float):
+    def __init__(self, specs: list[str | None], options: dict, timeout: float):
         self.specs, self.options, self.timeout = list(specs), dict(options), float(timeout)
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
@@ -206,7 +206,8 @@ def serve(read_fd: int, write_fd: int, setup) -> None:
 
 def _reward_setup(init):
     specs, options, timeout = init
-    funcs = [func for _, func in resolve_reward_funcs(specs, options)]
+    resolved = iter(resolve_reward_funcs([spec for spec in specs if spec is not None], options))
+    funcs = [None if spec is None else next(resolved)[1] for spec in specs]  # None: a reward model, run in the trainer
 
     def answer(jobs):
         answers = []

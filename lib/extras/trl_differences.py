@@ -1,7 +1,7 @@
 """Where this package's fields differ from TRL's keys of the same name, as tables for docs/configuration.md 10
 (scripts/config_doc.py writes them there; tests/test_trl_keys.py checks them against TRL's dataclasses). No run reads
 them: the checks they describe are in lib/config.py, lib/losses.check_settings, lib/setup.py and lib/methods.py, and
-lib/compat.py handles TRL's keys that are not fields."""
+lib/extras/trl_keys.py handles TRL's keys that are not fields."""
 
 from __future__ import annotations
 

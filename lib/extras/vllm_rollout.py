@@ -14,8 +14,8 @@ from tqdm.auto import tqdm
 
 from lib.extras.memory import kv_bytes_per_token
 from lib.extras.model_folders import adapter_base
-from lib.modeling import (end_token_ids, is_adapter_folder, native_bf16, resolve_model_path,
-                          unwrap_causal_lm)
+from lib.extras.embedded_model import resolve_model_path
+from lib.modeling import end_token_ids, is_adapter_folder, native_bf16, unwrap_causal_lm
 from lib.distributed import full_tensor
 from lib.rollout import AnswerPhase, Rollout, dense_weight, is_lora_layer, merged_linear
 

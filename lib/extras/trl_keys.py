@@ -1,12 +1,14 @@
 """Recipes and command lines written for TRL or open-r1 (docs/configuration.md, "Recipes written for TRL or
 open-r1"): the keys of TRL's GRPO configuration (GRPOConfig on top of transformers' TrainingArguments, ModelConfig,
 the GRPO script's arguments) and of open-r1's recipes that are not fields of lib.settings.Config, what this package
-does with each, and `resolve_keys`, which turns a mapping written with any of them into our fields' values.
+does with each, and `resolve_keys`, which turns a mapping written with any of them into our fields' values (TRL's
+reward names in reward_funcs too: `reward_name`).
 
 Every such key is in exactly one table: RENAMED (the value goes to the new key), IGNORED (cannot change what is
 trained; one warning line each) or UNSUPPORTED (accepted only at TRL's default value, refused otherwise with the
 reason); docs/configuration.md 10 lists them, with lib/extras/trl_differences.py's tables about fields.
-tests/test_trl_keys.py checks the tables against TRL's own dataclasses when TRL is installed.
+tests/test_trl_keys.py checks the tables against TRL's own dataclasses when TRL is installed. The entry scripts pass
+`resolve_keys` to lib.config.parse_config / make_config as their `keys`; without it only our fields are read.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import difflib
 import logging
 
+from lib.config import as_bool
 from lib.settings import FIELDS, ConfigError
 
 # old or foreign name -> (our key, deprecation note or None). A note is printed once when the old name is used.
@@ -34,6 +37,30 @@ RENAMED: dict[str, tuple[str, str | None]] = {
     "delta": ("dual_clip", None),
     "wandb_project": ("project", None),  # open-r1's GRPOConfig
 }
+
+# TRL's built-in reward names (trl/scripts/grpo.py) that mean what one of ours means: the name is logged as ours.
+TRL_NAMES = {
+    # 1 when math-verify finds the completion's answer equal to the gold, else 0. TRL reads the gold from the column
+    # `solution`, we from `answer`, which lib/data.py fills from the data's answer column (MATH's solution too).
+    "accuracy_reward": "accuracy",
+    # DAPO's soft overlong punishment, the same formula on completion tokens. TRL's script fixes L_max 1280 and
+    # L_cache 256; here they are max_completion_length and overlong_buffer_length.
+    "get_soft_overlong_punishment": "soft_overlong",
+}
+
+# TRL's names that mean something none of ours does: refused, with what to use instead.
+TRL_REFUSED = {
+    "think_format_reward": (
+        "TRL's think_format_reward scores 1 for a completion that opens with one <think>...</think> block, whatever "
+        "follows; this package's think_format (open-r1's format reward) also requires an <answer>...</answer> block "
+        "after it. Pass think_format for that layout, or TRL's own function as 'trl.rewards:think_format_reward'"),
+    "reasoning_accuracy_reward": (
+        "TRL's reasoning_accuracy_reward checks only the answer after the last </think> and scores 0 without one; "
+        "this package's accuracy reads the answer wherever it is (an <answer> block, an 'Answer:' line, \\boxed{}, "
+        "the last number). Pass accuracy (with think_format for the layout), or TRL's own function as "
+        "'trl.rewards:reasoning_accuracy_reward'"),
+}
+
 
 # key -> why ignoring it cannot change what is trained (printed in the warning line)
 IGNORED: dict[str, str] = {}
@@ -116,57 +143,22 @@ UNSUPPORTED: dict[str, tuple[object, str]] = {
 }
 
 
+def reward_name(spec: str) -> str:
+    """Our name for one of TRL's reward names (TRL_NAMES), any other spec as it is; ValueError for a TRL name none
+    of ours means (TRL_REFUSED)."""
+    if spec in TRL_REFUSED:
+        raise ValueError(f"reward function {spec!r}: {TRL_REFUSED[spec]}")
+    return TRL_NAMES.get(spec, spec)
+
+
 def all_known() -> set[str]:
     """Every key these tables handle."""
     return set(RENAMED) | set(IGNORED) | set(UNSUPPORTED)
 
 
-def flag_before(argv: list[str], at: int) -> int | None:
-    """The index of the nearest `--flag` word before argv[at], or None."""
-    return next((i for i in range(at - 1, -1, -1) if argv[i].startswith("--")), None)
-
-
-def leftover_values(words: list[str], argv: list[str], follows: dict[str, str]) -> dict:
-    """The flags argparse did not know, as {key: value}: `--key value`, `--key=value`, `--key v1 v2`, or `--key`
-    alone (true). They are TRL keys, our old names, or mistakes; `resolve_keys` tells which. An unknown flag that
-    follows a known one is named with it (`follows`): it may be a value meant for that flag."""
-    values: dict[str, list[str]] = {}
-    key = None
-    for word in words:
-        if word.startswith("--") and len(word) > 2:
-            key, eq, value = word[2:].partition("=")
-            values[key] = [value] if eq else []
-            at = argv.index(word) if word in argv else 0
-            flag_at = flag_before(argv, at)
-            if flag_at is not None and argv[flag_at][2:].split("=")[0].replace("-", "_") in FIELDS:
-                flag, given = argv[flag_at].split("=")[0], at - flag_at - 1 + ("=" in argv[flag_at])
-                # `--run_name x --lr`: a flag of its own, or a value meant for the known flag before it
-                follows[key] = (f"after {flag} and its value{'s' if given > 1 else ''}" if given else
-                                f"after {flag}, a switch that is true when given alone")
-        elif key is None:
-            flag_at = flag_before(argv, argv.index(word) if word in argv else 0)
-            after = f" after {argv[flag_at].split('=')[0]}, which takes one value" if flag_at is not None else ""
-            raise ConfigError(f"unexpected argument {word!r:.80} on the command line{after}; flags are written "
-                              f"--key value (a list: --key v1 v2; see `python train_agrpo.py --help`)")
-        else:
-            values[key].append(word)
-    return {k: (True if not v else v[0] if len(v) == 1 else v) for k, v in values.items()}
-
-
 def _note(message: str) -> None:
     """One line on stderr (and in the caller's log capture): a key ignored or renamed, said once per parse."""
     logging.getLogger("agrpo.config").warning(message)
-
-
-def as_bool(value) -> bool:
-    """A YAML or command-line boolean (true / 1 / yes / on, false / 0 / no / off, any case); ValueError otherwise.
-    lib/config.py reads a bool field with it."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).lower()
-    if text not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        raise ValueError(value)
-    return text in ("true", "1", "yes", "on")
 
 
 def _same_value(value, default) -> bool:
@@ -188,9 +180,10 @@ def _same_value(value, default) -> bool:
 
 
 def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None) -> dict:
-    """The values of our fields, from a mapping that may use TRL's or open-r1's keys (lib/py): renamed keys
-    moved to ours (a note for our old names), ignored keys dropped with one warning line each, unimplemented keys
-    accepted at TRL's default and refused otherwise, anything else an error with the closest field."""
+    """The values of our fields, from a mapping that may use TRL's or open-r1's keys (lib/config.py's `keys`):
+    renamed keys moved to ours (a note for our old names), ignored keys dropped with one warning line each,
+    unimplemented keys accepted at TRL's default and refused otherwise, anything else an error with the closest
+    field."""
     resolved, given_as = {}, {}
     for key, value in values.items():
         if not isinstance(key, str):
@@ -226,6 +219,12 @@ def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None
         given_as[target] = key
         if target == "scale_rewards" and str(value).lower() in ("true", "false"):  # TRL's older boolean form
             value = "group" if str(value).lower() == "true" else "none"
+        if target == "reward_funcs" and isinstance(value, (str, list)):  # TRL's reward names read as ours
+            try:
+                value = [reward_name(v) if isinstance(v, str) else v
+                         for v in (value if isinstance(value, list) else value.replace(",", " ").split())]
+            except ValueError as error:
+                raise ConfigError(f"reward_funcs: {error}") from None
         if target == "resume_from_checkpoint" and str(value).lower() == "true":  # transformers': the newest one
             value = "latest"
         if target == "log_completions" and not isinstance(value, bool) and str(value).strip().isdigit():
