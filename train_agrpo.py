@@ -527,6 +527,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     # transformers' model code (about 1.3 s): imported when a run starts, not by --help or a refused configuration
     from lib.extras import cpu_kernels
 
+    hub.check_settings(cfg)  # report_to resolved to the trackers the accelerator starts; hub_model_id
     accelerator, bf16, sharded, partitioned = start_accelerator(cfg, sharding)
     rank, world = accelerator.process_index, accelerator.num_processes
     # push_to_hub: the hub reachable, a write token, the repository ready, before data and models

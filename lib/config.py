@@ -24,18 +24,17 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Callable
 
 import torch
 import yaml
 from transformers import HfArgumentParser
 
-from lib.data import looks_local, one_line
+from lib.data import looks_local
 from lib.losses import check_settings
 from lib.methods import METHODS
 from lib.reward_funcs import object_spec
 from lib.schedule import schedule_options, steps_per_rollout
-from lib.settings import (EMBEDDED_MODEL, FIELDS, PRESETS, REPORT_TO_CHOICES, SECRET_KEYS, SECTIONS, TRACKERS, Config,
+from lib.settings import (EMBEDDED_MODEL, FIELDS, PRESETS, SECRET_KEYS, SECTIONS, Config,
                           ConfigError)
 
 # ---- reading: YAML recipes and the command line ----------------------------------------------------------------------
@@ -472,7 +471,6 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
                           "which this trainer does not do. On a GPU without bf16 (T4, V100) leave dtype unset (fp32 "
                           "master weights), or train a LoRA adapter (use_peft true) on a frozen fp16 base")
     validate_backend(cfg, check_installed)
-    validate_hub_and_trackers(cfg)
     if cfg.rollout_func and (cfg.tools or cfg.environment_factory):
         raise ConfigError("rollout_func samples the completions itself, tool calls included (its env_mask marks what "
                           "the environment wrote); give it alone, without tools or environment_factory")
@@ -535,51 +533,6 @@ def _exists(name: str, path: str) -> bool:
     except (OSError, ValueError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
         raise ConfigError(f"{name}: {path!r:.80} is not a usable path ({reason}); give an existing path") from None
-
-
-def resolve_report_to(value, installed: Callable[[str], bool]) -> list[str]:
-    """report_to as TRL takes it (a name or a list of names; none; all) -> the trackers to start, in order, each once.
-    `all` is every tracker of TRACKERS that is installed. ValueError names the value and the fix."""
-    names = [] if value is None else [value] if isinstance(value, str) else list(value)
-    names = [str(n).strip() for n in names if str(n).strip()]
-    unknown = [n for n in names if n not in REPORT_TO_CHOICES]
-    if unknown:
-        raise ValueError(f"report_to: {unknown[0]!r} is not one of {', '.join(REPORT_TO_CHOICES)} (Accelerate's "
-                         f"trackers this trainer wires; docs/hub.md)")
-    if "none" in names and len(set(names)) > 1:
-        raise ValueError(f"report_to: 'none' cannot be combined with other trackers ({', '.join(names)}); give "
-                         f"none alone, or the trackers alone")
-    resolved: list[str] = []
-    for name in names:
-        for tracker in [t for t in TRACKERS if installed(t)] if name == "all" else [] if name == "none" else [name]:
-            if tracker not in resolved:
-                resolved.append(tracker)
-    missing = [t for t in resolved if not installed(t)]
-    if missing:
-        raise ValueError(f"report_to: {missing[0]!r} needs its package: pip install {missing[0]} (or remove it from "
-                         f"report_to)")
-    return resolved
-
-
-def validate_hub_and_trackers(cfg: Config) -> None:
-    """report_to resolved to the list of trackers to start (TRL takes a name or a list; docs/hub.md), and
-    hub_model_id read as a repository id. The hub itself is asked at start-up, before any model loads
-    (lib/extras/hub.connect)."""
-    from accelerate.tracking import get_available_trackers  # the packages Accelerate will start trackers with
-
-    available = {str(getattr(tracker, "value", tracker)) for tracker in get_available_trackers()}
-    try:
-        cfg.report_to = resolve_report_to(cfg.report_to, available.__contains__)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    if cfg.hub_model_id is not None:
-        from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-        try:
-            validate_repo_id(cfg.hub_model_id)
-        except HFValidationError as error:
-            raise ConfigError(f"hub_model_id: {cfg.hub_model_id!r} is not a repository id ({one_line(error)}); give "
-                              f"'name' or 'namespace/name'") from None
 
 
 def validate_backend(cfg: Config, check_installed: bool = True) -> None:

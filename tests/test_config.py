@@ -101,17 +101,21 @@ def test_method_presets_set_section_9_defaults(algo, expected):
 
 def test_user_keys_override_a_preset_and_config_yaml_records_the_resolved_values(tmp_path):
     from lib.config import save_yaml
+    from lib.extras.hub import check_settings
 
     cfg = parse_config(["--algo", "agrpo", "--eta", "0", "--kl_target", "0.1", "--resample_schedule",
                         '[{"step": 3, "params": [{"temperature": 1.2, "top_p": 0.95}]}]'])
     assert cfg.eta == 0.0 and cfg.kl_target == 0.1 and cfg.adaptive_kl is True and cfg.beta == 0.001
     assert cfg.resample_schedule == [{"step": 3, "params": [{"temperature": 1.2, "top_p": 0.95}]}]
+    check_settings(cfg)  # report_to resolved, as the trainer's set-up does before it writes config.yaml
     save_yaml(cfg, tmp_path / "config.yaml")
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["algo"] == "agrpo" and saved["kl_estimator"] == "symmetric" and saved["eta"] == 0.0
     assert saved["resample_schedule"][0]["params"][0]["temperature"] == 1.2
     # and the saved file, read back as a recipe, gives the same configuration
-    assert parse_config(["--config", str(tmp_path / "config.yaml")]) == cfg
+    again = parse_config(["--config", str(tmp_path / "config.yaml")])
+    check_settings(again)
+    assert again == cfg
     # the seeds' ablations by hand (docs/methods.md 9.4): a fixed epsilon pins the controller's bounds, no KL turns
     # the controller off
     pinned = parse_config(["--algo", "agrpo", "--eta", "0", "--epsilon", "0.5", "--epsilon_min", "0.5",

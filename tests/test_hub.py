@@ -451,4 +451,4 @@ def test_the_token_never_reaches_config_yaml_checkpoints_or_trackers():
                                           r"all_checkpoints \(TRL's values\)$"):
         make_config({"hub_strategy": "often"})
     with pytest.raises(ConfigError, match=r"^hub_model_id: 'a/b/c' is not a repository id"):
-        make_config({"hub_model_id": "a/b/c"})
+        hub.check_settings(make_config({"hub_model_id": "a/b/c"}))

@@ -17,7 +17,8 @@ import yaml
 
 from conftest import REPO
 from lib.extras import hub
-from lib.config import ConfigError, make_config, parse_config, resolve_report_to
+from lib.config import ConfigError, make_config, parse_config
+from lib.extras.hub import check_settings, resolve_report_to
 
 REWARDS = str(REPO / "tests" / "tiny_rewards.py")
 TINY = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4",
@@ -40,13 +41,21 @@ def test_report_to_takes_a_name_or_a_list_as_trl_does(tmp_path):
         resolve_report_to("mlflow", installed)
     with pytest.raises(ValueError, match=r"^report_to: 'none' cannot be combined with other trackers"):
         resolve_report_to(["none", "wandb"], installed)
-    # the configuration: a YAML list, a list of flags, TRL's `report_to: none`; config.yaml keeps the resolved list
+    # the configuration: a YAML list, a list of flags, TRL's `report_to: none`, resolved when a run starts
+    # (lib/extras/hub.check_settings, train_agrpo.setup's first step); config.yaml keeps the resolved list
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("report_to: [tensorboard]\nrun_name: first\n")
     cfg = parse_config(["--config", str(recipe)])
+    check_settings(cfg)
     assert (cfg.report_to, cfg.project, cfg.run_name) == (["tensorboard"], "agrpo", "first")
-    assert parse_config(["--report_to", "tensorboard", "tensorboard", "--project", "p"]).report_to == ["tensorboard"]
-    assert make_config({"report_to": "none"}).report_to == []
+    cfg = parse_config(["--report_to", "tensorboard", "tensorboard", "--project", "p"])
+    check_settings(cfg)
+    assert cfg.report_to == ["tensorboard"]
+    cfg = make_config({"report_to": "none"})
+    check_settings(cfg)
+    assert cfg.report_to == []
+    with pytest.raises(ConfigError, match=r"^report_to: 'mlflow' is not one of"):
+        check_settings(make_config({"report_to": "mlflow"}))
     with pytest.raises(ConfigError, match=r"^project is empty"):
         make_config({"project": ""})
 

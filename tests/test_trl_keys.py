@@ -123,7 +123,7 @@ def test_an_open_r1_recipe_parses_with_each_key_read_or_said_ignored(tmp_path, c
     said = [r.getMessage() for r in caplog.records]
     ignored = sorted(m.split("'")[1] for m in said if m.startswith("config: ignored"))
     assert ignored == ["do_eval", "log_level", "logging_first_step", "logging_strategy", "vllm_device"], said
-    assert (cfg.hub_model_id, cfg.hub_strategy, cfg.report_to) == ("my-model", "every_save", [])
+    assert (cfg.hub_model_id, cfg.hub_strategy, cfg.report_to) == ("my-model", "every_save", ["none"])  # resolved at start-up
     assert all(m.count("\n") == 0 for m in said)
     # each epoch's end is a checkpoint; 16 x 4 completions a step are 4 prompts of 16: 160 prompts take 40 steps
     assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) == (16, 4)

@@ -25,6 +25,7 @@ from typing import Callable
 import yaml
 
 from lib.config import SECRET_KEYS, Config, ConfigError, to_dict, validate
+from lib.settings import REPORT_TO_CHOICES, TRACKERS
 from lib.data import looks_local, one_line
 from lib.extras.runs import read_jsonl
 from lib.methods import METHODS
@@ -33,6 +34,52 @@ from lib.extras.embedded_model import EMBEDDED_ALIASES
 # ---- trackers --------------------------------------------------------------------------------------------------------
 
 COMPLETION_COLUMNS = ("step", "prompt", "completion", "answer", "reward", "advantage")  # as in completions.jsonl
+
+
+def resolve_report_to(value, installed: Callable[[str], bool]) -> list[str]:
+    """report_to as TRL takes it (a name or a list of names; none; all) -> the trackers to start, in order, each once.
+    `all` is every tracker of TRACKERS that is installed. ValueError names the value and the fix."""
+    names = [] if value is None else [value] if isinstance(value, str) else list(value)
+    names = [str(n).strip() for n in names if str(n).strip()]
+    unknown = [n for n in names if n not in REPORT_TO_CHOICES]
+    if unknown:
+        raise ValueError(f"report_to: {unknown[0]!r} is not one of {', '.join(REPORT_TO_CHOICES)} (Accelerate's "
+                         f"trackers this trainer wires; docs/hub.md)")
+    if "none" in names and len(set(names)) > 1:
+        raise ValueError(f"report_to: 'none' cannot be combined with other trackers ({', '.join(names)}); give "
+                         f"none alone, or the trackers alone")
+    resolved: list[str] = []
+    for name in names:
+        for tracker in [t for t in TRACKERS if installed(t)] if name == "all" else [] if name == "none" else [name]:
+            if tracker not in resolved:
+                resolved.append(tracker)
+    missing = [t for t in resolved if not installed(t)]
+    if missing:
+        raise ValueError(f"report_to: {missing[0]!r} needs its package: pip install {missing[0]} (or remove it from "
+                         f"report_to)")
+    return resolved
+
+
+def check_settings(cfg: Config) -> None:
+    """The first step of a run's set-up (train_agrpo.setup), before the accelerator starts its trackers: report_to
+    resolved to the list of trackers to start (TRL takes a name or a list; docs/hub.md), and
+    hub_model_id read as a repository id. The hub itself is asked at start-up, before any model loads
+    (`connect`)."""
+    from accelerate.tracking import get_available_trackers  # the packages Accelerate will start trackers with
+
+    available = {str(getattr(tracker, "value", tracker)) for tracker in get_available_trackers()}
+    try:
+        cfg.report_to = resolve_report_to(cfg.report_to, available.__contains__)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if cfg.hub_model_id is not None:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(cfg.hub_model_id)
+        except HFValidationError as error:
+            raise ConfigError(f"hub_model_id: {cfg.hub_model_id!r} is not a repository id ({one_line(error)}); give "
+                              f"'name' or 'namespace/name'") from None
 
 
 def tracker_init_kwargs(trackers: list[str], run_name: str, output_dir: str) -> dict:
