@@ -281,15 +281,35 @@ def test_sharding_refuses_lora_before_loading_a_model(tmp_path, tiny_model, shar
     assert not (tmp_path / "lora" / "checkpoint-2").exists()
 
 
+@pytest.fixture
+def thirty_blocks(tmp_path, embedded_model) -> str:
+    """The embedded 135M model's layout at a fraction of its width: its configuration (30 decoder blocks, 9 attention
+    heads over 3 key-value heads, tied embeddings, its vocabulary and RoPE) with 72-wide hidden states and 128-wide
+    MLPs, random (seeded) weights, its tokenizer. What sharding depends on (the units, the tied weights, the reference
+    model) is the real model's; a step costs about what the tiny model's does."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from lib.modeling import load_tokenizer
+
+    config = AutoConfig.from_pretrained(embedded_model)
+    config.update({"hidden_size": 72, "head_dim": 8, "intermediate_size": 128})
+    torch.manual_seed(0)
+    folder = tmp_path / "thirty_blocks"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    load_tokenizer(embedded_model).save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.mark.slow
-def test_fsdp2_on_the_embedded_model_matches_data_parallel(tmp_path):
-    """The real 135M model (30 decoder layers, tied embeddings, a reference model for the KL term, sharded too),
-    two steps of one group of 8 completions a step over two processes, fp32, 8-token completions (cheaper steps
-    than the default 64: what is checked is the sharding of this model, not what it learns): the accuracy reward
-    and the completion's characters (a spread in every group), so step 1 updates and step 2 runs on the weights
-    that sharded update wrote (its KL is above 0): sharded and data-parallel runs agree step for step."""
-    args = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "8",
-            "--num_eval_samples", "0", "--bf16", "false", "--save_strategy", "no",
+def test_fsdp2_on_the_embedded_models_layout_matches_data_parallel(tmp_path, thirty_blocks):
+    """The embedded 135M model's layout (thirty_blocks: 30 decoder blocks, tied embeddings, a reference model for the
+    KL term, sharded too), two steps of one group of 8 completions a step over two processes, fp32, 8-token
+    completions: what is checked is how this layout shards (31 units), not what it learns, so its width is cut
+    (the weights of the real model cost 64 s for the same two launches). The accuracy reward and the completion's
+    characters (a spread in every group), so step 1 updates and step 2 runs on the weights that sharded update wrote
+    (its KL is above 0): sharded and data-parallel runs agree step for step."""
+    args = ["--model_name_or_path", thirty_blocks, "--max_steps", "2", "--per_device_train_batch_size", "4",
+            "--max_completion_length", "8", "--num_eval_samples", "0", "--bf16", "false", "--save_strategy", "no",
             "--reward_funcs", "accuracy", f"{REWARDS}:characters"]
     ddp = launch(DDP, [*args, "--output_dir", str(tmp_path / "ddp")], tmp_path)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
