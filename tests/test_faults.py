@@ -335,6 +335,14 @@ class Start:
     def ended(self) -> bool:
         return self.exit_file.exists()
 
+    def kill(self) -> bool:
+        """SIGKILL, unless the start has ended (and been reaped) already; whether it was sent."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
+
     def wait(self, timeout_s: float) -> int:
         wait_until(self.ended, timeout_s, f"the end of start {self.pid}", interval_s=0.05)
         return int(self.exit_file.read_text())
@@ -355,7 +363,7 @@ def test_six_random_kills_resumed_with_latest_end_exactly_where_an_uninterrupted
                                stdout=subprocess.PIPE, text=True)
     proc = None
     try:
-        whole = Start(starter, [*args, "--output_dir", str(tmp_path / "whole")], tmp_path / "whole.log")
+        whole = proc = Start(starter, [*args, "--output_dir", str(tmp_path / "whole")], tmp_path / "whole.log")
         wait_until(lambda: whole.ended() or training_lines(tmp_path / "whole" / "metrics.jsonl") > 0, 300,
                    "the uninterrupted run's first step")
         t0 = time.perf_counter()
@@ -380,8 +388,7 @@ def test_six_random_kills_resumed_with_latest_end_exactly_where_an_uninterrupted
                     time.sleep(rng.uniform(0, 0.02))
                 else:
                     time.sleep(rng.uniform(0, 1.5 * per_step))
-                if not proc.ended():
-                    os.kill(proc.pid, signal.SIGKILL)
+                if not proc.ended() and proc.kill():
                     kills += 1
                     killed_at.append(training_lines(out / "metrics.jsonl"))
             code = proc.wait(600)
@@ -393,7 +400,7 @@ def test_six_random_kills_resumed_with_latest_end_exactly_where_an_uninterrupted
             assert starts < 40
     finally:
         if proc is not None and not proc.ended():  # a failed test leaves no trainer behind
-            os.kill(proc.pid, signal.SIGKILL)
+            proc.kill()
         starter.stdin.close()
         starter.wait(timeout=60)
     assert kills == kills_wanted, f"the run finished after {kills} kills (at logged steps {killed_at})"
