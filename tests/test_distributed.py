@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -65,10 +64,11 @@ def assert_resumes_exactly_after_sigkill(config: list[str], args: list[str], tmp
     hanging = [a if a != f"{REWARDS}:characters" else f"{REWARDS}:characters_hang_third" for a in args]
     proc = launch(config, [*hanging, "--output_dir", str(killed)], tmp_path, env={"AGRPO_TEST_HANG_FILE": str(flag)},
                   wait=False)
-    wait_until(lambda: proc.poll() is not None or (killed / "checkpoint-2" / "trainer_state.json").exists() and
-               len(steps_of(killed)) >= 2, 300, "checkpoint-2 and two logged steps", interval_s=0.5)
+    # both processes inside step 3's hanging reward (each process's reward worker says so in a file of its own)
+    wait_until(lambda: proc.poll() is not None or len(list(tmp_path.glob(f"{flag.name}.*"))) == 2, 300,
+               "both processes inside step 3's rewards", interval_s=0.1)
     assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else "the run exited before step 3"
-    time.sleep(2)  # both processes are inside step 3's hanging reward
+    assert (killed / "checkpoint-2" / "trainer_state.json").exists()
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     assert [m["step"] for m in steps_of(killed)] == [1, 2]
