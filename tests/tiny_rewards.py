@@ -57,13 +57,17 @@ def dies_on_x(prompts, completions, **columns):
 
 def characters_hang_third(prompts, completions, **columns):
     """Like `characters`, but its third call (the third generation batch of a run) never returns while the file named
-    by AGRPO_TEST_HANG_FILE exists: a run to kill at a known step (tests/test_distributed.py)."""
+    by AGRPO_TEST_HANG_FILE exists: a run to kill at a known step (tests/test_distributed.py). A call that hangs says
+    so in a file of its own beside that one, <file>.<pid>."""
     import os
     import time
 
     _calls["hang_third"] = _calls.get("hang_third", 0) + 1
-    if _calls["hang_third"] == 3:
-        while os.path.exists(os.environ.get("AGRPO_TEST_HANG_FILE", "")):
+    flag = os.environ.get("AGRPO_TEST_HANG_FILE", "")
+    if _calls["hang_third"] == 3 and os.path.exists(flag):
+        with open(f"{flag}.{os.getpid()}", "w"):
+            pass
+        while os.path.exists(flag):
             time.sleep(0.2)
     return characters(prompts, completions)
 
