@@ -244,7 +244,8 @@ from lib.rollout import AnswerPhase
 from lib.extras.vllm_rollout import VLLMRollout
 
 
-def answer_phase(engine, tokenizer, ids, mask):
+def answer_phase(path, tokenizer, ids, mask):
+    engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=512, seed=3)
     # "=" as the marker: the model writes "8 + 7 = 15" far more often than "Answer:"
     phase = AnswerPhase.from_text(tokenizer, "=", temperature=0.3, top_p=0.9)
     out = engine.generate(ids, mask, torch.tensor([3, 3, 3, 3]), 64, temperature=torch.tensor([0.9, 0.9, 1.1, 1.1]),
@@ -255,26 +256,28 @@ def answer_phase(engine, tokenizer, ids, mask):
         rows.append({"ids": out.completion_ids[i, :n].tolist(), "temps": out.temperatures[i, :n].tolist(),
                      "prompt": int(out.prompt_index[i]), "truncated": bool(out.is_truncated[i])})
     print("PHASE" + json.dumps(rows))
+    engine.close()
 
 
-def kv_cache(engine, tokenizer, ids, mask, size):
+def kv_cache(path, tokenizer, ids, mask):
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the tests' 1 GiB (conftest) would decide otherwise
+    size = 23_040 * 320 * 64
+    engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=320, seed=3,
+                         dtype="bfloat16", max_num_seqs=64)
     print("KV", engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes, size)
     out = engine.generate(ids, mask, torch.tensor([16, 16, 16, 16]), 32, temperature=torch.tensor([1.0] * 4))
     print("ROWS", out.completion_ids.shape[0], int(out.completion_mask.sum()))
+    engine.close()
 
 
 if __name__ == "__main__":
-    # one engine for both tests (its start is most of their time), sized by the caller: 64 sequences of 320 tokens
+    # two engines one after another in this process (the process's start and vLLM's import once for both tests)
     path = str(embedded_model_path())
     tokenizer = load_tokenizer(path)
     _, held_out = builtin_task(seed=42, num_eval=4)
     ids, mask = tokenize_prompts(tokenizer, [format_prompt(tokenizer, r["problem"]) for r in held_out], 256)
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the tests' 1 GiB (conftest) would decide otherwise
-    engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=320, seed=3,
-                         dtype="bfloat16", max_num_seqs=64)
-    answer_phase(engine, tokenizer, ids, mask)
-    kv_cache(engine, tokenizer, ids, mask, 23_040 * 320 * 64)
-    engine.close()
+    answer_phase(path, tokenizer, ids, mask)
+    kv_cache(path, tokenizer, ids, mask)
 """
 
 
