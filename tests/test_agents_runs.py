@@ -76,15 +76,17 @@ def agent_args(agent: str) -> list[str]:
     return [a for a in RUN if a not in ("--tools", f"{TOOLS}:add")] + ["--environment_factory", f"{TOOLS}:Adder"]
 
 
-@pytest.mark.slow  # a run here, then two launched processes: 12-13 s a case on 2 cores (the taught model: 8 s)
-@pytest.mark.parametrize("agent", ["tools", "environment"])
+@pytest.mark.slow  # a run here, then two launched processes: 12-13 s on 2 cores (the taught model: 8 s)
+# the environment only: its `add` method is the run's tool (the same tool worker, calls, counters and their reduction
+# over the processes as with `tools`, and its reward besides); `tools` in one process: the resume test below
+@pytest.mark.parametrize("agent", ["environment"])
 def test_two_processes_with_tools_train_as_one(agent, tool_caller, tmp_path):
-    """The run with tools (or an environment) on one process, then on two (gloo, one group a process) sampling what
-    the one process sampled (tests/episode_replay.py: the sampler's random stream is per process, so each call of the
-    episode loop, first turns and continuations, is answered from the one-process record; the tool calls themselves
-    run again, in each process's own tool worker, with each episode's own environment there): every logged number,
-    the tool counters reduced over both processes and the environment's reward among them, and the final weights are
-    the one process's, within float tolerance (the gradient is summed in another order)."""
+    """The run with an environment (its method the tool) on one process, then on two (gloo, one group a process)
+    sampling what the one process sampled (tests/episode_replay.py: the sampler's random stream is per process, so
+    each call of the episode loop, first turns and continuations, is answered from the one-process record; the tool
+    calls themselves run again, in each process's own tool worker, with each episode's own environment there): every
+    logged number, the tool counters reduced over both processes and the environment's reward among them, and the
+    final weights are the one process's, within float tolerance (the gradient is summed in another order)."""
     args = ["--model_name_or_path", tool_caller, *agent_args(agent)]
     record: dict = {}
     one = tmp_path / "one"

