@@ -12,8 +12,11 @@ from lib.extras.agents import engine_generate, episodes_rollout, run_episodes
 from lib.extras.tools import (ResultRenderer, ToolCall, ToolWorker, calculator, parse_tool_calls, plain_tool_prompt,
                               template_has_tools, tool_schemas, tool_spec)
 from lib.rollout import Rollout
-# the fixture tool_caller is session-scoped in tests/conftest.py; tests/test_agents_runs.py reads it from here
-from conftest import CALL, TOOLS, tool_caller  # noqa: F401
+import conftest
+from conftest import CALL, TOOLS
+
+# the fixture: the tiny model taught to call `add` (tests/conftest.py; tests/test_agents_runs.py reads it from here)
+tool_caller = conftest.tool_caller
 
 
 def test_schemas_come_from_type_hints_and_docstrings_and_bad_tools_are_named():
@@ -158,7 +161,7 @@ def test_episodes_append_results_mask_them_and_end_at_each_limit(tokenizer, engi
 
 
 @pytest.mark.slow  # a model taught to call the tool, then a run: about 20 s
-def test_a_run_with_tools_trains_only_the_models_tokens(tool_caller, tmp_path, monkeypatch):  # noqa: F811
+def test_a_run_with_tools_trains_only_the_models_tokens(tool_caller, tmp_path, monkeypatch):
     """The loop with `tools`: episodes of two turns, the tool's result read by the model but no gradient reaching
     it (the loss's gradient at every tool-result token is exactly 0, at the model's tokens it is not), the tool
     counters logged, the turns in completions.jsonl."""
