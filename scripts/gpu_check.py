@@ -199,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         results["steps"]["sampler"] = step
         save()
     if "bench" not in args.skip:
-        # the dry run: one measured step of each trainer, 8 tokens (the script's mechanics, as tests/test_bench.py)
-        shape = ["--shape", "qwen2-tiny", "--max_completion_length", "8", "--steps", "2", "--trl_bf16", "false"] \
+        # the dry run: one measured step of each trainer, 8 tokens, TRL with bf16=True as on the GPU (the script's
+        # mechanics; tests/test_gpu_check.py checks its report)
+        shape = ["--shape", "qwen2-tiny", "--max_completion_length", "8", "--steps", "2", "--trl_bf16", "true"] \
             if args.dry_run else ["--shape", "qwen2.5-0.5b", "--max_completion_length", "256", "--steps", "5",
                                   "--trl_bf16", "true", "--bf16", "true", "--trl_dtype", *args.bench_trl_dtype]
         bench = [sys.executable, "scripts/bench_vs_trl.py", *shape, "--num_generations", "8", "--warmup_steps", "1",

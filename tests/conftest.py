@@ -214,6 +214,64 @@ def tiny_model(tmp_path_factory, embedded_model) -> str:
     return str(folder)
 
 
+# the tools of the agent tests (paths from the repository's root) and the call the tool caller is taught
+TOOLS = "tests/tiny_tools.py"
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+@pytest.fixture(scope="session")
+def tool_caller(tiny_model, tmp_path_factory):
+    """The tiny model taught (a few seconds of supervised steps) to answer any prompt with CALL and a tool's result
+    with "Done.": a real sampler that writes real tool calls, for the loop's mechanics. Session-scoped: the modules
+    that use it (agents' evaluation, the chat page's tools) share one."""
+    import torch
+
+    from lib.data import DEFAULT_INSTRUCTION, format_prompt
+    from lib.extras.tools import ResultRenderer, plain_tool_prompt, tool_schemas
+    from lib.extras.word_problems import builtin_task
+    from lib.modeling import load_policy, load_tokenizer
+
+    tok = load_tokenizer(tiny_model)
+    model = load_policy(tiny_model)
+    schemas = tool_schemas([f"{TOOLS}:add"])
+    system = plain_tool_prompt(schemas)
+    result = ResultRenderer(tok).ids(["5"])
+    call = tok.encode(CALL, add_special_tokens=False) + [tok.eos_token_id]
+    done = tok.encode("Done.", add_special_tokens=False) + [tok.eos_token_id]
+    sequences = []
+    for record in builtin_task(seed=0, num_train=4, num_eval=0)[0]:  # the run's prompts (--seed 0)
+        prompt = tok.encode(format_prompt(tok, record["problem"], DEFAULT_INSTRUCTION, system),
+                            add_special_tokens=False)
+        sequences += [(prompt, call), (prompt + call + result, done)]
+    # one padded batch; the vocabulary projection only at the target tokens (most of a tiny model's cost)
+    width = max(len(c) + len(t) for c, t in sequences)
+    ids = torch.full((len(sequences), width), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    at, targets = [], []
+    for row, (context, target) in enumerate(sequences):
+        ids[row, :len(context) + len(target)] = torch.tensor(context + target)
+        mask[row, :len(context) + len(target)] = 1
+        at += [(row, len(context) - 1 + k) for k in range(len(target))]
+        targets += target
+    rows, cols = torch.tensor(at).T
+    optimizer = torch.optim.Adam(model.parameters(), lr=6e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    for _ in range(60):
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), torch.tensor(targets))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    torch.set_num_threads(threads)
+    assert loss.item() < 0.1, loss.item()
+    folder = tmp_path_factory.mktemp("tool_caller")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def small_llama(tmp_path_factory, tokenizer) -> str:
     """A two-block Llama with random weights (head_dim 32, the smallest vLLM's CPU attention takes; dimensions that

@@ -15,6 +15,7 @@ from conftest import REPO
 from lib.config import ConfigError, make_config, parse_config
 from scripts.ablate import (AblateError, ablation_overrides, aggregate, mean_spread, parse_args, plan, run_env,
                             starvation, table_markdown, within_spread)
+from scripts.ablate import main as ablate_main
 from scripts.compare_presets import preset_steps, train_command
 
 ABLATE = [sys.executable, str(REPO / "scripts" / "ablate.py")]
@@ -184,7 +185,7 @@ def test_a_grpo_readme_table_recipe_resolves_to_the_readme_training_settings(dat
 
 
 @pytest.mark.slow
-def test_tiny_ablation_runs_evaluates_writes_table_and_figures_and_resumes(tmp_path, tiny_model):
+def test_tiny_ablation_runs_evaluates_writes_table_and_figures_and_resumes(tmp_path, tiny_model, capsys):
     out = tmp_path / "ablate"
     # on the tiny random model: the harness's mechanics (runs, evaluation, table, figures, resume), not its numbers
     command = ABLATE + ["--methods", "grpo", "--ablations", "full", "no_entropy", "--seeds", "3", "--max_steps", "3",
@@ -209,21 +210,22 @@ def test_tiny_ablation_runs_evaluates_writes_table_and_figures_and_resumes(tmp_p
     for name in ["curves/grpo-full.png", "curves/full.png", "win_rate_bar.png", "win_rate_radar.png"]:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
-    # interrupted after training and before the evaluation: only the evaluation is done again
+    # interrupted after training and before the evaluation: only the evaluation is done again. The script's main in
+    # this process from here (the command line was run above; its runs are subprocesses either way)
     (out / "runs" / "grpo" / "full" / "seed3" / "eval.json").unlink()
     trained = (out / "runs" / "grpo" / "full" / "seed3" / "final" / "model.safetensors").stat().st_mtime_ns
-    again = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "[1/1] grpo / full / seed 3: evaluated in" in again.stdout and "trained" not in again.stdout
+    capsys.readouterr()
+    ablate_main(command[2:])
+    again = capsys.readouterr().out
+    assert "[1/1] grpo / full / seed 3: evaluated in" in again and "trained" not in again
     assert (out / "runs" / "grpo" / "full" / "seed3" / "final" / "model.safetensors").stat().st_mtime_ns == trained
     assert list(csv.DictReader(open(out / "runs.csv")))[0]["win_rate"] == run["win_rate"]
     # the starting model's scores were kept by the first evaluation and read, not generated, by the second
     results = json.loads((out / "runs" / "grpo" / "full" / "seed3" / "eval.json").read_text())["results"]
     assert results[-1]["cached"] is True and "cached" not in results[0]
     # the per-device scheduler (one worker per id; CUDA_VISIBLE_DEVICES is ignored on a CPU) finds it all done
-    third = subprocess.run(command[:2] + ["--devices", "0", "1"] + command[2:], capture_output=True, text=True,
-                           timeout=900, cwd=tmp_path)
-    assert third.returncode == 0 and "[1/1] grpo / full / seed 3: already done" in third.stdout
+    ablate_main(["--devices", "0", "1"] + command[2:])
+    assert "[1/1] grpo / full / seed 3: already done" in capsys.readouterr().out
 
 
 def test_adaptive_entropy_ablation_and_no_entropy_under_it():

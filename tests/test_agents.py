@@ -12,8 +12,11 @@ from lib.extras.agents import engine_generate, episodes_rollout, run_episodes
 from lib.extras.tools import (ResultRenderer, ToolCall, ToolWorker, calculator, parse_tool_calls, plain_tool_prompt,
                               template_has_tools, tool_schemas, tool_spec)
 from lib.rollout import Rollout
+import conftest
+from conftest import CALL, TOOLS
 
-TOOLS = "tests/tiny_tools.py"
+# the fixture: the tiny model taught to call `add` (tests/conftest.py; tests/test_agents_runs.py reads it from here)
+tool_caller = conftest.tool_caller
 
 
 def test_schemas_come_from_type_hints_and_docstrings_and_bad_tools_are_named():
@@ -155,59 +158,6 @@ def test_episodes_append_results_mask_them_and_end_at_each_limit(tokenizer, engi
         assert len(budget.ids) <= n + len(result) + 5 and budget.truncated and budget.turns == 2
     finally:
         worker.close()
-
-
-CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tool_caller(tiny_model, tmp_path_factory):
-    """The tiny model taught (a few seconds of supervised steps) to answer any prompt with CALL and a tool's result
-    with "Done.": a real sampler that writes real tool calls, for the loop's mechanics."""
-    from lib.data import DEFAULT_INSTRUCTION, format_prompt
-    from lib.extras.word_problems import builtin_task
-    from lib.extras.tools import ResultRenderer
-    from lib.modeling import load_policy, load_tokenizer
-
-    tok = load_tokenizer(tiny_model)
-    model = load_policy(tiny_model)
-    schemas = tool_schemas([f"{TOOLS}:add"])
-    system = plain_tool_prompt(schemas)
-    result = ResultRenderer(tok).ids(["5"])
-    call = tok.encode(CALL, add_special_tokens=False) + [tok.eos_token_id]
-    done = tok.encode("Done.", add_special_tokens=False) + [tok.eos_token_id]
-    sequences = []
-    for record in builtin_task(seed=0, num_train=4, num_eval=0)[0]:  # the run's prompts (--seed 0)
-        prompt = tok.encode(format_prompt(tok, record["problem"], DEFAULT_INSTRUCTION, system),
-                            add_special_tokens=False)
-        sequences += [(prompt, call), (prompt + call + result, done)]
-    # one padded batch; the vocabulary projection only at the target tokens (most of a tiny model's cost)
-    width = max(len(c) + len(t) for c, t in sequences)
-    ids = torch.full((len(sequences), width), tok.pad_token_id)
-    mask = torch.zeros_like(ids)
-    at, targets = [], []
-    for row, (context, target) in enumerate(sequences):
-        ids[row, :len(context) + len(target)] = torch.tensor(context + target)
-        mask[row, :len(context) + len(target)] = 1
-        at += [(row, len(context) - 1 + k) for k in range(len(target))]
-        targets += target
-    rows, cols = torch.tensor(at).T
-    optimizer = torch.optim.Adam(model.parameters(), lr=6e-3)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    for _ in range(60):
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
-        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), torch.tensor(targets))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    torch.set_num_threads(threads)
-    assert loss.item() < 0.1, loss.item()
-    folder = tmp_path_factory.mktemp("tool_caller")
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.mark.slow  # a model taught to call the tool, then a run: about 20 s

@@ -1,6 +1,6 @@
 """Evaluations with tools (docs/agents.md 7): lib/evaluation.generate_and_score runs whole episodes, the evaluator's
 KL and entropy count the model's tokens only, and eval_agrpo.py --tools writes the calls, on a model taught to call
-a tool (test_agents.tool_caller)."""
+a tool (the fixture tool_caller, tests/conftest.py)."""
 
 import json
 
@@ -15,11 +15,11 @@ from lib.extras.tools import ResultRenderer, ToolWorker, tool_schemas
 from lib.modeling import completion_logps, load_policy, load_tokenizer
 from lib.data import tokenize_prompts
 from lib.rollout import HFRollout
-from test_agents import TOOLS, tool_caller  # noqa: F401  (the fixture)
+from test_agents import TOOLS  # tool_caller: the fixture in tests/conftest.py
 
 
 @pytest.fixture(scope="module")
-def scored(tool_caller):  # noqa: F811
+def scored(tool_caller):
     tok = load_tokenizer(tool_caller)
     model = load_policy(tool_caller)
     worker = ToolWorker([f"{TOOLS}:add"], timeout=5.0)
@@ -72,7 +72,7 @@ def test_the_evaluators_kl_and_entropy_count_the_models_tokens_only(scored):
                                  max_prompt_length=512)[1] != pytest.approx(entropy, rel=1e-5)
 
 
-def test_eval_agrpo_with_tools_writes_the_calls(tool_caller, tmp_path):  # noqa: F811
+def test_eval_agrpo_with_tools_writes_the_calls(tool_caller, tmp_path):
     import eval_agrpo
 
     out = tmp_path / "eval"

@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO))
 from lib.extras.page import (MAX_UPLOAD_BYTES, PageInputError, allowed_roots, check_inside,  # noqa: E402
                              checkpoint_choices, exposure, generation_config, loadable, model_messages,
                              read_conversation, run_folder_of, split_reasoning)
-from chat_app import parse_args  # noqa: E402
+from chat_app import main, parse_args  # noqa: E402
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -179,14 +179,18 @@ def test_the_page_refuses_folders_outside_its_roots_and_bad_uploads_in_its_statu
     assert status.startswith("could not load the conversation: the file is not UTF-8 text") and turns == []
 
 
-def test_host_without_login_exits_with_one_line_before_loading_anything(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "AGRPO_CHAT_AUTH"}
-    proc = subprocess.run([sys.executable, str(REPO / "chat_app.py"), "--host", "0.0.0.0", "--model_name_or_path",
-                           str(tmp_path / "missing")], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env=env)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().startswith("error: --host 0.0.0.0: the page would be open to other machines")
-    assert len(proc.stderr.strip().splitlines()) == 1  # checked before the model argument, before any load
+def test_host_without_login_exits_with_one_line_before_loading_anything(tmp_path, monkeypatch, capsys):
+    """chat_app.main in this process: its SystemExit is the one line the interpreter prints, exit status 1
+    (tests/test_chat_address.py runs the same refusal from the command line)."""
+    monkeypatch.delenv("AGRPO_CHAT_AUTH", raising=False)
+    monkeypatch.delenv("GRADIO_SERVER_NAME", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        main(["--host", "0.0.0.0", "--model_name_or_path", str(tmp_path / "missing")])
+    message = stopped.value.code
+    assert isinstance(message, str)  # printed to stderr with exit status 1
+    assert message.startswith("error: --host 0.0.0.0: the page would be open to other machines")
+    assert len(message.splitlines()) == 1  # checked before the model argument, before any load
+    assert capsys.readouterr() == ("", "")
 
 
 # ---------------------------------------------------------------------------------------------- the real page

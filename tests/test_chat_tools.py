@@ -6,7 +6,6 @@ import sys
 import pytest
 
 from conftest import REPO
-import test_agents
 from test_agents import CALL, TOOLS
 
 sys.path.insert(0, str(REPO))
@@ -15,8 +14,6 @@ from lib.data import DEFAULT_INSTRUCTION  # noqa: E402
 from lib.extras.word_problems import builtin_task  # noqa: E402
 from lib.extras.page import assistant_messages, model_messages, read_conversation  # noqa: E402
 from lib.extras.tools import plain_tool_prompt, tool_schemas  # noqa: E402
-
-tool_caller = test_agents.tool_caller  # the fixture: the tiny model taught to answer any prompt with a call to `add`
 
 
 @pytest.fixture

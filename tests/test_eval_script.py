@@ -118,10 +118,19 @@ def test_earlier_results_are_kept_unless_overwrite_is_asked(tmp_path):
     assert json.loads((out / "results.json").read_text()) == {"earlier": True}
 
 
-def test_command_line_error_exits_with_the_message_and_no_traceback(tmp_path):
-    proc = cli(["--num_samples", "3"], tmp_path, timeout=300)
-    assert proc.returncode != 0
-    assert "error: --num_samples 3 with --temperature 0" in proc.stderr and "Traceback" not in proc.stderr
+def test_command_line_error_exits_with_the_message_and_no_traceback(tmp_path, monkeypatch, capsys):
+    """The script run as `python eval_agrpo.py --num_samples 3`, in this process (runpy runs its __main__ block; a
+    new interpreter would only add its start): the error is a SystemExit with one message, which the interpreter
+    prints, exit status 1, instead of a traceback."""
+    import runpy
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(REPO / "eval_agrpo.py"), "--num_samples", "3"])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(REPO / "eval_agrpo.py"), run_name="__main__")
+    assert isinstance(stopped.value.code, str)  # not a traceback: the message alone, exit status 1
+    assert stopped.value.code.startswith("error: --num_samples 3 with --temperature 0")
+    assert capsys.readouterr().err == ""
 
 
 # ---------------------------------------------------------------------------------------------- real runs

@@ -331,19 +331,29 @@ def test_a_run_with_push_to_hub_and_no_hub_stops_at_start_up_before_any_model_lo
     assert "memory:" not in proc.stdout + proc.stderr and not (tmp_path / "run").exists()  # nothing loaded or made
 
 
-def test_a_run_with_push_to_hub_and_the_hubs_offline_mode_on_stops_at_start_up_with_one_line(tmp_path, tiny_model):
+def test_a_run_with_push_to_hub_and_the_hubs_offline_mode_on_stops_at_start_up_with_one_line(tmp_path, tiny_model,
+                                                                                            monkeypatch, capsys):
     """HF_HUB_OFFLINE=1 (as on many offline clusters) with push_to_hub: the run stops before any model loads, and
-    its one line says that offline mode is on and both ways out, instead of training and failing to push."""
-    env = {**hub_env(f"http://127.0.0.1:{closed_port()}", tmp_path), "HF_HUB_OFFLINE": "1"}
-    proc = train(["--model_name_or_path", tiny_model, "--max_steps", "1", *TINY, "--output_dir",
-                  str(tmp_path / "run"), "--push_to_hub", "true"], tmp_path, env)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last == ("configuration error: push_to_hub: the hub's offline mode is on (HF_HUB_OFFLINE or "
-                    "TRANSFORMERS_OFFLINE), so nothing can be pushed; unset it, or set push_to_hub false to train "
-                    "without pushing (final/ is written either way)"), last
-    assert "memory:" not in proc.stdout + proc.stderr and not (tmp_path / "run").exists()  # nothing loaded or made
+    its one line says that offline mode is on and both ways out, instead of training and failing to push. The
+    script in this process (runpy runs its __main__ block; the test above runs it from the command line), offline
+    mode as huggingface_hub reads HF_HUB_OFFLINE at its import: its constant."""
+    import runpy
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(REPO / "train_agrpo.py"), "--model_name_or_path", tiny_model, "--max_steps",
+                                      "1", *TINY, "--output_dir", str(tmp_path / "run"), "--push_to_hub", "true"])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(REPO / "train_agrpo.py"), run_name="__main__")
+    # a message (printed as the one line, exit status 1), not a traceback
+    assert stopped.value.code == ("configuration error: push_to_hub: the hub's offline mode is on (HF_HUB_OFFLINE or "
+                                  "TRANSFORMERS_OFFLINE), so nothing can be pushed; unset it, or set push_to_hub "
+                                  "false to train without pushing (final/ is written either way)")
+    printed = capsys.readouterr()
+    assert "memory:" not in printed.out + printed.err and not (tmp_path / "run").exists()  # nothing loaded or made
 
 
 # ---- pushes ---------------------------------------------------------------------------------------------------------

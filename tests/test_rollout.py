@@ -20,15 +20,17 @@ def _prompts(tokenizer):
 def test_greedy_rollout_equals_transformers_generate(embedded_model, tokenizer):
     policy = load_policy(embedded_model)
     ids, mask = _prompts(tokenizer)
+    # 12 tokens: the second prompt's answer ends at its 10th, the first's is cut (both kinds of mask below)
     rollout = HFRollout(policy, [tokenizer.eos_token_id], tokenizer.pad_token_id).generate(
-        ids, mask, num_generations=1, max_new_tokens=24, greedy=True)
-    reference = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+        ids, mask, num_generations=1, max_new_tokens=12, greedy=True)
+    reference = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                                 pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
+    assert rollout.is_truncated.tolist() == [True, False]
     for row in range(2):
         n = int(rollout.completion_mask[row].sum())
         assert rollout.completion_ids[row, :n].tolist() == reference[row, :n].tolist()
         # the mask ends at the first end-of-turn token, or covers every token of a truncated completion
-        ended = tokenizer.eos_token_id in reference[row, :24].tolist()
+        ended = tokenizer.eos_token_id in reference[row, :12].tolist()
         assert bool(rollout.is_truncated[row]) == (not ended)
         if ended:
             assert rollout.completion_ids[row, n - 1].item() == tokenizer.eos_token_id
