@@ -219,11 +219,10 @@ TOOLS = "tests/tiny_tools.py"
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
 
-@pytest.fixture(scope="session")
-def tool_caller(tiny_model, tmp_path_factory):
-    """The tiny model taught (a few seconds of supervised steps) to answer any prompt with CALL and a tool's result
-    with "Done.": a real sampler that writes real tool calls, for the loop's mechanics. Session-scoped: the modules
-    that use it (agents' evaluation, the chat page's tools) share one."""
+def teach_tool_calls(model_folder: str, folder, lr: float, steps: int) -> str:
+    """`model_folder`'s model taught, in `steps` supervised Adam steps at `lr`, to answer each of the run's prompts
+    (the built-in task's first four, --seed 0, with the tools' system prompt) with CALL, and CALL's result with
+    "Done."; saved with its tokenizer in `folder`. The loss is asserted below 0.1."""
     import torch
 
     from lib.data import DEFAULT_INSTRUCTION, format_prompt
@@ -231,14 +230,13 @@ def tool_caller(tiny_model, tmp_path_factory):
     from lib.extras.word_problems import builtin_task
     from lib.modeling import load_policy, load_tokenizer
 
-    tok = load_tokenizer(tiny_model)
-    model = load_policy(tiny_model)
-    schemas = tool_schemas([f"{TOOLS}:add"])
-    system = plain_tool_prompt(schemas)
+    tok = load_tokenizer(model_folder)
+    model = load_policy(model_folder)
+    system = plain_tool_prompt(tool_schemas([f"{TOOLS}:add"]))
     result = ResultRenderer(tok).ids(["5"])
     call = tok.encode(CALL, add_special_tokens=False) + [tok.eos_token_id]
     done = tok.encode("Done.", add_special_tokens=False) + [tok.eos_token_id]
-    sequences = []
+    sequences = []  # (context, target): the prompt and its call; the prompt, the call and the result, and "Done."
     for record in builtin_task(seed=0, num_train=4, num_eval=0)[0]:  # the run's prompts (--seed 0)
         prompt = tok.encode(format_prompt(tok, record["problem"], DEFAULT_INSTRUCTION, system),
                             add_special_tokens=False)
@@ -254,11 +252,11 @@ def tool_caller(tiny_model, tmp_path_factory):
         at += [(row, len(context) - 1 + k) for k in range(len(target))]
         targets += target
     rows, cols = torch.tensor(at).T
-    optimizer = torch.optim.Adam(model.parameters(), lr=6e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # (fixtures are set up before a test's own thread setting)
     torch.manual_seed(0)
-    for _ in range(60):
+    for _ in range(steps):
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
         loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), torch.tensor(targets))
         optimizer.zero_grad()
@@ -266,10 +264,17 @@ def tool_caller(tiny_model, tmp_path_factory):
         optimizer.step()
     torch.set_num_threads(threads)
     assert loss.item() < 0.1, loss.item()
-    folder = tmp_path_factory.mktemp("tool_caller")
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tool_caller(tiny_model, tmp_path_factory):
+    """The tiny model taught (a few seconds of supervised steps) to answer any prompt with CALL and a tool's result
+    with "Done.": a real sampler that writes real tool calls, for the loop's mechanics. Session-scoped: the modules
+    that use it (agents' evaluation, the chat page's tools) share one."""
+    return teach_tool_calls(tiny_model, tmp_path_factory.mktemp("tool_caller"), lr=6e-3, steps=60)
 
 
 @pytest.fixture(scope="session")
