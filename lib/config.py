@@ -318,18 +318,23 @@ def leftover_values(words: list[str], argv: list[str], follows: dict[str, str]) 
     return {k: (True if not v else v[0] if len(v) == 1 else v) for k, v in values.items()}
 
 
+def key_error(key, where: str, follows: dict[str, str] | None = None, known=FIELDS) -> ConfigError:
+    """The error for a key that is not a name, or names no field: the closest of `known` is suggested (`where`: the
+    YAML file or the command line; `follows`: where an unknown flag stood, from `leftover_values`)."""
+    if not isinstance(key, str):
+        return ConfigError(f"the key {key!r} in {where} is not a name; keys are field names such as learning_rate")
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else " See `python train_agrpo.py --help` for the keys."
+    after = f", {follows[key]}" if follows and key in follows else ""
+    return ConfigError(f"unknown configuration key {key!r} ({where}{after}).{hint}")
+
+
 def field_values(values: dict, where: str, follows: dict[str, str] | None = None) -> dict:
-    """`values` as they are when every key is a field; ConfigError naming the closest field otherwise (`where`: the
-    YAML file or the command line; `follows`: where an unknown flag stood, from `leftover_values`). The default
-    `keys` of parse_config and make_config; lib/extras/trl_keys.resolve_keys also reads TRL's and open-r1's keys."""
+    """`values` as they are when every key is a field; `key_error` otherwise. The default `keys` of parse_config and
+    make_config; lib/extras/trl_keys.resolve_keys also reads TRL's and open-r1's keys."""
     for key in values:
-        if not isinstance(key, str):
-            raise ConfigError(f"the key {key!r} in {where} is not a name; keys are field names such as learning_rate")
-        if key not in FIELDS:
-            close = difflib.get_close_matches(key, FIELDS, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else " See `python train_agrpo.py --help` for the keys."
-            after = f", {follows[key]}" if follows and key in follows else ""
-            raise ConfigError(f"unknown configuration key {key!r} ({where}{after}).{hint}")
+        if not isinstance(key, str) or key not in FIELDS:
+            raise key_error(key, where, follows)
     return dict(values)
 
 

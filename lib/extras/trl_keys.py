@@ -13,10 +13,9 @@ tests/test_trl_keys.py checks the tables against TRL's own dataclasses when TRL 
 
 from __future__ import annotations
 
-import difflib
 import logging
 
-from lib.config import as_bool
+from lib.config import as_bool, key_error
 from lib.settings import FIELDS, ConfigError
 
 # old or foreign name -> (our key, deprecation note or None). A note is printed once when the old name is used.
@@ -187,7 +186,7 @@ def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None
     resolved, given_as = {}, {}
     for key, value in values.items():
         if not isinstance(key, str):
-            raise ConfigError(f"the key {key!r} in {where} is not a name; keys are field names such as learning_rate")
+            raise key_error(key, where)
         if key in FIELDS:
             target = key
         elif key in RENAMED:
@@ -209,10 +208,7 @@ def resolve_keys(values: dict, where: str, follows: dict[str, str] | None = None
             raise ConfigError(f"{key}: {value!r:.80} is not supported ({why}); remove {key} or set it to "
                               f"{default!r}")
         else:
-            close = difflib.get_close_matches(key, [*FIELDS, *all_known()], n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else " See `python train_agrpo.py --help` for the keys."
-            after = f", {follows[key]}" if follows and key in follows else ""
-            raise ConfigError(f"unknown configuration key {key!r} ({where}{after}).{hint}")
+            raise key_error(key, where, follows, known=[*FIELDS, *all_known()])
         if target in resolved and given_as[target] != key:  # in either order
             other = key if key != target else given_as[target]
             raise ConfigError(f"{other} and {target} are the same setting, given twice in {where}; keep {target}")
