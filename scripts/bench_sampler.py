@@ -29,6 +29,7 @@ from lib.extras.memory import kv_bytes_per_token  # noqa: E402
 from lib.extras.embedded_model import resolve_model_path  # noqa: E402
 from lib.modeling import load_policy, native_bf16  # noqa: E402
 from lib.extras import cpu_kernels  # noqa: E402  (also registers --attn agrpo_sdpa)
+from lib.extras.decode import GraphStep, LlamaStep  # noqa: E402
 from lib.rollout import HFRollout  # noqa: E402
 
 
@@ -78,9 +79,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attn", nargs="+", default=[None], help="Attention implementations to compare (default: the "
                    "trainer's for this device).")
-    p.add_argument("--decode", nargs="+", choices=["fast", "model"], default=["fast"], help="The sampler's decode "
-                   "step: fast (lib/extras/decode.LlamaStep where the model is Llama-family) and/or model (its own "
-                   "forward); several are timed in alternation.")
+    p.add_argument("--decode", nargs="+", choices=["fast", "model", "written", "graph"], default=["fast"],
+                   help="The sampler's decode step: fast (what the sampler uses: lib/extras/decode.decode_step_for), "
+                   "model (the model's own forward), written (decode.LlamaStep), graph (decode.GraphStep, CUDA "
+                   "graphs); several are timed in alternation.")
     p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto")
     p.add_argument("--bandwidth_mb", type=int, default=None, help="Copy size for the bandwidth (default: 1024 on a "
                    "GPU, 256 on a CPU).")
@@ -95,7 +97,9 @@ def main(argv: list[str] | None = None) -> dict:
         policy = load_policy(path, device=device, attn_implementation=attn).eval()
         # no end token: every row decodes to the cap
         engine = HFRollout(policy, [-1], 0, bf16=bf16, seed=0, prepack=cpu_kernels.prepack_for_cpu)
-        model, fast_step = engine.model, engine.decode_step
+        model = engine.model
+        steps_by_name = {"fast": engine.decode_step, "model": None, "written": LlamaStep,
+                         "graph": GraphStep}
         weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()
                            if t.is_floating_point())
         weight_bytes += sum(m.packed.numel() * m.packed.element_size() for m in model.modules()
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
             prompts, mask = prompts.to(device), torch.ones_like(prompts).to(device)
 
             def timed(new_tokens: int, decode: str) -> float:
-                engine.decode_step = fast_step if decode == "fast" else None
+                engine.decode_step = steps_by_name[decode]
                 sync(device)
                 t0 = time.perf_counter()
                 engine.generate(prompts, mask, 1, new_tokens, temperature=1.0)

@@ -11,8 +11,9 @@ Steps, each under its own time limit so that one that hangs or fails leaves the 
   2. the tests marked `gpu` (tests/test_gpu.py): the sampler's log-probs against the scorer's in fp32 and bf16,
      merged LoRA / QLoRA sync, FSDP2 under bf16 mixed precision keeping the temperatures, resume on the device,
      the memory estimate against the measured peak; their measured figures go to the results;
-  3. the HF sampler's decode step at 1, 8 and 64 rows against its memory-bandwidth floor, with transformers' SDPA
-     and with our grouped decode attention (scripts/bench_sampler.py);
+  3. the HF sampler's decode step at 1, 8 and 64 rows against its memory-bandwidth floor, written out
+     (lib/extras/decode.LlamaStep) and replayed from CUDA graphs (GraphStep), in alternation
+     (scripts/bench_sampler.py);
   4. a side-by-side benchmark of our trainer and TRL's GRPOTrainer (scripts/bench_vs_trl.py) at the Qwen2.5-0.5B
      shape with random weights: 8 completions of 256 new tokens, bf16, HF sampling on both sides, five steps (the
      first left out), TRL with the folder's bf16 weights (its default) and with fp32 master weights (as ours):
@@ -138,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests_timeout", type=int, default=260, help="Seconds for step 2 (190 s ran "
                         "7 of its 9 tests on an H100, 2026-11-26).")
     parser.add_argument("--bench_timeout", type=int, default=240, help="Seconds for step 4.")
-    parser.add_argument("--sampler_timeout", type=int, default=80, help="Seconds for step 3.")
-    parser.add_argument("--sampler_attn", nargs="+", default=["sdpa", "agrpo_sdpa"],
+    parser.add_argument("--sampler_timeout", type=int, default=120, help="Seconds for step 3.")
+    parser.add_argument("--sampler_attn", nargs="+", default=["sdpa"],
                         help="Attention implementations step 3 compares, in this order.")
     parser.add_argument("--sampler_rows", nargs="+", default=["1", "8", "64"], help="Step 3's batch sizes.")
-    parser.add_argument("--sampler_decode", nargs="+", default=["model", "fast"], help="Step 3's decode steps, "
+    parser.add_argument("--sampler_decode", nargs="+", default=["written", "graph"], help="Step 3's decode steps, "
                         "timed in alternation (scripts/bench_sampler.py --decode).")
     parser.add_argument("--bench_rounds", default="1", help="Step 4's alternated rounds (scripts/bench_vs_trl.py).")
     parser.add_argument("--bench_trl_dtype", nargs="+", default=["auto", "float32"], help="Step 4's TRL weights.")

@@ -175,6 +175,62 @@ def test_the_written_out_decode_step_against_the_models_forward(device, small_mo
     assert max(gaps) < 0.05 * scale
 
 
+@torch.no_grad()
+def test_the_graphed_decode_step_against_the_written_out_one(device, small_model):
+    """lib/extras/decode.GraphStep (the sampler's decode step on CUDA: LlamaStep replayed from CUDA graphs) against
+    LlamaStep, teacher-forced on the same tokens through three attention windows and a compaction of the rows, on
+    the bf16 copy: the same logits to the attention kernel's rounding (bit for bit on a CPU, where it runs eagerly:
+    tests/test_rollout.py); then both sample the same completions from one seed, and the time of a decode step of
+    each, and of the model's forward, is reported (Qwen2.5-0.5B's is scripts/bench_sampler.py's)."""
+    import time
+
+    from lib.extras.decode import GraphStep, LlamaStep, decode_step_for
+    from lib.modeling import load_policy
+    from lib.rollout import HFRollout, prefill
+
+    engine = HFRollout(load_policy(small_model, device=device).eval(), [2], 0, bf16=True, seed=3)
+    model = engine.model
+    assert decode_step_for(model) is (GraphStep if device.type == "cuda" else LlamaStep)
+    ids, mask = prompts(device)
+    steps = []
+    for make in (lambda c: LlamaStep(model, c, mask, 80, block=16), lambda c: GraphStep(model, c, mask, 80, block=8)):
+        _, cache = prefill(model, ids, mask)
+        steps.append(make(cache))
+    tokens = torch.randint(10, 4096, (3, 80), generator=torch.Generator().manual_seed(2)).to(device)
+    positions, gaps, scale = mask.sum(-1), [], 0.0
+    for t in range(79):
+        if t == 30:  # the middle row has ended
+            rows = torch.tensor([0, 2], device=device)
+            for s in steps:
+                s.keep(rows)
+            tokens, positions = tokens[rows], positions[rows]
+        reference, ours = (s.step(tokens[:, t], positions) for s in steps)
+        gaps.append(float((ours - reference).abs().max()))
+        scale = max(scale, float(reference.abs().max()))
+        positions = positions + 1
+    if device.type == "cuda":
+        assert sorted(steps[1].graphs) == steps[1].windows == [15, 30, 60, 87]  # a graph per window
+    runs, times = {}, {}
+    for name, step in (("graph", GraphStep), ("written", LlamaStep), ("model", None)):
+        engine.decode_step = step
+        for _ in range(2):  # the second is timed (the first warms up kernels and allocations)
+            engine.generator.manual_seed(5)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            runs[name] = engine.generate(ids, mask, 4, 200, temperature=1.0)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name] = (time.perf_counter() - t0) / int(runs[name].completion_mask.sum(-1).max())
+    same = (runs["graph"].completion_ids == runs["written"].completion_ids).all(-1) if \
+        runs["graph"].completion_ids.shape == runs["written"].completion_ids.shape else torch.tensor([False])
+    report("decode_step_graph_vs_written_out", device=str(device), max_gap=max(gaps), logit_scale=scale,
+           bitwise=max(gaps) == 0.0, same_completions=f"{int(same.sum())}/{same.numel()}",
+           step_ms={name: round(t * 1e3, 3) for name, t in times.items()})
+    assert max(gaps) < 0.05 * scale
+    assert float(same.float().mean()) >= 0.5
+
+
 @pytest.mark.parametrize("load_in_4bit", [False, True], ids=["lora", "qlora"])
 def test_a_merged_adapter_copy_samples_the_policy_and_a_sync_refreshes_it(device, small_model, load_in_4bit):
     """LoRA and QLoRA sample with a plain copy holding W + (alpha/r) B A (a 4-bit base dequantised): its log-probs

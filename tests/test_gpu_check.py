@@ -26,11 +26,12 @@ def test_the_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     steps = results["steps"]
     assert set(steps) == {"tests", "sampler", "bench"}, proc.stdout[-3000:]
     tests = {t["test"]: t["outcome"] for t in steps["tests"]["tests"]}
-    assert len(tests) == 9 and all(o == "passed" for o in tests.values()), (tests, steps["tests"]["log_tail"])
+    assert len(tests) == 10 and all(o == "passed" for o in tests.values()), (tests, steps["tests"]["log_tail"])
     measured = {m["test"] for m in steps["tests"]["measured"]}
-    assert {"sampler_vs_scorer_fp32", "merged_sync_lora", "fsdp2_bf16_temperatures", "resume_on_device"} <= measured
+    assert {"sampler_vs_scorer_fp32", "decode_step_graph_vs_written_out", "merged_sync_lora", "fsdp2_bf16_temperatures", "resume_on_device"} <= measured
     rows = steps["sampler"]["report"]["results"]
-    assert {(r["attn"], r["rows"]) for r in rows} == {(a, n) for a in ("sdpa", "agrpo_sdpa") for n in (1, 8)}
+    assert {(r["attn"], r["decode"], r["rows"]) for r in rows} == \
+        {("sdpa", d, n) for d in ("written", "graph") for n in (1, 8)}
     assert all(r["step_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
     assert proc.returncode == 0, proc.stdout[-3000:]
     # the benchmark against TRL (scripts/bench_vs_trl.py) as its own run would report it: the dry run's is the one

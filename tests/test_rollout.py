@@ -372,7 +372,7 @@ def test_the_written_out_decode_step_gives_the_models_own_logits_bit_for_bit(kin
     buffers' growth (a block of 8 here) and a compaction of the rows; then a sampled run takes the same tokens
     either way, rows ending and leaving the batch included."""
     from lib.extras.cpu_kernels import can_prepack, prepack_for_cpu
-    from lib.extras.decode import LlamaStep, llama_family
+    from lib.extras.decode import GraphStep, LlamaStep, llama_family
     from lib.rollout import ModelStep, prefill
 
     engine = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3, prepack=prepack_for_cpu)
@@ -384,7 +384,10 @@ def test_the_written_out_decode_step_gives_the_models_own_logits_bit_for_bit(kin
     mask[0, :4], ids[0, :4] = 0, 0  # a left-padded prompt
     with torch.no_grad():
         steps = []
-        for make in (lambda c, a: ModelStep(model, c, a), lambda c, a: LlamaStep(model, c, a, 30, block=8)):
+        # GraphStep off CUDA runs its graph's steps eagerly: its full-length buffers, index writes, attention
+        # windows (10 + 4, then doubling) and live-row map
+        for make in (lambda c, a: ModelStep(model, c, a), lambda c, a: LlamaStep(model, c, a, 30, block=8),
+                     lambda c, a: GraphStep(model, c, a, 30, block=4)):
             _, cache = prefill(model, ids, mask)
             steps.append(make(cache, mask))
         tokens, positions = torch.randint(3, 300, (3, 30), generator=torch.Generator().manual_seed(2)), mask.sum(-1)
@@ -394,8 +397,9 @@ def test_the_written_out_decode_step_gives_the_models_own_logits_bit_for_bit(kin
                 for s in steps:
                     s.keep(rows)
                 tokens, positions = tokens[rows], positions[rows]
-            reference, ours = (s.step(tokens[:, t], positions) for s in steps)
+            reference, ours, graphed = (s.step(tokens[:, t], positions) for s in steps)
             assert ours.dtype == torch.float32 and torch.equal(ours, reference), t
+            assert torch.equal(graphed, reference), t
             positions = positions + 1
     runs = []
     for fast in (False, True):

@@ -13,7 +13,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lib.extras.decode import LlamaStep, llama_family
+from lib.extras.decode import decode_step_for
 from lib.modeling import FAST_ATTENTION
 
 
@@ -90,9 +90,9 @@ def prepack_linears(model: torch.nn.Module) -> None:
 
 def prepack_for_cpu(model: torch.nn.Module):
     """HFRollout's `prepack` hook: prepack a bf16 sampling copy's linear layers where it lives on a CPU that has
-    oneDNN's bf16 kernel (leave any other model as it is); return the copy's decode step: lib/extras/decode.LlamaStep
-    for a Llama-family model (on any device), else None (the model's own forward)."""
+    oneDNN's bf16 kernel (leave any other model as it is); return the copy's decode step
+    (lib/extras/decode.decode_step_for: LlamaStep for a Llama-family model, GraphStep on CUDA, else None)."""
     if next(model.parameters()).dtype == torch.bfloat16 and next(model.parameters()).device.type == "cpu" \
             and can_prepack():
         prepack_linears(model)
-    return LlamaStep if llama_family(model) else None
+    return decode_step_for(model)

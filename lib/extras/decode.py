@@ -54,6 +54,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def _write(buffer: torch.Tensor, col, value: torch.Tensor) -> None:
+    """buffer[:, :, col] = value for a (B, heads, 1, D) value: `col` a slice (a plain copy), or a (1,) device tensor
+    (an index copy, which a CUDA graph can replay at the column the tensor holds then)."""
+    if isinstance(col, slice):
+        buffer[:, :, col] = value
+    else:
+        buffer.index_copy_(2, col, value)
+
+
 class LlamaStep:
     """A Llama-family decode step over per-layer key/value buffers (B, KV heads, capacity, D), zero-filled, holding
     the prefill's keys and values, grown by doubling (one copy per doubling, not one per token) up to the prompt plus
@@ -121,7 +130,12 @@ class LlamaStep:
         col = self.length
         self.length += 1
         self.mask[:, col] = True
-        mask = self.mask[:, None, None, :]  # (B, 1, 1, capacity), True = attend
+        return self._forward(tokens, positions, slice(col, col + 1), self.mask.shape[1])
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, col, width: int) -> torch.Tensor:
+        """One token a row through every layer: its key and value written at `col` (a slice, or a (1,) index tensor
+        for `GraphStep`), attention over the buffers' first `width` positions (the mask says which count)."""
+        mask = self.mask[:, None, None, :width]  # (B, 1, 1, width), True = attend
         batch, dim = tokens.shape[0], self.head_dim
         hidden = self.embed(tokens)  # (B, H): one token a row, so no sequence axis
         cos, sin = self.rotary(hidden, positions[:, None])
@@ -136,10 +150,85 @@ class LlamaStep:
             heads = q.shape[1]
             qk = _rotate(torch.cat((q, k), dim=1), cos, sin)  # the query and key heads rotated in one go
             q = qk[:, :heads]
-            self.keys[i][:, :, col] = qk[:, heads:, 0]
-            self.values[i][:, :, col] = v_proj(x).view(batch, -1, dim)
-            out, _ = self.attention(attn, q, self.keys[i], self.values[i], mask, scaling=attn.scaling)
+            _write(self.keys[i], col, qk[:, heads:])
+            _write(self.values[i], col, v_proj(x).view(batch, -1, 1, dim))
+            keys, values = self.keys[i][:, :, :width], self.values[i][:, :, :width]
+            out, _ = self.attention(attn, q, keys, values, mask, scaling=attn.scaling)
             hidden = hidden + o_proj(out.reshape(batch, -1))
             x = _rms_norm(hidden, *norm2)
             hidden = hidden + down(act(gate(x)) * up(x))
         return self.head(_rms_norm(hidden, *self.final_norm))
+
+
+class GraphStep(LlamaStep):
+    """`LlamaStep` on CUDA, replayed from CUDA graphs: a decode step of a small model on a GPU is bound by launching
+    its ~20 kernels a layer one by one from Python (40-80x its memory floor on an H100, docs/performance.md 6), and a
+    graph launches them all at once. What a graph needs fixed is fixed: the buffers hold the prompt plus every new
+    token from the start (no growth), the column written is a device tensor the graph advances itself, the tokens and
+    positions go through static buffers, and rows that end stay in the batch (their outputs unread). Attention reads
+    a window of the buffers that doubles from the prompt plus 128 positions (one graph per window, captured when the
+    first step needs it, the first step of each window run eagerly as the capture's warm-up), so a step's attention
+    costs what the tokens so far need. Same operations as `LlamaStep`, so the same logits to the attention kernel's
+    rounding (tests/test_gpu.py)."""
+
+    def __init__(self, lm: torch.nn.Module, cache: DynamicCache, attention: torch.Tensor, max_new_tokens: int,
+                 block: int = 128):
+        prompt_len = attention.shape[1]
+        super().__init__(lm, cache, attention, max_new_tokens, block=max_new_tokens)
+        self.windows = []
+        width = prompt_len + block
+        while width < self.limit:
+            self.windows.append(width)
+            width *= 2
+        self.windows.append(self.limit)
+        device = attention.device
+        self.col = torch.tensor([prompt_len], device=device)
+        self.rows = torch.arange(attention.shape[0], device=device)  # the live rows' places in the buffers
+        self.tokens = torch.zeros(attention.shape[0], dtype=torch.long, device=device)
+        self.positions = torch.zeros_like(self.tokens)
+        self.graphs: dict[int, tuple] = {}  # window -> (graph, its output buffer)
+        self.pool = None
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.rows = self.rows[rows]
+
+    def _body(self, width: int) -> torch.Tensor:
+        self.mask.index_fill_(1, self.col, True)
+        logits = self._forward(self.tokens, self.positions, self.col, width)
+        self.col += 1
+        return logits
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.tokens.index_copy_(0, self.rows, tokens)
+        self.positions.index_copy_(0, self.rows, positions)
+        self.length += 1
+        width = next(w for w in self.windows if w >= self.length)
+        if self.col.device.type != "cuda":  # elsewhere (the GPU check's dry run, tests): the same steps, eagerly
+            return self._body(width)[self.rows]
+        if width in self.graphs:
+            graph, out = self.graphs[width]
+            graph.replay()
+            return out[self.rows]
+        # warm-up on a side stream (the capture's rule), which is this step; then capture the next steps' graph
+        with torch.cuda.device(self.col.device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                logits = self._body(width)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # windows only widen, so the graphs may share one memory pool (each replays after the last one's
+            # outputs are read)
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = self._body(width)
+        self.pool = graph.pool()
+        self.graphs[width] = (graph, out)
+        return logits[self.rows]
+
+
+def decode_step_for(model: torch.nn.Module):
+    """The sampler's decode step for a copy (HFRollout's `decode_step`): `GraphStep` for a Llama-family model on CUDA,
+    `LlamaStep` for one elsewhere, None (the model's own forward) for any other model."""
+    if not llama_family(model):
+        return None
+    return GraphStep if next(model.parameters()).device.type == "cuda" else LlamaStep
