@@ -160,6 +160,9 @@ class LlamaStep:
         return self.head(_rms_norm(hidden, *self.final_norm))
 
 
+_SIDE_STREAMS: dict = {}  # device -> the stream GraphStep warms up on
+
+
 class GraphStep(LlamaStep):
     """`LlamaStep` on CUDA, replayed from CUDA graphs: a decode step of a small model on a GPU is bound by launching
     its ~20 kernels a layer one by one from Python (40-80x its memory floor on an H100, docs/performance.md 6), and a
@@ -211,7 +214,10 @@ class GraphStep(LlamaStep):
             return out[self.rows]
         # warm-up on a side stream (the capture's rule), which is this step; then capture the next steps' graph
         with torch.cuda.device(self.col.device):
-            stream = torch.cuda.Stream()
+            # one side stream a device for the whole run: each stream that runs a matrix product gets (and keeps)
+            # its own cuBLAS workspace, and a new stream per capture would cycle through PyTorch's pool of 32
+            stream = _SIDE_STREAMS.get(self.col.device) or _SIDE_STREAMS.setdefault(self.col.device,
+                                                                                     torch.cuda.Stream())
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 logits = self._body(width)
