@@ -6,8 +6,8 @@ backtracks, a symbolic simplification that never ends), some crash the interpret
 trainer starts once and talks to over a pipe: a call that does not answer within `timeout` seconds is abandoned (the
 child is killed and started again on the next call) and one whose child dies is reported the same way; both raise
 `RewardCallFailed`, which `lib.reward_funcs.score_completions` scores as a failure and counts, exactly as it does for a
-function that raises. The child resolves the reward specs itself (`resolve_reward_funcs`), so built-ins,
-`module:function` and `file.py:function` all work without pickling functions; reward models (None in the specs,
+function that raises. The child resolves the reward specs itself (`resolve_reward_funcs`), so built-ins (those of
+lib/extras/open_r1_rewards.REWARD_FUNCS), `module:function` and `file.py:function` all work without pickling functions; reward models (None in the specs,
 lib/setup.resolve_rewards) stay in the trainer, on its device, and are never sent here.
 
 A request is a list of jobs, (function index, TRL's keyword arguments): one call of a synchronous function, or
@@ -34,6 +34,7 @@ import sys
 import time
 from multiprocessing.connection import Connection, wait
 
+from lib.extras.open_r1_rewards import REWARD_FUNCS
 from lib.reward_funcs import describe_failure, resolve_reward_funcs, run_jobs
 
 # Extra seconds the trainer waits for a request of async calls, past the child's own cancellation at `timeout`, so that
@@ -206,7 +207,8 @@ def serve(read_fd: int, write_fd: int, setup) -> None:
 
 def _reward_setup(init):
     specs, options, timeout = init
-    resolved = iter(resolve_reward_funcs([spec for spec in specs if spec is not None], options))
+    resolved = iter(resolve_reward_funcs([spec for spec in specs if spec is not None], options,
+                                         named_rewards=REWARD_FUNCS))
     funcs = [None if spec is None else next(resolved)[1] for spec in specs]  # None: a reward model, run in the trainer
 
     def answer(jobs):
