@@ -103,8 +103,7 @@ class Run:
     # FSDP2 / DeepSpeed (weights, gradients, optimizer states sharded): lib/extras/sharding.Sharding; else None
     sharding: object = None
     # optional parts, made by train_agrpo.setup from lib/extras/ (which the core does not import):
-    watch: object = None  # lib/extras/health.Watch: the metric history behind the console warnings
-    warning_line: object = None  # lib/extras/health.console_line: a health warning as one console line
+    watch: object = None  # lib/extras/health.Watch: the metric history behind the health warnings
     completions_table: object = None  # lib/extras/hub.completions_value: a step's completions as a tracker's table
     hub: object = None  # lib/extras/hub.HubPusher: push_to_hub's uploads (main process), or None
 
