@@ -264,11 +264,6 @@ def _read_table(path: Path, data: bytes | None = None) -> list[tuple[str, dict]]
     return [(f"{path}, row {i}", row) for i, row in enumerate(rows, start=1)]
 
 
-def one_line(err: BaseException) -> str:
-    """An exception on one line: its type and the first 300 characters of its message, whitespace folded."""
-    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
-
-
 def is_saved_dataset(path: Path) -> bool:
     """True for a folder that Dataset.save_to_disk or DatasetDict.save_to_disk wrote."""
     return any((path / name).is_file() for name in SAVED_DATASET_FILES)
