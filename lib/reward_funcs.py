@@ -113,8 +113,8 @@ def _bind_options(spec: str, func: RewardFunc, options: dict, built_in: bool) ->
 
 
 def reward_options(cfg) -> dict:
-    """Keyword options of the built-in reward functions, from the configuration (lib.rewards binds the ones each
-    function takes)."""
+    """Keyword options of the built-in reward functions (lib/extras/open_r1_rewards.py's cosine, repetition and
+    soft_overlong), from the configuration; resolve_reward_funcs binds to each function the ones it takes."""
     return {"max_len": cfg.cosine_max_len or cfg.max_completion_length,
             "max_completion_length": cfg.max_completion_length,
             "overlong_buffer_length": cfg.overlong_buffer_length or max(1, cfg.max_completion_length // 5),
