@@ -253,13 +253,6 @@ def is_reward_model(func) -> bool:
     return getattr(func, "is_reward_model", False)
 
 
-class RewardTimeout(Exception):
-    """An async call that ran past its time limit. Its message is a predicate of the function, like
-    lib/extras/reward_worker.RewardCallFailed's."""
-
-    predicate = True
-
-
 def describe_failure(exc: BaseException) -> str:
     """What a failed call did, as a predicate of the function's name ("raised KeyError: 'x'", "gave no answer ...")."""
     return str(exc) if getattr(exc, "predicate", False) else f"raised {type(exc).__name__}: {exc}"
@@ -282,11 +275,11 @@ def _event_loop() -> asyncio.AbstractEventLoop:
     return _loop
 
 
-def run_jobs(funcs: list[RewardFunc], jobs: list[tuple[int, dict]], timeout: float = 0.0) -> list:
+def run_jobs(funcs: list[RewardFunc], jobs: list[tuple[int, dict]]) -> list:
     """Reward calls in this process. A job is (function index, keyword arguments). Synchronous functions run one after
-    another, `async def` ones all at once on the event loop, each for at most `timeout` seconds (0: no limit; a
-    coroutine is stopped only where it awaits, so the reward worker's own deadline covers one that blocks). Returns
-    per job its output, or the exception it raised: this never raises for a function."""
+    another, `async def` ones all at once on the event loop (the reward worker gives them a time limit:
+    lib/extras/reward_worker.with_time_limit). Returns per job its output, or the exception it raised: this never
+    raises for a function."""
     results: list = [None] * len(jobs)
     waiting = []
     for j, (k, kwargs) in enumerate(jobs):
@@ -301,10 +294,7 @@ def run_jobs(funcs: list[RewardFunc], jobs: list[tuple[int, dict]], timeout: flo
     if waiting:
         async def one(k: int, kwargs: dict):
             try:
-                coroutine = funcs[k](**kwargs)
-                return await (asyncio.wait_for(coroutine, timeout) if timeout > 0 else coroutine)
-            except TimeoutError:
-                return RewardTimeout(f"gave no answer within reward_timeout = {timeout:g} s; the call was cancelled")
+                return await funcs[k](**kwargs)
             except Exception as exc:  # noqa: BLE001
                 return exc
 
