@@ -6,10 +6,10 @@ each holds):
 one entry per completion; None means "not applicable to this completion": the trainer skips it when it sums rewards
 (TRL's nansum).
 
-The built-in functions here (accuracy, format, think_format, length: what the presets use) follow open-r1
+The built-in functions here (accuracy, format, length: what the presets and the evaluation use) follow open-r1
 `src/open_r1/rewards.py` (commit 1416fa0, docs/methods.md 2.4), take either form of completion, and ignore the keywords
 they do not use; answer equivalence is decided by math-verify (`parse` + `verify`), never by string comparison of our
-own. open-r1's other rewards (cosine, repetition, soft_overlong, tag_count, reasoning_steps) are
+own. open-r1's other rewards (think_format, cosine, repetition, soft_overlong, tag_count, reasoning_steps) are
 lib/extras/open_r1_rewards.py, which the entry scripts hand to lib/reward_funcs.resolve_reward_funcs.
 
 Lengths: the trainer passes the column `completion_length` (completion tokens, ints). `length` falls back to
@@ -146,9 +146,6 @@ def answers_match(predicted: str | None, gold: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # Reward functions
 
-# open-r1 format_reward (docs/methods.md 2.4). With MULTILINE, `$` also matches before a newline, so text on lines
-# after </answer> still passes; we keep open-r1's exact regex for parity.
-_THINK_FORMAT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL | re.MULTILINE)
 _FORMAT_LINE = re.compile(r"Answer:(.*)")
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
 _WORD = re.compile(r"[A-Za-z]{2,}")
@@ -195,11 +192,6 @@ def format_reward(prompts: list[str], completions: list[str], **columns) -> list
         match = _FORMAT_LINE.fullmatch(lines[-1].strip()) if lines else None
         rewards.append(1.0 if match and _is_single_value(match.group(1)) else 0.0)
     return rewards
-
-
-def think_format_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
-    """1.0 per completion laid out as `<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>` (open-r1), else 0.0."""
-    return [1.0 if _THINK_FORMAT.match(c) else 0.0 for c in completion_texts(completions)]
 
 
 def completion_lengths(completions: list[str], completion_length: list[int] | None) -> list[int]:
@@ -255,6 +247,5 @@ def length_reward(
 REWARD_FUNCS: dict[str, RewardFunc] = {
     "accuracy": accuracy_reward,
     "format": format_reward,
-    "think_format": think_format_reward,
     "length": length_reward,
 }

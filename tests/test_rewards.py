@@ -12,9 +12,8 @@ import pytest
 
 from conftest import REPO
 from lib.extras.open_r1_rewards import (REWARD_FUNCS as NAMED, cosine_reward, reasoning_steps_reward,
-                                        repetition_reward, soft_overlong_reward, tag_count_reward)
-from lib.rewards import (REWARD_FUNCS, accuracy_reward, answers_match, extract_answer, format_reward, length_reward,
-                         think_format_reward)
+                                        repetition_reward, soft_overlong_reward, tag_count_reward, think_format_reward)
+from lib.rewards import REWARD_FUNCS, accuracy_reward, answers_match, extract_answer, format_reward, length_reward
 from lib.reward_funcs import RewardState, resolve_reward_funcs, reward_arguments, score_completions
 
 EMMA = "Emma has 18 cards, so Emma has 18 + 34 = 52 cards.\nAnswer: 52."
@@ -381,7 +380,7 @@ def test_resolve_errors(spec, problem, tmp_path, monkeypatch):
         resolve_reward_funcs([spec])
     message = str(info.value)
     assert repr(spec) in message and problem in message
-    assert "accuracy, format, think_format" in message and "'module:function'" in message
+    assert "accuracy, format, length" in message and "'module:function'" in message
 
 
 def test_resolve_rejects_duplicate_names():
@@ -392,13 +391,14 @@ def test_resolve_rejects_duplicate_names():
 def test_open_r1_rewards_resolve_only_where_the_entry_scripts_hand_them_over():
     """The core knows the presets' rewards; open-r1's others are lib/extras/open_r1_rewards.py, which the entry scripts
     pass as `named_rewards`: without it "cosine" is an unknown name, and every message lists the names it was given."""
-    assert list(REWARD_FUNCS) == ["accuracy", "format", "think_format", "length"]
-    assert list(NAMED) == [*REWARD_FUNCS, "cosine", "repetition", "soft_overlong", "tag_count", "reasoning_steps"]
+    assert list(REWARD_FUNCS) == ["accuracy", "format", "length"]
+    assert list(NAMED) == [*REWARD_FUNCS, "think_format", "cosine", "repetition", "soft_overlong", "tag_count",
+                           "reasoning_steps"]
     with pytest.raises(ValueError, match=r"'cosine': unknown name\. Built-in reward functions: accuracy, format, "
-                                         r"think_format, length\. For your own"):
+                                         r"length\. For your own"):
         resolve_reward_funcs(["cosine"])
     with pytest.raises(ValueError, match=r"'no_such_module_xyz:f': cannot import .*Built-in reward functions: "
-                                         r"accuracy, format, think_format, length, cosine, .*, reasoning_steps\. For"):
+                                         r"accuracy, format, length, think_format, cosine, .*, reasoning_steps\. For"):
         resolve_reward_funcs(["no_such_module_xyz:f"], named_rewards=NAMED)
     assert [name for name, _ in resolve_reward_funcs(["accuracy", "tag_count"], named_rewards=NAMED)] == [
         "accuracy", "tag_count"]

@@ -1,5 +1,5 @@
 """open-r1's reward functions beyond those the presets use (open-r1 `src/open_r1/rewards.py`, commit 1416fa0;
-docs/methods.md 2.4), and DAPO's soft overlong punishment: cosine, repetition, soft_overlong, tag_count,
+docs/methods.md 2.4), and DAPO's soft overlong punishment: think_format, cosine, repetition, soft_overlong, tag_count,
 reasoning_steps. Pure, called as lib/rewards.py's are (keyword arguments, either form of completion).
 
 `REWARD_FUNCS` is every built-in name, lib/rewards.py's and these: the entry scripts hand it to
@@ -11,6 +11,15 @@ import re
 
 from lib.rewards import REWARD_FUNCS as CORE_REWARD_FUNCS
 from lib.rewards import RewardFunc, completion_lengths, completion_texts, correct_answers
+
+# open-r1 format_reward (docs/methods.md 2.4). With MULTILINE, `$` also matches before a newline, so text on lines
+# after </answer> still passes; we keep open-r1's exact regex for parity.
+_THINK_FORMAT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL | re.MULTILINE)
+
+
+def think_format_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """1.0 per completion laid out as `<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>` (open-r1), else 0.0."""
+    return [1.0 if _THINK_FORMAT.match(c) else 0.0 for c in completion_texts(completions)]
 
 
 def cosine_reward(
@@ -117,6 +126,7 @@ def reasoning_steps_reward(prompts: list[str], completions: list[str], **columns
 
 REWARD_FUNCS: dict[str, RewardFunc] = {
     **CORE_REWARD_FUNCS,
+    "think_format": think_format_reward,
     "cosine": cosine_reward,
     "repetition": repetition_reward,
     "soft_overlong": soft_overlong_reward,
