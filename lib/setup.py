@@ -138,8 +138,8 @@ def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, ob
 
 def resolve_rewards(cfg: Config, models=None, named_rewards: dict = REWARD_FUNCS) -> tuple[list[str], list]:
     """(the reward specs the reward worker resolves, None for a reward model, the resolved functions): bad names stop
-    here, before any data or model loads; reward models (`models`, as lib/reward_funcs.resolve_reward_funcs takes it,
-    with `named_rewards`) load later, onto each process's device, and run in this process."""
+    here, before any data or model loads. `models` and `named_rewards` as lib/reward_funcs.resolve_reward_funcs takes
+    them; reward models load later, onto each process's device, and run in this process."""
     # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
     specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
     try:
