@@ -56,7 +56,7 @@ from lib.extras import runs as run_data
 from lib.extras.model_folders import adapter_base, load_for_inference, model_folder_problem
 from lib.extras.embedded_model import EMBEDDED_ALIASES
 from lib.modeling import end_token_ids, is_adapter_folder
-from lib.rewards import REWARD_FUNCS
+from lib.extras.open_r1_rewards import REWARD_FUNCS
 from lib.reward_funcs import resolve_reward_funcs, score_completions
 
 DEFAULT_RUN = Path("runs/agrpo/final")
@@ -346,7 +346,7 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
     roots = roots if roots is not None else ([run_dir.resolve()] if run_dir else [])
     started = started or {name for name in (checkpoint.name, base.name) if name}
 
-    reward_funcs = resolve_reward_funcs(args.reward_funcs)
+    reward_funcs = resolve_reward_funcs(args.reward_funcs, named_rewards=REWARD_FUNCS)
 
     def score(text: str, reference: str) -> dict[str, float] | None:
         if not reference.strip():

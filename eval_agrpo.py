@@ -47,6 +47,7 @@ from lib.extras.embedded_model import EMBEDDED_ALIASES, resolve_model_path
 from lib.modeling import end_token_ids, is_adapter_folder, native_bf16
 from lib.losses import weighted_rewards
 from lib.extras import cpu_kernels, hub_data
+from lib.extras.open_r1_rewards import REWARD_FUNCS
 from lib.extras.reference_cache import cache_key, read_kept, weights_fingerprint, write_kept
 from lib.extras.reward_models import load_reward_models, reward_model_spec
 from lib.extras.trl_keys import reward_name
@@ -239,7 +240,7 @@ def validate(args: argparse.Namespace) -> None:
                               f"--reward_funcs; give one weight per function")
     try:
         args.reward_funcs = [reward_name(spec) for spec in args.reward_funcs]  # TRL's reward names read as ours
-        resolve_reward_funcs(args.reward_funcs, models=reward_model_spec)
+        resolve_reward_funcs(args.reward_funcs, models=reward_model_spec, named_rewards=REWARD_FUNCS)
     except ValueError as error:
         raise EvalConfigError(f"--reward_funcs: {error}") from error
     if not 0 < args.vllm_gpu_memory_utilization <= 1:
@@ -465,8 +466,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     bf16 = args.bf16 if args.bf16 is not None else native_bf16(device)
     # reward models (a folder or hub id in --reward_funcs) load once, onto the device (lib/extras/reward_models.py)
     try:
-        reward_funcs = load_reward_models(resolve_reward_funcs(args.reward_funcs, models=reward_model_spec), device,
-                                          args.batch_size, trust_remote_code=args.trust_remote_code,
+        specs = resolve_reward_funcs(args.reward_funcs, models=reward_model_spec, named_rewards=REWARD_FUNCS)
+        reward_funcs = load_reward_models(specs, device, args.batch_size, trust_remote_code=args.trust_remote_code,
                                           chat_template_kwargs=args.chat_template_kwargs)
     except ValueError as error:
         raise EvalConfigError(f"--reward_funcs: {error}") from error

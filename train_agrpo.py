@@ -70,11 +70,10 @@ from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation import generate_and_score, summarize
-from lib.extras import (agents, checkpointed_prefix, embedded_model, health, hub, hub_data, memory, reward_models,
-                        rollout_func, sharding, trl_keys, word_problems)
+from lib.extras import (agents, checkpointed_prefix, embedded_model, health, hub, hub_data, memory, open_r1_rewards,
+                        reward_models, rollout_func, sharding, trl_keys, vllm_rollout, word_problems)
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
-from lib.extras.vllm_rollout import colocated_rollout
 from lib.extras.runs import read_jsonl
 from lib.logs import append_jsonl, batch_metrics, log_step, watch_health
 from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
@@ -95,6 +94,7 @@ from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_t
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(argv, keys=trl_keys.resolve_keys)
+    vllm_rollout.check_settings(cfg)  # use_vllm's keys (lib/extras/vllm_rollout.py), the estimate's too
     if cfg.estimate_memory_only:  # arithmetic on the model's configuration: no weights, no accelerator
         return memory.estimate_only(cfg)
     try:
@@ -532,8 +532,9 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     rank, world = accelerator.process_index, accelerator.num_processes
     # push_to_hub: the hub reachable, a write token, the repository ready, before data and models
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
-    reward_specs, reward_funcs = resolve_rewards(cfg, reward_models.reward_model_spec)
-    train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print, hub_data, word_problems.builtin_task)
+    reward_specs, reward_funcs = resolve_rewards(cfg, reward_models.reward_model_spec, open_r1_rewards.REWARD_FUNCS)
+    train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print, hub_data, word_problems.builtin_task,
+                                            open_r1_rewards.REWARD_FUNCS)
     resolve_epochs(cfg, len(train_records), world)  # max_steps -1, and the epoch strategies
     resume = prepare_output_dir(cfg, accelerator)
     # reward functions run in a worker process with a time limit per call
@@ -555,7 +556,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     if cfg.use_vllm and cfg.vllm_mode == "server":  # an engine on its own devices (serve_vllm.py)
         engine = server_rollout(cfg, policy, tokenizer, rank, partitioned, world)
     elif cfg.use_vllm:  # a vLLM engine in each process
-        engine = colocated_rollout(cfg, policy, tokenizer, model_path, bf16, rank)
+        engine = vllm_rollout.colocated_rollout(cfg, policy, tokenizer, model_path, bf16, rank)
     else:
         engine = make_engine(cfg, policy, tokenizer, bf16, rank, partitioned, cpu_kernels.prepack_for_cpu)
     reward_funcs = reward_models.load_rewards(cfg, reward_funcs, accelerator.device)
@@ -584,8 +585,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     history = read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None
     run = Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method,
               params, optimizer, scheduler, eval_records, geometry, ckpt.StopRequest(), sharded,
-              watch=health.Watch(to_dict(cfg), history), warning_line=health.console_line,
-              completions_table=hub.completions_value,
+              watch=health.Watch(to_dict(cfg), history), completions_table=hub.completions_value,
               hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None)
     return run, state
 

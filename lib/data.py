@@ -264,11 +264,6 @@ def _read_table(path: Path, data: bytes | None = None) -> list[tuple[str, dict]]
     return [(f"{path}, row {i}", row) for i, row in enumerate(rows, start=1)]
 
 
-def one_line(err: BaseException) -> str:
-    """An exception on one line: its type and the first 300 characters of its message, whitespace folded."""
-    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
-
-
 def is_saved_dataset(path: Path) -> bool:
     """True for a folder that Dataset.save_to_disk or DatasetDict.save_to_disk wrote."""
     return any((path / name).is_file() for name in SAVED_DATASET_FILES)
@@ -486,13 +481,15 @@ def answer_needed(reward_funcs: list[tuple[str, Any]]) -> list[str]:
     return needed
 
 
-def check_answers(records: list[dict], reward_funcs: list[tuple[str, Any]], option: str, name: str) -> None:
+def check_answers(records: list[dict], reward_funcs: list[tuple[str, Any]], option: str, name: str,
+                  named_rewards: dict = REWARD_FUNCS) -> None:
     """Raises ValueError when `records` have no gold answer and a reward function needs one, naming the functions,
-    the columns looked for and the fix; `option` and `name` say which data set (dataset_name and its value)."""
+    the columns looked for and the fix (the built-ins of `named_rewards` that need none); `option` and `name` say
+    which data set (dataset_name and its value)."""
     needed = answer_needed(reward_funcs)
     if not records or "answer" in records[0] or not needed:
         return
-    free = [n for n in REWARD_FUNCS if not answer_needed([(n, REWARD_FUNCS[n])])]
+    free = [n for n, func in named_rewards.items() if not answer_needed([(n, func)])]
     columns = sorted(k for k in records[0] if k != "problem")
     raise ValueError(
         f"reward_funcs: {', '.join(needed)} need{'s' if len(needed) == 1 else ''} the gold answer, and {option} "

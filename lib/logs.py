@@ -82,16 +82,11 @@ def log_step(run: Run, step: int, metrics: dict, batch) -> None:
 
 
 def watch_health(run: Run, step: int, metrics: dict) -> None:
-    """Say each kind of lib/extras/health.py warning (zero-spread groups, truncation, entropy
-    collapse, reward hacking, a KL above its target) once, at the first logged line where it holds,
-    with its numbers and what to try: on the console and in warnings.jsonl. A warning an evaluation
-    raised carries an eval/ key, so that a resume at this step, which redoes the evaluation, sets it
-    aside with the evaluation's line (lib/checkpoint.trim_jsonl)."""
-    if not run.accelerator.is_main_process:
-        return
-    fresh = run.watch.add({"step": step, **metrics})
-    for warning in fresh:
-        tqdm.write(run.warning_line(warning))
-    after_eval = {"eval/raised_by_evaluation": True} if any(k.startswith("eval/") for k in metrics) else {}
-    append_jsonl(run, "warnings.jsonl", [{"step": step, "kind": w.kind, "title": w.title, "first_step": w.first_step,
-                                          "evidence": w.evidence, "advice": w.advice, **after_eval} for w in fresh])
+    """Say each kind of health warning (zero-spread groups, truncation, entropy collapse, reward hacking, a KL above
+    its target) once, at the first logged line where it holds, with its numbers and what to try: on the console and
+    in warnings.jsonl, as run.watch (lib/extras/health.Watch.report) words them."""
+    if run.accelerator.is_main_process:
+        lines, records = run.watch.report(step, metrics)
+        for line in lines:
+            tqdm.write(line)
+        append_jsonl(run, "warnings.jsonl", records)

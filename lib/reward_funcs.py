@@ -38,15 +38,15 @@ _HOW_TO_CUSTOM = (
 _DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 
 
-def spec_error(spec: str, problem: str) -> ValueError:
-    return ValueError(f"reward function {spec!r}: {problem}. " + _HOW_TO_CUSTOM.format(names=", ".join(REWARD_FUNCS)))
+def spec_error(spec: str, problem: str, named_rewards: dict = REWARD_FUNCS) -> ValueError:
+    return ValueError(f"reward function {spec!r}: {problem}. " + _HOW_TO_CUSTOM.format(names=", ".join(named_rewards)))
 
 
-def _load_module(spec: str, module_part: str, what: str | None = None):
+def _load_module(spec: str, module_part: str, what: str | None = None, named_rewards: dict = REWARD_FUNCS):
     """Import `module_part`, a dotted module name or a path to a .py file (relative to the working directory). A spec
     that is not a reward function's (`what`: tool, environment) gets its errors in its own words."""
     def error(problem: str) -> ValueError:
-        return spec_error(spec, problem) if what is None else ValueError(f"{what} {spec!r}: {problem}")
+        return spec_error(spec, problem, named_rewards) if what is None else ValueError(f"{what} {spec!r}: {problem}")
 
     if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
         path = Path(module_part)
@@ -92,7 +92,7 @@ def _keyword_only(func) -> set[str]:
     return {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
-def _bind_options(spec: str, func: RewardFunc, options: dict) -> RewardFunc:
+def _bind_options(spec: str, func: RewardFunc, options: dict, built_in: bool) -> RewardFunc:
     """`func` with the entries of `options` that name one of its keyword-only parameters bound (functools.partial).
 
     Only keyword-only parameters: a function that takes **columns would otherwise receive every option as if it were
@@ -104,7 +104,7 @@ def _bind_options(spec: str, func: RewardFunc, options: dict) -> RewardFunc:
     if not bound:
         return func
     func = functools.partial(func, **bound)
-    if spec in REWARD_FUNCS:
+    if built_in:
         try:
             func([], [], answer=[], completion_length=[])
         except ValueError as exc:
@@ -113,50 +113,51 @@ def _bind_options(spec: str, func: RewardFunc, options: dict) -> RewardFunc:
 
 
 def reward_options(cfg) -> dict:
-    """Keyword options of the built-in reward functions, from the configuration (lib.rewards binds the ones each
-    function takes)."""
+    """Keyword options of the built-in reward functions (lib/extras/open_r1_rewards.py's cosine, repetition and
+    soft_overlong), from the configuration; resolve_reward_funcs binds to each function the ones it takes."""
     return {"max_len": cfg.cosine_max_len or cfg.max_completion_length,
             "max_completion_length": cfg.max_completion_length,
             "overlong_buffer_length": cfg.overlong_buffer_length or max(1, cfg.max_completion_length // 5),
             "ngram_size": cfg.repetition_n_grams, "max_penalty": cfg.repetition_max_penalty}
 
 
-def resolve_reward_funcs(specs: list[str], options: dict | None = None,
-                         models=None) -> list[tuple[str, RewardFunc]]:
+def resolve_reward_funcs(specs: list[str], options: dict | None = None, models=None,
+                         named_rewards: dict[str, RewardFunc] = REWARD_FUNCS) -> list[tuple[str, RewardFunc]]:
     """(name, function) per spec, in order. A spec is a built-in name, 'module:function', 'module.function' (TRL's
     form) or 'file.py:function', or, where `models` is given, a reward model: models(spec) is (name, the model to
     load) for a folder or hub id of one, None otherwise (lib/extras/reward_models.reward_model_spec, which the entry
-    scripts pass). A custom function is named by its `__name__`, a built-in by our name. Raises ValueError naming the
-    spec and the fix on any bad spec (TRL's reward names: lib/extras/trl_keys.reward_name).
+    scripts pass). A custom function is named by its `__name__`, a built-in by our name: a key of `named_rewards`
+    (lib/rewards.REWARD_FUNCS, or lib/extras/open_r1_rewards.REWARD_FUNCS, which the entry scripts pass). Raises
+    ValueError naming the spec and the fix on any bad spec (TRL's reward names: lib/extras/trl_keys.reward_name).
 
     `options` (e.g. {"max_len": 1000, "ngram_size": 3}): each function gets, bound, the entries whose key is one of its
     keyword-only parameters, and nothing else; the name stays the spec's. A built-in with a bad value raises here."""
     options = options or {}
     resolved = []
     for spec in specs:
-        if spec in REWARD_FUNCS:
-            resolved.append((spec, _bind_options(spec, REWARD_FUNCS[spec], options)))
+        if spec in named_rewards:
+            resolved.append((spec, _bind_options(spec, named_rewards[spec], options, built_in=True)))
             continue
         model = models(spec) if models else None
         if model is not None:
             resolved.append(model)
             continue
         if spec.endswith(".py"):
-            raise spec_error(spec, f"name the function in the file: '{spec}:function'")
+            raise spec_error(spec, f"name the function in the file: '{spec}:function'", named_rewards)
         if ":" in spec:
             module_part, _, attr = spec.rpartition(":")
         elif _DOTTED.fullmatch(spec):
             module_part, _, attr = spec.rpartition(".")
         else:
-            raise spec_error(spec, "unknown name")
+            raise spec_error(spec, "unknown name", named_rewards)
         if not module_part or not attr:
-            raise spec_error(spec, "unknown name")
-        func = getattr(_load_module(spec, module_part), attr, None)
+            raise spec_error(spec, "unknown name", named_rewards)
+        func = getattr(_load_module(spec, module_part, named_rewards=named_rewards), attr, None)
         if func is None:
-            raise spec_error(spec, f"module {module_part!r} has no attribute {attr!r}")
+            raise spec_error(spec, f"module {module_part!r} has no attribute {attr!r}", named_rewards)
         if not callable(func):
-            raise spec_error(spec, f"{attr!r} is a {type(func).__name__}, not a function")
-        resolved.append((getattr(func, "__name__", attr), _bind_options(spec, func, options)))
+            raise spec_error(spec, f"{attr!r} is a {type(func).__name__}, not a function", named_rewards)
+        resolved.append((getattr(func, "__name__", attr), _bind_options(spec, func, options, built_in=False)))
     names = [name for name, _ in resolved]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
@@ -252,13 +253,6 @@ def is_reward_model(func) -> bool:
     return getattr(func, "is_reward_model", False)
 
 
-class RewardTimeout(Exception):
-    """An async call that ran past its time limit. Its message is a predicate of the function, like
-    lib/extras/reward_worker.RewardCallFailed's."""
-
-    predicate = True
-
-
 def describe_failure(exc: BaseException) -> str:
     """What a failed call did, as a predicate of the function's name ("raised KeyError: 'x'", "gave no answer ...")."""
     return str(exc) if getattr(exc, "predicate", False) else f"raised {type(exc).__name__}: {exc}"
@@ -281,11 +275,11 @@ def _event_loop() -> asyncio.AbstractEventLoop:
     return _loop
 
 
-def run_jobs(funcs: list[RewardFunc], jobs: list[tuple[int, dict]], timeout: float = 0.0) -> list:
+def run_jobs(funcs: list[RewardFunc], jobs: list[tuple[int, dict]]) -> list:
     """Reward calls in this process. A job is (function index, keyword arguments). Synchronous functions run one after
-    another, `async def` ones all at once on the event loop, each for at most `timeout` seconds (0: no limit; a
-    coroutine is stopped only where it awaits, so the reward worker's own deadline covers one that blocks). Returns
-    per job its output, or the exception it raised: this never raises for a function."""
+    another, `async def` ones all at once on the event loop (the reward worker gives them a time limit:
+    lib/extras/reward_worker.with_time_limit). Returns per job its output, or the exception it raised: this never
+    raises for a function."""
     results: list = [None] * len(jobs)
     waiting = []
     for j, (k, kwargs) in enumerate(jobs):
@@ -300,10 +294,7 @@ def run_jobs(funcs: list[RewardFunc], jobs: list[tuple[int, dict]], timeout: flo
     if waiting:
         async def one(k: int, kwargs: dict):
             try:
-                coroutine = funcs[k](**kwargs)
-                return await (asyncio.wait_for(coroutine, timeout) if timeout > 0 else coroutine)
-            except TimeoutError:
-                return RewardTimeout(f"gave no answer within reward_timeout = {timeout:g} s; the call was cancelled")
+                return await funcs[k](**kwargs)
             except Exception as exc:  # noqa: BLE001
                 return exc
 

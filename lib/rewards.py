@@ -6,17 +6,18 @@ each holds):
 one entry per completion; None means "not applicable to this completion": the trainer skips it when it sums rewards
 (TRL's nansum).
 
-The built-in functions follow open-r1 `src/open_r1/rewards.py` (commit 1416fa0, docs/methods.md 2.4), take either
-form of completion, and ignore the keywords they do not use; answer equivalence is decided by math-verify (`parse` +
-`verify`), never by string comparison of our own.
+The built-in functions here (accuracy, format, length: what the presets and the evaluation use) follow open-r1
+`src/open_r1/rewards.py` (commit 1416fa0, docs/methods.md 2.4), take either form of completion, and ignore the keywords
+they do not use; answer equivalence is decided by math-verify (`parse` + `verify`), never by string comparison of our
+own. open-r1's other rewards (think_format, cosine, repetition, soft_overlong, tag_count, reasoning_steps) are
+lib/extras/open_r1_rewards.py, which the entry scripts hand to lib/reward_funcs.resolve_reward_funcs.
 
-Lengths: the trainer passes the column `completion_length` (completion tokens, ints). The functions that use a length
-(`length`, `cosine`) fall back to `len(completion)` in characters when the column is absent, which is what open-r1
-measures, so they also work when called on plain text; `soft_overlong` counts tokens only and requires the column.
+Lengths: the trainer passes the column `completion_length` (completion tokens, ints). `length` falls back to
+`len(completion)` in characters when the column is absent, which is what open-r1 measures, so it also works when
+called on plain text.
 """
 
 import json
-import math
 import re
 import threading
 from collections.abc import Callable
@@ -145,9 +146,6 @@ def answers_match(predicted: str | None, gold: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # Reward functions
 
-# open-r1 format_reward (docs/methods.md 2.4). With MULTILINE, `$` also matches before a newline, so text on lines
-# after </answer> still passes; we keep open-r1's exact regex for parity.
-_THINK_FORMAT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL | re.MULTILINE)
 _FORMAT_LINE = re.compile(r"Answer:(.*)")
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
 _WORD = re.compile(r"[A-Za-z]{2,}")
@@ -166,13 +164,14 @@ def completion_text(completion) -> str:
     return "".join(m["content"] if isinstance(m.get("content"), str) else "" for m in completion)
 
 
-def _texts(completions: list) -> list[str]:
+def completion_texts(completions: list) -> list[str]:
+    """The text of each completion (completion_text)."""
     return [completion_text(c) for c in completions]
 
 
 def accuracy_reward(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float]:
     """1.0 per completion whose extracted answer equals the gold `answer`, else 0.0."""
-    return [1.0 if correct else 0.0 for correct in _correct(_texts(completions), answer)]
+    return [1.0 if correct else 0.0 for correct in correct_answers(completion_texts(completions), answer)]
 
 
 def _is_single_value(value: str) -> bool:
@@ -188,19 +187,14 @@ def _is_single_value(value: str) -> bool:
 def format_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
     """1.0 per completion whose last non-empty line is `Answer: <single value>`, else 0.0."""
     rewards = []
-    for completion in _texts(completions):
+    for completion in completion_texts(completions):
         lines = [line for line in completion.splitlines() if line.strip()]
         match = _FORMAT_LINE.fullmatch(lines[-1].strip()) if lines else None
         rewards.append(1.0 if match and _is_single_value(match.group(1)) else 0.0)
     return rewards
 
 
-def think_format_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
-    """1.0 per completion laid out as `<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>` (open-r1), else 0.0."""
-    return [1.0 if _THINK_FORMAT.match(c) else 0.0 for c in _texts(completions)]
-
-
-def _lengths(completions: list[str], completion_length: list[int] | None) -> list[int]:
+def completion_lengths(completions: list[str], completion_length: list[int] | None) -> list[int]:
     """Token counts from the trainer's `completion_length` column, or characters when the column is absent."""
     if completion_length is None:
         return [len(c) for c in completions]
@@ -208,7 +202,7 @@ def _lengths(completions: list[str], completion_length: list[int] | None) -> lis
     return [int(n) for n in completion_length]
 
 
-def _correct(completions: list[str], answer: list[str]) -> list[bool]:
+def correct_answers(completions: list[str], answer: list[str]) -> list[bool]:
     """Per completion: does its extracted answer equal the gold one (str(): a gold read from Parquet / JSON may arrive
     as a number, SVAMP's 145.0)."""
     return [answers_match(extract_answer(c), str(gold)) for c, gold in zip(completions, answer, strict=True)]
@@ -232,9 +226,9 @@ def length_reward(
     # open-r1 takes min/max over the whole call, which mixes prompts; AGPO (arXiv 2503.15952) shapes length within
     # the group (docs/methods.md 3.2(b)), so a group is the completions in this call that share a prompt string.
     # All of a group must be in the call: a group split across calls is judged on the part each call sees.
-    completions = _texts(completions)
-    lengths = _lengths(completions, completion_length)
-    correct = _correct(completions, answer)
+    completions = completion_texts(completions)
+    lengths = completion_lengths(completions, completion_length)
+    correct = correct_answers(completions, answer)
     groups: dict[str, list[int]] = {}
     for i, (prompt, _) in enumerate(zip(prompts, completions, strict=True)):
         groups.setdefault(_prompt_key(prompt), []).append(i)
@@ -250,116 +244,8 @@ def length_reward(
     return rewards
 
 
-def cosine_reward(
-    prompts: list[str], completions: list[str], answer: list[str], completion_length: list[int] | None = None,
-    *, max_len: int = 1000, min_value_correct: float = 0.5, max_value_correct: float = 1.0,
-    min_value_wrong: float = -1.0, max_value_wrong: float = -0.5, **columns,
-) -> list[float]:
-    """Cosine-scaled correctness (Yeo et al. 2025, "Demystifying Long Chain-of-Thought Reasoning"; open-r1
-    `get_cosine_scaled_reward`): reward = lo + 0.5 (hi - lo)(1 + cos(pi * min(1, L / max_len))) with
-    lo, hi = min_value_correct, max_value_correct for a correct answer and max_value_wrong, min_value_wrong for a wrong
-    one. Defaults (open-r1 signature): short correct 1.0, long correct 0.5, short wrong -1.0, long wrong -0.5.
-
-    `max_len` is in the unit of the lengths: tokens with `completion_length`, characters without (open-r1's 1000).
-    """
-    if max_len <= 0:
-        raise ValueError(f"cosine: max_len must be positive, got {max_len}")
-    completions = _texts(completions)
-    rewards = []
-    for length, correct in zip(_lengths(completions, completion_length), _correct(completions, answer), strict=True):
-        # open-r1 does not clamp: past max_len the cosine climbs back, and a completion of 2 * max_len would score
-        # like an empty one. Clamped, longer is never better, whatever the generation limit.
-        progress = min(1.0, length / max_len)
-        # Wrong answers swap the ends (open-r1: min_value = max_value_wrong, max_value = min_value_wrong), so that
-        # with the defaults a short wrong answer gets the harshest -1.0 and a long one, still thinking, -0.5.
-        lo, hi = (min_value_correct, max_value_correct) if correct else (max_value_wrong, min_value_wrong)
-        rewards.append(lo + 0.5 * (hi - lo) * (1.0 + math.cos(math.pi * progress)))
-    return rewards
-
-
-def repetition_reward(
-    prompts: list[str], completions: list[str], *, ngram_size: int = 3, max_penalty: float = -1.0, **columns,
-) -> list[float]:
-    """n-gram repetition penalty (open-r1 `get_repetition_penalty_reward`): with the lower-cased whitespace-split
-    words, reward = (1 - #distinct n-grams / #n-grams) * max_penalty; 0 when there are fewer than `ngram_size` words.
-    In [max_penalty, 0]: 0 for text without a repeated n-gram, near max_penalty for a loop of one phrase."""
-    if max_penalty > 0:
-        raise ValueError(f"repetition: max_penalty is a penalty and must be <= 0, got {max_penalty}")
-    if ngram_size < 1:
-        raise ValueError(f"repetition: ngram_size must be at least 1, got {ngram_size}")
-    rewards = []
-    for completion in _texts(completions):
-        words = completion.lower().split()
-        if len(words) < ngram_size:  # includes the empty completion
-            rewards.append(0.0)
-            continue
-        ngrams = [tuple(words[i : i + ngram_size]) for i in range(len(words) - ngram_size + 1)]
-        distinct = len(set(ngrams))
-        # the `if` keeps a -0.0 (0 * -1.0) out of the logs
-        rewards.append((1 - distinct / len(ngrams)) * max_penalty if distinct < len(ngrams) else 0.0)
-    return rewards
-
-
-def soft_overlong_reward(
-    prompts: list[str], completions: list[str], completion_length: list[int] | None = None,
-    completion_ids: list[list[int]] | None = None,
-    *, max_completion_length: int = 20480, overlong_buffer_length: int = 4096, **columns,
-) -> list[float]:
-    """DAPO soft overlong punishment (arXiv 2503.14476, "overlong reward shaping"; TRL `get_soft_overlong_punishment`):
-    0 up to L_max - L_cache tokens, then falling linearly to -1 at L_max, and -1 beyond (L_max = max_completion_length,
-    L_cache = overlong_buffer_length; defaults are the verl DAPO recipe's 20480 / 4096, docs/methods.md 1.3).
-
-    Requires the column `completion_length` or TRL's `completion_ids` (the trainer passes both): the punishment is
-    defined on tokens, and characters would put the buffer in the wrong place. A generation limit of L_max tokens
-    never produces the -1 case; it is there for parity.
-    """
-    if not 0 < overlong_buffer_length <= max_completion_length:
-        raise ValueError(f"soft_overlong: overlong_buffer_length ({overlong_buffer_length}) must be positive and at "
-                         f"most max_completion_length ({max_completion_length})")
-    if completion_length is None and completion_ids is not None:
-        completion_length = [len(ids) for ids in completion_ids]  # TRL's get_soft_overlong_punishment counts these
-    if completion_length is None:
-        raise ValueError("soft_overlong needs the per-completion column 'completion_length' (completion tokens, "
-                         "ints) or completion_ids; the trainer passes both, a direct call must pass one")
-    start = max_completion_length - overlong_buffer_length  # last length with no punishment
-    rewards = []
-    for length in _lengths(_texts(completions), completion_length):
-        if length <= start:
-            rewards.append(0.0)
-        elif length <= max_completion_length:
-            rewards.append((start - length) / overlong_buffer_length)
-        else:
-            rewards.append(-1.0)
-    return rewards
-
-
-def tag_count_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
-    """open-r1 `tag_count_reward`: 0.25 for each of "<think>\\n", "\\n</think>\\n", "\\n<answer>\\n" and
-    "\\n</answer>" found exactly once. Partial credit, so a model learning the think/answer layout gets a gradient
-    before it matches `think_format` as a whole."""
-    tags = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
-    return [sum(0.25 for tag in tags if completion.count(tag) == 1) for completion in _texts(completions)]
-
-
-# open-r1 `reasoning_steps_reward`. It calls re.findall with no flags, so `^\d+\.` matches only a list number at the
-# very start of the completion, not "2." on later lines; we keep that for parity (later list items that start with
-# "\n-" or "\n*" do count, and so does a markdown "\n**Answer:**" line).
-_REASONING_STEP = re.compile(r"(Step \d+:|^\d+\.|\n-|\n\*|First,|Second,|Next,|Finally,)")
-
-
-def reasoning_steps_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
-    """open-r1 `reasoning_steps_reward`: min(1, #step markers / 3); 3 because open-r1 aims for at least 3 steps."""
-    return [min(1.0, len(_REASONING_STEP.findall(completion)) / 3) for completion in _texts(completions)]
-
-
 REWARD_FUNCS: dict[str, RewardFunc] = {
     "accuracy": accuracy_reward,
     "format": format_reward,
-    "think_format": think_format_reward,
     "length": length_reward,
-    "cosine": cosine_reward,
-    "repetition": repetition_reward,
-    "soft_overlong": soft_overlong_reward,
-    "tag_count": tag_count_reward,
-    "reasoning_steps": reasoning_steps_reward,
 }

@@ -88,11 +88,6 @@ class RolloutContext:
         # lib.extras.agents.Agent (tools, environment_factory): first turns continued into episodes; or
         # lib.extras.rollout_func.RolloutFunction (rollout_func), which samples in place of the engine; or None
         self.episodes = episodes
-        # what prompts are rendered with: the run's system prompt and template variables, and an agent's tools
-        self.system_prompt, self.template_kwargs = cfg.system_prompt, cfg.chat_template_kwargs
-        if episodes is not None:
-            self.system_prompt, self.template_kwargs = episodes.prompt_settings(cfg.system_prompt,
-                                                                               cfg.chat_template_kwargs)
         self.nonfinite = dict.fromkeys(self.reward_names, 0)  # completions scored inf / -inf / NaN, this batch
         self.trainer_state = RewardState(0, cfg.max_steps, 0.0)  # the reward functions' `trainer_state`
 
@@ -107,12 +102,11 @@ class RolloutContext:
 
     def prompt_text(self, record: dict) -> str:
         """The text the model is prompted with (lib/data.render_prompt: TRL's prompt as it is or through the chat
-        template, or a math problem with the instruction)."""
-        system_prompt, template_kwargs = self.system_prompt, self.template_kwargs
-        if self.episodes is not None and self.episodes.environments:  # the row's environment's tools
-            system_prompt, template_kwargs = self.episodes.prompt_settings(self.cfg.system_prompt,
-                                                                          self.cfg.chat_template_kwargs, record)
-        return render_prompt(self.tokenizer, record, self.cfg.instruction, system_prompt, template_kwargs)
+        template, or a math problem with the instruction), with an agent's tools (its row's environment's too)."""
+        settings = (self.cfg.system_prompt, self.cfg.chat_template_kwargs)
+        if self.episodes is not None:
+            settings = self.episodes.prompt_settings(*settings, record)
+        return render_prompt(self.tokenizer, record, self.cfg.instruction, *settings)
 
     def next_slots(self, position: int, count: int) -> list[int]:
         seed = self.cfg.seed if self.cfg.data_seed is None else self.cfg.data_seed
@@ -133,20 +127,17 @@ class RolloutContext:
 
     def generate(self, prompts: Prompts, temperature, top_p: float, rows: torch.Tensor | None = None,
                  answer_phase: bool = True) -> Rollout:
-        """Sample this process's completions of `prompts` (or of the prompt rows `rows` only)."""
-        ids, mask, counts = prompts.ids, prompts.mask, prompts.counts
-        if rows is not None:
-            ids, mask, counts = ids[rows], mask[rows], counts[rows]
+        """Sample this process's completions of `prompts` (or of the prompt rows `rows` only): with the engine, or
+        through the `episodes` hook (an agent's episodes go on from the engine's first turns; a rollout_func samples
+        in the engine's place)."""
         sampling = dict(temperature=temperature, top_p=top_p, top_k=self.cfg.top_k,
                         answer_phase=self.answer_phase if answer_phase else None, min_p=self.cfg.min_p or 0.0,
                         repetition_penalty=self.cfg.repetition_penalty)
-        if self.episodes is not None and getattr(self.episodes, "replaces_sampling", False):  # a rollout_func
-            records = prompts.records if rows is None else [prompts.records[i] for i in rows.tolist()]
-            return self.episodes.sample(records, counts.tolist(), self.engine, sampling)
-        rollout = self.engine.generate(ids, mask, counts, self.cfg.max_completion_length, **sampling)
-        if self.episodes is None:
-            return rollout
-        return self.episodes(rollout, self.engine, sampling, prompts=prompts, rows=rows)  # an agent's episodes
+        if self.episodes is not None:
+            return self.episodes.generate(self.engine, prompts, rows, sampling)
+        take = slice(None) if rows is None else rows
+        return self.engine.generate(prompts.ids[take], prompts.mask[take], prompts.counts[take],
+                                    self.cfg.max_completion_length, **sampling)
 
     def sampling_counters(self) -> dict[str, float]:
         """This batch's sampling events that the sampler's hooks count, over every process (an agent's tool calls)."""

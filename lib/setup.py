@@ -36,6 +36,7 @@ from lib.modeling import (REFERENCE_FOLDER, CompletionScorer, cast_lm_head_to_fp
                           is_adapter_folder, load_policy, load_reference, load_tokenizer, native_bf16,
                           reference_dtype, weights_dtype)
 from lib.reward_funcs import is_reward_model, resolve_reward_funcs, reward_options
+from lib.rewards import REWARD_FUNCS
 from lib.rollout import AnswerPhase, HFRollout
 from lib.schedule import build_scheduler, steps_per_rollout, warmup_steps
 
@@ -102,8 +103,7 @@ class Run:
     # FSDP2 / DeepSpeed (weights, gradients, optimizer states sharded): lib/extras/sharding.Sharding; else None
     sharding: object = None
     # optional parts, made by train_agrpo.setup from lib/extras/ (which the core does not import):
-    watch: object = None  # lib/extras/health.Watch: the metric history behind the console warnings
-    warning_line: object = None  # lib/extras/health.console_line: a health warning as one console line
+    watch: object = None  # lib/extras/health.Watch: the metric history behind the health warnings
     completions_table: object = None  # lib/extras/hub.completions_value: a step's completions as a tracker's table
     hub: object = None  # lib/extras/hub.HubPusher: push_to_hub's uploads (main process), or None
 
@@ -136,14 +136,14 @@ def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, ob
     return accelerator, bf16, launch, launch is not None and launch.partitioned
 
 
-def resolve_rewards(cfg: Config, models=None) -> tuple[list[str], list]:
+def resolve_rewards(cfg: Config, models=None, named_rewards: dict = REWARD_FUNCS) -> tuple[list[str], list]:
     """(the reward specs the reward worker resolves, None for a reward model, the resolved functions): bad names stop
-    here, before any data or model loads; reward models (`models`, as lib/reward_funcs.resolve_reward_funcs takes it)
-    load later, onto each process's device, and run in this process."""
+    here, before any data or model loads. `models` and `named_rewards` as lib/reward_funcs.resolve_reward_funcs takes
+    them; reward models load later, onto each process's device, and run in this process."""
     # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
     specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
     try:
-        reward_funcs = resolve_reward_funcs(specs, reward_options(cfg), models)
+        reward_funcs = resolve_reward_funcs(specs, reward_options(cfg), models, named_rewards)
     except ValueError as error:
         raise ConfigError(f"reward_funcs: {error}") from error
     names = [name for name, _ in reward_funcs]
@@ -156,10 +156,11 @@ def resolve_rewards(cfg: Config, models=None) -> tuple[list[str], list]:
     return [None if is_reward_model(func) else spec for spec, (_, func) in zip(specs, reward_funcs)], reward_funcs
 
 
-def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None,
-              builtin=None) -> tuple[list[dict], list[dict]]:
+def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None, builtin=None,
+              named_rewards: dict = REWARD_FUNCS) -> tuple[list[dict], list[dict]]:
     """(train records, eval records). Errors in the data surface here, before any model is loaded; so does a data set
-    with no gold answer trained with a reward function that needs one (lib/data.check_answers).
+    with no gold answer trained with a reward function that needs one (lib/data.check_answers, which names the
+    built-ins of `named_rewards` that need none).
 
     The held-out set is eval_dataset_name; else dataset_name's dataset_test_split where it has one (a folder or a hub
     data set, as TRL evaluates on it); else, for a single file, a seeded share of its rows. Held-out data with no gold
@@ -176,7 +177,7 @@ def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None,
         train = load_records(cfg.dataset_name, split=cfg.dataset_train_split,
                              max_samples=cfg.max_train_samples, seed=cfg.seed,
                              config=cfg.dataset_config, **columns)
-        check_answers(train, reward_funcs, "dataset_name", cfg.dataset_name)
+        check_answers(train, reward_funcs, "dataset_name", cfg.dataset_name, named_rewards)
         evals, source = [], cfg.eval_dataset_name or cfg.dataset_name
         if cfg.num_eval_samples == 0:
             source = None  # no evaluation asked for

@@ -62,6 +62,7 @@ sys.path.insert(0, str(REPO))
 from lib.config import (PRESETS, Config, ConfigError, parse_config, steps_per_rollout, to_dict,  # noqa: E402
                         validate_methods)
 from lib.extras.trl_keys import resolve_keys  # noqa: E402
+from lib.extras.vllm_rollout import check_settings  # noqa: E402
 from scripts.compare_presets import train_command  # noqa: E402
 
 # name -> what it means (the seeds' twelve configurations: A-GRPO's ablation table)
@@ -205,6 +206,7 @@ def plan(methods: list[str], ablations: list[str], seeds: list[int], extra: list
                                                                             check_installed=check_installed,
                                                                             keys=resolve_keys)))
                 cfg = parse_config([*head, *flags], check_installed=check_installed, keys=resolve_keys)
+                check_settings(cfg, check_installed)  # use_vllm's keys, as train_agrpo.main checks them
                 validate_methods(cfg, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps)
             except ConfigError as error:
                 raise AblateError(f"{method} / {ablation} / seed {seed}: {error}") from None

@@ -220,13 +220,30 @@ def test_every_recipe_parses_and_validates(recipe):
 
 
 def test_a_vllm_recipe_is_refused_where_vllm_is_missing_but_estimated_and_planned(monkeypatch):
+    """use_vllm's keys are lib/extras/vllm_rollout.check_settings', which train_agrpo.main calls right after parsing,
+    before anything loads."""
+    import train_agrpo
+    from lib.extras.vllm_rollout import check_settings
+
     monkeypatch.setitem(sys.modules, "vllm", None)  # importlib reports vLLM as not installed, as on a bare machine
     recipe = str(REPO / "scripts" / "recipes" / "grpo_gsm8k_qlora_16gb.yaml")
     with pytest.raises(ConfigError, match="use_vllm needs vLLM: pip install vllm"):
-        parse_config(["--config", recipe])
+        check_settings(parse_config(["--config", recipe]))
+    with pytest.raises(ConfigError, match="use_vllm needs vLLM: pip install vllm"):
+        train_agrpo.main(["--config", recipe])
     # the README's estimate of the 16 GB recipe runs nothing, and a plan (scripts/ablate.py --dry_run) runs nothing
-    assert parse_config(["--config", recipe, "--estimate_memory_only"]).use_vllm is True
-    assert parse_config(["--config", recipe], check_installed=False).use_vllm is True
+    check_settings(estimate := parse_config(["--config", recipe, "--estimate_memory_only"]))
+    planned = parse_config(["--config", recipe], check_installed=False)
+    check_settings(planned, check_installed=False)
+    assert estimate.use_vllm is True and planned.use_vllm is True
+    for argv, message in [(["--vllm_mode", "server"], "vllm_mode server samples through a vLLM generation server: "
+                                                       "set use_vllm true"),
+                          (["--use_vllm", "true", "--vllm_mode", "server", "--vllm_enable_sleep_mode", "true"],
+                           "leave it false with vllm_mode server"),
+                          (["--vllm_max_model_length", "100", "--max_prompt_length", "100"],
+                           r"vllm_max_model_length \(100\) must exceed max_prompt_length \(100\)")]:
+        with pytest.raises(ConfigError, match=message):
+            train_agrpo.main(argv)
 
 
 def test_the_default_learning_rate_follows_what_is_trained(tmp_path):

@@ -447,18 +447,21 @@ def test_messages_outside_the_prompt_column_and_a_prompt_column_left_aside_are_r
 
 def test_reward_functions_that_need_the_gold_answer_are_named_with_the_fix():
     from lib.data import answer_needed, check_answers
+    from lib.extras.open_r1_rewards import REWARD_FUNCS
     from lib.reward_funcs import resolve_reward_funcs
 
     tiny = f"{REPO / 'tests' / 'tiny_rewards.py'}:characters"
-    funcs = resolve_reward_funcs(["accuracy", "format", "length", "cosine", "repetition", tiny])
+    funcs = resolve_reward_funcs(["accuracy", "format", "length", "cosine", "repetition", tiny],
+                                 named_rewards=REWARD_FUNCS)
     assert answer_needed(funcs) == ["accuracy", "length", "cosine"]
     no_gold = [{"prompt": MESSAGES, "level": 1}]
     with pytest.raises(ValueError) as error:
-        check_answers(no_gold, funcs, "dataset_name", "chat.jsonl")
+        check_answers(no_gold, funcs, "dataset_name", "chat.jsonl", REWARD_FUNCS)
     message = str(error.value)
     for part in ["reward_funcs: accuracy, length, cosine need the gold answer", "dataset_name 'chat.jsonl' has no "
                  "answer column", "answer, solution, Answer, target", "['level', 'prompt']", "--answer_column NAME", "format",
-                 "module:function without an `answer` parameter"]:
+                 "module:function without an `answer` parameter",
+                 "need none (format, think_format, repetition, soft_overlong, tag_count, reasoning_steps, or your own"]:
         assert part in message, part
     check_answers(no_gold, resolve_reward_funcs(["format", tiny]), "dataset_name", "chat.jsonl")  # nothing to say
     check_answers([{"problem": "p", "answer": "1"}], funcs, "dataset_name", "gold.jsonl")

@@ -431,9 +431,12 @@ def test_the_reward_worker_answers_survives_a_hang_and_a_crash_and_keeps_prints_
         "def wrong(prompts, completions, **columns):\n"
         "    raise KeyError('answer')\n")
     path = tmp_path / "rewards.py"
-    worker = RewardWorker([f"{path}:noisy", f"{path}:slow", f"{path}:crash", f"{path}:wrong"], {}, timeout=1)
+    # tag_count: the worker resolves open-r1's rewards (lib/extras/open_r1_rewards.py) as the trainer does
+    worker = RewardWorker([f"{path}:noisy", f"{path}:slow", f"{path}:crash", f"{path}:wrong", "tag_count"], {},
+                          timeout=1)
     try:
         assert worker.call(0, ["p", "p"], ["ab", "abc"], {}) == [2.0, 3.0]
+        assert worker.call(4, ["p"], ["<think>\nx\n</think>\n"], {}) == [0.5]
         with pytest.raises(RewardCallFailed, match=r"gave no answer within reward_timeout = 1 s"):
             worker.call(1, ["p"], ["a"], {})
         with pytest.raises(RewardCallFailed, match=r"killed the reward worker \(exit code 3\)"):

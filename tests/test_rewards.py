@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from lib.rewards import (REWARD_FUNCS, accuracy_reward, answers_match, cosine_reward, extract_answer, format_reward,
-                         length_reward, reasoning_steps_reward, repetition_reward, soft_overlong_reward,
-                         tag_count_reward, think_format_reward)
+from lib.extras.open_r1_rewards import (REWARD_FUNCS as NAMED, cosine_reward, reasoning_steps_reward,
+                                        repetition_reward, soft_overlong_reward, tag_count_reward, think_format_reward)
+from lib.rewards import REWARD_FUNCS, accuracy_reward, answers_match, extract_answer, format_reward, length_reward
 from lib.reward_funcs import RewardState, resolve_reward_funcs, reward_arguments, score_completions
 
 EMMA = "Emma has 18 cards, so Emma has 18 + 34 = 52 cards.\nAnswer: 52."
@@ -380,12 +380,28 @@ def test_resolve_errors(spec, problem, tmp_path, monkeypatch):
         resolve_reward_funcs([spec])
     message = str(info.value)
     assert repr(spec) in message and problem in message
-    assert "accuracy, format, think_format" in message and "'module:function'" in message
+    assert "accuracy, format, length" in message and "'module:function'" in message
 
 
 def test_resolve_rejects_duplicate_names():
     with pytest.raises(ValueError, match="unique"):
         resolve_reward_funcs(["accuracy", "accuracy"])
+
+
+def test_open_r1_rewards_resolve_only_where_the_entry_scripts_hand_them_over():
+    """The core knows the presets' rewards; open-r1's others are lib/extras/open_r1_rewards.py, which the entry scripts
+    pass as `named_rewards`: without it "cosine" is an unknown name, and every message lists the names it was given."""
+    assert list(REWARD_FUNCS) == ["accuracy", "format", "length"]
+    assert list(NAMED) == [*REWARD_FUNCS, "think_format", "cosine", "repetition", "soft_overlong", "tag_count",
+                           "reasoning_steps"]
+    with pytest.raises(ValueError, match=r"'cosine': unknown name\. Built-in reward functions: accuracy, format, "
+                                         r"length\. For your own"):
+        resolve_reward_funcs(["cosine"])
+    with pytest.raises(ValueError, match=r"'no_such_module_xyz:f': cannot import .*Built-in reward functions: "
+                                         r"accuracy, format, length, think_format, cosine, .*, reasoning_steps\. For"):
+        resolve_reward_funcs(["no_such_module_xyz:f"], named_rewards=NAMED)
+    assert [name for name, _ in resolve_reward_funcs(["accuracy", "tag_count"], named_rewards=NAMED)] == [
+        "accuracy", "tag_count"]
 
 
 
@@ -395,7 +411,7 @@ def test_resolve_binds_options_to_keyword_only_parameters(tmp_path, monkeypatch)
     options = {"max_len": 20, "ngram_size": 2, "max_penalty": -0.5, "max_completion_length": 100,
                "overlong_buffer_length": 20, "scale": 2.0}
     specs = ["accuracy", "cosine", "repetition", "soft_overlong", "my_rewards:scaled", "my_rewards:column_names"]
-    resolved = dict(resolve_reward_funcs(specs, options))
+    resolved = dict(resolve_reward_funcs(specs, options, named_rewards=NAMED))
     assert list(resolved) == ["accuracy", "cosine", "repetition", "soft_overlong", "scaled", "column_names"]
     assert resolved["accuracy"] is accuracy_reward  # nothing to bind: the function itself
     assert resolved["cosine"](["q"], [RIGHT], answer=["52"]) == pytest.approx([0.75])  # 10 chars / max_len 20
@@ -406,23 +422,23 @@ def test_resolve_binds_options_to_keyword_only_parameters(tmp_path, monkeypatch)
     assert resolved["column_names"]([""], ["abc"]) == [5.0]
     rewards, _ = score_completions([("column_names", resolved["column_names"])], ["q"], ["abc"], {"answer": ["1"]})
     assert rewards == [[6.0]]  # 5 + 1 column (answer)
-    assert resolve_reward_funcs(["cosine"])[0][1] is cosine_reward  # options=None: unchanged
+    assert resolve_reward_funcs(["cosine"], named_rewards=NAMED)[0][1] is cosine_reward  # options=None: unchanged
 
 
 def test_resolve_rejects_bad_options_at_start_up():
     # The default buffer 4096 is longer than a 64-token limit: caught here, not as an error on every step.
     with pytest.raises(ValueError, match="'soft_overlong'.*overlong_buffer_length"):
-        resolve_reward_funcs(["soft_overlong"], {"max_completion_length": 64})
+        resolve_reward_funcs(["soft_overlong"], {"max_completion_length": 64}, named_rewards=NAMED)
     with pytest.raises(ValueError, match="'repetition'.*max_penalty"):
-        resolve_reward_funcs(["repetition"], {"max_penalty": 1.0})
+        resolve_reward_funcs(["repetition"], {"max_penalty": 1.0}, named_rewards=NAMED)
     with pytest.raises(ValueError, match="'cosine'.*max_len"):
-        resolve_reward_funcs(["cosine"], {"max_len": 0})
+        resolve_reward_funcs(["cosine"], {"max_len": 0}, named_rewards=NAMED)
 
 
 def test_score_completions_with_length_columns():
     # Through the trainer's path: length and soft_overlong read completion_length; accuracy ignores it.
     funcs = resolve_reward_funcs(["accuracy", "length", "soft_overlong"],
-                                 {"max_completion_length": 40, "overlong_buffer_length": 20})
+                                 {"max_completion_length": 40, "overlong_buffer_length": 20}, named_rewards=NAMED)
     columns = {"answer": ["52"] * 3, "completion_length": [10, 20, 30]}
     rewards, errors = score_completions(funcs, ["q"] * 3, [RIGHT, WRONG, RIGHT], columns)
     # length: lambda 0.5, 0.0, -0.5 (the wrong one min(0, 0) = 0); soft_overlong: free to 20, (20 - 30)/20 = -0.5
@@ -495,7 +511,7 @@ def test_every_builtin_scores_a_conversational_completion_as_its_text():
     texts = [EMMA, THINK, RIGHT, "First, 2.\nSecond, 3.\n- a a a a a a", ""]
     n = len(texts)
     options = {"max_len": 40, "max_completion_length": 40, "overlong_buffer_length": 20}
-    funcs = resolve_reward_funcs(list(REWARD_FUNCS), options)
+    funcs = resolve_reward_funcs(list(NAMED), options, named_rewards=NAMED)
     columns = {"answer": ["52", "42", "52", "5", "52"], "completion_length": [10, 25, 30, 35, 0]}
     messages = [[{"role": "user", "content": "q"}]] * n
     as_text, _ = score_completions(funcs, ["q"] * n, texts, columns)
@@ -555,7 +571,8 @@ def test_trl_names_map_to_ours_or_are_refused_with_what_to_use():
     from lib.extras.trl_keys import resolve_keys, reward_name
 
     options = {"max_completion_length": 40, "overlong_buffer_length": 20}
-    funcs = resolve_reward_funcs([reward_name(s) for s in ("accuracy_reward", "get_soft_overlong_punishment")], options)
+    funcs = resolve_reward_funcs([reward_name(s) for s in ("accuracy_reward", "get_soft_overlong_punishment")], options,
+                                 named_rewards=NAMED)
     assert [name for name, _ in funcs] == ["accuracy", "soft_overlong"]
     assert funcs[0][1] is accuracy_reward
     # TRL's soft overlong punishment counts completion_ids; ours does too when completion_length is absent

@@ -278,12 +278,20 @@ class Agent:
     def start_batch(self) -> None:
         self.calls = self.failures = self.completions = 0
 
+    def generate(self, engine, prompts, rows: torch.Tensor | None, sampling: dict) -> Rollout:
+        """lib/sampling.RolloutContext.generate's hook: the sampler `engine`'s first turns of lib/sampling.Prompts
+        `prompts` (of its rows `rows`, or all) at `sampling`, continued into episodes (`__call__`)."""
+        take = slice(None) if rows is None else rows
+        first = engine.generate(prompts.ids[take], prompts.mask[take], prompts.counts[take],
+                                self.max_completion_length, **sampling)
+        return self(first, engine, sampling, prompts=prompts, rows=rows)
+
     def __call__(self, first: Rollout, engine, sampling: dict, episodes: list[int] | None = None, prompts=None,
                  rows: torch.Tensor | None = None) -> Rollout:
         """The episodes that go on from the sampler `engine`'s first turns `first`, sampled at `sampling`, counted
         in the batch's tool counters. `episodes`: each completion's episode id (`open_groups`), whose environment's
         methods are its tools; its environment is dropped when the episodes end, after its get_reward() (the
-        rollout's `environment_reward`). The trainer's sampling (lib/sampling.RolloutContext.generate) gives the
+        rollout's `environment_reward`). The trainer's sampling (`generate`) gives the
         `prompts` sampled (and their `rows`) instead, whose episodes `episode_ids` finds."""
         if prompts is not None:
             episodes = self.episode_ids(prompts, rows)

@@ -9,7 +9,8 @@ their advice. The checks read no files and keep no state; `Watch` keeps a traine
     check(lines, config)      the warnings that hold at the end of the lines (what the run is doing now)
     episodes(lines, config)   every stretch of steps over which a warning held, with its worst numbers
     unseen(warnings, seen)    the warnings whose kind is not in `seen`
-    Watch(config).add(line)   a trainer's history: the warnings new at this line (each kind once)
+    Watch(config).add(line)   a trainer's history: the warnings new at this line (each kind once); `report` says
+                              them as console lines and warnings.jsonl records
 
 The checks, each over the last WINDOW logged training steps:
     reward_hacking     training reward rising while held-out accuracy falls by more than its noise
@@ -80,6 +81,17 @@ class Watch:
         fresh = unseen(check(self.history, self.config), self.seen)
         self.seen.update(w.kind for w in fresh)
         return fresh
+
+    def report(self, step: int, metrics: dict) -> tuple[list[str], list[dict]]:
+        """The warnings new at this logged line (`add`), as the trainer says them (lib/logs.watch_health): one console
+        line each, and one warnings.jsonl record each. A warning an evaluation raised carries an eval/ key, so that a
+        resume at this step, which redoes the evaluation, sets it aside with the evaluation's line
+        (lib/checkpoint.trim_jsonl)."""
+        fresh = self.add({"step": step, **metrics})
+        after_eval = {"eval/raised_by_evaluation": True} if any(k.startswith("eval/") for k in metrics) else {}
+        records = [{"step": step, "kind": w.kind, "title": w.title, "first_step": w.first_step,
+                    "evidence": w.evidence, "advice": w.advice, **after_eval} for w in fresh]
+        return [console_line(w) for w in fresh], records
 
 
 def split_lines(lines: list[dict]) -> tuple[list[dict], list[dict]]:

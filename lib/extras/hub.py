@@ -26,7 +26,8 @@ import yaml
 
 from lib.config import SECRET_KEYS, Config, ConfigError, to_dict, validate
 from lib.settings import REPORT_TO_CHOICES, TRACKERS
-from lib.data import looks_local, one_line
+from lib.data import looks_local
+from lib.extras.hub_data import one_line
 from lib.extras.runs import read_jsonl
 from lib.methods import METHODS
 from lib.extras.embedded_model import EMBEDDED_ALIASES

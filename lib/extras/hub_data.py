@@ -13,7 +13,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from lib.data import is_saved_dataset, one_line
+from lib.data import is_saved_dataset
 
 # Hub ids that need a config name; load_dataset refuses them without one.
 HUB_CONFIGS = {"openai/gsm8k": "main", "gsm8k": "main"}
@@ -25,6 +25,11 @@ HUB_TIMEOUT_S = 10
 # What to change when `datasets` refuses a configuration or a split.
 SPLIT_FIX = ("--dataset_config NAME picks a configuration, --dataset_train_split / --dataset_test_split NAME a "
              "split")
+
+
+def one_line(err: BaseException) -> str:
+    """An exception on one line: its type and the first 300 characters of its message, whitespace folded."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
 
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from lib.config import ConfigError
+from lib.extras.open_r1_rewards import REWARD_FUNCS
 from lib.modeling import load_tokenizer
 from lib.reward_funcs import spec_error
 from lib.rewards import completion_text
@@ -57,19 +58,20 @@ def reward_model_spec(spec: str) -> tuple[str, RewardModelSpec] | None:
             config = json.loads((path / "config.json").read_text())
         except FileNotFoundError:
             raise spec_error(spec, "a folder without config.json, so not a model; a reward model folder is what "
-                                    "AutoModelForSequenceClassification.save_pretrained writes") from None
+                                    "AutoModelForSequenceClassification.save_pretrained writes", REWARD_FUNCS) from None
         except (OSError, ValueError) as exc:
-            raise spec_error(spec, f"its config.json cannot be read ({exc})") from exc
+            raise spec_error(spec, f"its config.json cannot be read ({exc})", REWARD_FUNCS) from exc
         architectures = config.get("architectures") or []
         if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
             held = ", ".join(map(str, architectures)) or "model with no 'architectures' entry"
             raise spec_error(spec, f"the folder holds a {held}, not a sequence-classification model; a reward model "
-                                    "has a one-score head (AutoModelForSequenceClassification, num_labels=1)")
+                                    "has a one-score head (AutoModelForSequenceClassification, num_labels=1)",
+                             REWARD_FUNCS)
         return reward_model_name(spec), RewardModelSpec(str(path))
     if spec.endswith(".py"):
         return None  # a file of functions (lib/reward_funcs.py says what is missing)
     if spec.startswith((".", "/", "~", "\\")):
-        raise spec_error(spec, "no such folder (a reward model is a folder or a hub id)")
+        raise spec_error(spec, "no such folder (a reward model is a folder or a hub id)", REWARD_FUNCS)
     if _HUB_ID.fullmatch(spec):
         return reward_model_name(spec), RewardModelSpec(spec)
     return None

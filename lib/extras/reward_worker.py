@@ -6,14 +6,15 @@ backtracks, a symbolic simplification that never ends), some crash the interpret
 trainer starts once and talks to over a pipe: a call that does not answer within `timeout` seconds is abandoned (the
 child is killed and started again on the next call) and one whose child dies is reported the same way; both raise
 `RewardCallFailed`, which `lib.reward_funcs.score_completions` scores as a failure and counts, exactly as it does for a
-function that raises. The child resolves the reward specs itself (`resolve_reward_funcs`), so built-ins,
-`module:function` and `file.py:function` all work without pickling functions; reward models (None in the specs,
-lib/setup.resolve_rewards) stay in the trainer, on its device, and are never sent here.
+function that raises. The child resolves the reward specs itself (`resolve_reward_funcs`), so built-ins (those of
+lib/extras/open_r1_rewards.REWARD_FUNCS), `module:function` and `file.py:function` all work without pickling
+functions; reward models (None in the specs, lib/setup.resolve_rewards) stay in the trainer, on its device, and are
+never sent here.
 
 A request is a list of jobs, (function index, TRL's keyword arguments): one call of a synchronous function, or
 several calls of `async def` functions, which the child runs at once on its event loop (lib.reward_funcs.run_jobs), each
-cancelled at `timeout`; the trainer waits `timeout` plus ASYNC_GRACE_S for those (a coroutine that blocks instead of
-awaiting cannot be cancelled, and then the child is killed like any hung call).
+cancelled at `timeout` (`with_time_limit`); the trainer waits `timeout` plus ASYNC_GRACE_S for those (a coroutine that
+blocks instead of awaiting cannot be cancelled, and then the child is killed like any hung call).
 
     python -m lib.extras.reward_worker      # started by RewardWorker, speaks pickled frames on the descriptor it is given
 
@@ -24,6 +25,7 @@ parent-death signal).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
@@ -34,11 +36,35 @@ import sys
 import time
 from multiprocessing.connection import Connection, wait
 
-from lib.reward_funcs import describe_failure, resolve_reward_funcs, run_jobs
+from lib.extras.open_r1_rewards import REWARD_FUNCS
+from lib.reward_funcs import describe_failure, is_async, resolve_reward_funcs, run_jobs
 
 # Extra seconds the trainer waits for a request of async calls, past the child's own cancellation at `timeout`, so that
 # a call that is cancelled in time reports itself instead of having the child killed under it.
 ASYNC_GRACE_S = 1.0
+
+
+class RewardTimeout(Exception):
+    """An async call that ran past its time limit, cancelled in the child. Its message is a predicate of the function,
+    like RewardCallFailed's."""
+
+    predicate = True
+
+
+def with_time_limit(func, timeout: float):
+    """`func`, an `async def` one cancelled after `timeout` seconds (0: no limit). A coroutine is stopped only where it
+    awaits, so the trainer's own deadline (`timeout` + ASYNC_GRACE_S) covers one that blocks."""
+    if not timeout or not is_async(func):
+        return func
+
+    async def limited(**kwargs):
+        try:
+            return await asyncio.wait_for(func(**kwargs), timeout)
+        except TimeoutError:
+            raise RewardTimeout(f"gave no answer within reward_timeout = {timeout:g} s; the call was "
+                                f"cancelled") from None
+
+    return limited
 
 
 class RewardCallFailed(Exception):
@@ -206,12 +232,14 @@ def serve(read_fd: int, write_fd: int, setup) -> None:
 
 def _reward_setup(init):
     specs, options, timeout = init
-    resolved = iter(resolve_reward_funcs([spec for spec in specs if spec is not None], options))
-    funcs = [None if spec is None else next(resolved)[1] for spec in specs]  # None: a reward model, run in the trainer
+    resolved = iter(resolve_reward_funcs([spec for spec in specs if spec is not None], options,
+                                         named_rewards=REWARD_FUNCS))
+    # None: a reward model, run in the trainer
+    funcs = [None if spec is None else with_time_limit(next(resolved)[1], timeout) for spec in specs]
 
     def answer(jobs):
         answers = []
-        for out in run_jobs(funcs, jobs, timeout):
+        for out in run_jobs(funcs, jobs):
             if isinstance(out, Exception):
                 answers.append((False, describe_failure(out)))
                 continue

