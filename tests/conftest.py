@@ -53,13 +53,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # ---- two test workers (pytest-xdist, `-n 2` in pyproject.toml's addopts) ---------------------------------------------
 # Most tests are small-model work and process start-ups that keep one core busy, so two workers share the machine's
 # cores: each gets its share of torch's threads (one on 2 cores), and so do the trainers, servers and engines its tests
-# start (OMP_NUM_THREADS, inherited). Two workers of two threads each on 2 cores made every OpenMP barrier wait for a
-# thread that was not running: one generation test took 248 s instead of 4 (docs/results.md 7).
+# start (OMP_NUM_THREADS, inherited). With two threads each, every OpenMP barrier waited for a thread that was not
+# running: a generation test took 248 s, against 22 s with one thread each, on the same busy cores (docs/results.md 7).
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
     import torch
 
-    threads = max(1, len(os.sched_getaffinity(0)) // WORKERS)
+    threads = max(1, torch.get_num_threads() // WORKERS)  # torch's default: the machine's cores
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
 
@@ -68,7 +68,7 @@ if WORKERS > 1:
 def pytest_collection_modifyitems(items):
     """A module whose tests share a module-scoped fixture (a vLLM engine, a server, a run) keeps them on one worker
     (`--dist loadgroup`), so that the fixture is built once; every other test goes to whichever worker is free."""
-    for item in items:
+    for item in items:  # (_fixtureinfo: the fixtures the test uses, with those they use)
         shared = any(d.scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
         if shared and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
