@@ -177,9 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     if "tests" not in args.skip:
         measures = out / "measures.jsonl"
         measures.unlink(missing_ok=True)
-        step = run_step("tests marked gpu", [sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py",
-                                             "tests/test_gpu_paths.py", "-p", "no:cacheprovider", "-q", "-rfE",
-                                             f"--junitxml={out / 'tests.xml'}"],
+        # without the suite's addopts (two pytest-xdist workers): one test at a time, as they measure times and memory
+        # on the GPU, and the GPU image has no pytest-xdist
+        step = run_step("tests marked gpu", [sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu",
+                                             "tests/test_gpu.py", "tests/test_gpu_paths.py", "-p", "no:cacheprovider",
+                                             "-q", "-rfE", f"--junitxml={out / 'tests.xml'}"],
                         args.tests_timeout, out / "tests.log", {**env, "AGRPO_GPU_REPORT": str(measures)})
         step["tests"] = junit_results(out / "tests.xml")
         step["measured"] = [json.loads(line) for line in measures.read_text().splitlines()] \

@@ -50,6 +50,30 @@ def full_data_dir() -> Path:
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+# ---- two test workers (pytest-xdist, `-n 2` in pyproject.toml's addopts) ---------------------------------------------
+# Most tests are small-model work and process start-ups that keep one core busy, so two workers share the machine's
+# cores: each gets its share of torch's threads (one on 2 cores), and so do the trainers, servers and engines its tests
+# start (OMP_NUM_THREADS, inherited). With two threads each, every OpenMP barrier waited for a thread that was not
+# running: a generation test took 248 s, against 22 s with one thread each, on the same busy cores (docs/results.md 7).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    import torch
+
+    threads = max(1, torch.get_num_threads() // WORKERS)  # torch's default: the machine's cores
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items):
+    """A module whose tests share a module-scoped fixture (a vLLM engine, a server, a run) keeps them on one worker
+    (`--dist loadgroup`), so that the fixture is built once; every other test goes to whichever worker is free."""
+    for item in items:  # (_fixtureinfo: the fixtures the test uses, with those they use)
+        shared = any(d.scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
+        if shared and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 # ---- comparing floats that went through different kernels ------------------------------------------------------------
 # Two computations of the same values that take different kernels (this CPU's AVX2, another's AVX-512 or AMX, ATen's
 # scalar fallback) or sum in a different order (another batch shape, length chunks, a cached prompt prefix) agree to

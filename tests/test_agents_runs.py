@@ -95,7 +95,8 @@ def test_two_processes_with_tools_train_as_one(agent, tool_caller, tmp_path):
     torch.save(record, tmp_path / "record.pt")
     two = tmp_path / "two"
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", "0"]
     proc = subprocess.run([*launcher, str(REPO / "tests" / "episode_replay.py"), str(tmp_path / "record.pt"), "--",
                            *args, "--per_device_train_batch_size", "4", "--output_dir", str(two)], cwd=REPO,
                           capture_output=True, text=True, timeout=600,

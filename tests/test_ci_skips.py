@@ -38,8 +38,10 @@ def run_suite(tmp_path, ci: bool) -> subprocess.CompletedProcess:
         (tmp_path / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if k != "AGRPO_CI"}
     env.update(PYTHONPATH=str(REPO / "tests"), COLUMNS="400", **({"AGRPO_CI": "1"} if ci else {}))
+    # under CI as CI runs the suite, on two workers (pyproject.toml's addopts): the reports are made in the workers
+    workers = ["-n", "2"] if ci else []
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "ci_skips", "-p", "no:cacheprovider", "-q", "-rA",
-                           "--continue-on-collection-errors", str(tmp_path)], cwd=tmp_path, env=env,
+                           *workers, "--continue-on-collection-errors", str(tmp_path)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

