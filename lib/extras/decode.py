@@ -39,6 +39,18 @@ def _linear(module: torch.nn.Module):
     return forward
 
 
+def _products(*modules: torch.nn.Module):
+    """The products of layers that read one 2-D x, as a function x -> a tuple of them: one kernel call where the
+    layers are, in order, the parts of one prepacked group (lib/extras/cpu_kernels.PackedGroup: bit for bit the
+    layers' own products), else one call each."""
+    group = getattr(modules[0], "group", None)
+    if group is not None and len(group.sizes) == len(modules) and \
+            all(getattr(m, "group", None) is group and m.index == i for i, m in enumerate(modules)):
+        return lambda x: group.product(x).split(group.sizes, dim=-1)
+    products = [_linear(m) for m in modules]
+    return lambda x: tuple(product(x) for product in products)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Root-mean-square normalisation (Zhang & Sennrich 2019) in transformers' order: statistics in float32, the
     result cast back before the gain."""
@@ -83,10 +95,10 @@ class LlamaStep:
                             (attn.k_norm.weight, attn.k_norm.variance_epsilon))
             self.layers.append((
                 (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj), _linear(attn.o_proj), qk_norms,
-                attn, (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj), mlp.act_fn))
-        self.head_dim = self.layers[0][6].head_dim
+                _products(attn.q_proj, attn.k_proj, attn.v_proj), _linear(attn.o_proj), qk_norms, attn,
+                (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+                _products(mlp.gate_proj, mlp.up_proj), _linear(mlp.down_proj), mlp.act_fn))
+        self.head_dim = self.layers[0][4].head_dim
         self.attention = AttentionInterface()[lm.config._attn_implementation]  # the function the model calls
         prompt_len = attention.shape[1]
         self.limit = prompt_len + max_new_tokens
@@ -140,23 +152,24 @@ class LlamaStep:
         hidden = self.embed(tokens)  # (B, H): one token a row, so no sequence axis
         cos, sin = self.rotary(hidden, positions[:, None])
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, 1, D)
-        for i, (norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, attn, norm2, gate, up, down, act) in \
-                enumerate(self.layers):
+        for i, (norm1, qkv_proj, o_proj, qk_norms, attn, norm2, gate_up, down, act) in enumerate(self.layers):
             x = _rms_norm(hidden, *norm1)
-            q = q_proj(x).view(batch, -1, 1, dim)  # (B, heads, 1, D)
-            k = k_proj(x).view(batch, -1, 1, dim)
+            q, k, v = qkv_proj(x)
+            q = q.view(batch, -1, 1, dim)  # (B, heads, 1, D)
+            k = k.view(batch, -1, 1, dim)
             if qk_norms is not None:
                 q, k = _rms_norm(q, *qk_norms[0]), _rms_norm(k, *qk_norms[1])
             heads = q.shape[1]
             qk = _rotate(torch.cat((q, k), dim=1), cos, sin)  # the query and key heads rotated in one go
             q = qk[:, :heads]
             _write(self.keys[i], col, qk[:, heads:])
-            _write(self.values[i], col, v_proj(x).view(batch, -1, 1, dim))
+            _write(self.values[i], col, v.view(batch, -1, 1, dim))
             keys, values = self.keys[i][:, :, :width], self.values[i][:, :, :width]
             out, _ = self.attention(attn, q, keys, values, mask, scaling=attn.scaling)
             hidden = hidden + o_proj(out.reshape(batch, -1))
             x = _rms_norm(hidden, *norm2)
-            hidden = hidden + down(act(gate(x)) * up(x))
+            gate, up = gate_up(x)
+            hidden = hidden + down(act(gate) * up)
         return self.head(_rms_norm(hidden, *self.final_norm))
 
 
