@@ -59,9 +59,15 @@ def _products(*blocks: tuple[torch.nn.Module, ...]):
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Root-mean-square normalisation (Zhang & Sennrich 2019) in transformers' order: statistics in float32, the
-    result cast back before the gain. torch's rms_norm without a gain computes exactly that, in one call instead of
-    seven (x upcast, x * rsqrt(mean(x^2) + eps), cast back)."""
-    return weight * torch.nn.functional.rms_norm(x, x.shape[-1:], eps=eps)
+    result cast back before the gain. On a CPU torch's rms_norm without a gain computes exactly that (upcast,
+    x * rsqrt(mean(x^2) + eps), cast back) in one call instead of seven; on a GPU it is a fused kernel of its own,
+    which may sum in another order, so there the operations are spelled out as transformers writes them."""
+    if x.device.type == "cpu":
+        return weight * torch.nn.functional.rms_norm(x, x.shape[-1:], eps=eps)
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
