@@ -171,22 +171,25 @@ def sample_next_token(
     generator: torch.Generator | None,
     min_p: float = 0.0,
     all_greedy: bool | None = None,
+    any_greedy: bool | None = None,
 ) -> torch.Tensor:
     """Draw one token per row from `sampling_probs` (logits: (B, V) float, a repetition penalty already applied;
-    temperature: (B,), rows with 0 are greedy). Returns (B,). `all_greedy`: whether every row is greedy, where the
-    caller knows it (asking the tensor is a host sync, per token on a GPU).
+    temperature: (B,), rows with 0 are greedy). Returns (B,). `all_greedy`, `any_greedy`: whether every row, or
+    some row, is greedy, where the caller knows it (asking the tensor is a host sync, per token on a GPU; with no
+    greedy row the argmax over the vocabulary is skipped, a third of the draw's time on a CPU at 8 rows).
 
     The draw is inverse-CDF with one uniform per row: cumsum of the probabilities, count entries below u.
     """
     greedy = temperature <= 0
-    next_greedy = logits.argmax(-1)
     if all_greedy if all_greedy is not None else bool(greedy.all()):
-        return next_greedy
+        return logits.argmax(-1)
     probs = sampling_probs(logits, temperature, top_p, top_k, min_p, normalize=False)
     cdf = probs.cumsum(-1)
     u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
     sampled = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
-    return torch.where(greedy, next_greedy, sampled)
+    if any_greedy is False:
+        return sampled
+    return torch.where(greedy, logits.argmax(-1), sampled)
 
 
 def prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
@@ -363,6 +366,7 @@ class HFRollout:
         in_answer = torch.zeros(batch, dtype=torch.bool, device=device)
         # known once here, so that the loop asks the device nothing per token to learn it
         all_greedy = bool((temps <= 0).all()) and (phase is None or phase.temperature <= 0)
+        any_greedy = bool((temps <= 0).any()) or (phase is not None and phase.temperature <= 0)
         # how often the loop asks whether every row has ended (a host sync): each token where that costs nothing
         # (a CPU), every 8 on a GPU, where a sync stalls the queued kernels; rows that ended meanwhile only write
         # padding, so the completions are the same either way
@@ -406,7 +410,8 @@ class HFRollout:
                                                                                 live_nucleus)
                 if seen is not None:
                     logits = penalize_repetitions(logits, seen[live], repetition_penalty)
-                token = sample_next_token(logits, step_temps, step_top_p, top_k, self.generator, min_p, all_greedy)
+                token = sample_next_token(logits, step_temps, step_top_p, top_k, self.generator, min_p, all_greedy,
+                                          any_greedy)
                 token = torch.where(finished[live], torch.full_like(token, self.pad_token_id), token)
                 tokens[live, step] = token
                 if seen is not None:

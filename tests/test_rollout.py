@@ -378,7 +378,7 @@ def test_the_written_out_decode_step_gives_the_models_own_logits_bit_for_bit(kin
     engine = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3, prepack=prepack_for_cpu)
     model = engine.model
     assert llama_family(model) and engine.decode_step is LlamaStep
-    assert hasattr(model.get_decoder().layers[0].self_attn.q_proj, "packed") == can_prepack()
+    assert hasattr(model.get_decoder().layers[0].self_attn.q_proj, "group") == can_prepack()
     ids = torch.randint(3, 300, (3, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[0, :4], ids[0, :4] = 0, 0  # a left-padded prompt
@@ -409,3 +409,75 @@ def test_the_written_out_decode_step_gives_the_models_own_logits_bit_for_bit(kin
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
     lengths = runs[1].completion_mask.sum(-1)
     assert lengths.min() < 150 and lengths.max() == 150  # some rows ended early, some ran past a growth
+
+
+def _prepackable() -> bool:
+    from lib.extras.cpu_kernels import can_prepack
+
+    return can_prepack()
+
+
+NO_PREPACK = "this CPU has no oneDNN bf16 kernel for prepacked weights"
+
+
+@pytest.mark.skipif(not _prepackable(), reason=NO_PREPACK)
+@pytest.mark.ci_may_skip(NO_PREPACK)
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_stacked_products_are_the_layers_own_bit_for_bit_and_a_partial_sync_refreshes_them(kind):
+    """lib/extras/cpu_kernels.PackedGroup (each layer's q, k, v and its gate, up as one prepacked product) against
+    the same copy with every layer packed on its own: the same logits bit for bit from the model's forward (the
+    prefill, 1 to 40 rows) and from LlamaStep, so the same tokens sampled; then after a sync that reaches only the q
+    and v layers (LoRA on those), both copies again agree bit for bit, k read back from the stacked pack."""
+    from lib.extras.cpu_kernels import PackedGroup, PackedPart, prepack_for_cpu, prepack_linears
+    from lib.extras.decode import LlamaStep
+    from lib.rollout import _load_linear, prefill
+
+    def one_by_one(copy):
+        prepack_linears(copy)
+        return LlamaStep
+
+    stacked = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3, prepack=prepack_for_cpu)
+    separate = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3, prepack=one_by_one)
+    attn = stacked.copy.model.layers[1].self_attn
+    assert isinstance(attn.q_proj, PackedPart) and attn.q_proj.group is attn.v_proj.group
+    assert isinstance(stacked.copy.model.layers[1].mlp.up_proj.group, PackedGroup)
+    assert (attn.q_proj.bias is not None) == (kind == "qwen2")
+    # a part asked about another input than the part before it computes its own
+    own = separate.copy.model.layers[1].self_attn
+    x, y = torch.randn(2, 2, 5, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(attn.q_proj(x), own.q_proj(x)) and torch.equal(attn.k_proj(y), own.k_proj(y))
+
+    def same_everywhere(label):
+        for rows in (1, 3, 40):
+            ids = torch.randint(3, 300, (rows, 7), generator=torch.Generator().manual_seed(rows))
+            mask = torch.ones_like(ids)
+            with torch.no_grad():
+                (first, cache_a), (reference, cache_b) = (prefill(e.copy, ids, mask) for e in (stacked, separate))
+                assert torch.equal(first, reference), (label, rows)
+                # each group's product computed once for its parts, then let go
+                assert all(m.last is None for m in stacked.copy.modules() if isinstance(m, PackedGroup))
+                steps = [LlamaStep(stacked.copy, cache_a, mask, 5), LlamaStep(separate.copy, cache_b, mask, 5)]
+                tokens, positions = ids[:, -1], mask.sum(-1)
+                for _ in range(5):
+                    ours, reference = (s.step(tokens, positions) for s in steps)
+                    assert torch.equal(ours, reference), (label, rows)
+                    tokens, positions = reference.argmax(-1), positions + 1
+        ids = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(0))
+        runs = []
+        for engine in (stacked, separate):
+            engine.generator.manual_seed(5)
+            runs.append(engine.generate(ids, torch.ones_like(ids), 3, 20, temperature=1.0).completion_ids)
+        assert torch.equal(*runs), label
+
+    same_everywhere("as built")
+    for i, layer in enumerate(separate.copy.model.layers):
+        for name in ("self_attn.q_proj", "self_attn.v_proj"):
+            part = layer.get_submodule(name)
+            generator = torch.Generator().manual_seed(10 * i + len(name))
+            weight = torch.randn(part.out_features, part.in_features, generator=generator) * 0.05
+            bias = None if part.bias is None else torch.randn(part.out_features, generator=generator) * 0.05
+            for engine in (stacked, separate):
+                _load_linear(engine.copy.model.layers[i].get_submodule(name), weight, bias)
+    assert any(stacked.copy.model.layers[0].self_attn.q_proj.group.staged)  # packed when next used
+    same_everywhere("after a sync of q and v")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from lib.modeling import OutputHead
+from lib.modeling import FAST_ATTENTION, OutputHead
 
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3")
 
@@ -39,19 +39,56 @@ def _linear(module: torch.nn.Module):
     return forward
 
 
+def _products(*blocks: tuple[torch.nn.Module, ...]):
+    """The products of layers that read one 2-D x, as a function x -> a tuple with one tensor a block of layers
+    (their outputs side by side): one kernel call where the layers are, in order, the parts of one prepacked group
+    (lib/extras/cpu_kernels.PackedGroup: bit for bit the layers' own products), else one call a layer."""
+    modules = [m for block in blocks for m in block]
+    group = getattr(modules[0], "group", None)
+    if group is not None and len(group.sizes) == len(modules) and \
+            all(getattr(m, "group", None) is group and m.index == i for i, m in enumerate(modules)):
+        sizes = [sum(m.out_features for m in block) for block in blocks]
+        return lambda x: group.product(x).split(sizes, dim=-1)
+    products = [[_linear(m) for m in block] for block in blocks]
+
+    def forward(x: torch.Tensor) -> tuple:
+        return tuple(fs[0](x) if len(fs) == 1 else torch.cat([f(x) for f in fs], dim=-1) for fs in products)
+
+    return forward
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Root-mean-square normalisation (Zhang & Sennrich 2019) in transformers' order: statistics in float32, the
-    result cast back before the gain."""
+    result cast back before the gain. On a CPU torch's rms_norm without a gain computes exactly that (upcast,
+    x * rsqrt(mean(x^2) + eps), cast back) in one call instead of seven; on a GPU it is a fused kernel of its own,
+    which may sum in another order, so there the operations are spelled out as transformers writes them."""
+    if x.device.type == "cpu":
+        return weight * torch.nn.functional.rms_norm(x, x.shape[-1:], eps=eps)
     dtype = x.dtype
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021) in the half-split layout: x cos + rotate_half(x) sin."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) in the half-split layout, x cos + rotate_half(x) sin, with
+    rotate_half(x) sin = cat(-x2, x1) sin written as cat(x2, x1) cat(-sin1, sin2): x rolled by half a head, times
+    the sine with its first half negated once a step (negation is exact, so the same numbers in two kernels fewer)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, additive_mask: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """lib/extras/cpu_kernels.grouped_decode_attention for one query a row, in four kernels where it takes nine,
+    the same numbers: the mask given once a step as 0 / -inf and added with the scale (torch.add's alpha) in
+    float32, which is its scores' float32 upcast, scaling and masked_fill bit for bit (x * s + 0 is x * s, x * s -
+    inf is -inf). q: (B, heads, 1, D); keys, values: (B, KV, L, D); additive_mask: (B, 1, 1, L) float32.
+    Returns (B, heads * D)."""
+    batch, heads, _, dim = q.shape
+    grouped = q.view(batch, keys.shape[1], heads // keys.shape[1], dim)  # head h attends with kv head h // groups
+    scores = torch.add(additive_mask, torch.matmul(grouped, keys.transpose(-1, -2)), alpha=scale)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(batch, heads * dim)
 
 
 def _write(buffer: torch.Tensor, col, value: torch.Tensor) -> None:
@@ -83,11 +120,15 @@ class LlamaStep:
                             (attn.k_norm.weight, attn.k_norm.variance_epsilon))
             self.layers.append((
                 (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj), _linear(attn.o_proj), qk_norms,
-                attn, (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj), mlp.act_fn))
-        self.head_dim = self.layers[0][6].head_dim
+                # q and k side by side (rotated together), v
+                _products((attn.q_proj, attn.k_proj), (attn.v_proj,)), _linear(attn.o_proj), qk_norms, attn,
+                (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+                _products((mlp.gate_proj,), (mlp.up_proj,)), _linear(mlp.down_proj), mlp.act_fn))
+        self.head_dim = self.layers[0][4].head_dim
+        self.heads = lm.config.num_attention_heads
         self.attention = AttentionInterface()[lm.config._attn_implementation]  # the function the model calls
+        # the CPU's decode attention (what the model calls there) written out here in fewer kernels
+        self.grouped = lm.config._attn_implementation == FAST_ATTENTION
         prompt_len = attention.shape[1]
         self.limit = prompt_len + max_new_tokens
         capacity = min(self.limit, prompt_len + block)
@@ -136,27 +177,32 @@ class LlamaStep:
         """One token a row through every layer: its key and value written at `col` (a slice, or a (1,) index tensor
         for `GraphStep`), attention over the buffers' first `width` positions (the mask says which count)."""
         mask = self.mask[:, None, None, :width]  # (B, 1, 1, width), True = attend
-        batch, dim = tokens.shape[0], self.head_dim
+        if self.grouped:
+            mask = torch.where(mask, 0.0, float("-inf"))  # once a step, not once a layer
+        batch, dim, heads = tokens.shape[0], self.head_dim, self.heads
         hidden = self.embed(tokens)  # (B, H): one token a row, so no sequence axis
         cos, sin = self.rotary(hidden, positions[:, None])
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, 1, D)
-        for i, (norm1, q_proj, k_proj, v_proj, o_proj, qk_norms, attn, norm2, gate, up, down, act) in \
-                enumerate(self.layers):
+        signed_sin = torch.cat((-sin[..., : dim // 2], sin[..., dim // 2 :]), dim=-1)
+        for i, (norm1, qkv_proj, o_proj, qk_norms, attn, norm2, gate_up, down, act) in enumerate(self.layers):
             x = _rms_norm(hidden, *norm1)
-            q = q_proj(x).view(batch, -1, 1, dim)  # (B, heads, 1, D)
-            k = k_proj(x).view(batch, -1, 1, dim)
+            qk, v = qkv_proj(x)
+            qk = qk.view(batch, -1, 1, dim)  # (B, heads + KV heads, 1, D)
             if qk_norms is not None:
-                q, k = _rms_norm(q, *qk_norms[0]), _rms_norm(k, *qk_norms[1])
-            heads = q.shape[1]
-            qk = _rotate(torch.cat((q, k), dim=1), cos, sin)  # the query and key heads rotated in one go
+                qk = torch.cat((_rms_norm(qk[:, :heads], *qk_norms[0]), _rms_norm(qk[:, heads:], *qk_norms[1])), 1)
+            qk = _rotate(qk, cos, signed_sin)  # the query and key heads rotated in one go
             q = qk[:, :heads]
             _write(self.keys[i], col, qk[:, heads:])
-            _write(self.values[i], col, v_proj(x).view(batch, -1, 1, dim))
+            _write(self.values[i], col, v.view(batch, -1, 1, dim))
             keys, values = self.keys[i][:, :, :width], self.values[i][:, :, :width]
-            out, _ = self.attention(attn, q, keys, values, mask, scaling=attn.scaling)
-            hidden = hidden + o_proj(out.reshape(batch, -1))
+            if self.grouped:
+                out = _grouped_attention(q, keys, values, mask, attn.scaling)
+            else:
+                out = self.attention(attn, q, keys, values, mask, scaling=attn.scaling)[0].reshape(batch, -1)
+            hidden = hidden + o_proj(out)
             x = _rms_norm(hidden, *norm2)
-            hidden = hidden + down(act(gate(x)) * up(x))
+            gate, up = gate_up(x)
+            hidden = hidden + down(act(gate) * up)
         return self.head(_rms_norm(hidden, *self.final_norm))
 
 
