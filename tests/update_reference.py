@@ -149,14 +149,15 @@ def replaying(records: list[dict]):
     """While inside, train_agrpo samples with a ReplaySampler of `records`, in place of the sampler it makes or of its
     colocated vLLM engine (use_vllm: no engine is started)."""
     import train_agrpo
+    from lib.extras import vllm_rollout
 
-    make_engine, colocated_rollout = train_agrpo.make_engine, train_agrpo.colocated_rollout
+    make_engine, colocated_rollout = train_agrpo.make_engine, vllm_rollout.colocated_rollout
     train_agrpo.make_engine = lambda *args, **kwargs: ReplaySampler(records)
-    train_agrpo.colocated_rollout = lambda *args, **kwargs: ReplaySampler(records)
+    vllm_rollout.colocated_rollout = lambda *args, **kwargs: ReplaySampler(records)
     try:
         yield
     finally:
-        train_agrpo.make_engine, train_agrpo.colocated_rollout = make_engine, colocated_rollout
+        train_agrpo.make_engine, vllm_rollout.colocated_rollout = make_engine, colocated_rollout
 
 
 # ---- the update from its definitions --------------------------------------------------------------------------------
