@@ -9,6 +9,8 @@ group, one token a step for every row), timed as the difference of two generate 
 `--repeats`. Beside it, its floor: the bytes one step must read (the sampler's weights once, and every row's cached
 keys and values at the mean context length) over the memory bandwidth measured here by copying a large tensor (bytes
 read plus written a second). Arithmetic is far below both at these batch sizes, so the floor is a bandwidth floor.
+Last, the step's linear products alone (each layer's product once, on random input): what the matrix kernel, not the
+step's own code, costs; on a CPU that part alone is 2-2.5x the floor (docs/performance.md 2.4).
 """
 
 from __future__ import annotations
@@ -45,6 +47,29 @@ def bandwidth(device: torch.device, megabytes: int) -> float:
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * source.numel() / best
+
+
+def products_time(model: torch.nn.Module, rows: int, device: torch.device, repeats: int) -> float:
+    """Seconds that one decode step's linear products alone take at `rows` (every layer's, the output layer's,
+    each prepacked group's once), on random bf16 / fp32 input: the part of a step that the matrix kernel sets."""
+    calls = []
+    for module in model.modules():
+        if isinstance(module, cpu_kernels.PackedGroup):
+            calls.append((module.product, module.in_features))
+        elif isinstance(module, (cpu_kernels.PackedLinear, torch.nn.Linear)):
+            calls.append((module, module.in_features))
+    dtype = next(model.parameters()).dtype
+    inputs = {size: torch.randn(rows, size, dtype=dtype, device=device) for size in {size for _, size in calls}}
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):  # the first is a warm-up
+            sync(device)
+            t0 = time.perf_counter()
+            for call, size in calls:
+                call(inputs[size])
+            sync(device)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def sync(device: torch.device) -> None:
@@ -127,14 +152,16 @@ def main(argv: list[str] | None = None) -> dict:
                     steps[decode].append((long - timed(args.short, decode)) / args.steps)
             context = args.prompt_length + args.short + args.steps / 2
             floor = (weight_bytes + rows * context * kv_token) / bw
+            products = products_time(model, rows, device, 5 * args.repeats)
             for decode, times in steps.items():
                 step = statistics.median(times)
                 results.append({"attn": name, "decode": decode, "rows": rows, "step_ms": step * 1e3,
-                                "floor_ms": floor * 1e3, "ratio": step / floor,
+                                "floor_ms": floor * 1e3, "ratio": step / floor, "products_ms": products * 1e3,
                                 "spread_ms": [min(times) * 1e3, max(times) * 1e3]})
                 print(f"{name:>12} {decode:>5}  rows {rows:3d}: decode step {step * 1e3:7.2f} ms (spread "
                       f"{min(times) * 1e3:.2f}-{max(times) * 1e3:.2f}), floor {floor * 1e3:6.2f} ms, "
-                      f"{step / floor:5.1f}x", flush=True)
+                      f"{step / floor:5.1f}x; its linear products alone {products * 1e3:.2f} ms "
+                      f"({products / floor:.1f}x the floor)", flush=True)
         engine = policy = model = None  # freed before the next attention implementation loads
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "bf16": bf16,
               "model": args.shape or args.model, "bandwidth_gb_s": bw / 1e9, "results": results}

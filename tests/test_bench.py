@@ -84,3 +84,17 @@ def test_behaviour_check_leaves_out_only_what_measures_the_machine():
             "tools/call_frequency", "num_tokens", "update_skipped"]
     assert not [k for k in kept if machine_key(k)]
     assert all(machine_key(k) for k in ["step_time", "time/policy", "time/weight_sync", "memory/peak_gb", "wall_s"])
+
+
+def test_the_sampler_benchmark_sets_each_step_beside_its_floor_and_its_products(tiny_model):
+    """scripts/bench_sampler.py times the HF sampler's decode step (every row decoding to the cap) against its
+    bandwidth floor, and its linear products alone, which are part of the step and so take less than it."""
+    from scripts.bench_sampler import main
+
+    report = main(["--model", tiny_model, "--rows", "1", "4", "--short", "2", "--steps", "6", "--repeats", "1",
+                   "--bf16", "false"])
+    assert [(r["rows"], r["decode"]) for r in report["results"]] == [(1, "fast"), (4, "fast")]
+    for r in report["results"]:
+        assert 0 < r["floor_ms"] < r["step_ms"] and 0 < r["products_ms"] < r["step_ms"]
+        assert r["ratio"] == pytest.approx(r["step_ms"] / r["floor_ms"])
+    assert report["bandwidth_gb_s"] > 0
