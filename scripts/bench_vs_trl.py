@@ -227,7 +227,8 @@ def run_ours(spec: dict) -> dict:
             "--max_completion_length", str(spec["max_completion_length"]), "--beta", str(spec["beta"]),
             "--learning_rate", str(spec["learning_rate"]), "--temperature", str(spec["temperature"]),
             "--max_steps", str(spec["steps"]), "--seed", str(spec["seed"]), "--num_eval_samples", "0",
-            "--builtin_num_train", "2000", "--loss_type", "grpo", "--log_completions", "false",
+            "--builtin_num_train", "2000", "--loss_type", "grpo", "--log_completions", "true",
+            "--num_completions_to_print", str(spec["num_generations"] * spec["num_prompts"]),
             "--output_dir", spec["output_dir"], "--overwrite_output_dir", "true", "--report_to", "none",
             "--use_peft", str(spec["use_peft"]).lower(), "--load_in_4bit", str(spec["load_in_4bit"]).lower(),
             "--gradient_checkpointing", str(spec["gradient_checkpointing"]).lower(),
@@ -243,10 +244,29 @@ def run_ours(spec: dict) -> dict:
         return {}
     rows = [json.loads(line) for line in Path(spec["output_dir"], "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "step_time" in r]
-    return {"step_times": [r["step_time"] for r in rows],
+    tails = longest_alone(spec, Path(spec["output_dir"], "completions.jsonl"))
+    return {"step_times": [r["step_time"] for r in rows], "longest_alone": [tails.get(r["step"]) for r in rows],
             "tokens": [r["completions/mean_length"] * spec["num_generations"] * spec["num_prompts"] for r in rows],
             "phases": [{k: r.get(f"time/{k}", 0.0) for k in PHASES} for r in rows], "peak_memory_gb": peak,
             "allocated_peak_gb": allocated_peak_gb()}
+
+
+def longest_alone(spec: dict, completions: Path) -> dict[int, tuple[int, int]]:
+    """For each step, (the tokens its longest completion decoded after every other row had ended, that completion's
+    length): a step's sampling lasts until its longest completion ends, and for those last tokens the sampler decodes
+    one row. Lengths are counted by tokenizing the logged text again (the end token, where one was sampled, not
+    counted on either side), so a count may be off by a token where the text re-tokenizes otherwise."""
+    if not completions.exists():
+        return {}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    lengths: dict[int, list[int]] = {}
+    for line in completions.read_text().splitlines():
+        row = json.loads(line)
+        lengths.setdefault(row["step"], []).append(len(tokenizer(row["completion"], add_special_tokens=False)
+                                                       .input_ids))
+    return {step: (sorted(n)[-1] - sorted(n)[-2], max(n)) for step, n in lengths.items() if len(n) > 1}
 
 
 def run_trl(spec: dict) -> dict:
@@ -355,6 +375,14 @@ def summarize(runs: list[dict], warmup: int) -> dict:
            "per_run": per_run,
            "mean_completion_length": sum(tokens) / len(tokens) / runs[0]["batch"],
            "peak_memory_gb": max(r["peak_memory_gb"] for r in runs), "measured_steps": len(times)}
+    tails = [t for r in runs for t in r.get("longest_alone", [])[warmup:] if t]
+    if tails:
+        phases = [p for r in runs for p, t in zip(r["phases"][warmup:], r["longest_alone"][warmup:]) if t]
+        # the wait, at the step's mean time a decode step (generation over the longest completion's length)
+        waits = [p["generation"] * alone / longest for p, (alone, longest) in zip(phases, tails)]
+        out["longest_alone"] = {"tokens": statistics.median(a for a, _ in tails),
+                                "share": statistics.median(a / n for a, n in tails),
+                                "seconds": statistics.median(waits)}
     if "phases" in runs[0]:
         out["phases"] = {k: statistics.median(p[k] for r in runs for p in r["phases"][warmup:]) for k in PHASES}
         phase_total = {k: sum(p[k] for r in runs for p in r["phases"][warmup:]) for k in PHASES}
@@ -505,6 +533,12 @@ def format_report(report: dict) -> str:
         lines.append("\nwhere our step time goes (medians, and s per 1k generated tokens; the rest is bookkeeping):")
         lines += [f"  {k:<12} {v:7.2f} s  {100 * v / total:5.1f}%  {per_token[k]:7.3f} s/1k tokens"
                   for k, v in phases.items()]
+    alone = summary.get("ours", {}).get("longest_alone")
+    if alone:
+        lines.append(f"\nthe wait on one long completion (medians over steps): the longest completion decoded "
+                     f"{alone['tokens']:.0f} tokens after every other row had ended, {100 * alone['share']:.0f}% of "
+                     f"the step's decode steps, about {alone['seconds']:.2f} s of generation at the step's mean time "
+                     f"a decode step (one row decodes faster than the batch, so a little less)")
     return "\n".join(lines)
 
 

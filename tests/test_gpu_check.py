@@ -47,6 +47,10 @@ def test_the_gpu_check_runs_every_step_on_a_cpu(tmp_path):
         assert 0 < side["mean_completion_length"] <= 8
     assert set(ours["phases"]) == {"generation", "rewards", "reference", "policy", "optimizer", "weight_sync"}
     assert ours["phases"]["generation"] > 0 and ours["phases"]["policy"] > 0
+    # how long the step waited on its longest completion alone, from the completions our run logged
+    alone = ours["longest_alone"]
+    assert alone["tokens"] >= 0 and 0 <= alone["share"] <= 1 and 0 <= alone["seconds"] <= ours["phases"]["generation"]
+    assert "the wait on one long completion" in (tmp_path / "bench.log").read_text()
     assert report["ratios"]["against"] == "trl-bf16"
     assert report["ratios"]["step_time"] == pytest.approx(ours["median_step_time_s"] / trl["median_step_time_s"])
     assert report["settings"]["steps"] == 2 and report["settings"]["num_generations"] == 8
