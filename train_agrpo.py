@@ -49,7 +49,7 @@ preset.
 This file is the loop and its phases. Building a run (`Run`, `TrainerState`, `Geometry`) is
 lib/setup.py; saving and stopping (checkpoints, final/, signals, non-finite values: the optimizer
 step's guard, `step_optimizer`) lib/save_and_stop.py; the logs (phase 7's `log_step`, the health
-warnings' `watch_health`) lib/logs.py. The optional parts (lib/extras/: the hub, the health
+warnings through `Run.watch`) lib/logs.py. The optional parts (lib/extras/: the hub, the health
 warnings, the memory check, the reward worker, the generation server's client) are wired here, in
 `setup`: the core never imports them.
 """
@@ -75,7 +75,7 @@ from lib.extras import (agents, checkpointed_prefix, embedded_model, health, hub
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.runs import read_jsonl
-from lib.logs import append_jsonl, batch_metrics, log_step, watch_health
+from lib.logs import append_jsonl, batch_metrics, log_step
 from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
                         per_row, policy_loss, policy_ratio, token_share, truncated_importance_weights)
 from lib.methods import TrainValues, choose_method
@@ -510,7 +510,7 @@ def evaluate(run: Run, step: int) -> dict:
     metrics["eval/num_problems"] = total
     append_jsonl(run, "metrics.jsonl", [{"step": step, **metrics}])
     accelerator.log(metrics, step=step)
-    watch_health(run, step, metrics)
+    run.watch.say(run, step, metrics)  # health warnings (lib/extras/health.Watch)
     return metrics
 
 
