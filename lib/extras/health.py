@@ -3,8 +3,8 @@
 Pure functions over a list of metric dicts exactly as `metrics.jsonl` holds them: training lines (they have
 `reward`) and evaluation lines (`eval/accuracy`), in the order they were written, plus the run's configuration
 (config.yaml, or the trainer's Config as a dict) for the values the checks compare against (kl_target) and name in
-their advice. The checks read no files and keep no state; `Watch` keeps a trainer's history, and
-`python -m lib.extras.health RUN_FOLDER...` prints the warnings of runs on disk.
+their advice. The checks read no files and keep no state; `Watch` keeps a trainer's history and says its warnings
+(console, warnings.jsonl), and `python -m lib.extras.health RUN_FOLDER...` prints the warnings of runs on disk.
 
     check(lines, config)      the warnings that hold at the end of the lines (what the run is doing now)
     episodes(lines, config)   every stretch of steps over which a warning held, with its worst numbers
