@@ -80,7 +80,6 @@ from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_opti
                         per_row, policy_loss, policy_ratio, token_share, truncated_importance_weights)
 from lib.methods import TrainValues, choose_method
 from lib.modeling import adapter_disabled, mix_into_reference, pad_cat
-from lib.reward_funcs import reward_options
 from lib.rollout import Rollout
 from lib.sampling import Sampled
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, step_optimizer, stop_for_signal,
@@ -532,7 +531,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     rank, world = accelerator.process_index, accelerator.num_processes
     # push_to_hub: the hub reachable, a write token, the repository ready, before data and models
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
-    reward_specs, reward_funcs = resolve_rewards(cfg, reward_models.reward_model_spec, open_r1_rewards.REWARD_FUNCS)
+    reward_specs, reward_funcs = resolve_rewards(cfg, reward_models.reward_model_spec, open_r1_rewards.REWARD_FUNCS,
+                                                 open_r1_rewards.reward_options(cfg))
     train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print, hub_data, word_problems.builtin_task,
                                             open_r1_rewards.REWARD_FUNCS)
     resolve_epochs(cfg, len(train_records), world)  # max_steps -1, and the epoch strategies
@@ -541,7 +541,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     # (lib/extras/reward_worker.py); it starts now and loads them while the models load
     worker = None
     if cfg.reward_timeout:
-        worker = RewardWorker(reward_specs, reward_options(cfg), cfg.reward_timeout)
+        worker = RewardWorker(reward_specs, open_r1_rewards.reward_options(cfg), cfg.reward_timeout)
         worker.start()
     out = record_and_seed(cfg, accelerator)
 

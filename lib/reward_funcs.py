@@ -112,15 +112,6 @@ def _bind_options(spec: str, func: RewardFunc, options: dict, built_in: bool) ->
     return func
 
 
-def reward_options(cfg) -> dict:
-    """Keyword options of the built-in reward functions (lib/extras/open_r1_rewards.py's cosine, repetition and
-    soft_overlong), from the configuration; resolve_reward_funcs binds to each function the ones it takes."""
-    return {"max_len": cfg.cosine_max_len or cfg.max_completion_length,
-            "max_completion_length": cfg.max_completion_length,
-            "overlong_buffer_length": cfg.overlong_buffer_length or max(1, cfg.max_completion_length // 5),
-            "ngram_size": cfg.repetition_n_grams, "max_penalty": cfg.repetition_max_penalty}
-
-
 def resolve_reward_funcs(specs: list[str], options: dict | None = None, models=None,
                          named_rewards: dict[str, RewardFunc] = REWARD_FUNCS) -> list[tuple[str, RewardFunc]]:
     """(name, function) per spec, in order. A spec is a built-in name, 'module:function', 'module.function' (TRL's

@@ -425,6 +425,20 @@ def test_resolve_binds_options_to_keyword_only_parameters(tmp_path, monkeypatch)
     assert resolve_reward_funcs(["cosine"], named_rewards=NAMED)[0][1] is cosine_reward  # options=None: unchanged
 
 
+def test_the_configurations_options_reach_the_functions_as_the_trainer_hands_them_over():
+    # train_agrpo.setup passes lib/extras/open_r1_rewards.reward_options(cfg) to lib/setup.resolve_rewards
+    from lib.config import parse_config
+    from lib.extras.open_r1_rewards import reward_options
+    from lib.setup import resolve_rewards
+
+    cfg = parse_config(["--reward_funcs", "cosine", "soft_overlong", "--cosine_max_len", "20",
+                        "--max_completion_length", "100", "--overlong_buffer_length", "20"])
+    specs, resolved = resolve_rewards(cfg, named_rewards=NAMED, options=reward_options(cfg))
+    assert specs == ["cosine", "soft_overlong"]
+    assert dict(resolved)["cosine"](["q"], [RIGHT], answer=["52"]) == pytest.approx([0.75])  # 10 chars / 20
+    assert dict(resolved)["soft_overlong"](["q"], [""], completion_length=[90]) == pytest.approx([-0.5])
+
+
 def test_resolve_rejects_bad_options_at_start_up():
     # The default buffer 4096 is longer than a 64-token limit: caught here, not as an error on every step.
     with pytest.raises(ValueError, match="'soft_overlong'.*overlong_buffer_length"):
