@@ -35,7 +35,7 @@ from lib.sampling import RolloutContext
 from lib.modeling import (REFERENCE_FOLDER, CompletionScorer, cast_lm_head_to_fp32, end_token_ids,
                           is_adapter_folder, load_policy, load_reference, load_tokenizer, native_bf16,
                           reference_dtype, weights_dtype)
-from lib.reward_funcs import is_reward_model, resolve_reward_funcs
+from lib.reward_funcs import resolve_reward_funcs
 from lib.rewards import REWARD_FUNCS
 from lib.rollout import AnswerPhase, HFRollout
 from lib.schedule import build_scheduler, steps_per_rollout, warmup_steps
@@ -154,7 +154,8 @@ def resolve_rewards(cfg: Config, models=None, named_rewards: dict = REWARD_FUNCS
                           f"reward_funcs {names}; homogeneous_advantage, resample_schedule and "
                           f"dynamic_sampling_rounds judge correctness with it. Add it to "
                           f"reward_funcs or name another function")
-    return [None if is_reward_model(func) else spec for spec, (_, func) in zip(specs, reward_funcs)], reward_funcs
+    in_process = [getattr(func, "in_process", False) for _, func in reward_funcs]  # a reward model runs here
+    return [None if here else spec for spec, here in zip(specs, in_process)], reward_funcs
 
 
 def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None, builtin=None,
