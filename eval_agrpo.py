@@ -360,16 +360,15 @@ def reseed(backend, seed: int) -> None:
 
 
 def reward_totals(reward_funcs, weights: list[float], prompts: list[str], records: list[dict],
-                  results: list[dict], args: argparse.Namespace) -> list[list[float]]:
+                  results: list[dict]) -> list[list[float]]:
     """Weighted total reward of every completion, per problem (the trainer's `reward`), the functions called as the
     trainer calls them (lib/reward_funcs.py), without a trainer_state: there is no run."""
     owners = [i for i, r in enumerate(results) for _ in r["completions"]]
     texts = [c for r in results for c in r["completions"]]
-    call_prompts, completions, columns, model_prompts = reward_arguments(
-        [records[i] for i in owners], [prompts[i] for i in owners], texts, instruction=args.instruction,
-        system_prompt=args.system_prompt)
+    owned = [records[i] for i in owners]
+    call_prompts, completions, columns = reward_arguments(owned, [prompts[i] for i in owners], texts)
     columns["completion_length"] = [n for r in results for n in r["lengths"]]
-    per_func, _ = score_completions(reward_funcs, call_prompts, completions, columns, model_prompts=model_prompts,
+    per_func, _ = score_completions(reward_funcs, call_prompts, completions, columns, records=owned,
                                     completion_ids=[ids for r in results for ids in r["token_ids"]])
     # the trainer's sum (NaN skipped, all skipped: 0), in float64 as the rewards came
     totals = weighted_rewards(torch.tensor(per_func, dtype=torch.float64).T,
@@ -468,7 +467,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         specs = resolve_reward_funcs(args.reward_funcs, models=reward_model_spec, named_rewards=REWARD_FUNCS)
         reward_funcs = load_reward_models(specs, device, args.batch_size, trust_remote_code=args.trust_remote_code,
-                                          chat_template_kwargs=args.chat_template_kwargs)
+                                          chat_template_kwargs=args.chat_template_kwargs, instruction=args.instruction,
+                                          system_prompt=args.system_prompt)
     except ValueError as error:
         raise EvalConfigError(f"--reward_funcs: {error}") from error
     weights = args.reward_weights or [1.0] * len(reward_funcs)
@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                          on_batch=progress, episodes=agent)
             seconds = time.perf_counter() - start
             bar.close()
-            rewards = reward_totals(reward_funcs, weights, prompts, records, results, args)
+            rewards = reward_totals(reward_funcs, weights, prompts, records, results)
             row = {"model": label, "dataset": set_label, **score_problems(results, args.pass_k, seed=args.seed),
                    "reward": sum(map(sum, rewards)) / max(sum(map(len, rewards)), 1), "seconds": seconds}
             if reference is not None:

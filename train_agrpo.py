@@ -49,7 +49,7 @@ preset.
 This file is the loop and its phases. Building a run (`Run`, `TrainerState`, `Geometry`) is
 lib/setup.py; saving and stopping (checkpoints, final/, signals, non-finite values: the optimizer
 step's guard, `step_optimizer`) lib/save_and_stop.py; the logs (phase 7's `log_step`, the health
-warnings' `watch_health`) lib/logs.py. The optional parts (lib/extras/: the hub, the health
+warnings through `Run.watch`) lib/logs.py. The optional parts (lib/extras/: the hub, the health
 warnings, the memory check, the reward worker, the generation server's client) are wired here, in
 `setup`: the core never imports them.
 """
@@ -75,12 +75,11 @@ from lib.extras import (agents, checkpointed_prefix, embedded_model, health, hub
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.runs import read_jsonl
-from lib.logs import append_jsonl, batch_metrics, log_step, watch_health
+from lib.logs import append_jsonl, batch_metrics, log_step
 from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
                         per_row, policy_loss, policy_ratio, token_share, truncated_importance_weights)
 from lib.methods import TrainValues, choose_method
 from lib.modeling import adapter_disabled, mix_into_reference, pad_cat
-from lib.reward_funcs import reward_options
 from lib.rollout import Rollout
 from lib.sampling import Sampled
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, step_optimizer, stop_for_signal,
@@ -510,7 +509,7 @@ def evaluate(run: Run, step: int) -> dict:
     metrics["eval/num_problems"] = total
     append_jsonl(run, "metrics.jsonl", [{"step": step, **metrics}])
     accelerator.log(metrics, step=step)
-    watch_health(run, step, metrics)
+    run.watch.say(run, step, metrics)  # health warnings (lib/extras/health.Watch)
     return metrics
 
 
@@ -532,7 +531,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     rank, world = accelerator.process_index, accelerator.num_processes
     # push_to_hub: the hub reachable, a write token, the repository ready, before data and models
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
-    reward_specs, reward_funcs = resolve_rewards(cfg, reward_models.reward_model_spec, open_r1_rewards.REWARD_FUNCS)
+    reward_specs, reward_funcs = resolve_rewards(cfg, reward_models.reward_model_spec, open_r1_rewards.REWARD_FUNCS,
+                                                 open_r1_rewards.reward_options(cfg))
     train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print, hub_data, word_problems.builtin_task,
                                             open_r1_rewards.REWARD_FUNCS)
     resolve_epochs(cfg, len(train_records), world)  # max_steps -1, and the epoch strategies
@@ -541,7 +541,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     # (lib/extras/reward_worker.py); it starts now and loads them while the models load
     worker = None
     if cfg.reward_timeout:
-        worker = RewardWorker(reward_specs, reward_options(cfg), cfg.reward_timeout)
+        worker = RewardWorker(reward_specs, open_r1_rewards.reward_options(cfg), cfg.reward_timeout)
         worker.start()
     out = record_and_seed(cfg, accelerator)
 

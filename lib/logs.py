@@ -1,7 +1,7 @@
 """What a run logs (docs/watching.md): metrics.jsonl, completions.jsonl and warnings.jsonl, one JSON object a line,
 appended by the main process (lib/setup.RUN_LOGS; trimmed to the checkpoint on resume), and the dense console line, one
-per logged step: the loop's phase 7 (`log_step`) and the health warnings after each logged line (`watch_health`). The
-optional parts they use (the health watch, the trackers' completion tables) come from lib/extras/ through the Run.
+per logged step: the loop's phase 7 (`log_step`). The optional parts it uses (the health warnings after each logged
+line, the trackers' completion tables) come from lib/extras/ through the Run.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def log_step(run: Run, step: int, metrics: dict, batch) -> None:
     run.accelerator.log(metrics, step=step)
     if run.accelerator.is_main_process:
         tqdm.write(dense_line(step, run.cfg.max_steps, metrics, run.ctx.reward_names))
-    watch_health(run, step, metrics)
+    run.watch.say(run, step, metrics)  # the health warnings new at this line (lib/extras/health.Watch)
     first = run.geometry.first
     rows = [{"step": step, "prompt": batch.prompts[i], "completion": batch.texts[i], "answer": batch.answers[i],
              "reward": float(batch.total[first + i]), "advantage": float(batch.advantages[i])}
@@ -79,14 +79,3 @@ def log_step(run: Run, step: int, metrics: dict, batch) -> None:
         for name in run.cfg.report_to:
             run.accelerator.get_tracker(name, unwrap=False).log({"completions": run.completions_table(name, rows)},
                                                                  step=step)
-
-
-def watch_health(run: Run, step: int, metrics: dict) -> None:
-    """Say each kind of health warning (zero-spread groups, truncation, entropy collapse, reward hacking, a KL above
-    its target) once, at the first logged line where it holds, with its numbers and what to try: on the console and
-    in warnings.jsonl, as run.watch (lib/extras/health.Watch.report) words them."""
-    if run.accelerator.is_main_process:
-        lines, records = run.watch.report(step, metrics)
-        for line in lines:
-            tqdm.write(line)
-        append_jsonl(run, "warnings.jsonl", records)

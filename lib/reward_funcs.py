@@ -112,15 +112,6 @@ def _bind_options(spec: str, func: RewardFunc, options: dict, built_in: bool) ->
     return func
 
 
-def reward_options(cfg) -> dict:
-    """Keyword options of the built-in reward functions (lib/extras/open_r1_rewards.py's cosine, repetition and
-    soft_overlong), from the configuration; resolve_reward_funcs binds to each function the ones it takes."""
-    return {"max_len": cfg.cosine_max_len or cfg.max_completion_length,
-            "max_completion_length": cfg.max_completion_length,
-            "overlong_buffer_length": cfg.overlong_buffer_length or max(1, cfg.max_completion_length // 5),
-            "ngram_size": cfg.repetition_n_grams, "max_penalty": cfg.repetition_max_penalty}
-
-
 def resolve_reward_funcs(specs: list[str], options: dict | None = None, models=None,
                          named_rewards: dict[str, RewardFunc] = REWARD_FUNCS) -> list[tuple[str, RewardFunc]]:
     """(name, function) per spec, in order. A spec is a built-in name, 'module:function', 'module.function' (TRL's
@@ -187,22 +178,15 @@ def is_conversational(record: dict) -> bool:
     return isinstance(record.get("prompt"), list)
 
 
-def prompt_messages(problem: str, instruction: str = "", system_prompt: str | None = None) -> list[dict]:
-    """The messages of a math-format record's prompt, as lib/data.format_prompt renders them: the system prompt if
-    any, then `problem + "\n" + instruction` from the user. A reward model reads them with its own chat template."""
-    content = f"{problem}\n{instruction}" if instruction else problem
-    return [{"role": "system", "content": system_prompt}] * bool(system_prompt) + [{"role": "user", "content": content}]
-
-
 # Keys of a record never passed as columns: the names TRL passes itself (and leaves out of its columns).
 _NOT_COLUMNS = ("prompt", "completion", "completion_ids", "prompts", "completions", "trainer_state")
 
 
-def reward_arguments(records: list[dict], prompt_texts: list[str | None], texts: list[str], *, instruction: str = "",
-                     system_prompt: str | None = None) -> tuple[list, list, dict[str, list], list]:
+def reward_arguments(records: list[dict], prompt_texts: list[str | None],
+                     texts: list[str]) -> tuple[list, list, dict[str, list]]:
     """TRL's arguments for one batch, from each completion's record, its prompt as rendered for the policy
     (lib/data.render_prompt; None for a conversational record) and its decoded text: (prompts, completions,
-    columns, model_prompts). The records' forms are lib/data.py's:
+    columns). The records' forms are lib/data.py's:
 
     - a conversation under `prompt`: prompts are its messages as the data holds them, completions
       [{"role": "assistant", "content": text}] (TRL's conversational form);
@@ -210,30 +194,20 @@ def reward_arguments(records: list[dict], prompt_texts: list[str | None], texts:
       text, completions the text.
 
     columns: every other key of the records, one value per completion; not the prompt (`prompt`, or `problem` for a
-    record without `prompt`, whose prompt it is), as TRL leaves out its `prompt` column. model_prompts: what a reward
-    model reads as the prompt (lib/extras/reward_models.py): a conversation's messages with the system prompt added where
-    it has no system turn, as the policy's prompt was rendered; a text prompt as it is (TRL joins text and
-    completion); a math-format record's messages, the problem and the instruction (prompt_messages), since its
-    rendered text is in the policy's chat template, not the reward model's.
+    record without `prompt`, whose prompt it is), as TRL leaves out its `prompt` column.
     """
-    prompts, completions, model_prompts = [], [], []
+    prompts, completions = [], []
     for record, prompt_text, text in zip(records, prompt_texts, texts, strict=True):
         if is_conversational(record):
-            messages = record["prompt"]
-            prompts.append(messages)
+            prompts.append(record["prompt"])
             completions.append([{"role": "assistant", "content": text}])
-            has_system = any(m.get("role") == "system" for m in messages)
-            model_prompts.append(messages if has_system or not system_prompt
-                                 else [{"role": "system", "content": system_prompt}, *messages])
         else:
             prompts.append(prompt_text)
             completions.append(text)
-            model_prompts.append(record["prompt"] if "prompt" in record
-                                 else prompt_messages(record["problem"], instruction, system_prompt))
     keys = dict.fromkeys(key for r in records for key in r)  # every record's keys, in the order first seen
     prompt_key = "problem" if records and "prompt" not in records[0] else None
     columns = {key: [r.get(key) for r in records] for key in keys if key not in _NOT_COLUMNS and key != prompt_key}
-    return prompts, completions, columns, model_prompts
+    return prompts, completions, columns
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -245,12 +219,6 @@ def is_async(func) -> bool:
     while isinstance(func, functools.partial):
         func = func.func
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(type(func), "__call__", None))
-
-
-def is_reward_model(func) -> bool:
-    """A reward model, loaded or still to load (lib/extras/reward_models.py): it runs in the trainer's process, on its
-    device, never in the reward worker."""
-    return getattr(func, "is_reward_model", False)
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -336,7 +304,7 @@ def score_completions(
     *,
     completion_ids: list[list[int]] | None = None,
     trainer_state: RewardState | None = None,
-    model_prompts: list | None = None,
+    records: list[dict] | None = None,
 ) -> tuple[list[list[float]], dict[str, int]]:
     """Run every reward function on the batch, as TRL calls them: keyword arguments prompts, completions,
     completion_ids (if given), trainer_state (if given) and the columns. Synchronous functions run one after
@@ -346,21 +314,19 @@ def score_completions(
     None); errors[name] counts the completions on which that function raised and got `error_value` (None -> NaN).
     A function that raises on the batch is retried one completion at a time (an async one on all of them at once),
     so one bad completion costs one reward, not the whole batch. Raises ValueError for a wrong-length or non-numeric
-    result, a column of the wrong length, or a reward model not loaded.
+    result or a column of the wrong length.
 
     call(jobs, concurrent): how the functions run, jobs being (function index, keyword arguments), returning each
     job's output or exception (default: run_jobs, in this process; the trainer passes
     lib.extras.reward_worker.RewardWorker.run, which runs them in a worker with a time limit and returns a timeout or a dead
-    worker as an exception, scored like any). Reward models always run in this process, on its device, and are given
-    `model_prompts` (reward_arguments) as their prompts when it is given. nonfinite: if given,
+    worker as an exception, scored like any). A function with `in_process` set (a reward model, an environment's reward)
+    always runs in this process. One with a `prompts_of(records)` method (a reward model: lib/extras/reward_models.py)
+    is given what it returns, from each completion's record, as its prompts. nonfinite: if given,
     nonfinite[name] counts the completions the function scored inf, -inf or NaN (None is not counted: it means the
     function does not apply).
     """
     funcs = [func for _, func in reward_funcs]
-    unloaded = [name for name, func in reward_funcs if not callable(func)]
-    if unloaded:
-        raise ValueError(f"reward model(s) {unloaded} not loaded: lib/extras/reward_models.load_reward_models loads "
-                         "them onto the device before scoring")
+    own_prompts = {k: func.prompts_of(records) for k, func in enumerate(funcs) if hasattr(func, "prompts_of")}
     n = len(completions)
     if len(prompts) != n:
         raise ValueError(f"got {len(prompts)} prompts for {n} completions; repeat each prompt once per completion")
@@ -370,19 +336,18 @@ def score_completions(
     for key, column in per_completion.items():
         if len(column) != n:
             raise ValueError(f"column {key!r} has {len(column)} values for {n} completions")
-    for_models = per_completion if model_prompts is None else {**per_completion, "prompts": model_prompts}
     shared = {} if trainer_state is None else {"trainer_state": trainer_state}
 
     def arguments(k: int, i: int | None = None) -> dict:
-        batch = for_models if is_reward_model(funcs[k]) else per_completion
+        batch = per_completion if own_prompts.get(k) is None else {**per_completion, "prompts": own_prompts[k]}
         if i is not None:
             batch = {key: [column[i]] for key, column in batch.items()}
         return {**batch, **shared}
 
     def run(jobs: list[tuple[int, dict]]) -> list:
         k = jobs[0][0]
-        if call is None or is_reward_model(funcs[k]) or getattr(funcs[k], "in_process", False):
-            return run_jobs(funcs, jobs)  # a function the worker does not hold (an environment's reward) runs here
+        if call is None or getattr(funcs[k], "in_process", False):  # one the worker does not hold (a reward model)
+            return run_jobs(funcs, jobs)
         return call(jobs, is_async(funcs[k]))
 
     fallback = None if error_value is None else float(error_value)  # None: skipped, like a function's None

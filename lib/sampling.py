@@ -153,9 +153,7 @@ class RolloutContext:
         owners = [records[i] for i in index]
         # each text prompt as rendered for the policy, once per prompt (a conversation is passed as its messages)
         rendered = {i: self.prompt_text(records[i]) for i in set(index) if not is_conversational(records[i])}
-        prompts, completions, columns, model_prompts = reward_arguments(
-            owners, [rendered.get(i) for i in index], texts, instruction=self.cfg.instruction,
-            system_prompt=self.cfg.system_prompt)
+        prompts, completions, columns = reward_arguments(owners, [rendered.get(i) for i in index], texts)
         columns["completion_length"] = rollout.completion_mask.sum(1).tolist()  # the model's tokens
         columns.update(rollout.columns or {})  # what the sampler adds (an environment's get_reward)
         # every token of each completion (an episode's tool results too: its attended mask is a prefix)
@@ -165,7 +163,7 @@ class RolloutContext:
                                              error_value=self.cfg.reward_error_value,
                                              call=self.worker.run if self.worker is not None else None,
                                              nonfinite=nonfinite, completion_ids=ids,
-                                             trainer_state=self.trainer_state, model_prompts=model_prompts)
+                                             trainer_state=self.trainer_state, records=owners)
         self.nonfinite = {n: self.nonfinite[n] + nonfinite[n] for n in self.reward_names}
         self.reward_seconds += time.perf_counter() - t0
         return torch.tensor(per_func, dtype=torch.float32, device=self.device).T, errors, texts

@@ -35,7 +35,7 @@ from lib.sampling import RolloutContext
 from lib.modeling import (REFERENCE_FOLDER, CompletionScorer, cast_lm_head_to_fp32, end_token_ids,
                           is_adapter_folder, load_policy, load_reference, load_tokenizer, native_bf16,
                           reference_dtype, weights_dtype)
-from lib.reward_funcs import is_reward_model, resolve_reward_funcs, reward_options
+from lib.reward_funcs import resolve_reward_funcs
 from lib.rewards import REWARD_FUNCS
 from lib.rollout import AnswerPhase, HFRollout
 from lib.schedule import build_scheduler, steps_per_rollout, warmup_steps
@@ -136,14 +136,15 @@ def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, ob
     return accelerator, bf16, launch, launch is not None and launch.partitioned
 
 
-def resolve_rewards(cfg: Config, models=None, named_rewards: dict = REWARD_FUNCS) -> tuple[list[str], list]:
+def resolve_rewards(cfg: Config, models=None, named_rewards: dict = REWARD_FUNCS,
+                    options: dict | None = None) -> tuple[list[str], list]:
     """(the reward specs the reward worker resolves, None for a reward model, the resolved functions): bad names stop
-    here, before any data or model loads. `models` and `named_rewards` as lib/reward_funcs.resolve_reward_funcs takes
-    them; reward models load later, onto each process's device, and run in this process."""
+    here, before any data or model loads. `models`, `named_rewards`, `options` as lib/reward_funcs.resolve_reward_funcs
+    takes them; reward models load later, onto each process's device, and run in this process."""
     # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
     specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
     try:
-        reward_funcs = resolve_reward_funcs(specs, reward_options(cfg), models, named_rewards)
+        reward_funcs = resolve_reward_funcs(specs, options, models, named_rewards)
     except ValueError as error:
         raise ConfigError(f"reward_funcs: {error}") from error
     names = [name for name, _ in reward_funcs]
@@ -153,7 +154,8 @@ def resolve_rewards(cfg: Config, models=None, named_rewards: dict = REWARD_FUNCS
                           f"reward_funcs {names}; homogeneous_advantage, resample_schedule and "
                           f"dynamic_sampling_rounds judge correctness with it. Add it to "
                           f"reward_funcs or name another function")
-    return [None if is_reward_model(func) else spec for spec, (_, func) in zip(specs, reward_funcs)], reward_funcs
+    in_process = [getattr(func, "in_process", False) for _, func in reward_funcs]  # a reward model runs here
+    return [None if here else spec for spec, here in zip(specs, in_process)], reward_funcs
 
 
 def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None, builtin=None,

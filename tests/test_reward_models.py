@@ -44,7 +44,7 @@ def own_forward(model, tokenizer, text: str) -> float:
 def test_a_completion_scores_what_the_model_itself_gives_its_conversation(tiny_reward_model):
     [(name, spec)] = resolve_reward_funcs([tiny_reward_model], models=reward_model_spec)
     assert (name, spec) == ("tiny_rm", RewardModelSpec(tiny_reward_model))
-    [(name, rm)] = load_reward_models([(name, spec)], "cpu", batch_size=2)
+    [(name, rm)] = load_reward_models([(name, spec)], "cpu", batch_size=2, instruction="Answer: <number>")
     assert rm.__name__ == "tiny_rm" and not rm.model.training
     assert not any(p.requires_grad for p in rm.model.parameters())
     batches = []
@@ -54,9 +54,8 @@ def test_a_completion_scores_what_the_model_itself_gives_its_conversation(tiny_r
     plain = {"problem": "What is 3+3?", "answer": "6"}
     records = [chat, chat, plain]
     texts = ["4", "It is 4, since two and two make four.", "Let me think. Three and three: six.\nAnswer: 6"]
-    prompts, completions, columns, model_prompts = reward_arguments(
-        records, [None, None, "<|im_start|>user\nWhat is 3+3?..."], texts, instruction="Answer: <number>")
-    [scores], errors = score_completions([(name, rm)], prompts, completions, columns, model_prompts=model_prompts)
+    prompts, completions, columns = reward_arguments(records, [None, None, "<|im_start|>user\nWhat is 3+3?..."], texts)
+    [scores], errors = score_completions([(name, rm)], prompts, completions, columns, records=records)
     assert errors == {"tiny_rm": 0}
     assert [shape[0] for shape in batches] == [2, 1]  # batch_size 2: two padded forwards
     # the model's own forward, one text at a time, no padding: the conversation in the reward model's template

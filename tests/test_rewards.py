@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO
 from lib.extras.open_r1_rewards import (REWARD_FUNCS as NAMED, cosine_reward, reasoning_steps_reward,
@@ -425,6 +426,20 @@ def test_resolve_binds_options_to_keyword_only_parameters(tmp_path, monkeypatch)
     assert resolve_reward_funcs(["cosine"], named_rewards=NAMED)[0][1] is cosine_reward  # options=None: unchanged
 
 
+def test_the_configurations_options_reach_the_functions_as_the_trainer_hands_them_over():
+    # train_agrpo.setup passes lib/extras/open_r1_rewards.reward_options(cfg) to lib/setup.resolve_rewards
+    from lib.config import parse_config
+    from lib.extras.open_r1_rewards import reward_options
+    from lib.setup import resolve_rewards
+
+    cfg = parse_config(["--reward_funcs", "cosine", "soft_overlong", "--cosine_max_len", "20",
+                        "--max_completion_length", "100", "--overlong_buffer_length", "20"])
+    specs, resolved = resolve_rewards(cfg, named_rewards=NAMED, options=reward_options(cfg))
+    assert specs == ["cosine", "soft_overlong"]
+    assert dict(resolved)["cosine"](["q"], [RIGHT], answer=["52"]) == pytest.approx([0.75])  # 10 chars / 20
+    assert dict(resolved)["soft_overlong"](["q"], [""], completion_length=[90]) == pytest.approx([-0.5])
+
+
 def test_resolve_rejects_bad_options_at_start_up():
     # The default buffer 4096 is longer than a 64-token limit: caught here, not as an error on every step.
     with pytest.raises(ValueError, match="'soft_overlong'.*overlong_buffer_length"):
@@ -527,21 +542,24 @@ def test_reward_arguments_pass_prompts_and_completions_in_the_records_form():
             "answer": "4"}
     text = {"prompt": "Q: 5+5?\nA:", "answer": "10"}
     math = {"problem": "3+3?", "answer": "6", "operation": "+"}
-    prompts, completions, columns, model_prompts = reward_arguments(
-        [chat, chat], [None, None], ["\\boxed{4}", "5"], instruction="Answer briefly.", system_prompt="Be brief.")
+    prompts, completions, columns = reward_arguments([chat, chat], [None, None], ["\\boxed{4}", "5"])
     assert prompts == [chat["prompt"]] * 2 and completions == [conversation("\\boxed{4}"), conversation("5")]
     # every column but the prompt, as TRL passes them (`problem` is a column here: the prompt is `prompt`)
     assert columns == {"problem": ["2+2?"] * 2, "solution": ["\\boxed{4}"] * 2, "answer": ["4"] * 2}
-    # a reward model reads the conversation as the policy's prompt was rendered: the system prompt first
-    assert model_prompts == [[{"role": "system", "content": "Be brief."}, *chat["prompt"]]] * 2
-    prompts, completions, columns, model_prompts = reward_arguments([text], ["Q: 5+5?\nA:"], [" 10"])
-    assert prompts == model_prompts == ["Q: 5+5?\nA:"] and completions == [" 10"] and columns == {"answer": ["10"]}
-    prompts, completions, columns, model_prompts = reward_arguments(
-        [math], ["<rendered>3+3?"], ["6"], instruction="Answer briefly.", system_prompt="Be brief.")
+    prompts, completions, columns = reward_arguments([text], ["Q: 5+5?\nA:"], [" 10"])
+    assert prompts == ["Q: 5+5?\nA:"] and completions == [" 10"] and columns == {"answer": ["10"]}
+    prompts, completions, columns = reward_arguments([math], ["<rendered>3+3?"], ["6"])
     assert prompts == ["<rendered>3+3?"] and completions == ["6"]
     assert columns == {"answer": ["6"], "operation": ["+"]}  # not `problem`: it reaches the function as the prompt
-    assert model_prompts == [[{"role": "system", "content": "Be brief."},
-                              {"role": "user", "content": "3+3?\nAnswer briefly."}]]
+    # a reward model (lib/extras/reward_models.py) reads each prompt from its record, as the policy's was built:
+    # the system prompt first, the text as it is, the problem and the instruction as messages
+    from lib.extras.reward_models import RewardModel
+
+    model = RewardModel(torch.nn.Linear(1, 1), None, "rm", instruction="Answer briefly.", system_prompt="Be brief.")
+    assert model.prompts_of([chat, text, math]) == [
+        [{"role": "system", "content": "Be brief."}, *chat["prompt"]], "Q: 5+5?\nA:",
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+3?\nAnswer briefly."}]]
+    assert model.prompts_of(None) is None  # without records, the prompts as given
 
 
 def test_functions_written_for_trl_and_open_r1_run_unchanged():

@@ -3,14 +3,14 @@
 Pure functions over a list of metric dicts exactly as `metrics.jsonl` holds them: training lines (they have
 `reward`) and evaluation lines (`eval/accuracy`), in the order they were written, plus the run's configuration
 (config.yaml, or the trainer's Config as a dict) for the values the checks compare against (kl_target) and name in
-their advice. The checks read no files and keep no state; `Watch` keeps a trainer's history, and
-`python -m lib.extras.health RUN_FOLDER...` prints the warnings of runs on disk.
+their advice. The checks read no files and keep no state; `Watch` keeps a trainer's history and says its warnings
+(console, warnings.jsonl), and `python -m lib.extras.health RUN_FOLDER...` prints the warnings of runs on disk.
 
     check(lines, config)      the warnings that hold at the end of the lines (what the run is doing now)
     episodes(lines, config)   every stretch of steps over which a warning held, with its worst numbers
     unseen(warnings, seen)    the warnings whose kind is not in `seen`
-    Watch(config).add(line)   a trainer's history: the warnings new at this line (each kind once); `report` says
-                              them as console lines and warnings.jsonl records
+    Watch(config).add(line)   a trainer's history: the warnings new at this line (each kind once); `report` words
+                              them as console lines and warnings.jsonl records, `say` prints and appends them
 
 The checks, each over the last WINDOW logged training steps:
     reward_hacking     training reward rising while held-out accuracy falls by more than its noise
@@ -22,8 +22,11 @@ The checks, each over the last WINDOW logged training steps:
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
 
 from lib.extras.runs import METRICS, read_config, read_jsonl
 
@@ -83,8 +86,8 @@ class Watch:
         return fresh
 
     def report(self, step: int, metrics: dict) -> tuple[list[str], list[dict]]:
-        """The warnings new at this logged line (`add`), as the trainer says them (lib/logs.watch_health): one console
-        line each, and one warnings.jsonl record each. A warning an evaluation raised carries an eval/ key, so that a
+        """The warnings new at this logged line (`add`), as `say` says them: one console line each, and one
+        warnings.jsonl record each. A warning an evaluation raised carries an eval/ key, so that a
         resume at this step, which redoes the evaluation, sets it aside with the evaluation's line
         (lib/checkpoint.trim_jsonl)."""
         fresh = self.add({"step": step, **metrics})
@@ -92,6 +95,19 @@ class Watch:
         records = [{"step": step, "kind": w.kind, "title": w.title, "first_step": w.first_step,
                     "evidence": w.evidence, "advice": w.advice, **after_eval} for w in fresh]
         return [console_line(w) for w in fresh], records
+
+    def say(self, run, step: int, metrics: dict) -> None:
+        """Say each kind of warning (zero-spread groups, truncation, entropy collapse, reward hacking, a KL above its
+        target) once, at the first logged line where it holds (`report`), on the main process: on the console and in
+        the run's warnings.jsonl. The trainer calls it as `run.watch` after each logged line (lib/logs.log_step) and
+        evaluation; `run` is its lib/setup.Run (accelerator, out)."""
+        if run.accelerator.is_main_process:
+            lines, records = self.report(step, metrics)
+            for line in lines:
+                tqdm.write(line)
+            if records:
+                with open(run.out / "warnings.jsonl", "a") as f:
+                    f.write("".join(json.dumps(r) + "\n" for r in records))
 
 
 def split_lines(lines: list[dict]) -> tuple[list[dict], list[dict]]:

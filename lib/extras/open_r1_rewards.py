@@ -3,7 +3,8 @@ docs/methods.md 2.4), and DAPO's soft overlong punishment: think_format, cosine,
 reasoning_steps. Pure, called as lib/rewards.py's are (keyword arguments, either form of completion).
 
 `REWARD_FUNCS` is every built-in name, lib/rewards.py's and these: the entry scripts hand it to
-lib/reward_funcs.resolve_reward_funcs (`named_rewards`), so that `--reward_funcs cosine` resolves there.
+lib/reward_funcs.resolve_reward_funcs (`named_rewards`), so that `--reward_funcs cosine` resolves there;
+`reward_options` their keyword options from the configuration, which train_agrpo.py hands over the same way.
 """
 
 import math
@@ -133,3 +134,13 @@ REWARD_FUNCS: dict[str, RewardFunc] = {
     "tag_count": tag_count_reward,
     "reasoning_steps": reasoning_steps_reward,
 }
+
+
+def reward_options(cfg) -> dict:
+    """Keyword options of the built-in reward functions above (cosine, repetition and soft_overlong), from the
+    configuration: train_agrpo.setup hands them to lib/setup.resolve_rewards and to the reward worker, and
+    lib/reward_funcs.resolve_reward_funcs binds to each function the ones it takes."""
+    return {"max_len": cfg.cosine_max_len or cfg.max_completion_length,
+            "max_completion_length": cfg.max_completion_length,
+            "overlong_buffer_length": cfg.overlong_buffer_length or max(1, cfg.max_completion_length // 5),
+            "ngram_size": cfg.repetition_n_grams, "max_penalty": cfg.repetition_max_penalty}

@@ -24,7 +24,7 @@ import torch
 from lib.config import ConfigError
 from lib.extras.open_r1_rewards import REWARD_FUNCS
 from lib.modeling import load_tokenizer
-from lib.reward_funcs import spec_error
+from lib.reward_funcs import is_conversational, spec_error
 from lib.rewards import completion_text
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a hub id ("org/name")
@@ -36,7 +36,13 @@ class RewardModelSpec:
     loaded yet: load_reward_models loads it onto the trainer's device. It scores nothing itself."""
 
     path: str
-    is_reward_model = True  # lib.reward_funcs.is_reward_model
+    in_process = True  # lib/setup.resolve_rewards: not for the reward worker
+
+    def prompts_of(self, records) -> list:
+        """Refused: a spec scores nothing. lib/reward_funcs.score_completions asks every reward model for its prompts
+        before any function runs, so a spec that load_reward_models has not loaded stops the scoring here."""
+        raise ValueError(f"reward model(s) {[self.path]} not loaded: lib/extras/reward_models.load_reward_models "
+                         "loads them onto the device before scoring")
 
 
 def reward_model_name(spec: str) -> str:
@@ -77,20 +83,49 @@ def reward_model_spec(spec: str) -> tuple[str, RewardModelSpec] | None:
     return None
 
 
+def prompt_messages(problem: str, instruction: str = "", system_prompt: str | None = None) -> list[dict]:
+    """The messages of a math-format record's prompt, as lib/data.format_prompt renders them: the system prompt if
+    any, then `problem + "\n" + instruction` from the user. A reward model reads them with its own chat template."""
+    content = f"{problem}\n{instruction}" if instruction else problem
+    return [{"role": "system", "content": system_prompt}] * bool(system_prompt) + [{"role": "user", "content": content}]
+
+
 class RewardModel:
     """A loaded reward model, called like a reward function: model(prompts=..., completions=..., **columns) returns one
     float per completion. A prompt may be messages (read with the model's chat template) or text (TRL's plain form:
-    text + completion, no template); the trainer passes lib.reward_funcs.reward_arguments' `model_prompts`. A completion
-    may be either form."""
+    text + completion, no template); lib.reward_funcs.score_completions passes what `prompts_of` makes of the
+    records, where it has them. A completion may be either form. `instruction` and `system_prompt` are the policy's
+    (the configuration's), with which the records' prompts were rendered for it."""
 
-    is_reward_model = True  # lib.reward_funcs.is_reward_model: in this process, given `model_prompts` as its prompts
+    in_process = True  # lib.reward_funcs.score_completions: in this process, on its device, never in the worker
 
     def __init__(self, model: torch.nn.Module, tokenizer, name: str, batch_size: int = 8,
-                 chat_template_kwargs: dict | None = None):
+                 chat_template_kwargs: dict | None = None, instruction: str = "", system_prompt: str | None = None):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.__name__ = name
         self.batch_size = batch_size
         self.chat_template_kwargs = chat_template_kwargs or {}
+        self.instruction, self.system_prompt = instruction, system_prompt
+
+    def prompts_of(self, records: list[dict] | None) -> list | None:
+        """What the model reads as each completion's prompt (None without records: the prompts as given): a
+        conversation's messages with the system prompt added where it has no system turn, as the policy's prompt was
+        rendered; a text prompt as it is (TRL joins text and completion); a math-format record's messages, the problem
+        and the instruction (prompt_messages), since its rendered text is in the policy's chat template, not the
+        reward model's."""
+        if records is None:
+            return None
+        prompts = []
+        for record in records:
+            if is_conversational(record):
+                messages = record["prompt"]
+                has_system = any(m.get("role") == "system" for m in messages)
+                prompts.append(messages if has_system or not self.system_prompt
+                               else [{"role": "system", "content": self.system_prompt}, *messages])
+            else:
+                prompts.append(record["prompt"] if "prompt" in record
+                               else prompt_messages(record["problem"], self.instruction, self.system_prompt))
+        return prompts
 
     def text(self, prompt, completion) -> str:
         """What the model reads for one completion."""
@@ -122,10 +157,11 @@ class RewardModel:
 
 
 def load_reward_model(path: str, device: torch.device | str, batch_size: int = 8, *, name: str | None = None,
-                      trust_remote_code: bool = False, chat_template_kwargs: dict | None = None) -> RewardModel:
+                      trust_remote_code: bool = False, chat_template_kwargs: dict | None = None,
+                      instruction: str = "", system_prompt: str | None = None) -> RewardModel:
     """The sequence-classification model at `path` (a folder or hub id) and its tokenizer, on `device`, in the
     checkpoint's dtype, one score a text (num_labels=1, TRL's loading). Raises ValueError naming the path and the
-    fix."""
+    fix. `instruction` and `system_prompt`: RewardModel's."""
     from transformers import AutoModelForSequenceClassification
 
     try:
@@ -144,14 +180,18 @@ def load_reward_model(path: str, device: torch.device | str, batch_size: int = 8
     # the model scores the last token that is not padding, found by this id (TRL sets it the same way)
     model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
     model.requires_grad_(False)
-    return RewardModel(model.to(device), tokenizer, name or reward_model_name(path), batch_size, chat_template_kwargs)
+    return RewardModel(model.to(device), tokenizer, name or reward_model_name(path), batch_size, chat_template_kwargs,
+                       instruction, system_prompt)
 
 
 def load_reward_models(reward_funcs: list[tuple[str, object]], device: torch.device | str, batch_size: int = 8, *,
-                       trust_remote_code: bool = False, chat_template_kwargs: dict | None = None) -> list[tuple]:
-    """`reward_funcs` (lib.reward_funcs.resolve_reward_funcs) with every RewardModelSpec loaded; functions unchanged."""
+                       trust_remote_code: bool = False, chat_template_kwargs: dict | None = None,
+                       instruction: str = "", system_prompt: str | None = None) -> list[tuple]:
+    """`reward_funcs` (lib.reward_funcs.resolve_reward_funcs) with every RewardModelSpec loaded; functions unchanged.
+    The keywords: load_reward_model's."""
     return [(name, load_reward_model(func.path, device, batch_size, name=name, trust_remote_code=trust_remote_code,
-                                     chat_template_kwargs=chat_template_kwargs))
+                                     chat_template_kwargs=chat_template_kwargs, instruction=instruction,
+                                     system_prompt=system_prompt))
             if isinstance(func, RewardModelSpec) else (name, func) for name, func in reward_funcs]
 
 
@@ -162,6 +202,7 @@ def load_rewards(cfg, reward_funcs: list, device: torch.device) -> list:
     try:
         return load_reward_models(reward_funcs, device, cfg.per_device_train_batch_size,
                                   trust_remote_code=cfg.trust_remote_code,
-                                  chat_template_kwargs=cfg.chat_template_kwargs)
+                                  chat_template_kwargs=cfg.chat_template_kwargs, instruction=cfg.instruction,
+                                  system_prompt=cfg.system_prompt)
     except ValueError as error:
         raise ConfigError(f"reward_funcs: {error}") from error

@@ -27,8 +27,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from lib.config import ConfigError
 from lib.extras.agents import engine_generate
+from lib.extras.reward_models import prompt_messages
 from lib.extras.tools import load_tool
-from lib.reward_funcs import prompt_messages
 from lib.rollout import Rollout
 
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
