@@ -243,7 +243,7 @@ class HFRollout:
         self.generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
 
     def autocast(self):
-        """bf16 autocast when sampling with an fp32 policy itself (PEFT / quantised) and bf16 is on."""
+        """bf16 autocast when sampling with the policy itself (no copy: PEFT unmerged, quantised) and bf16 is on."""
         device_type = next(self.model.parameters()).device.type
         return torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.bf16 and self.copy is None)
 
