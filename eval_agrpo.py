@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             backend = engine
         else:
             backend = HFRollout(model, end_token_ids(model, tokenizer), tokenizer.pad_token_id, bf16=bf16,
-                                seed=args.seed, prepack=cpu_kernels.prepack_for_cpu)
+                                seed=args.seed, copy=cpu_kernels.sampling_copy)
         agent = None if tools is None else Agent(tokenizer, tools.call, args.max_tool_calling_iterations,
                                                  args.max_completion_length, tool_schemas(args.tools))
         for set_label, records in sets.items():

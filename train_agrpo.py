@@ -558,7 +558,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     elif cfg.use_vllm:  # a vLLM engine in each process
         engine = vllm_rollout.colocated_rollout(cfg, policy, tokenizer, model_path, bf16, rank)
     else:
-        engine = make_engine(cfg, policy, tokenizer, bf16, rank, partitioned, cpu_kernels.prepack_for_cpu)
+        engine = make_engine(cfg, policy, tokenizer, bf16, rank, partitioned, cpu_kernels.sampling_copy)
     reward_funcs = reward_models.load_rewards(cfg, reward_funcs, accelerator.device)
     if agent is not None:  # an environment's get_reward: a reward of its own, after the configured ones
         reward_funcs = reward_funcs + agent.reward_funcs()

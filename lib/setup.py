@@ -18,6 +18,7 @@ import random
 import shutil
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -338,14 +339,14 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
 
 
 def make_engine(cfg: Config, policy, tokenizer, bf16: bool, rank: int,
-                sharded: bool = False, prepack=None) -> HFRollout:
-    """The HF sampler (lib/rollout.py): our decode loop over a copy of the policy's weights where that is faster,
-    refreshed after every optimizer step; a policy that will be sharded is sampled from a full copy; `prepack`
-    (lib/extras/cpu_kernels.prepack_for_cpu) may repack that copy. (A vLLM engine is
+                sharded: bool = False, copy=None) -> HFRollout:
+    """The HF sampler (lib/rollout.py): our decode loop, over the policy itself or a copy of its weights that `copy`
+    (lib/extras/cpu_kernels.sampling_copy) makes where that is faster, refreshed after every optimizer step; a
+    policy that will be sharded is sampled from a full copy (`own_copy`). (A vLLM engine is
     lib/extras/vllm_rollout.colocated_rollout, one on devices of its own lib/extras/generation_server.server_rollout;
     the trainer picks.)"""
-    return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id,
-                     bf16=bf16, seed=cfg.seed + rank, own_copy=sharded, prepack=prepack)
+    return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16,
+                     seed=cfg.seed + rank, copy=None if copy is None else partial(copy, own_copy=sharded))
 
 
 def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float,

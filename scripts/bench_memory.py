@@ -12,7 +12,7 @@ default float32 weights dtype; the recipe's bf16 is bf16 autocast, used where li
 runs it). Then, in that process:
 
   weights        the resident set after load_policy, less the one before; and the bytes of the model's tensors
-  sampler copy   lib/rollout.HFRollout's plain bf16 copy with the adapter merged (resident in the trainer too)
+  sampler copy   lib/extras/sampling_copy's plain bf16 copy with the adapter merged (resident in the trainer too)
   KV cache       the sampler's cache for the generation batch (per_device_train_batch_size x
                  gradient_accumulation_steps completions, each with its prompt): the prompt and completion, full
                  length, prefilled at once through the sampler's copy with lib/rollout.prefill (use_cache), and the
@@ -262,7 +262,7 @@ def run_worker(spec: dict) -> dict:
     before = resident()
     restart_peak()
     engine = HFRollout(policy, [config.eos_token_id], config.pad_token_id, bf16=bf16, seed=cfg.seed,
-                       prepack=cpu_kernels.prepack_for_cpu)
+                       copy=cpu_kernels.sampling_copy)
     copy_bytes = tensor_bytes(engine.copy)["total"] if engine.copy is not None else 0
     parts["sampler_copy"] = {"estimate": copy_bytes, "measured": resident() - before, "peak": peak() - before}
     out["seconds"]["sampler_copy"] = time.perf_counter() - t0

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     for attn in args.attn:
         policy = load_policy(path, device=device, attn_implementation=attn).eval()
         # no end token: every row decodes to the cap
-        engine = HFRollout(policy, [-1], 0, bf16=bf16, seed=0, prepack=cpu_kernels.prepack_for_cpu)
+        engine = HFRollout(policy, [-1], 0, bf16=bf16, seed=0, copy=cpu_kernels.sampling_copy)
         model = engine.model
         steps_by_name = {"fast": engine.decode_step, "model": None, "written": LlamaStep,
                          "graph": GraphStep}

@@ -47,7 +47,7 @@ def main() -> None:
                     if "lora_B" in name:
                         p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.01)
             engine = HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16, seed=0,
-                               prepack=cpu_kernels.prepack_for_cpu)
+                               copy=cpu_kernels.sampling_copy)
             generator = torch.Generator().manual_seed(1)
             prompts = torch.randint(100, 40000, (2, 20), generator=generator)
             rollout = engine.generate(prompts, torch.ones_like(prompts), 4, 32, temperature=1.0)
@@ -65,7 +65,7 @@ def main() -> None:
                   f"{gap(engine, policy, rollout, bf16)} | {seconds:.2f} |", flush=True)
     policy = load_policy(path)
     engine = HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=True, seed=0,
-                       prepack=cpu_kernels.prepack_for_cpu)
+                       copy=cpu_kernels.sampling_copy)
     prompts = torch.randint(100, 40000, (2, 20), generator=torch.Generator().manual_seed(1))
     rollout = engine.generate(prompts, torch.ones_like(prompts), 4, 32, temperature=1.0)
     policy.eval()

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -118,11 +119,12 @@ def test_the_sampler_of_a_sharded_policy_keeps_its_own_copy_and_follows_the_poli
     full copy, which a sync brings to the policy's current weights."""
     from transformers import AutoModelForCausalLM
 
+    from lib.extras.sampling_copy import make_copy
     from lib.rollout import HFRollout
 
     policy = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    assert HFRollout(policy, [2], 0).copy is None
-    sampler = HFRollout(policy, [2], 0, own_copy=True)
+    assert HFRollout(policy, [2], 0, copy=make_copy).copy is None
+    sampler = HFRollout(policy, [2], 0, copy=partial(make_copy, own_copy=True))
     assert sampler.copy is not None and sampler.model is not policy
     with torch.no_grad():
         for p in policy.parameters():

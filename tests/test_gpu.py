@@ -117,10 +117,11 @@ def test_the_samplers_logps_equal_the_scorers(device, small_model, bf16):
     sampler's bf16 copy against the fp32 master weights under autocast) they may differ by bf16 rounding only: no
     more than the scorer's own bf16 results differ from fp32."""
     from lib.modeling import CompletionScorer, load_policy
+    from lib.extras.sampling_copy import make_copy
     from lib.rollout import HFRollout
 
     policy = load_policy(small_model, device=device).eval()
-    engine = HFRollout(policy, [2], 0, bf16=bf16, seed=3)
+    engine = HFRollout(policy, [2], 0, bf16=bf16, seed=3, copy=make_copy)
     ids, mask = prompts(device)
     roll = engine.generate(ids, mask, 4, 32, temperature=torch.tensor([0.7, 1.0, 1.3], device=device))
     assert int(roll.completion_mask.sum()) > 40
@@ -153,9 +154,10 @@ def test_the_written_out_decode_step_against_the_models_forward(device, small_mo
     may pass none where no row is padded), so the logits may differ by bf16 rounding, and the figure is reported."""
     from lib.extras.decode import LlamaStep, llama_family
     from lib.modeling import load_policy
+    from lib.extras.sampling_copy import make_copy
     from lib.rollout import HFRollout, ModelStep, prefill
 
-    engine = HFRollout(load_policy(small_model, device=device).eval(), [2], 0, bf16=True, seed=3)
+    engine = HFRollout(load_policy(small_model, device=device).eval(), [2], 0, bf16=True, seed=3, copy=make_copy)
     model = engine.model
     assert llama_family(model)
     ids, mask = prompts(device)
@@ -186,9 +188,10 @@ def test_the_graphed_decode_step_against_the_written_out_one(device, small_model
 
     from lib.extras.decode import GraphStep, LlamaStep, decode_step_for
     from lib.modeling import load_policy
+    from lib.extras.sampling_copy import make_copy
     from lib.rollout import HFRollout, prefill
 
-    engine = HFRollout(load_policy(small_model, device=device).eval(), [2], 0, bf16=True, seed=3)
+    engine = HFRollout(load_policy(small_model, device=device).eval(), [2], 0, bf16=True, seed=3, copy=make_copy)
     model = engine.model
     assert decode_step_for(model) is (GraphStep if device.type == "cuda" else LlamaStep)
     ids, mask = prompts(device)
@@ -239,6 +242,7 @@ def test_a_merged_adapter_copy_samples_the_policy_and_a_sync_refreshes_it(device
     if load_in_4bit:
         pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (scripts/gpu_check.sh carries it)")
     from lib.modeling import load_policy
+    from lib.extras.sampling_copy import make_copy
     from lib.rollout import HFRollout
 
     policy = load_policy(small_model, use_peft=True, lora_r=8, lora_alpha=16, load_in_4bit=load_in_4bit,
@@ -248,7 +252,7 @@ def test_a_merged_adapter_copy_samples_the_policy_and_a_sync_refreshes_it(device
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)).to(p.device) * 0.05)
     policy.eval()
-    engine = HFRollout(policy, [2], 0, seed=0)
+    engine = HFRollout(policy, [2], 0, seed=0, copy=make_copy)
     assert engine.copy is not None and not hasattr(engine.copy, "peft_config")
     ids, mask = prompts(device)
     roll = engine.generate(ids, mask, 3, 12, temperature=1.0)

@@ -1,10 +1,13 @@
 """The HF rollout backend on the real embedded model: same greedy text as `generate`, groups, masks, sampling."""
 
+from functools import partial
+
 import pytest
 import torch
 
 from conftest import assert_close_to_scale, rel_diff, rollout_logps
 from lib.data import format_prompt, tokenize_prompts
+from lib.extras.sampling_copy import make_copy
 from lib.extras.word_problems import builtin_task
 from lib.modeling import load_policy
 from lib.rollout import AnswerPhase, HFRollout, Rollout, replace_completions, sample_next_token
@@ -39,7 +42,7 @@ def test_greedy_rollout_equals_transformers_generate(embedded_model, tokenizer):
 def test_groups_counts_and_per_prompt_temperature(tiny_model, tokenizer):
     policy = load_policy(tiny_model)  # mechanics: the small random model
     ids, mask = _prompts(tokenizer)
-    backend = HFRollout(policy, [tokenizer.eos_token_id], tokenizer.pad_token_id, bf16=True, seed=3)
+    backend = HFRollout(policy, [tokenizer.eos_token_id], tokenizer.pad_token_id, bf16=True, seed=3, copy=make_copy)
     assert backend.copy is not None and next(backend.copy.parameters()).dtype == torch.bfloat16
     out = backend.generate(ids, mask, torch.tensor([3, 1]), 12, temperature=torch.tensor([0.7, 1.3]))
     assert out.prompt_index.tolist() == [0, 0, 0, 1]
@@ -52,7 +55,8 @@ def test_groups_counts_and_per_prompt_temperature(tiny_model, tokenizer):
         assert (out.completion_ids[row, lengths[row]:] == tokenizer.pad_token_id).all()
     # the same seed gives the same samples (same code, inputs and kernels: exactly); sync_weights copies the policy
     # into the bf16 sampler (a cast: exactly)
-    again = HFRollout(policy, [tokenizer.eos_token_id], tokenizer.pad_token_id, bf16=True, seed=3).generate(
+    again = HFRollout(policy, [tokenizer.eos_token_id], tokenizer.pad_token_id, bf16=True, seed=3,
+                      copy=make_copy).generate(
         ids, mask, torch.tensor([3, 1]), 12, temperature=torch.tensor([0.7, 1.3]))
     assert torch.equal(out.completion_ids, again.completion_ids)
     with torch.no_grad():
@@ -170,11 +174,11 @@ def test_an_adapter_policy_samples_with_its_merged_weights_and_a_sync_refreshes_
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
-    backend = HFRollout(policy, [2], 0, seed=0)
+    backend = HFRollout(policy, [2], 0, seed=0, copy=make_copy)
     assert type(backend.copy).__name__ == "LlamaForCausalLM" and not hasattr(backend.copy, "peft_config")
-    assert len(backend.adapted) == 2 * 7  # every linear layer of both blocks (all-linear), not the tied head
-    unmerged = HFRollout(policy, [2], 0, seed=0, merge_adapter=False)
-    assert unmerged.copy is None
+    assert len(backend.sampling_copy.adapted) == 2 * 7  # every linear layer of both blocks (all-linear), not the head
+    unmerged = HFRollout(policy, [2], 0, seed=0, copy=partial(make_copy, merge_adapter=False))
+    assert unmerged.copy is None and HFRollout(policy, [2], 0, seed=0).copy is None
     prompts = torch.randint(100, 5000, (2, 6), generator=torch.Generator().manual_seed(1))
     roll = backend.generate(prompts, torch.ones_like(prompts), 3, 8, temperature=1.0)
 
@@ -206,13 +210,14 @@ def test_the_sampler_is_the_policy_after_every_sync(tied, bf16):
     scale off (measured: the prepacked tied head, before it was packed again at each sync)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lib.extras.cpu_kernels import PackedLinear, can_prepack, prepack_for_cpu
+    from lib.extras.cpu_kernels import PackedLinear, can_prepack, sampling_copy
 
     config = LlamaConfig(vocab_size=2000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     torch.manual_seed(0)
     policy = LlamaForCausalLM(config).eval()
-    backend = HFRollout(policy, [2], 0, bf16=bf16, seed=0, own_copy=not bf16, prepack=prepack_for_cpu)
+    copy = partial(sampling_copy, own_copy=not bf16)
+    backend = HFRollout(policy, [2], 0, bf16=bf16, seed=0, copy=copy)
     packed = isinstance(backend.copy.lm_head, PackedLinear)
     assert packed == (bf16 and can_prepack())
     prompts = torch.randint(3, 2000, (2, 6), generator=torch.Generator().manual_seed(1))
@@ -230,7 +235,7 @@ def test_the_sampler_is_the_policy_after_every_sync(tied, bf16):
         backend.sync_weights(policy)
         synced = logps(backend.copy)
         assert_close_to_scale(synced, logps(policy), tolerance, f"log-probs after sync {update + 1}")
-        anew = HFRollout(policy, [2], 0, bf16=bf16, own_copy=not bf16, prepack=prepack_for_cpu)
+        anew = HFRollout(policy, [2], 0, bf16=bf16, copy=copy)
         assert torch.equal(synced, logps(anew.copy)), f"sync {update + 1} is not what a new sampler holds"
 
 
@@ -371,11 +376,11 @@ def test_the_written_out_decode_step_gives_the_models_own_logits_bit_for_bit(kin
     copy (prepacked layers on a CPU with oneDNN's bf16 kernel): the same float32 logits at every step, through the
     buffers' growth (a block of 8 here) and a compaction of the rows; then a sampled run takes the same tokens
     either way, rows ending and leaving the batch included."""
-    from lib.extras.cpu_kernels import can_prepack, prepack_for_cpu
+    from lib.extras.cpu_kernels import can_prepack, sampling_copy
     from lib.extras.decode import GraphStep, LlamaStep, llama_family
     from lib.rollout import ModelStep, prefill
 
-    engine = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3, prepack=prepack_for_cpu)
+    engine = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3, copy=sampling_copy)
     model = engine.model
     assert llama_family(model) and engine.decode_step is LlamaStep
     assert hasattr(model.get_decoder().layers[0].self_attn.q_proj, "group") == can_prepack()
@@ -428,16 +433,17 @@ def test_stacked_products_are_the_layers_own_bit_for_bit_and_a_partial_sync_refr
     the same copy with every layer packed on its own: the same logits bit for bit from the model's forward (the
     prefill, 1 to 40 rows) and from LlamaStep, so the same tokens sampled; then after a sync that reaches only the q
     and v layers (LoRA on those), both copies again agree bit for bit, k read back from the stacked pack."""
-    from lib.extras.cpu_kernels import PackedGroup, PackedPart, prepack_for_cpu, prepack_linears
+    from lib.extras.cpu_kernels import PackedGroup, PackedPart, prepack_linears, sampling_copy
     from lib.extras.decode import LlamaStep
-    from lib.rollout import _load_linear, prefill
+    from lib.extras.sampling_copy import _load_linear
+    from lib.rollout import prefill
 
     def one_by_one(copy):
         prepack_linears(copy)
         return LlamaStep
 
-    stacked = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3, prepack=prepack_for_cpu)
-    separate = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3, prepack=one_by_one)
+    stacked = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3, copy=sampling_copy)
+    separate = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3, copy=partial(make_copy, prepack=one_by_one))
     attn = stacked.copy.model.layers[1].self_attn
     assert isinstance(attn.q_proj, PackedPart) and attn.q_proj.group is attn.v_proj.group
     assert isinstance(stacked.copy.model.layers[1].mlp.up_proj.group, PackedGroup)

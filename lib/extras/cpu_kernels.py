@@ -2,8 +2,8 @@
 (docs/performance.md 2.1). Neither changes what is computed; both make the HF sampler's decode step faster on a CPU.
 
 Importing this module registers `grouped_decode_attention` with transformers under lib.modeling.FAST_ATTENTION,
-which lib.modeling.default_attn_implementation then picks on a CPU; `prepack_for_cpu` is the hook the entry scripts
-give lib.rollout.HFRollout (`prepack`) for its sampling copy.
+which lib.modeling.default_attn_implementation then picks on a CPU; `sampling_copy` is the hook the entry scripts
+give lib.rollout.HFRollout (`copy`): its sampling copy (lib/extras/sampling_copy.py) with `prepack_for_cpu`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lib.extras.decode import decode_step_for, llama_family
+from lib.extras.sampling_copy import make_copy
 from lib.modeling import FAST_ATTENTION
 
 
@@ -195,11 +196,17 @@ def prepack_linears(model: torch.nn.Module, stacked: list[list[str]] = ()) -> No
 
 
 def prepack_for_cpu(model: torch.nn.Module):
-    """HFRollout's `prepack` hook: prepack a bf16 sampling copy's linear layers where it lives on a CPU that has
-    oneDNN's bf16 kernel, a Llama-family model's q, k, v and gate, up as one product each (leave any other model as
-    it is); return the copy's decode step (lib/extras/decode.decode_step_for: LlamaStep for a Llama-family model,
-    GraphStep on CUDA, else None)."""
+    """The sampling copy's `prepack` hook (lib/extras/sampling_copy.SamplingCopy): prepack a bf16 copy's linear
+    layers where it lives on a CPU that has oneDNN's bf16 kernel, a Llama-family model's q, k, v and gate, up as one
+    product each (leave any other model as it is); return the copy's decode step (lib/extras/decode.decode_step_for:
+    LlamaStep for a Llama-family model, GraphStep on CUDA, else None)."""
     if next(model.parameters()).dtype == torch.bfloat16 and next(model.parameters()).device.type == "cpu" \
             and can_prepack():
         prepack_linears(model, stacked_layers(model))
     return decode_step_for(model)
+
+
+def sampling_copy(policy: torch.nn.Module, bf16: bool, own_copy: bool = False):
+    """HFRollout's `copy` hook, as the entry scripts give it: lib/extras/sampling_copy.make_copy, its linear layers
+    prepacked and its decode step chosen by `prepack_for_cpu`."""
+    return make_copy(policy, bf16, own_copy, prepack=prepack_for_cpu)

@@ -19,7 +19,8 @@ from lib.extras.model_folders import adapter_base
 from lib.extras.embedded_model import resolve_model_path
 from lib.modeling import end_token_ids, is_adapter_folder, native_bf16, unwrap_causal_lm
 from lib.distributed import full_tensor
-from lib.rollout import AnswerPhase, Rollout, dense_weight, is_lora_layer, merged_linear
+from lib.extras.sampling_copy import dense_weight, is_lora_layer, merged_linear
+from lib.rollout import AnswerPhase, Rollout
 
 
 def policy_weights(policy: torch.nn.Module, merge_adapter: bool = True):
