@@ -572,14 +572,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     geometry = Geometry.of(cfg, rank, world)
     method = choose_method(cfg, geometry.steps_per_rollout)
     state = restore(resume, accelerator, scorer, optimizer, scheduler, engine, method, sharded)
-    if cfg.report_to:
-        # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists
-        # and None); to_dict leaves the token out, and so does the command line wandb records
-        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                   for k, v in to_dict(cfg).items()}
-        trackers = hub.tracker_init_kwargs(cfg.report_to, cfg.run_name or out.name, str(out))
-        with hub.argv_without_secrets():
-            accelerator.init_trackers(cfg.project, config=hparams, init_kwargs=trackers)
+    hub.start_trackers(cfg, accelerator, out)  # report_to's trackers, given the run's settings
     ctx = rollout_context(cfg, engine, tokenizer, reward_funcs, train_records, accelerator,
                           geometry, worker, sampler_hook)
     history = read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None

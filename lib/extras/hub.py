@@ -103,6 +103,20 @@ def argv_without_secrets():
         sys.argv[:] = saved
 
 
+def start_trackers(cfg: Config, accelerator, out: Path) -> None:
+    """Start report_to's trackers (none: nothing), with the run's settings as their hyper-parameters (train_agrpo.setup,
+    once the checkpoint is restored)."""
+    if not cfg.report_to:
+        return
+    # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists
+    # and None); to_dict leaves the token out, and so does the command line wandb records
+    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+               for k, v in to_dict(cfg).items()}
+    trackers = tracker_init_kwargs(cfg.report_to, cfg.run_name or out.name, str(out))
+    with argv_without_secrets():
+        accelerator.init_trackers(cfg.project, config=hparams, init_kwargs=trackers)
+
+
 def markdown_cell(value) -> str:
     """A value as the text of one markdown table cell (pipes escaped, line breaks kept as <br>)."""
     text = f"{value:.4g}" if isinstance(value, float) else str(value)
