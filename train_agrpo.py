@@ -72,6 +72,7 @@ from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation import generate_and_score, summarize
 from lib.extras import (agents, checkpointed_prefix, embedded_model, health, hub, hub_data, memory, open_r1_rewards,
                         reward_models, rollout_func, sharding, trl_keys, vllm_rollout, word_problems)
+from lib.extras.fp32_head import cast_lm_head_to_fp32
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
 from lib.extras.runs import read_jsonl
@@ -552,7 +553,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     # rollout_func: the user's function samples in place of the sampler, behind the same hook (docs/agents.md 8)
     sampler_hook = agent or rollout_func.RolloutFunction.from_config(cfg, tokenizer, accelerator)
     policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded,
-                                    partitioned, embedded_model.resolve_model_path)
+                                    partitioned, embedded_model.resolve_model_path, cast_lm_head_to_fp32)
     if cfg.use_vllm and cfg.vllm_mode == "server":  # an engine on its own devices (serve_vllm.py)
         engine = server_rollout(cfg, policy, tokenizer, rank, partitioned, world)
     elif cfg.use_vllm:  # a vLLM engine in each process

@@ -33,9 +33,8 @@ from lib.config import Config, ConfigError, hf_sampler_note, save_yaml, validate
 from lib.data import check_answers, load_records, render_prompt, split_names
 from lib.methods import Method
 from lib.sampling import RolloutContext
-from lib.modeling import (REFERENCE_FOLDER, CompletionScorer, cast_lm_head_to_fp32, end_token_ids,
-                          is_adapter_folder, load_policy, load_reference, load_tokenizer, native_bf16,
-                          reference_dtype, weights_dtype)
+from lib.modeling import (REFERENCE_FOLDER, CompletionScorer, end_token_ids, is_adapter_folder, load_policy,
+                          load_reference, load_tokenizer, native_bf16, reference_dtype, weights_dtype)
 from lib.reward_funcs import resolve_reward_funcs
 from lib.rewards import REWARD_FUNCS
 from lib.rollout import AnswerPhase, HFRollout
@@ -287,12 +286,13 @@ def load_checked_tokenizer(cfg: Config, model_path: str, records: list[dict]):
 
 
 def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: Path | None,
-                bf16: bool, sharding, partitioned: bool, resolve=None
+                bf16: bool, sharding, partitioned: bool, resolve=None, cast_head=None
                 ) -> tuple[torch.nn.Module, CompletionScorer | None]:
     """(policy, reference): the policy from the model (or an unsharded checkpoint), the frozen reference (none when beta
     is 0; with LoRA the base with the adapter disabled, not a second copy), sharded like the policy will be where
-    `sharding` (Run.sharding) is given; `resolve` as lib/modeling.load_policy takes it. The sampler comes next
-    (make_engine)."""
+    `sharding` (Run.sharding) is given; `resolve` as lib/modeling.load_policy takes it. `cast_head` turns a model's
+    output layer to float32 where cast_lm_head_to_fp32 (lib/extras/fp32_head.cast_lm_head_to_fp32, handed in by
+    train_agrpo.setup). The sampler comes next (make_engine)."""
     device, sharded = accelerator.device, sharding is not None
     adapter = cfg.use_peft or is_adapter_folder(model_path)
     if cfg.sync_ref_model and (adapter or sharded or partitioned):
@@ -315,7 +315,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                          attn_implementation=cfg.attn_implementation, device=device,
                          trust_remote_code=cfg.trust_remote_code, resolve=resolve)
     if cfg.cast_lm_head_to_fp32:
-        cast_lm_head_to_fp32(policy)
+        cast_head(policy)
     if cfg.disable_dropout:  # TRL's disable_dropout: the scored distribution is the sampled one
         for module in policy.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -331,7 +331,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                                 trust_remote_code=cfg.trust_remote_code, revision=None if synced else
                                 cfg.model_revision)
         if cfg.cast_lm_head_to_fp32:
-            cast_lm_head_to_fp32(frozen)
+            cast_head(frozen)
         reference = CompletionScorer(frozen, fixed_calls=partitioned)
         if sharded:
             reference = sharding.shard_frozen(reference)
