@@ -567,6 +567,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     estimate = memory.check_run(cfg, policy, accelerator.device, bf16)  # stops a run that won't fit
     if accelerator.is_main_process:
         tqdm.write(estimate)
+        vllm_rollout.say_hf_sampler_note(cfg, accelerator.device, tqdm.write)  # a GPU run without vLLM
     scorer, optimizer, scheduler, params = prepare_policy(cfg, accelerator, policy, optimizer,
                                                           sharded, partitioned, checkpointed_prefix)
 

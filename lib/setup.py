@@ -13,7 +13,6 @@ as plain objects.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import random
 import shutil
 import time
@@ -29,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
-from lib.config import Config, ConfigError, hf_sampler_note, save_yaml, validate
+from lib.config import Config, ConfigError, save_yaml, validate
 from lib.data import check_answers, load_records, render_prompt, split_names
 from lib.methods import Method
 from lib.sampling import RolloutContext
@@ -381,10 +380,6 @@ def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Modul
     (lib/extras/checkpointed_prefix, handed in by train_agrpo.setup) shares the prompt under gradient checkpointing."""
     device = accelerator.device
     if accelerator.is_main_process:
-        note = hf_sampler_note(cfg, device.type == "cuda",
-                               importlib.util.find_spec("vllm") is not None)
-        if note:
-            tqdm.write(note)
         if cfg.activation_offloading and device.type != "cuda":
             tqdm.write("activation_offloading: ignored on a CPU (the saved activations are already "
                        "in its memory)")
