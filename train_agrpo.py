@@ -563,7 +563,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     reward_funcs = reward_models.load_rewards(cfg, reward_funcs, accelerator.device)
     if agent is not None:  # an environment's get_reward: a reward of its own, after the configured ones
         reward_funcs = reward_funcs + agent.reward_funcs()
-    optimizer = policy_optimizer(cfg, policy)
+    optimizer = policy_optimizer(cfg, policy, memory.eight_bit_adamw)  # optim's 8-bit / paged states: bitsandbytes
     estimate = memory.check_run(cfg, policy, accelerator.device, bf16)  # stops a run that won't fit
     if accelerator.is_main_process:
         tqdm.write(estimate)

@@ -349,27 +349,23 @@ def make_engine(cfg: Config, policy, tokenizer, bf16: bool, rank: int,
 
 
 def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float,
-                    eps: float = 1e-8):
-    """AdamW by `optim` name: torch's, or bitsandbytes' 8-bit / paged states (Dettmers et al. 2022, "8-bit optimizers
-    via block-wise quantization"): 2 bytes of state per parameter instead of 8; paged states are moved to host memory by
-    the CUDA driver when the GPU runs short instead of failing."""
+                    eps: float = 1e-8, eight_bit=None):
+    """AdamW by `optim` name: torch's, or bitsandbytes' 8-bit / paged states, which `eight_bit` makes
+    (lib/extras/memory.eight_bit_adamw, handed in by train_agrpo.setup)."""
     if name in ("adamw_torch", "adamw_torch_fused"):
         # fused: one kernel for all tensors on CUDA, the same update
         fused = name == "adamw_torch_fused" and all(p.is_cuda for p in params)
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  fused=fused or None)
-    import bitsandbytes as bnb  # an optional dependency: imported only for an 8-bit optimizer
-
-    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
-           "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[name]
-    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return eight_bit(params, name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
-def policy_optimizer(cfg: Config, policy: torch.nn.Module) -> torch.optim.Optimizer:
-    """The optimizer over the policy's trained parameters (all of them, or LoRA's adapter)."""
+def policy_optimizer(cfg: Config, policy: torch.nn.Module, eight_bit=None) -> torch.optim.Optimizer:
+    """The optimizer over the policy's trained parameters (all of them, or LoRA's adapter); `eight_bit` as
+    build_optimizer takes it."""
     params = [p for p in policy.parameters() if p.requires_grad]
     return build_optimizer(params, cfg.optim, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
-                           cfg.weight_decay, eps=cfg.adam_epsilon)
+                           cfg.weight_decay, eps=cfg.adam_epsilon, eight_bit=eight_bit)
 
 
 def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Module,

@@ -74,6 +74,18 @@ def optimizer_state_bytes(optim: str) -> int:
             "paged_adamw_8bit": 2}[optim]
 
 
+def eight_bit_adamw(params, name: str, **options) -> torch.optim.Optimizer:
+    """bitsandbytes' AdamW for `optim` adamw_8bit, paged_adamw_8bit or paged_adamw_32bit (Dettmers et al. 2022, "8-bit
+    optimizers via block-wise quantization"): 2 bytes of state per parameter instead of 8; paged states are moved to
+    host memory by the CUDA driver when the GPU runs short instead of failing. `options`: AdamW's (lr, betas, eps,
+    weight_decay). lib/setup.build_optimizer's `eight_bit`."""
+    import bitsandbytes as bnb  # an optional dependency: imported only for an 8-bit optimizer
+
+    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+           "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[name]
+    return cls(params, **options)
+
+
 @dataclass
 class StepMemory:
     """A step's estimated peak, in bytes, by part."""
