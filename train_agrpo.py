@@ -75,6 +75,7 @@ from lib.extras import (agents, checkpointed_prefix, embedded_model, health, hub
 from lib.extras.fp32_head import cast_lm_head_to_fp32
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
+from lib.extras import save_failure
 from lib.extras.runs import read_jsonl
 from lib.logs import append_jsonl, batch_metrics, log_step
 from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
@@ -581,7 +582,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     run = Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method,
               params, optimizer, scheduler, eval_records, geometry, ckpt.StopRequest(), sharded,
               watch=health.Watch(to_dict(cfg), history), completions_table=hub.completions_value,
-              hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None)
+              hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None,
+              save_failed=save_failure.save_failed_message)
     return run, state
 
 

@@ -105,6 +105,7 @@ class Run:
     watch: object = None  # lib/extras/health.Watch: the metric history behind the health warnings
     completions_table: object = None  # lib/extras/hub.completions_value: a step's completions as a tracker's table
     hub: object = None  # lib/extras/hub.HubPusher: push_to_hub's uploads (main process), or None
+    save_failed: object = None  # lib/extras/save_failure.save_failed_message: the message a failed save stops with
 
 
 def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, object, bool]:
