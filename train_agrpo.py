@@ -581,7 +581,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     history = read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None
     run = Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method,
               params, optimizer, scheduler, eval_records, geometry, ckpt.StopRequest(), sharded,
-              watch=health.Watch(to_dict(cfg), history), completions_table=hub.completions_value,
+              watch=health.Watch(to_dict(cfg), history), completions_table=hub.log_completions,
               hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None,
               save_failed=save_failure.save_failed_message)
     return run, state

@@ -103,7 +103,7 @@ class Run:
     sharding: object = None
     # optional parts, made by train_agrpo.setup from lib/extras/ (which the core does not import):
     watch: object = None  # lib/extras/health.Watch: the metric history behind the health warnings
-    completions_table: object = None  # lib/extras/hub.completions_value: a step's completions as a tracker's table
+    completions_table: object = None  # lib/extras/hub.log_completions: a step's completions, a table per tracker
     hub: object = None  # lib/extras/hub.HubPusher: push_to_hub's uploads (main process), or None
     save_failed: object = None  # lib/extras/save_failure.save_failed_message: the message a failed save stops with
 

