@@ -6,10 +6,16 @@ lib/setup.Run's `save_failed`, which lib/save_and_stop.py calls when a save fail
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import torch
 
 from lib import checkpoint as ckpt
+
+
+def folder_bytes(folder: str | Path) -> int:
+    """The bytes of the files under `folder` (a checkpoint's size)."""
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
 
 
 def save_failed_message(run, what: str, error: str) -> str:
@@ -19,7 +25,7 @@ def save_failed_message(run, what: str, error: str) -> str:
     unwrapped = run.accelerator.unwrap_model(run.scorer).model
     previous = ckpt.latest_checkpoint(run.out)
     if previous is not None:
-        needed = ckpt.folder_bytes(previous)
+        needed = folder_bytes(previous)
     else:  # model (adapter) and optimizer states, as written
         weights = run.params if hasattr(unwrapped, "peft_config") \
             else list(unwrapped.state_dict().values())
