@@ -569,6 +569,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     if accelerator.is_main_process:
         tqdm.write(estimate)
         vllm_rollout.say_hf_sampler_note(cfg, accelerator.device, tqdm.write)  # a GPU run without vLLM
+        memory.say_offloading_note(cfg, accelerator.device, tqdm.write)  # activation_offloading on a CPU
     scorer, optimizer, scheduler, params = prepare_policy(cfg, accelerator, policy, optimizer,
                                                           sharded, partitioned, checkpointed_prefix)
 

@@ -375,11 +375,6 @@ def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Modul
     """(scorer, optimizer, scheduler, trained parameters): the scheduler built, the scorer and the optimizer prepared by
     Accelerate. Called after the memory check, which needs the optimizer built. `checkpointed_prefix`
     (lib/extras/checkpointed_prefix, handed in by train_agrpo.setup) shares the prompt under gradient checkpointing."""
-    device = accelerator.device
-    if accelerator.is_main_process:
-        if cfg.activation_offloading and device.type != "cuda":
-            tqdm.write("activation_offloading: ignored on a CPU (the saved activations are already "
-                       "in its memory)")
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
                                 num_warmup_steps=warmup_steps(cfg), kwargs=cfg.lr_scheduler_kwargs)
     # DDP, or FSDP2 / DeepSpeed (lib/extras/sharding.Sharding.prepare)

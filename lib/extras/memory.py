@@ -551,6 +551,13 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     return 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", heads) * head_dim * dtype_bytes
 
 
+def say_offloading_note(cfg, device: torch.device, say) -> None:
+    """activation_offloading given for a CPU run, where it does nothing (`offloaded_activations`): said once
+    (train_agrpo.setup, on the main process, after the memory estimate)."""
+    if cfg.activation_offloading and device.type != "cuda":
+        say("activation_offloading: ignored on a CPU (the saved activations are already in its memory)")
+
+
 def offloaded_activations(enabled: bool, device: torch.device | str):
     """The context a training forward runs in: with `activation_offloading` on a GPU, every tensor autograd saves
     for backward is copied to pinned CPU memory as it is saved and back when backward needs it (torch's
