@@ -72,8 +72,10 @@ from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation import generate_and_score, summarize
 from lib.extras import (agents, checkpointed_prefix, embedded_model, health, hub, hub_data, memory, open_r1_rewards,
                         reward_models, rollout_func, sharding, trl_keys, vllm_rollout, word_problems)
+from lib.extras.fp32_head import cast_lm_head_to_fp32
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
+from lib.extras import save_failure
 from lib.extras.runs import read_jsonl
 from lib.logs import append_jsonl, batch_metrics, log_step
 from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
@@ -552,7 +554,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     # rollout_func: the user's function samples in place of the sampler, behind the same hook (docs/agents.md 8)
     sampler_hook = agent or rollout_func.RolloutFunction.from_config(cfg, tokenizer, accelerator)
     policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded,
-                                    partitioned, embedded_model.resolve_model_path)
+                                    partitioned, embedded_model.resolve_model_path, cast_lm_head_to_fp32)
     if cfg.use_vllm and cfg.vllm_mode == "server":  # an engine on its own devices (serve_vllm.py)
         engine = server_rollout(cfg, policy, tokenizer, rank, partitioned, world)
     elif cfg.use_vllm:  # a vLLM engine in each process
@@ -562,31 +564,27 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     reward_funcs = reward_models.load_rewards(cfg, reward_funcs, accelerator.device)
     if agent is not None:  # an environment's get_reward: a reward of its own, after the configured ones
         reward_funcs = reward_funcs + agent.reward_funcs()
-    optimizer = policy_optimizer(cfg, policy)
+    optimizer = policy_optimizer(cfg, policy, memory.eight_bit_adamw)  # optim's 8-bit / paged states: bitsandbytes
     estimate = memory.check_run(cfg, policy, accelerator.device, bf16)  # stops a run that won't fit
     if accelerator.is_main_process:
         tqdm.write(estimate)
+        vllm_rollout.say_hf_sampler_note(cfg, accelerator.device, tqdm.write)  # a GPU run without vLLM
+        memory.say_offloading_note(cfg, accelerator.device, tqdm.write)  # activation_offloading on a CPU
     scorer, optimizer, scheduler, params = prepare_policy(cfg, accelerator, policy, optimizer,
                                                           sharded, partitioned, checkpointed_prefix)
 
     geometry = Geometry.of(cfg, rank, world)
     method = choose_method(cfg, geometry.steps_per_rollout)
     state = restore(resume, accelerator, scorer, optimizer, scheduler, engine, method, sharded)
-    if cfg.report_to:
-        # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists
-        # and None); to_dict leaves the token out, and so does the command line wandb records
-        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                   for k, v in to_dict(cfg).items()}
-        trackers = hub.tracker_init_kwargs(cfg.report_to, cfg.run_name or out.name, str(out))
-        with hub.argv_without_secrets():
-            accelerator.init_trackers(cfg.project, config=hparams, init_kwargs=trackers)
+    hub.start_trackers(cfg, accelerator, out)  # report_to's trackers, given the run's settings
     ctx = rollout_context(cfg, engine, tokenizer, reward_funcs, train_records, accelerator,
                           geometry, worker, sampler_hook)
     history = read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None
     run = Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method,
               params, optimizer, scheduler, eval_records, geometry, ckpt.StopRequest(), sharded,
-              watch=health.Watch(to_dict(cfg), history), completions_table=hub.completions_value,
-              hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None)
+              watch=health.Watch(to_dict(cfg), history), completions_table=hub.log_completions,
+              hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None,
+              save_failed=save_failure.save_failed_message)
     return run, state
 
 

@@ -115,10 +115,6 @@ def recover(output_dir: str | Path) -> list[str]:
     return done
 
 
-def folder_bytes(folder: str | Path) -> int:
-    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
-
-
 class RunStopped(RuntimeError):
     """The run stopped on purpose, its checkpoints whole: preempted (exit code 128 + the signal's number, as a shell
     reports a process the signal ended), too many non-finite steps, or a checkpoint that could not be written (1)."""

@@ -556,15 +556,6 @@ def default_use_vllm(cuda: bool, vllm_installed: bool) -> bool:
     return cuda and vllm_installed
 
 
-def hf_sampler_note(cfg: Config, cuda: bool, vllm_installed: bool) -> str | None:
-    """The one line a GPU run sampling with the HF loop gets when vLLM is not installed; None otherwise."""
-    if cfg.use_vllm or not cuda or vllm_installed:
-        return None
-    return ("sampling with the HF decode loop: vLLM is expected to be faster on a GPU (a paged KV cache, continuous "
-            "batching and CUDA graphs instead of one Python step a token; the default when installed): pip install "
-            "vllm")
-
-
 def validate_length(cfg: Config) -> None:
     """max_steps, or -1 with num_train_epochs (TRL's convention), and the strategies that count in epochs."""
     if cfg.max_steps == -1:

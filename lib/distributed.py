@@ -7,7 +7,6 @@ the same point with the same arguments.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import torch
 from accelerate import Accelerator
@@ -31,12 +30,6 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
         with deepspeed.zero.GatheredParameters([tensor]):
             return tensor.detach().clone()
     return tensor
-
-
-def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of each parameter, gathered one at a time, in the module's order."""
-    for name, param in model.named_parameters():
-        yield name, full_tensor(param).detach()
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,4 @@ def log_step(run: Run, step: int, metrics: dict, batch) -> None:
             row["turns"] = turns[i]
     append_jsonl(run, "completions.jsonl", rows)
     if rows and run.accelerator.is_main_process:  # a table per tracker: wandb / trackio Tables, TensorBoard text
-        for name in run.cfg.report_to:
-            run.accelerator.get_tracker(name, unwrap=False).log({"completions": run.completions_table(name, rows)},
-                                                                 step=step)
+        run.completions_table(run.accelerator, run.cfg.report_to, rows, step)

@@ -115,7 +115,7 @@ def save_checkpoint(run: Run, state: TrainerState) -> None:
     if error is not None:
         if main_process:
             shutil.rmtree(staging, ignore_errors=True)
-        raise ckpt.RunStopped(save_failed_message(run, f"checkpoint-{step}", error))
+        raise ckpt.RunStopped(run.save_failed(run, f"checkpoint-{step}", error))
     if run.hub is not None:  # main process; in the background, never waited on here (docs/hub.md 3)
         run.hub.push_checkpoint(run.out / f"checkpoint-{step}", step)
 
@@ -125,25 +125,6 @@ def first_error(run: Run, error: str | None) -> str | None:
     if run.accelerator.num_processes == 1:
         return error
     return next((e for e in run.ctx.gather_object([error]) if e is not None), None)
-
-
-def save_failed_message(run: Run, what: str, error: str) -> str:
-    unwrapped = run.accelerator.unwrap_model(run.scorer).model
-    previous = ckpt.latest_checkpoint(run.out)
-    if previous is not None:
-        needed = ckpt.folder_bytes(previous)
-    else:  # model (adapter) and optimizer states, as written
-        weights = run.params if hasattr(unwrapped, "peft_config") \
-            else list(unwrapped.state_dict().values())
-        states = [v for s in run.optimizer.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor)]
-        needed = sum(t.numel() * t.element_size() for t in [*weights, *states])
-    free = shutil.disk_usage(run.out).free
-    cause = f"out of space; {error}" if free < needed else error
-    kept = f"{previous.name} is whole" if previous else "no earlier checkpoint exists"
-    return (f"{what} could not be written to '{run.out}' ({cause}). A checkpoint needs about "
-            f"{needed / 2**20:.1f} MiB; {free / 2**20:.1f} MiB are free. The partial files were "
-            f"removed and {kept}. Free some space and resume with --resume_from_checkpoint latest")
 
 
 def check_finite_weights(run: Run, what: str) -> None:
@@ -234,7 +215,7 @@ def save_final(run: Run, end_eval: dict, step: int, write_files: Callable | None
         # a full disk (safetensors raises either): the checkpoint is whole
         except (OSError, RuntimeError) as exc:
             shutil.rmtree(staging, ignore_errors=True)
-            message = save_failed_message(run, "final/", f"{type(exc).__name__}: {exc}")
+            message = run.save_failed(run, "final/", f"{type(exc).__name__}: {exc}")
             raise ckpt.RunStopped(message) from exc
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)

@@ -13,7 +13,6 @@ as plain objects.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import random
 import shutil
 import time
@@ -29,13 +28,12 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
-from lib.config import Config, ConfigError, hf_sampler_note, save_yaml, validate
+from lib.config import Config, ConfigError, save_yaml, validate
 from lib.data import check_answers, load_records, render_prompt, split_names
 from lib.methods import Method
 from lib.sampling import RolloutContext
-from lib.modeling import (REFERENCE_FOLDER, CompletionScorer, cast_lm_head_to_fp32, end_token_ids,
-                          is_adapter_folder, load_policy, load_reference, load_tokenizer, native_bf16,
-                          reference_dtype, weights_dtype)
+from lib.modeling import (REFERENCE_FOLDER, CompletionScorer, end_token_ids, is_adapter_folder, load_policy,
+                          load_reference, load_tokenizer, native_bf16, reference_dtype, weights_dtype)
 from lib.reward_funcs import resolve_reward_funcs
 from lib.rewards import REWARD_FUNCS
 from lib.rollout import AnswerPhase, HFRollout
@@ -105,8 +103,9 @@ class Run:
     sharding: object = None
     # optional parts, made by train_agrpo.setup from lib/extras/ (which the core does not import):
     watch: object = None  # lib/extras/health.Watch: the metric history behind the health warnings
-    completions_table: object = None  # lib/extras/hub.completions_value: a step's completions as a tracker's table
+    completions_table: object = None  # lib/extras/hub.log_completions: a step's completions, a table per tracker
     hub: object = None  # lib/extras/hub.HubPusher: push_to_hub's uploads (main process), or None
+    save_failed: object = None  # lib/extras/save_failure.save_failed_message: the message a failed save stops with
 
 
 def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, object, bool]:
@@ -287,12 +286,13 @@ def load_checked_tokenizer(cfg: Config, model_path: str, records: list[dict]):
 
 
 def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: Path | None,
-                bf16: bool, sharding, partitioned: bool, resolve=None
+                bf16: bool, sharding, partitioned: bool, resolve=None, cast_head=None
                 ) -> tuple[torch.nn.Module, CompletionScorer | None]:
     """(policy, reference): the policy from the model (or an unsharded checkpoint), the frozen reference (none when beta
     is 0; with LoRA the base with the adapter disabled, not a second copy), sharded like the policy will be where
-    `sharding` (Run.sharding) is given; `resolve` as lib/modeling.load_policy takes it. The sampler comes next
-    (make_engine)."""
+    `sharding` (Run.sharding) is given; `resolve` as lib/modeling.load_policy takes it. `cast_head` turns a model's
+    output layer to float32 where cast_lm_head_to_fp32 (lib/extras/fp32_head.cast_lm_head_to_fp32, handed in by
+    train_agrpo.setup). The sampler comes next (make_engine)."""
     device, sharded = accelerator.device, sharding is not None
     adapter = cfg.use_peft or is_adapter_folder(model_path)
     if cfg.sync_ref_model and (adapter or sharded or partitioned):
@@ -315,7 +315,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                          attn_implementation=cfg.attn_implementation, device=device,
                          trust_remote_code=cfg.trust_remote_code, resolve=resolve)
     if cfg.cast_lm_head_to_fp32:
-        cast_lm_head_to_fp32(policy)
+        cast_head(policy)
     if cfg.disable_dropout:  # TRL's disable_dropout: the scored distribution is the sampled one
         for module in policy.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -331,7 +331,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                                 trust_remote_code=cfg.trust_remote_code, revision=None if synced else
                                 cfg.model_revision)
         if cfg.cast_lm_head_to_fp32:
-            cast_lm_head_to_fp32(frozen)
+            cast_head(frozen)
         reference = CompletionScorer(frozen, fixed_calls=partitioned)
         if sharded:
             reference = sharding.shard_frozen(reference)
@@ -350,27 +350,23 @@ def make_engine(cfg: Config, policy, tokenizer, bf16: bool, rank: int,
 
 
 def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float,
-                    eps: float = 1e-8):
-    """AdamW by `optim` name: torch's, or bitsandbytes' 8-bit / paged states (Dettmers et al. 2022, "8-bit optimizers
-    via block-wise quantization"): 2 bytes of state per parameter instead of 8; paged states are moved to host memory by
-    the CUDA driver when the GPU runs short instead of failing."""
+                    eps: float = 1e-8, eight_bit=None):
+    """AdamW by `optim` name: torch's, or bitsandbytes' 8-bit / paged states, which `eight_bit` makes
+    (lib/extras/memory.eight_bit_adamw, handed in by train_agrpo.setup)."""
     if name in ("adamw_torch", "adamw_torch_fused"):
         # fused: one kernel for all tensors on CUDA, the same update
         fused = name == "adamw_torch_fused" and all(p.is_cuda for p in params)
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  fused=fused or None)
-    import bitsandbytes as bnb  # an optional dependency: imported only for an 8-bit optimizer
-
-    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
-           "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[name]
-    return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return eight_bit(params, name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
-def policy_optimizer(cfg: Config, policy: torch.nn.Module) -> torch.optim.Optimizer:
-    """The optimizer over the policy's trained parameters (all of them, or LoRA's adapter)."""
+def policy_optimizer(cfg: Config, policy: torch.nn.Module, eight_bit=None) -> torch.optim.Optimizer:
+    """The optimizer over the policy's trained parameters (all of them, or LoRA's adapter); `eight_bit` as
+    build_optimizer takes it."""
     params = [p for p in policy.parameters() if p.requires_grad]
     return build_optimizer(params, cfg.optim, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
-                           cfg.weight_decay, eps=cfg.adam_epsilon)
+                           cfg.weight_decay, eps=cfg.adam_epsilon, eight_bit=eight_bit)
 
 
 def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Module,
@@ -379,15 +375,6 @@ def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Modul
     """(scorer, optimizer, scheduler, trained parameters): the scheduler built, the scorer and the optimizer prepared by
     Accelerate. Called after the memory check, which needs the optimizer built. `checkpointed_prefix`
     (lib/extras/checkpointed_prefix, handed in by train_agrpo.setup) shares the prompt under gradient checkpointing."""
-    device = accelerator.device
-    if accelerator.is_main_process:
-        note = hf_sampler_note(cfg, device.type == "cuda",
-                               importlib.util.find_spec("vllm") is not None)
-        if note:
-            tqdm.write(note)
-        if cfg.activation_offloading and device.type != "cuda":
-            tqdm.write("activation_offloading: ignored on a CPU (the saved activations are already "
-                       "in its memory)")
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
                                 num_warmup_steps=warmup_steps(cfg), kwargs=cfg.lr_scheduler_kwargs)
     # DDP, or FSDP2 / DeepSpeed (lib/extras/sharding.Sharding.prepare)

@@ -256,7 +256,7 @@ def test_fp32_head_matches_trls_fused_head_on_bf16_weights(tied):
     import copy
 
     trl_utils = pytest.importorskip("trl.trainer.utils")
-    from lib.modeling import cast_lm_head_to_fp32
+    from lib.extras.fp32_head import cast_lm_head_to_fp32
 
     model = _small_llama(tied, torch.bfloat16)
     theirs, plain = copy.deepcopy(model), copy.deepcopy(model)
@@ -293,7 +293,7 @@ def test_fp32_head_refuses_an_adapted_head():
     from peft import LoraConfig, get_peft_model
 
     from lib.config import ConfigError
-    from lib.modeling import cast_lm_head_to_fp32
+    from lib.extras.fp32_head import cast_lm_head_to_fp32
 
     model = get_peft_model(_small_llama(tied=False), LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
     with pytest.raises(ConfigError, match="lora_target_modules"):

@@ -196,8 +196,8 @@ def test_a_qlora_run_samples_with_vllm(tmp_path, small_llama, sync, rank):
 
 
 def test_the_sampler_defaults_to_vllm_on_a_gpu_where_it_is_installed():
-    from lib.config import default_use_vllm, hf_sampler_note, make_config
-    from lib.extras.vllm_rollout import vllm_lora_rank
+    from lib.config import default_use_vllm, make_config
+    from lib.extras.vllm_rollout import hf_sampler_note, vllm_lora_rank
 
     assert default_use_vllm(cuda=True, vllm_installed=True)
     assert not default_use_vllm(cuda=True, vllm_installed=False) and not default_use_vllm(False, True)

@@ -103,6 +103,20 @@ def argv_without_secrets():
         sys.argv[:] = saved
 
 
+def start_trackers(cfg: Config, accelerator, out: Path) -> None:
+    """Start report_to's trackers (none: nothing), with the run's settings as their hyper-parameters (train_agrpo.setup,
+    once the checkpoint is restored)."""
+    if not cfg.report_to:
+        return
+    # trackers take scalars and strings as hyper-parameters (tensorboard's hparams refuse lists
+    # and None); to_dict leaves the token out, and so does the command line wandb records
+    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+               for k, v in to_dict(cfg).items()}
+    trackers = tracker_init_kwargs(cfg.report_to, cfg.run_name or out.name, str(out))
+    with argv_without_secrets():
+        accelerator.init_trackers(cfg.project, config=hparams, init_kwargs=trackers)
+
+
 def markdown_cell(value) -> str:
     """A value as the text of one markdown table cell (pipes escaped, line breaks kept as <br>)."""
     text = f"{value:.4g}" if isinstance(value, float) else str(value)
@@ -130,6 +144,13 @@ def completions_value(tracker: str, rows: list[dict]):
 
         return trackio.Table(columns=list(COMPLETION_COLUMNS), data=data)
     return completions_markdown(rows)
+
+
+def log_completions(accelerator, trackers: list[str], rows: list[dict], step: int) -> None:
+    """A step's logged completions to each of report_to's trackers, as the table it shows (`completions_value`).
+    lib/logs.log_step calls it from the main process (lib/setup.Run's `completions_table`)."""
+    for name in trackers:
+        accelerator.get_tracker(name, unwrap=False).log({"completions": completions_value(name, rows)}, step=step)
 
 
 # ---- model card and generation_config.json ---------------------------------------------------------------------------

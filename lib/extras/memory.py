@@ -74,6 +74,18 @@ def optimizer_state_bytes(optim: str) -> int:
             "paged_adamw_8bit": 2}[optim]
 
 
+def eight_bit_adamw(params, name: str, **options) -> torch.optim.Optimizer:
+    """bitsandbytes' AdamW for `optim` adamw_8bit, paged_adamw_8bit or paged_adamw_32bit (Dettmers et al. 2022, "8-bit
+    optimizers via block-wise quantization"): 2 bytes of state per parameter instead of 8; paged states are moved to
+    host memory by the CUDA driver when the GPU runs short instead of failing. `options`: AdamW's (lr, betas, eps,
+    weight_decay). lib/setup.build_optimizer's `eight_bit`."""
+    import bitsandbytes as bnb  # an optional dependency: imported only for an 8-bit optimizer
+
+    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+           "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[name]
+    return cls(params, **options)
+
+
 @dataclass
 class StepMemory:
     """A step's estimated peak, in bytes, by part."""
@@ -537,6 +549,13 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 2 * config.num_hidden_layers * getattr(config, "num_key_value_heads", heads) * head_dim * dtype_bytes
+
+
+def say_offloading_note(cfg, device: torch.device, say) -> None:
+    """activation_offloading given for a CPU run, where it does nothing (`offloaded_activations`): said once
+    (train_agrpo.setup, on the main process, after the memory estimate)."""
+    if cfg.activation_offloading and device.type != "cuda":
+        say("activation_offloading: ignored on a CPU (the saved activations are already in its memory)")
 
 
 def offloaded_activations(enabled: bool, device: torch.device | str):

@@ -11,11 +11,18 @@ give it, adds the CPU kernels (`prepack`).
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import torch
 
-from lib.distributed import full_parameters
+from lib.distributed import full_tensor
 from lib.modeling import unwrap_causal_lm
+
+
+def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of each parameter, gathered one at a time, in the module's order."""
+    for name, param in model.named_parameters():
+        yield name, full_tensor(param).detach()
 
 
 def is_lora_layer(module: torch.nn.Module) -> bool:
@@ -129,7 +136,7 @@ class SamplingCopy:
                 weight, bias = merged_linear(lm.get_submodule(name))
                 _load_linear(self.model.get_submodule(name), weight, bias)
             return
-        # one parameter at a time (a sharded policy's is gathered here: lib/distributed.full_parameters); a
+        # one parameter at a time (a sharded policy's is gathered here: `full_parameters`); a
         # prepacked layer is loaded once its weight and bias have both come
         targets = dict(self.model.named_parameters())
         pending: dict[str, dict] = {}

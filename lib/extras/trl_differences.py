@@ -23,7 +23,7 @@ REFUSED_VALUES: list[tuple[str, str]] = [
 
 # TRL keys that are fields here, with TRL's meaning, but refused in some combinations or read differently in one
 # point: key -> what and why (the checks: lib/losses.check_settings, lib/setup.load_models, lib/methods.py,
-# lib/modeling.cast_lm_head_to_fp32; docs/configuration.md lists them, docs/methods.md 13 and 2.6 explain).
+# lib/extras/fp32_head.cast_lm_head_to_fp32; docs/configuration.md lists them, docs/methods.md 13 and 2.6 explain).
 LIMITED: dict[str, str] = {
     "multi_objective_aggregation": "normalize_then_sum is refused with resample_schedule (adaGRPO pools the summed "
                                    "reward over a prompt's rounds) and with scale_rewards none or mix (GDPO's own "

@@ -527,11 +527,28 @@ def check_settings(cfg, check_installed: bool = True) -> None:
                           f"({cfg.max_prompt_length})")
 
 
+def hf_sampler_note(cfg, cuda: bool, vllm_installed: bool) -> str | None:
+    """The one line a GPU run sampling with the HF loop gets when vLLM is not installed; None otherwise."""
+    if cfg.use_vllm or not cuda or vllm_installed:
+        return None
+    return ("sampling with the HF decode loop: vLLM is expected to be faster on a GPU (a paged KV cache, continuous "
+            "batching and CUDA graphs instead of one Python step a token; the default when installed): pip install "
+            "vllm")
+
+
+def say_hf_sampler_note(cfg, device: torch.device, say) -> None:
+    """`hf_sampler_note` for this device and this machine's packages, said where there is one (train_agrpo.setup, on
+    the main process, after the memory estimate)."""
+    note = hf_sampler_note(cfg, device.type == "cuda", importlib.util.find_spec("vllm") is not None)
+    if note:
+        say(note)
+
+
 def colocated_rollout(cfg, policy, tokenizer, model_path: str, bf16: bool, rank: int) -> VLLMRollout:
     """A colocated vLLM engine per process (`use_vllm`, `vllm_mode colocate`), loaded from the base model and
     given the policy's weights before the first sample and after every optimizer step: a LoRA policy's adapter
     alone (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged. A
-    policy that will be sharded gives gathered weights (lib/distributed.full_parameters)."""
+    policy that will be sharded gives gathered weights (lib/extras/sampling_copy.full_parameters)."""
     engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
     options = dict(seed=cfg.seed + rank,
                    max_model_len=cfg.vllm_max_model_length
