@@ -6,8 +6,9 @@ their output); `connect` asks the hub once at start-up, before any model loads; 
 process, one commit at a time in a background thread, so that a slow or dead hub never stops training and never
 touches the files on disk.
 
-The configuration's constants (trackers, hub strategies, secret keys) and report_to's check are lib/config.py's;
-this module imports the configuration, never the other way round.
+The configuration's constants (trackers, hub strategies, secret keys) are lib/settings.py's; report_to's check is
+this module's `check_settings`, which set-up calls first. This module imports the configuration, never the other way
+round.
 """
 
 from __future__ import annotations
