@@ -169,9 +169,11 @@ def test_a_server_that_restarts_or_is_too_slow_stops_the_trainer_with_a_message(
                                     seed=1, group_port=free_port(), timeout_s=60, is_main=True)
             sampler.sync_weights(policy)
             assert sampler.generate(prompts, torch.ones_like(prompts), 2, 4).completion_ids.shape[0] == 4
+            # a request that takes the server a while (four rows to the context's end) against a time limit far
+            # below it: with 4 tokens the answer once came back within the limit on an idle machine
             sampler.http.timeout = httpx.Timeout(1e-4)
             with pytest.raises(ServerError, match=r"did not answer /generate within .*vllm_server_timeout"):
-                sampler.generate(prompts, torch.ones_like(prompts), 2, 4)
+                sampler.generate(prompts, torch.ones_like(prompts), 2, int(CONTEXT) - 16)
             sampler.http.timeout = httpx.Timeout(60)
         finally:
             stop(shared_server.proc)

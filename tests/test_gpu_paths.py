@@ -6,6 +6,7 @@ Each failed on the code before the fix it checks (tests/test_gpu.py holds what o
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,7 +125,8 @@ def test_each_launched_process_builds_its_engine_for_its_own_rank_and_device(lau
     """Under a launcher (torchrun, as accelerate launch starts it) with two processes, each colocated engine is
     vLLM's external-launcher worker of its own rank, whose device comes from LOCAL_RANK (on a GPU, cuda:LOCAL_RANK).
     Built as before, both were rank 0 / local rank 0: every engine on cuda:0."""
-    probes = sorted((json.loads(line[5:]) for line in launched.splitlines() if line.startswith("PROBE")),
+    # the two processes print at once into one pipe, so one's line can run into the other's: read each object
+    probes = sorted((json.loads(found) for found in re.findall(r"PROBE(\{[^{}]*\})", launched)),
                     key=lambda p: p["rank"])
     assert [(p["worker_rank"], p["worker_local_rank"]) for p in probes] == [(0, 0), (1, 1)]
     assert all(p["tokens"] == 12 for p in probes)
@@ -145,7 +147,7 @@ def test_an_engine_asleep_after_a_skipped_step_samples_with_the_policys_weights_
     sampling and evaluating) wakes it and gives it the weights that level 2 discarded. One seed per call: with no
     seed per request (vLLM then draws for all rows at once), a call is reproducible from (seed, call) and leaves the
     caller's generators as they were."""
-    result = json.loads(next(line for line in launched.splitlines() if line.startswith("RESULT"))[6:])
+    result = json.loads(next(line[line.index("RESULT") + 6:] for line in launched.splitlines() if "RESULT" in line))
     assert result["sleep"] == {"equal": True, "awake": True}
     assert result["seeds"] == {"same_call_equal": True, "next_call_differs": True, "caller_rng_untouched": True}
 
