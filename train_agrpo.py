@@ -70,12 +70,11 @@ from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation import generate_and_score, summarize
-from lib.extras import (agents, checkpointed_prefix, embedded_model, health, hub, hub_data, memory, open_r1_rewards,
-                        reward_models, rollout_func, sharding, trl_keys, vllm_rollout, word_problems)
-from lib.extras.fp32_head import cast_lm_head_to_fp32
+from lib.extras import (agents, checkpointed_prefix, embedded_model, fp32_head, health, hub, hub_data, memory,
+                        open_r1_rewards, reward_models, rollout_func, save_failure, sharding, trl_keys, vllm_rollout,
+                        word_problems)
 from lib.extras.generation_server import ServerError, server_rollout
 from lib.extras.reward_worker import RewardWorker
-from lib.extras import save_failure
 from lib.extras.runs import read_jsonl
 from lib.logs import append_jsonl, batch_metrics, log_step
 from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
@@ -554,7 +553,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     # rollout_func: the user's function samples in place of the sampler, behind the same hook (docs/agents.md 8)
     sampler_hook = agent or rollout_func.RolloutFunction.from_config(cfg, tokenizer, accelerator)
     policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded,
-                                    partitioned, embedded_model.resolve_model_path, cast_lm_head_to_fp32)
+                                    partitioned, embedded_model.resolve_model_path,
+                                    fp32_head.cast_lm_head_to_fp32)
     if cfg.use_vllm and cfg.vllm_mode == "server":  # an engine on its own devices (serve_vllm.py)
         engine = server_rollout(cfg, policy, tokenizer, rank, partitioned, world)
     elif cfg.use_vllm:  # a vLLM engine in each process

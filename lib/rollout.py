@@ -238,7 +238,6 @@ class HFRollout:
         self.policy = policy
         self.bf16 = bf16
         self.sampling_copy = copy(policy, bf16) if copy is not None else None
-        self.copy = None if self.sampling_copy is None else self.sampling_copy.model
         self.decode_step = None if self.sampling_copy is None else self.sampling_copy.decode_step
         self.generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
 
@@ -246,6 +245,11 @@ class HFRollout:
         """bf16 autocast when sampling with the policy itself (no copy: PEFT unmerged, quantised) and bf16 is on."""
         device_type = next(self.model.parameters()).device.type
         return torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.bf16 and self.copy is None)
+
+    @property
+    def copy(self) -> torch.nn.Module | None:
+        """The copy's model, or None: sampling with the policy itself."""
+        return None if self.sampling_copy is None else self.sampling_copy.model
 
     @property
     def model(self) -> torch.nn.Module:
