@@ -8,7 +8,7 @@
 
 The Run tab (docs/watching.md) redraws the curves of metrics.jsonl as the run writes them (a plot per quantity, the
 controllers' fields included; constant ones are listed, not drawn), by step or by generated tokens, several runs
-overlaid; it shows the warnings of lib/extras/health.py with their numbers and what to try, and browses completions.jsonl
+overlaid; it shows the warnings of lib/apps/health.py with their numbers and what to try, and browses completions.jsonl
 (filters by step, reward and advantage sign; a row opens in the Chat tab with the nearest checkpoint).
 
 The page listens on 127.0.0.1:7860 unless --host / --port (else Gradio's GRADIO_SERVER_NAME / GRADIO_SERVER_PORT)
@@ -47,17 +47,17 @@ from transformers import GenerationConfig, TextIteratorStreamer
 from transformers.utils import logging as hf_logging
 
 from lib.checkpoint import list_checkpoints
-from lib.data import DEFAULT_INSTRUCTION
-from lib.extras import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
-from lib.extras import page
-from lib.extras.agents import Agent
-from lib.extras.tools import ToolWorker, tool_schemas, tool_spec
-from lib.extras import runs as run_data
-from lib.extras.model_folders import adapter_base, load_for_inference, model_folder_problem
-from lib.extras.embedded_model import EMBEDDED_ALIASES
-from lib.modeling import end_token_ids, is_adapter_folder
-from lib.extras.open_r1_rewards import REWARD_FUNCS
-from lib.reward_funcs import resolve_reward_funcs, score_completions
+from lib.data.records import DEFAULT_INSTRUCTION
+from lib.sampling import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
+from lib.apps import page
+from lib.agents.episodes import Agent
+from lib.agents.tools import ToolWorker, tool_schemas, tool_spec
+from lib.apps import runs as run_data
+from lib.models.folders import adapter_base, load_for_inference, model_folder_problem
+from lib.models.embedded import EMBEDDED_ALIASES
+from lib.models.modeling import end_token_ids, is_adapter_folder
+from lib.rewards.open_r1 import REWARD_FUNCS
+from lib.rewards.scoring import resolve_reward_funcs, score_completions
 
 DEFAULT_RUN = Path("runs/agrpo/final")
 RUN_PLOTS = 30  # plot slots of the run view; a run logs fewer varying panels than this (docs/watching.md 2)
@@ -122,7 +122,7 @@ def refresh_table(run_shown, step_min, step_max, reward_min, reward_max, sign, l
 
 def open_prompt(row, run_shown, *, roots):
     """Chat tab outputs for a completion: the tab, its problem as the prompt, its gold answer as the reference, the
-    run folder and its checkpoint nearest the policy that sampled it (lib/extras/runs.nearest_checkpoint), a status line."""
+    run folder and its checkpoint nearest the policy that sampled it (lib/apps/runs.nearest_checkpoint), a status line."""
     import gradio as gr
 
     if row is None or not run_shown:
@@ -247,7 +247,7 @@ class Slot:
 
     def sample(self, ids: list[int], config: GenerationConfig, seed: int, max_new_tokens: int | None = None):
         """One model turn from the token ids `ids`, generated in a thread: a generator that yields its text as it
-        comes (token by token) and returns its new token ids (lib/extras/agents.Agent.chat's `sample`)."""
+        comes (token by token) and returns its new token ids (lib/agents/episodes.Agent.chat's `sample`)."""
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
         out = {}
 
@@ -357,7 +357,7 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
     def answer(slot: Slot, side: str, turns, prompt, instruction, system_prompt, greedy, temperature, top_p,
                max_new_tokens):
         """One side's answer, as a generator: without tools, the text of one model turn as it comes, returning its
-        token ids; with tools, an episode (lib/extras/agents.Agent.chat: the text as it comes, then each finished
+        token ids; with tools, an episode (lib/agents/episodes.Agent.chat: the text as it comes, then each finished
         message), returning the Episode. The settings and the conversation's length are checked here (ValueError,
         TypeError) before anything is generated."""
         config = page.generation_config(greedy, temperature, top_p, max_new_tokens,

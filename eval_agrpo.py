@@ -18,7 +18,7 @@ completion with its extracted answer, whether it is right and its reward) and, w
 
 Models: the embedded default (`embedded`), a hub id, a model folder, a run's `final/` or `checkpoint-<step>/`, or a
 PEFT adapter folder (loaded on its base). Answers are checked with the training reward's function (math-verify), and
-the generation loop is the one the trainer's periodic evaluation runs (`lib/evaluation.py`).
+the generation loop is the one the trainer's periodic evaluation runs (`lib/evaluation/accuracy.py`).
 """
 
 from __future__ import annotations
@@ -37,24 +37,25 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from lib.config import EMBEDDED_MODEL
-from lib.data import ANSWER_COLUMNS, DEFAULT_INSTRUCTION, load_records, render_prompt
-from lib.extras.word_problems import builtin_task
-from lib.evaluation import generate_and_score
-from lib.extras.agents import Agent
-from lib.extras.eval_metrics import completion_kl_entropy, score_problems, win_rate
-from lib.extras.model_folders import adapter_base, load_for_inference, model_folder_problem
-from lib.extras.embedded_model import EMBEDDED_ALIASES, resolve_model_path
-from lib.modeling import end_token_ids, is_adapter_folder, native_bf16
-from lib.losses import weighted_rewards
-from lib.extras import cpu_kernels, hub_data
-from lib.extras.open_r1_rewards import REWARD_FUNCS
-from lib.extras.reference_cache import cache_key, read_kept, weights_fingerprint, write_kept
-from lib.extras.reward_models import load_reward_models, reward_model_spec
-from lib.extras.trl_keys import reward_name
-from lib.extras.tools import ToolWorker, tool_schemas, tool_spec
-from lib.reward_funcs import resolve_reward_funcs, reward_arguments, score_completions
-from lib.rollout import HFRollout
-from lib.extras.vllm_rollout import VLLMRollout
+from lib.data.records import ANSWER_COLUMNS, DEFAULT_INSTRUCTION, load_records, render_prompt
+from lib.data.word_problems import builtin_task
+from lib.evaluation.accuracy import generate_and_score
+from lib.agents.episodes import Agent
+from lib.evaluation.metrics import completion_kl_entropy, score_problems, win_rate
+from lib.models.folders import adapter_base, load_for_inference, model_folder_problem
+from lib.models.embedded import EMBEDDED_ALIASES, resolve_model_path
+from lib.models.modeling import end_token_ids, is_adapter_folder, native_bf16
+from lib.methods.losses import weighted_rewards
+from lib.sampling import cpu_kernels
+from lib.data import hub_data
+from lib.rewards.open_r1 import REWARD_FUNCS
+from lib.evaluation.reference_cache import cache_key, read_kept, weights_fingerprint, write_kept
+from lib.models.reward_models import load_reward_models, reward_model_spec
+from lib.trl_keys import reward_name
+from lib.agents.tools import ToolWorker, tool_schemas, tool_spec
+from lib.rewards.scoring import resolve_reward_funcs, reward_arguments, score_completions
+from lib.sampling.rollout import HFRollout
+from lib.sampling.vllm_rollout import VLLMRollout
 
 BUILTIN = "builtin"
 
@@ -362,7 +363,7 @@ def reseed(backend, seed: int) -> None:
 def reward_totals(reward_funcs, weights: list[float], prompts: list[str], records: list[dict],
                   results: list[dict]) -> list[list[float]]:
     """Weighted total reward of every completion, per problem (the trainer's `reward`), the functions called as the
-    trainer calls them (lib/reward_funcs.py), without a trainer_state: there is no run."""
+    trainer calls them (lib/rewards/scoring.py), without a trainer_state: there is no run."""
     owners = [i for i, r in enumerate(results) for _ in r["completions"]]
     texts = [c for r in results for c in r["completions"]]
     owned = [records[i] for i in owners]
@@ -463,7 +464,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hf_logging.disable_progress_bar()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = args.bf16 if args.bf16 is not None else native_bf16(device)
-    # reward models (a folder or hub id in --reward_funcs) load once, onto the device (lib/extras/reward_models.py)
+    # reward models (a folder or hub id in --reward_funcs) load once, onto the device (lib/models/reward_models.py)
     try:
         specs = resolve_reward_funcs(args.reward_funcs, models=reward_model_spec, named_rewards=REWARD_FUNCS)
         reward_funcs = load_reward_models(specs, device, args.batch_size, trust_remote_code=args.trust_remote_code,
@@ -484,7 +485,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                             trust_remote_code=args.trust_remote_code)
     engine, key = None, None
     tools = None
-    if args.tools:  # one worker for every model (lib/extras/tools.ToolWorker)
+    if args.tools:  # one worker for every model (lib/agents/tools.ToolWorker)
         tools = ToolWorker(args.tools, args.tool_timeout)
         tools.start()
     rows: list[dict] = []

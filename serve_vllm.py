@@ -12,7 +12,7 @@ then, on the training devices:
 The server holds one engine of the run's base model on its own devices. Every training process sends its prompts
 with their own sampling parameters (per-prompt temperature and top_p, the answer phase, seeds), and the trainer's
 main process pushes the policy's weights after each optimizer step through a process group of its own (NCCL on GPUs,
-gloo on CPUs: lib/extras/generation_server.py). Start it before the run; the run waits up to vllm_server_timeout for it.
+gloo on CPUs: lib/sampling/generation_server.py). Start it before the run; the run waits up to vllm_server_timeout for it.
 One server serves one run at a time.
 """
 
@@ -65,7 +65,7 @@ def resolve_tensor_parallel_size(value, config, gpus: int | None = None) -> int:
     this process sees) and the model allow."""
     if value != "auto":
         return int(value)
-    from lib.extras.generation_server import tensor_parallel_size
+    from lib.sampling.generation_server import tensor_parallel_size
 
     return tensor_parallel_size(config, max(1, torch.cuda.device_count() if gpus is None else gpus))
 
@@ -118,13 +118,13 @@ class Batcher:
 
 
 def build_app(engine, model: str, workers: int, window_s: float = 1.0):
-    """The HTTP API (lib/extras/generation_server.py's protocol) around one VLLMRollout engine: the generate requests that
+    """The HTTP API (lib/sampling/generation_server.py's protocol) around one VLLMRollout engine: the generate requests that
     arrive together are served in one engine call (Batcher), weight updates between them."""
     from fastapi import FastAPI, HTTPException, Request
     from starlette.concurrency import run_in_threadpool
 
-    from lib.extras.generation_server import rollout_to_json
-    from lib.rollout import AnswerPhase
+    from lib.sampling.generation_server import rollout_to_json
+    from lib.sampling.rollout import AnswerPhase
 
     app = FastAPI()
     lock = threading.Lock()  # one engine call at a time: sampling waits for a weight update to finish, and so on
@@ -225,9 +225,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from lib.extras.embedded_model import resolve_model_path
-    from lib.modeling import load_tokenizer
-    from lib.extras.vllm_rollout import VLLMRollout
+    from lib.models.embedded import resolve_model_path
+    from lib.models.modeling import load_tokenizer
+    from lib.sampling.vllm_rollout import VLLMRollout
 
     args = parse_args(argv)
     path = resolve_model_path(args.model)
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
                          gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
                          sampling_kwargs=json.loads(args.generation_kwargs) if args.generation_kwargs else None,
                          trust_remote_code=args.trust_remote_code, tensor_parallel_size=args.tensor_parallel_size,
-                         worker_extension_cls="lib.extras.generation_server.WeightReceiver")
+                         worker_extension_cls="lib.sampling.generation_server.WeightReceiver")
     print(f"serve_vllm: {args.model} on http://{args.host}:{args.port} ({args.tensor_parallel_size} worker(s), "
           f"{str(engine.dtype).removeprefix('torch.')})", flush=True)
     uvicorn.run(build_app(engine, args.model, args.tensor_parallel_size, args.batch_window), host=args.host,

@@ -33,7 +33,7 @@ The algorithm, step by step (`train` below calls one function per phase, in this
   7. log: one dense line per step, metrics.jsonl and the tracker.
   8. evaluate and save.
 The method's parts (how it samples, its advantage rule, its controllers) are chosen once, before the loop, by
-lib/methods.choose_method; `--algo` picks a preset of them (docs/methods.md section 9) and any key you set overrides it.
+lib/methods/registry.choose_method; `--algo` picks a preset of them (docs/methods.md section 9) and any key you set overrides it.
 
 Same names and the same math as TRL's GRPOTrainer, with a loop of its own: what differs (the shared-prompt KV
 cache, the bf16 sampling copy, the explicit global-batch loss, the memory check) is in docs/methods.md 1.2.
@@ -69,20 +69,33 @@ from tqdm.auto import tqdm
 from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import Config, ConfigError, parse_config, to_dict
-from lib.evaluation import generate_and_score, summarize
-from lib.extras import (agents, checkpointed_prefix, embedded_model, fp32_head, health, hub, hub_data, memory,
-                        open_r1_rewards, reward_models, rollout_func, save_failure, sharding, trl_keys, vllm_rollout,
-                        word_problems)
-from lib.extras.generation_server import ServerError, server_rollout
-from lib.extras.reward_worker import RewardWorker
-from lib.extras.runs import read_jsonl
+from lib.evaluation.accuracy import generate_and_score, summarize
+from lib.agents import episodes as agents
+from lib.models import checkpointed_prefix
+from lib.models import embedded as embedded_model
+from lib.models import fp32_head
+from lib.apps import health
+from lib import hub
+from lib.data import hub_data
+from lib.sharding import memory
+from lib.rewards import open_r1 as open_r1_rewards
+from lib.models import reward_models
+from lib.agents import rollout_func
+from lib import save_failure
+from lib.sharding import fsdp_deepspeed as sharding
+from lib import trl_keys
+from lib.sampling import vllm_rollout
+from lib.data import word_problems
+from lib.sampling.generation_server import ServerError, server_rollout
+from lib.rewards.worker import RewardWorker
+from lib.apps.runs import read_jsonl
 from lib.logs import append_jsonl, batch_metrics, log_step
-from lib.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
+from lib.methods.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
                         per_row, policy_loss, policy_ratio, token_share, truncated_importance_weights)
-from lib.methods import TrainValues, choose_method
-from lib.modeling import adapter_disabled, mix_into_reference, pad_cat
-from lib.rollout import Rollout
-from lib.sampling import Sampled
+from lib.methods.registry import TrainValues, choose_method
+from lib.models.modeling import adapter_disabled, mix_into_reference, pad_cat
+from lib.sampling.rollout import Rollout
+from lib.sampling.context import Sampled
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, step_optimizer, stop_for_signal,
                                stop_if_nonfinite, stop_requested)
 from lib.schedule import resolve_epochs
@@ -94,7 +107,7 @@ from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_t
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(argv, keys=trl_keys.resolve_keys)
-    vllm_rollout.check_settings(cfg)  # use_vllm's keys (lib/extras/vllm_rollout.py), the estimate's too
+    vllm_rollout.check_settings(cfg)  # use_vllm's keys (lib/sampling/vllm_rollout.py), the estimate's too
     if cfg.estimate_memory_only:  # arithmetic on the model's configuration: no weights, no accelerator
         return memory.estimate_only(cfg)
     try:
@@ -384,7 +397,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
             mask = batch.loss_mask[rows]
             width = logp.shape[1]
             old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
-            per_token, clip_stats = policy_loss(  # the loss_type's per-token loss (lib/losses.LOSS_TYPES)
+            per_token, clip_stats = policy_loss(  # the loss_type's per-token loss (lib/methods/losses.LOSS_TYPES)
                 cfg.loss_type, logp, old, batch.advantages[rows], mask, per_row(values.epsilon_low, rows),
                 per_row(values.epsilon_high, rows), cfg.importance_sampling_level, **loss_options(cfg.loss_type, cfg))
             sampling = roll.sampling_logps[rows, :width] if roll.sampling_logps is not None else None
@@ -412,7 +425,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
                 tis_highs["neg_min"] = torch.maximum(tis_highs["neg_min"], -weight.masked_fill(off, math.inf).min())
             if values.beta > 0:
                 kl = kl_penalty(logp, batch.ref_logp[rows, :width], cfg.kl_estimator)
-                # TRL's use_bias_correction_kl: the term weighted by pi / pi_old (lib/losses.policy_ratio)
+                # TRL's use_bias_correction_kl: the term weighted by pi / pi_old (lib/methods/losses.policy_ratio)
                 kl_weight = policy_ratio(logp, old, mask, cfg.importance_sampling_level) \
                     if cfg.use_bias_correction_kl else 1.0
                 per_token = per_token + values.beta * kl * kl_weight
@@ -510,7 +523,7 @@ def evaluate(run: Run, step: int) -> dict:
     metrics["eval/num_problems"] = total
     append_jsonl(run, "metrics.jsonl", [{"step": step, **metrics}])
     accelerator.log(metrics, step=step)
-    run.watch.say(run, step, metrics)  # health warnings (lib/extras/health.Watch)
+    run.watch.say(run, step, metrics)  # health warnings (lib/apps/health.Watch)
     return metrics
 
 
@@ -523,9 +536,9 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     configuration and data errors before any model loads, the memory check before any sampling.
     Raises ConfigError with the field and the fix. The optional parts (lib/extras/) are made here
     and handed to the core as plain objects."""
-    # the CPU decode attention, registered with transformers as lib/modeling.FAST_ATTENTION on import, which loads
+    # the CPU decode attention, registered with transformers as lib/models/modeling.FAST_ATTENTION on import, which loads
     # transformers' model code (about 1.3 s): imported when a run starts, not by --help or a refused configuration
-    from lib.extras import cpu_kernels
+    from lib.sampling import cpu_kernels
 
     hub.check_settings(cfg)  # report_to resolved to the trackers the accelerator starts; hub_model_id
     accelerator, bf16, sharded, partitioned = start_accelerator(cfg, sharding)
@@ -539,7 +552,7 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     resolve_epochs(cfg, len(train_records), world)  # max_steps -1, and the epoch strategies
     resume = prepare_output_dir(cfg, accelerator)
     # reward functions run in a worker process with a time limit per call
-    # (lib/extras/reward_worker.py); it starts now and loads them while the models load
+    # (lib/rewards/worker.py); it starts now and loads them while the models load
     worker = None
     if cfg.reward_timeout:
         worker = RewardWorker(reward_specs, open_r1_rewards.reward_options(cfg), cfg.reward_timeout)

@@ -4,11 +4,11 @@ and checkpoint.
 
     python train_agrpo.py --config recipe.yaml --learning_rate 1e-5 --use_peft true
 
-Precedence: dataclass defaults < the `algo` preset (lib/methods.py) < the YAML file < the command line. A key that is
-not a field is an error that names the closest field (TRL's and open-r1's keys: lib/extras/trl_keys.py, which the
+Precedence: dataclass defaults < the `algo` preset (lib/methods/registry.py) < the YAML file < the command line. A key that is
+not a field is an error that names the closest field (TRL's and open-r1's keys: lib/trl_keys.py, which the
 entry scripts pass as `keys`); an invalid value is an error that names the field and the fix: each field's choices
 and range in one loop (`check_fields`), then the checks that span several keys (`validate`, each method's own in
-lib/methods.py, the loss type's in lib/losses.py).
+lib/methods/registry.py, the loss type's in lib/methods/losses.py).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import torch
 import yaml
 from transformers import HfArgumentParser
 
-from lib.data import looks_local
-from lib.losses import check_settings
-from lib.methods import METHODS
-from lib.reward_funcs import object_spec
+from lib.data.records import looks_local
+from lib.methods.losses import check_settings
+from lib.methods.registry import METHODS
+from lib.rewards.scoring import object_spec
 from lib.schedule import schedule_options, steps_per_rollout
 from lib.settings import (EMBEDDED_MODEL, FIELDS, PRESETS, SECRET_KEYS, SECTIONS, Config,
                           ConfigError)
@@ -331,7 +331,7 @@ def key_error(key, where: str, follows: dict[str, str] | None = None, known=FIEL
 
 def field_values(values: dict, where: str, follows: dict[str, str] | None = None) -> dict:
     """`values` as they are when every key is a field; `key_error` otherwise. The default `keys` of parse_config and
-    make_config; lib/extras/trl_keys.resolve_keys also reads TRL's and open-r1's keys."""
+    make_config; lib/trl_keys.resolve_keys also reads TRL's and open-r1's keys."""
     for key in values:
         if not isinstance(key, str) or key not in FIELDS:
             raise key_error(key, where, follows)
@@ -341,7 +341,7 @@ def field_values(values: dict, where: str, follows: dict[str, str] | None = None
 def parse_config(argv: list[str] | None = None, *, check_installed: bool = True, keys=field_values) -> Config:
     """Defaults < algo preset < YAML < command line, then `validate` (`check_installed`: as `validate` takes it).
     keys(values, where, follows): the values of our fields from those given (`field_values`, or
-    lib/extras/trl_keys.resolve_keys, which the entry scripts pass, for TRL's and open-r1's keys as well)."""
+    lib/trl_keys.resolve_keys, which the entry scripts pass, for TRL's and open-r1's keys as well)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     known, rest = _parser().parse_known_args(argv)  # a malformed flag: argparse's one-line error and exit status 2
     args = vars(known)
@@ -449,7 +449,7 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
         raise ConfigError(str(error)) from None
     validate_methods(cfg, global_batch if num_processes is not None else None)
     try:
-        check_settings(cfg)  # what the loss type and the advantages read (lib/losses.py)
+        check_settings(cfg)  # what the loss type and the advantages read (lib/methods/losses.py)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if cfg.sync_ref_model and cfg.beta == 0:  # as TRL: no reference is loaded without a KL term
@@ -500,7 +500,7 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
 
 
 def validate_methods(cfg: Config, global_batch: int | None) -> None:
-    """Each registered method's own checks, where its keys are on (lib/methods.py), as ConfigError."""
+    """Each registered method's own checks, where its keys are on (lib/methods/registry.py), as ConfigError."""
     try:
         for method in METHODS.values():
             if method.uses(cfg):
@@ -514,7 +514,7 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 def move_sampling_keys(cfg: Config) -> None:
     """TRL's generation_kwargs override the sampling keys: those given there move into their own keys (and are
-    checked as given there); any other generation_kwargs key needs vLLM (lib/extras/vllm_rollout.py checks it there)."""
+    checked as given there); any other generation_kwargs key needs vLLM (lib/sampling/vllm_rollout.py checks it there)."""
     extra = dict(cfg.generation_kwargs or {})
     given = [key for key in SAMPLING_KEYS if key in extra]
     if not given:
@@ -539,7 +539,7 @@ def _exists(name: str, path: str) -> bool:
 
 def validate_backend(cfg: Config, check_installed: bool = True) -> None:
     """The optimizer and the memory budget: what each needs installed (where `check_installed`; a memory estimate runs
-    nothing, so it needs neither), and what each needs besides. use_vllm's keys are lib/extras/vllm_rollout.py's
+    nothing, so it needs neither), and what each needs besides. use_vllm's keys are lib/sampling/vllm_rollout.py's
     (`check_settings`, which train_agrpo.main calls right after parsing)."""
     check_installed = check_installed and not cfg.estimate_memory_only
     if (check_installed and cfg.optim.startswith(("adamw_8bit", "paged"))

@@ -1,5 +1,5 @@
 """Several processes through Accelerate: what every launch needs, data parallel or sharded (docs/distributed.md 1 and
-2). A sharded launch's preparation, checkpoints and DeepSpeed's backward and step are lib/extras/sharding.py's; the
+2). A sharded launch's preparation, checkpoints and DeepSpeed's backward and step are lib/sharding/fsdp_deepspeed.py's; the
 core keeps a sharded parameter's full value and this process's part of it (the sampler's weights, the gradient norm,
 the finite-weights check) and small collectives. Every function that gathers is a collective: each process calls it at
 the same point with the same arguments.
@@ -64,7 +64,7 @@ def group_token_means(accelerator: Accelerator, values: torch.Tensor, mask: torc
 
 def gather_ragged(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
     """Every process's (M_p,) values, one after the other, (sum_p M_p,), where the counts differ between processes (the
-    loss tokens of a micro-batch, for lib/losses.high_entropy_mask's threshold). Each process pads to the longest with
+    loss tokens of a micro-batch, for lib/methods/losses.high_entropy_mask's threshold). Each process pads to the longest with
     -inf, which no entropy is, and the padding is dropped after the gather."""
     if accelerator.num_processes == 1:
         return values

@@ -65,7 +65,7 @@ def log_step(run: Run, step: int, metrics: dict, batch) -> None:
     run.accelerator.log(metrics, step=step)
     if run.accelerator.is_main_process:
         tqdm.write(dense_line(step, run.cfg.max_steps, metrics, run.ctx.reward_names))
-    run.watch.say(run, step, metrics)  # the health warnings new at this line (lib/extras/health.Watch)
+    run.watch.say(run, step, metrics)  # the health warnings new at this line (lib/apps/health.Watch)
     first = run.geometry.first
     rows = [{"step": step, "prompt": batch.prompts[i], "completion": batch.texts[i], "answer": batch.answers[i],
              "reward": float(batch.total[first + i]), "advantage": float(batch.advantages[i])}

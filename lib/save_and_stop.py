@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import to_dict
-from lib.sampling import Sampled
-from lib.modeling import REFERENCE_FOLDER, end_token_ids
+from lib.sampling.context import Sampled
+from lib.models.modeling import REFERENCE_FOLDER, end_token_ids
 from lib.setup import Run, TrainerState
 
 
@@ -51,7 +51,7 @@ def step_optimizer(run: Run, loss: torch.Tensor, skip_update: bool, nonfinite: s
     before clipping, what was not finite or "", whether the weights moved). No step on a skipped slice or non-finite
     values (the batch's rewards, the loss, the gradient norm); the loss and the norm are reduced over every process,
     so all take the same decision. A DeepSpeed engine steps, clips and skips non-finite gradients in one call
-    (lib/extras/sharding.Sharding.step). The schedule advances either way: it is laid out over steps, not updates."""
+    (lib/sharding/fsdp_deepspeed.Sharding.step). The schedule advances either way: it is laid out over steps, not updates."""
     cfg, accelerator = run.cfg, run.accelerator
     grad_norm, moved = torch.zeros(()), False
     deepspeed = run.sharding is not None and run.sharding.deepspeed
@@ -183,7 +183,7 @@ def stop_for_signal(run: Run, state: TrainerState, signal_name: str, saved: bool
 
 def save_final(run: Run, end_eval: dict, step: int, write_files: Callable | None = None) -> None:
     """final/: a model (or adapter) folder that transformers / peft load as is, renamed into place. `write_files`, given
-    by the entry script, adds files before the rename: lib/extras/hub.write_final_files's model card and
+    by the entry script, adds files before the rename: lib/hub.write_final_files's model card and
     generation_config.json (docs/hub.md 2)."""
     check_finite_weights(run, "final/")
     # sharded: the whole model gathered on the main process (a collective), saved as one folder

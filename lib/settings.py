@@ -1,6 +1,6 @@
 """Every key of a run, declared once: its type, default and help (the `--help` text and docs/configuration.md come
 from here, by scripts/config_doc.py), and, in the field's metadata, the values it accepts: `choices` (a tuple; the
-loss, KL, advantage and method choices are the keys of the registries in lib/losses.py and lib/methods.py) and
+loss, KL, advantage and method choices are the keys of the registries in lib/methods/losses.py and lib/methods/registry.py) and
 `range`, an interval as it is written in mathematics ("(0, 1]", "[1, inf)"), with `why` added to the message;
 `nonempty`, the fix a text that is only blanks gets.
 lib/config.py checks every field's metadata in one loop, reads YAML recipes and the command line, and checks what
@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from lib.losses import (DISPERSIONS, IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES, KL_ESTIMATORS, LOSS_TYPES,
+from lib.methods.losses import (DISPERSIONS, IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES, KL_ESTIMATORS, LOSS_TYPES,
                          MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS)
-from lib.methods import METHODS
+from lib.methods.registry import METHODS
 
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 
@@ -425,7 +425,7 @@ class GRPOArguments:
                                   "the run goes on (0 = no worker and no limit: they run in the trainer).",
         "range": "[0, inf)", "why": "seconds; 0 = no limit"})
     tools: list[str] = field(default_factory=list, metadata={"help": "Tools the model may call while it samples "
-                             "(module:function / file.py:function; lib.extras.tools:calculator is built in), run in "
+                             "(module:function / file.py:function; lib.agents.tools:calculator is built in), run in "
                              "a worker process; their results are appended, not trained (docs/agents.md)."})
     environment_factory: str | dict | None = field(default=None, metadata={"help": "An environment class "
                                              "(module:Class / file.py:Class), or a mapping of names to classes picked "

@@ -29,14 +29,14 @@ from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
 from lib.config import Config, ConfigError, save_yaml, validate
-from lib.data import check_answers, load_records, render_prompt, split_names
-from lib.methods import Method
-from lib.sampling import RolloutContext
-from lib.modeling import (REFERENCE_FOLDER, CompletionScorer, end_token_ids, is_adapter_folder, load_policy,
+from lib.data.records import check_answers, load_records, render_prompt, split_names
+from lib.methods.registry import Method
+from lib.sampling.context import RolloutContext
+from lib.models.modeling import (REFERENCE_FOLDER, CompletionScorer, end_token_ids, is_adapter_folder, load_policy,
                           load_reference, load_tokenizer, native_bf16, reference_dtype, weights_dtype)
-from lib.reward_funcs import resolve_reward_funcs
-from lib.rewards import REWARD_FUNCS
-from lib.rollout import AnswerPhase, HFRollout
+from lib.rewards.scoring import resolve_reward_funcs
+from lib.rewards.functions import REWARD_FUNCS
+from lib.sampling.rollout import AnswerPhase, HFRollout
 from lib.schedule import build_scheduler, steps_per_rollout, warmup_steps
 
 # the run's JSON-lines logs (lib/logs.py), trimmed to the checkpoint on resume
@@ -48,7 +48,7 @@ class TrainerState:
     """What the loop advances; saved as trainer_state.json in every checkpoint and restored on resume."""
 
     global_step: int = 0
-    data_position: int = 0  # prompts taken from the data order so far (lib/data.prompts_for_step)
+    data_position: int = 0  # prompts taken from the data order so far (lib/data/records.prompts_for_step)
     num_tokens: int = 0  # tokens generated on all processes, probes and discarded rounds included
     controller_state: dict = dataclasses.field(default_factory=dict)
     nonfinite_streak: int = 0  # optimizer steps skipped in a row for non-finite values
@@ -99,26 +99,26 @@ class Run:
     eval_records: list[dict]
     geometry: Geometry
     stop: ckpt.StopRequest  # SIGTERM / SIGUSR1 received
-    # FSDP2 / DeepSpeed (weights, gradients, optimizer states sharded): lib/extras/sharding.Sharding; else None
+    # FSDP2 / DeepSpeed (weights, gradients, optimizer states sharded): lib/sharding/fsdp_deepspeed.Sharding; else None
     sharding: object = None
     # optional parts, made by train_agrpo.setup from lib/extras/ (which the core does not import):
-    watch: object = None  # lib/extras/health.Watch: the metric history behind the health warnings
-    completions_table: object = None  # lib/extras/hub.log_completions: a step's completions, a table per tracker
-    hub: object = None  # lib/extras/hub.HubPusher: push_to_hub's uploads (main process), or None
-    save_failed: object = None  # lib/extras/save_failure.save_failed_message: the message a failed save stops with
+    watch: object = None  # lib/apps/health.Watch: the metric history behind the health warnings
+    completions_table: object = None  # lib/hub.log_completions: a step's completions, a table per tracker
+    hub: object = None  # lib/hub.HubPusher: push_to_hub's uploads (main process), or None
+    save_failed: object = None  # lib/save_failure.save_failed_message: the message a failed save stops with
 
 
 def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, object, bool]:
     """The Accelerator as launched (data parallel, FSDP2 or DeepSpeed), its launch checked against the configuration.
-    `sharding` (lib/extras/sharding, handed in by train_agrpo.setup) starts FSDP2 and DeepSpeed launches. Returns
-    (accelerator, bf16, the launch's lib/extras/sharding.Sharding or None, partitioned): partitioned where each process
+    `sharding` (lib/sharding/fsdp_deepspeed, handed in by train_agrpo.setup) starts FSDP2 and DeepSpeed launches. Returns
+    (accelerator, bf16, the launch's lib/sharding/fsdp_deepspeed.Sharding or None, partitioned): partitioned where each process
     holds only part of the weights (FSDP2, ZeRO-3)."""
     hf_logging.disable_progress_bar()  # per-file loading bars would drown the one training bar
     bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16(
         "cuda" if torch.cuda.is_available() and not cfg.use_cpu else "cpu")
     # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU) when launched
     # with several processes, instead of running each process alone (except under DeepSpeed, which forms the group
-    # itself: lib/extras/sharding.enable_deepspeed_on_cpu). The scheduler is stepped by us once per optimizer step:
+    # itself: lib/sharding/fsdp_deepspeed.enable_deepspeed_on_cpu). The scheduler is stepped by us once per optimizer step:
     # its Accelerate wrapper must not step it once per process
     accelerator = Accelerator(cpu=(cfg.use_cpu or torch.accelerator.current_accelerator() is None)
                               and not (sharding is not None and sharding.deepspeed_requested()),
@@ -128,7 +128,7 @@ def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, ob
     # FSDP2 / DeepSpeed, checked and configured (on a CPU too, where Accelerate would not run them)
     launch = sharding.start(accelerator, cfg, bf16) if sharding is not None else None
     if launch is None and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise ConfigError("this launch shards (FSDP / DeepSpeed), which lib/extras/sharding.py runs: hand it to "
+        raise ConfigError("this launch shards (FSDP / DeepSpeed), which lib/sharding/fsdp_deepspeed.py runs: hand it to "
                           "start_accelerator as train_agrpo.setup does")
     validate(cfg, accelerator.num_processes)  # the settings that depend on the number of processes
     if cfg.tf32 is not None and accelerator.device.type == "cuda":
@@ -139,7 +139,7 @@ def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, ob
 def resolve_rewards(cfg: Config, models=None, named_rewards: dict = REWARD_FUNCS,
                     options: dict | None = None) -> tuple[list[str], list]:
     """(the reward specs the reward worker resolves, None for a reward model, the resolved functions): bad names stop
-    here, before any data or model loads. `models`, `named_rewards`, `options` as lib/reward_funcs.resolve_reward_funcs
+    here, before any data or model loads. `models`, `named_rewards`, `options` as lib/rewards/scoring.resolve_reward_funcs
     takes them; reward models load later, onto each process's device, and run in this process."""
     # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
     specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
@@ -161,14 +161,14 @@ def resolve_rewards(cfg: Config, models=None, named_rewards: dict = REWARD_FUNCS
 def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None, builtin=None,
               named_rewards: dict = REWARD_FUNCS) -> tuple[list[dict], list[dict]]:
     """(train records, eval records). Errors in the data surface here, before any model is loaded; so does a data set
-    with no gold answer trained with a reward function that needs one (lib/data.check_answers, which names the
+    with no gold answer trained with a reward function that needs one (lib/data/records.check_answers, which names the
     built-ins of `named_rewards` that need none).
 
     The held-out set is eval_dataset_name; else dataset_name's dataset_test_split where it has one (a folder or a hub
     data set, as TRL evaluates on it); else, for a single file, a seeded share of its rows. Held-out data with no gold
     answer cannot be scored: the evaluation is left out, and `say` says so in one line. `reader` reads hub ids and the
-    folders only `datasets` reads (lib/extras/hub_data.py; lib/data.load_records); builtin(seed, num_train, num_eval)
-    makes the data of a run without dataset_name (lib/extras/word_problems.builtin_task)."""
+    folders only `datasets` reads (lib/data/hub_data.py; lib/data/records.load_records); builtin(seed, num_train, num_eval)
+    makes the data of a run without dataset_name (lib/data/word_problems.builtin_task)."""
     try:
         if cfg.dataset_name is None:
             if builtin is None:
@@ -290,8 +290,8 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                 ) -> tuple[torch.nn.Module, CompletionScorer | None]:
     """(policy, reference): the policy from the model (or an unsharded checkpoint), the frozen reference (none when beta
     is 0; with LoRA the base with the adapter disabled, not a second copy), sharded like the policy will be where
-    `sharding` (Run.sharding) is given; `resolve` as lib/modeling.load_policy takes it. `cast_head` turns a model's
-    output layer to float32 where cast_lm_head_to_fp32 (lib/extras/fp32_head.cast_lm_head_to_fp32, handed in by
+    `sharding` (Run.sharding) is given; `resolve` as lib/models/modeling.load_policy takes it. `cast_head` turns a model's
+    output layer to float32 where cast_lm_head_to_fp32 (lib/models/fp32_head.cast_lm_head_to_fp32, handed in by
     train_agrpo.setup). The sampler comes next (make_engine)."""
     device, sharded = accelerator.device, sharding is not None
     adapter = cfg.use_peft or is_adapter_folder(model_path)
@@ -322,7 +322,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                 module.p = 0.0
     reference = None
     if cfg.beta > 0 and not hasattr(policy, "peft_config"):
-        # bf16 on a bf16 GPU, else the policy's dtype (lib/modeling.reference_dtype)
+        # bf16 on a bf16 GPU, else the policy's dtype (lib/models/modeling.reference_dtype)
         dtype = reference_dtype(cfg.dtype, next(policy.parameters()).dtype, device=device.type,
                                 bf16=bf16)
         # sync_ref_model: a checkpoint after a reference update holds the mixed reference (save_checkpoint)
@@ -340,10 +340,10 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
 
 def make_engine(cfg: Config, policy, tokenizer, bf16: bool, rank: int,
                 sharded: bool = False, copy=None) -> HFRollout:
-    """The HF sampler (lib/rollout.py): our decode loop, over the policy itself or a copy of its weights that `copy`
-    (lib/extras/cpu_kernels.sampling_copy) makes where that is faster, refreshed after every optimizer step; a
+    """The HF sampler (lib/sampling/rollout.py): our decode loop, over the policy itself or a copy of its weights that `copy`
+    (lib/sampling/cpu_kernels.sampling_copy) makes where that is faster, refreshed after every optimizer step; a
     policy that will be sharded is sampled from a full copy (`own_copy`). (A vLLM engine is
-    lib/extras/vllm_rollout.colocated_rollout, one on devices of its own lib/extras/generation_server.server_rollout;
+    lib/sampling/vllm_rollout.colocated_rollout, one on devices of its own lib/sampling/generation_server.server_rollout;
     the trainer picks.)"""
     return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16,
                      seed=cfg.seed + rank, copy=None if copy is None else partial(copy, own_copy=sharded))
@@ -352,7 +352,7 @@ def make_engine(cfg: Config, policy, tokenizer, bf16: bool, rank: int,
 def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float,
                     eps: float = 1e-8, eight_bit=None):
     """AdamW by `optim` name: torch's, or bitsandbytes' 8-bit / paged states, which `eight_bit` makes
-    (lib/extras/memory.eight_bit_adamw, handed in by train_agrpo.setup)."""
+    (lib/sharding/memory.eight_bit_adamw, handed in by train_agrpo.setup)."""
     if name in ("adamw_torch", "adamw_torch_fused"):
         # fused: one kernel for all tensors on CUDA, the same update
         fused = name == "adamw_torch_fused" and all(p.is_cuda for p in params)
@@ -374,10 +374,10 @@ def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Modul
                    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, object, list]:
     """(scorer, optimizer, scheduler, trained parameters): the scheduler built, the scorer and the optimizer prepared by
     Accelerate. Called after the memory check, which needs the optimizer built. `checkpointed_prefix`
-    (lib/extras/checkpointed_prefix, handed in by train_agrpo.setup) shares the prompt under gradient checkpointing."""
+    (lib/models/checkpointed_prefix, handed in by train_agrpo.setup) shares the prompt under gradient checkpointing."""
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
                                 num_warmup_steps=warmup_steps(cfg), kwargs=cfg.lr_scheduler_kwargs)
-    # DDP, or FSDP2 / DeepSpeed (lib/extras/sharding.Sharding.prepare)
+    # DDP, or FSDP2 / DeepSpeed (lib/sharding/fsdp_deepspeed.Sharding.prepare)
     scorer = CompletionScorer(policy, fixed_calls=partitioned, checkpointed_prefix=checkpointed_prefix)
     scorer, optimizer, scheduler = (accelerator if sharding is None else sharding).prepare(scorer, optimizer, scheduler)
     # the shards the optimizer holds, when sharded
@@ -415,9 +415,9 @@ def restore(resume: Path | None, accelerator: Accelerator, scorer, optimizer, sc
 
 def rollout_context(cfg: Config, engine, tokenizer, reward_funcs: list, train_records: list[dict],
                     accelerator: Accelerator, geometry: Geometry, worker=None, episodes=None) -> RolloutContext:
-    """What sampling and scoring read (lib/methods.RolloutContext): the sampler, the rewards and their weights, the
+    """What sampling and scoring read (lib/methods/registry.RolloutContext): the sampler, the rewards and their weights, the
     data, the answer phase (answer_marker: the answer sampled at its own temperature), and the reward worker
-    (lib/extras/reward_worker.RewardWorker, made by train_agrpo.setup) or None."""
+    (lib/rewards/worker.RewardWorker, made by train_agrpo.setup) or None."""
     answer_phase = None
     if cfg.answer_marker:
         answer_phase = AnswerPhase.from_text(tokenizer, cfg.answer_marker, cfg.answer_temperature,

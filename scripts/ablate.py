@@ -61,8 +61,8 @@ sys.path.insert(0, str(REPO))
 
 from lib.config import (PRESETS, Config, ConfigError, parse_config, steps_per_rollout, to_dict,  # noqa: E402
                         validate_methods)
-from lib.extras.trl_keys import resolve_keys  # noqa: E402
-from lib.extras.vllm_rollout import check_settings  # noqa: E402
+from lib.trl_keys import resolve_keys  # noqa: E402
+from lib.sampling.vllm_rollout import check_settings  # noqa: E402
 from scripts.compare_presets import train_command  # noqa: E402
 
 # name -> what it means (the seeds' twelve configurations: A-GRPO's ablation table)

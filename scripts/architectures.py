@@ -6,14 +6,14 @@
 `--families`: for each family, a two-block model with random (seeded) weights is built from its config (vocabulary
 96, hidden size 32), and the per-token log-probs of fixed completions are compared with log_softmax of the model's
 own forward logits (temperature 1): "before" with the output layer alone (what the scorer and the sampler's first
-token used until the logit post-processing was added), "after" with the scorer (`lib.modeling.completion_logps`).
+token used until the logit post-processing was added), "after" with the scorer (`lib.models.modeling.completion_logps`).
 Twice: with the weights as initialised (raw logits below 1) and with the output layer scaled so the raw logits reach
 about +-40, as a trained model's do.
 
 Without `--families`: every architecture in transformers' causal-LM mapping is built small from its config class
 (common size keys shrunk; 4 or 8 blocks where 2 hold no attention block; an architecture whose own forward does not
 run at these sizes is listed as not built) and given to
-`lib.modeling.check_scoring_path`, the check every model passes when it loads: "ok" (with the post-processing
+`lib.models.modeling.check_scoring_path`, the check every model passes when it loads: "ok" (with the post-processing
 applied), or "refused" with the reason. Markdown tables on stdout (docs/models.md quotes them).
 """
 
@@ -33,7 +33,7 @@ import transformers  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
-from lib.modeling import check_scoring_path, completion_logps, logit_transform, positions_from_mask  # noqa: E402
+from lib.models.modeling import check_scoring_path, completion_logps, logit_transform, positions_from_mask  # noqa: E402
 
 FAMILY_SIZE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,

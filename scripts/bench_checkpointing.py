@@ -4,13 +4,13 @@
     python scripts/bench_checkpointing.py --prompt_length 1024 --completion_length 256 --repeats 3
 
 One micro-batch of G completions of one prompt (random token ids, every completion at full length), scored by
-lib/modeling.CompletionScorer and run backward, in three settings, each in a fresh child process:
+lib/models/modeling.CompletionScorer and run backward, in three settings, each in a fresh child process:
 
   plain        no checkpointing, the prompt run once and shared (the default)
   full         gradient checkpointing, the full [prompt; completion] sequences (what the scorer did under
                checkpointing before the prefix could pass through checkpointed blocks)
   shared       gradient checkpointing, the prompt run once and its keys and values shared
-               (lib/extras/checkpointed_prefix.py, which the trainer hands to its scorer)
+               (lib/models/checkpointed_prefix.py, which the trainer hands to its scorer)
 
 It prints seconds (median of --repeats passes, after one warm-up pass) and the peak resident set above the loaded
 model (glibc's mmap threshold fixed at 64 KiB, the kernel's high-water mark restarted before the pass: the method of
@@ -38,10 +38,10 @@ SETTINGS = {"plain": (False, True), "full": (True, False), "shared": (True, True
 def worker(spec: dict) -> dict:
     import torch
 
-    from lib.extras import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
-    from lib.extras import checkpointed_prefix
-    from lib.extras.embedded_model import resolve_model_path
-    from lib.modeling import CompletionScorer, load_policy
+    from lib.sampling import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
+    from lib.models import checkpointed_prefix
+    from lib.models.embedded import resolve_model_path
+    from lib.models.modeling import CompletionScorer, load_policy
     from scripts.bench_memory import peak, resident, restart_peak
 
     torch.set_num_threads(spec["threads"])

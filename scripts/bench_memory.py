@@ -1,4 +1,4 @@
-"""Memory of one GRPO step of the 16 GB QLoRA recipe at real model shapes, by part, against lib/extras/memory.py's estimate.
+"""Memory of one GRPO step of the 16 GB QLoRA recipe at real model shapes, by part, against lib/sharding/memory.py's estimate.
 
     python scripts/bench_memory.py --shape qwen2-tiny --lengths 64             # a quick check of the script (~1 min)
     python scripts/bench_memory.py --shape qwen2.5-1.5b --lengths 1024 --json 1.5b-1024.json
@@ -6,21 +6,21 @@
 
 The model is built from its published config (scripts/bench_vs_trl.SHAPES) with random weights, saved in bf16 (as
 the published checkpoints are) to a temporary folder, and loaded through the trainer's own path,
-lib/modeling.load_policy, with the settings of scripts/recipes/grpo_gsm8k_qlora_16gb.yaml (NF4 base with nested
+lib/models/modeling.load_policy, with the settings of scripts/recipes/grpo_gsm8k_qlora_16gb.yaml (NF4 base with nested
 quantisation, LoRA r 16 / alpha 32 / dropout 0.05 on every linear layer, gradient checkpointing, the trainer's
-default float32 weights dtype; the recipe's bf16 is bf16 autocast, used where lib/modeling.native_bf16 says the CPU
+default float32 weights dtype; the recipe's bf16 is bf16 autocast, used where lib/models/modeling.native_bf16 says the CPU
 runs it). Then, in that process:
 
   weights        the resident set after load_policy, less the one before; and the bytes of the model's tensors
-  sampler copy   lib/extras/sampling_copy's plain bf16 copy with the adapter merged (resident in the trainer too)
+  sampler copy   lib/sampling/policy_copy's plain bf16 copy with the adapter merged (resident in the trainer too)
   KV cache       the sampler's cache for the generation batch (per_device_train_batch_size x
                  gradient_accumulation_steps completions, each with its prompt): the prompt and completion, full
-                 length, prefilled at once through the sampler's copy with lib/rollout.prefill (use_cache), and the
+                 length, prefilled at once through the sampler's copy with lib/sampling/rollout.prefill (use_cache), and the
                  resident set with the cache held. Decoding 1,024 tokens one at a time would take hours on a CPU; the
                  cache a prefill leaves is the one the decode loop ends with (the same rows, positions and dtype).
   reference      the no-grad reference pass (beta > 0: the policy with its adapter disabled), its peak
   training step  one micro-batch: G completions of one prompt, every completion forced to full length (random
-                 token ids: memory does not depend on the values), scored by lib/modeling.CompletionScorer under
+                 token ids: memory does not depend on the values), scored by lib/models/modeling.CompletionScorer under
                  bf16 autocast, lib/losses' clipped surrogate, k3 KL and grpo aggregation, backward, gradient
                  clipping and one step of lib/setup.build_optimizer's AdamW. The peak is read in three phases: the
                  decoder's forward (activations), the vocabulary chunks' forward and backward (logits), the decoder's
@@ -34,7 +34,7 @@ way). "5" written to /proc/self/clear_refs restarts the kernel's high-water mark
 current resident set, so one process reads the peak of each phase. Each child first checks the method on a tensor
 of known size (256 MiB): its peak and resident deltas are printed with the results.
 
-The estimate is lib/extras/memory.estimate_step_memory with what the trainer passes it (step_token_counts of the recipe's
+The estimate is lib/sharding/memory.estimate_step_memory with what the trainer passes it (step_token_counts of the recipe's
 configuration at this length, bf16, the optimizer); its `resident` is measured in the trainer, so the weights row
 compares the measured resident set with the bytes of the model's tensors instead. This is a CPU measurement: what a
 GPU adds (the CUDA context, the caching allocator's slack, cuBLAS workspaces, bitsandbytes' CUDA kernels' own
@@ -88,10 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_prompt_length", type=int, default=None, help="Default: the recipe's (256).")
     p.add_argument("--recipe", default=str(RECIPE), help="The YAML recipe whose settings are measured.")
     p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto",
-                   help="bf16 autocast (auto: where lib/modeling.native_bf16 says the CPU runs bf16 natively).")
+                   help="bf16 autocast (auto: where lib/models/modeling.native_bf16 says the CPU runs bf16 natively).")
     p.add_argument("--dtype", choices=["gpu", "cpu", "bfloat16", "float32"], default="gpu",
                    help="The dtype load_policy gets, which is the 4-bit layers' compute dtype: gpu (default) the "
-                   "trainer's choice on a bf16 GPU (lib/modeling.weights_dtype: bfloat16 for a LoRA base where bf16 is "
+                   "trainer's choice on a bf16 GPU (lib/models/modeling.weights_dtype: bfloat16 for a LoRA base where bf16 is "
                    "on), cpu the trainer's choice on a CPU (float32), or one named.")
     p.add_argument("--no_kv", action="store_true", help="Leave out the KV-cache prefill (the longest part after "
                    "the step).")
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "removed at the end).")
     p.add_argument("--json", help="Write every configuration's numbers here.")
     p.add_argument("--table", nargs="+", metavar="JSON", help="Print the tables of results written by --json "
-                   "before, with the estimates as lib/extras/memory.py computes them now, and exit.")
+                   "before, with the estimates as lib/sharding/memory.py computes them now, and exit.")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one configuration in a child process
     p.add_argument("--build", nargs=2, help=argparse.SUPPRESS)  # internal: SHAPE FOLDER, build a model there
     return p
@@ -116,7 +116,7 @@ def resident() -> int:
     """The resident set now, after a garbage collection."""
     import torch
 
-    from lib.extras.memory import resident_bytes
+    from lib.sharding.memory import resident_bytes
 
     gc.collect()
     return resident_bytes(torch.device("cpu"))
@@ -196,12 +196,14 @@ def run_worker(spec: dict) -> dict:
     from accelerate import Accelerator
 
     from lib.config import load_yaml, make_config
-    from lib.losses import aggregate_loss, clipped_surrogate, kl_penalty, token_logps_and_entropy
-    from lib.extras.memory import CHUNK_ELEMENTS, eight_bit_adamw, estimate_step_memory, step_token_counts
-    from lib.modeling import (CompletionScorer, OutputHead, adapter_disabled, load_policy, native_bf16,
+    from lib.methods.losses import aggregate_loss, clipped_surrogate, kl_penalty, token_logps_and_entropy
+    from lib.sharding.memory import CHUNK_ELEMENTS, eight_bit_adamw, estimate_step_memory, step_token_counts
+    from lib.models.modeling import (CompletionScorer, OutputHead, adapter_disabled, load_policy, native_bf16,
                               unwrap_causal_lm, weights_dtype)
-    from lib.extras import checkpointed_prefix, cpu_kernels, trl_keys
-    from lib.rollout import HFRollout, prefill
+    from lib.models import checkpointed_prefix
+    from lib.sampling import cpu_kernels
+    from lib import trl_keys
+    from lib.sampling.rollout import HFRollout, prefill
     from lib.setup import build_optimizer
 
     clock = time.perf_counter()
@@ -270,7 +272,7 @@ def run_worker(spec: dict) -> dict:
     optimizer = build_optimizer(params, cfg.optim, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
                                 cfg.weight_decay, eps=cfg.adam_epsilon, eight_bit=eight_bit_adamw)
     counts = step_token_counts(cfg)
-    # what train_agrpo.setup estimates (lib/extras/memory.check_run): after the policy and the sampler are loaded
+    # what train_agrpo.setup estimates (lib/sharding/memory.check_run): after the policy and the sampler are loaded
     estimate = estimate_step_memory(policy, resident=resident(), optim=cfg.optim, bf16=bf16, vllm=False,
                                     gradient_checkpointing=cfg.gradient_checkpointing, **counts)
     out["estimate"] = {k: getattr(estimate, k) for k in ("resident", "gradients", "optimizer", "activations",
@@ -393,7 +395,7 @@ def run_worker(spec: dict) -> dict:
     activations = max(marks["decoder_forward"], decoder_backward) - base
     # the resident set's growth over the step, and the bytes of the .grad tensors themselves: on this CPU the first
     # grew ~20 MB more than the second at both shapes (what the libraries keep after a first backward, oneDNN's
-    # primitive caches and scratchpads among them; a GPU's counterpart is in lib/extras/memory.GPU_OVERHEAD)
+    # primitive caches and scratchpads among them; a GPU's counterpart is in lib/sharding/memory.GPU_OVERHEAD)
     parts["gradients"] = {"estimate": estimate.gradients, "measured": grads, "grad_tensors": grad_tensors}
     parts["optimizer"] = {"estimate": estimate.optimizer, "measured": states}
     # without checkpointing every block's set; with it, the block inputs
@@ -438,15 +440,15 @@ def gb(value) -> str:
 
 
 def current_estimates(result: dict) -> dict[str, dict[str, int]]:
-    """lib/extras/memory's estimate of each row for a result's shape and settings, computed now (so that a result measured
+    """lib/sharding/memory's estimate of each row for a result's shape and settings, computed now (so that a result measured
     before a change of the formula is compared with the formula as it is): on a meta-device model of the shape with
-    the recipe's adapter, as lib/extras/memory.recipe_memory builds it, at the micro-batch's counted tokens ("counted") and at
+    the recipe's adapter, as lib/sharding/memory.recipe_memory builds it, at the micro-batch's counted tokens ("counted") and at
     the token positions the scorer ran ("ran"), with a CPU's dropout masks; "gpu": the counted tokens with CUDA's."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from lib.extras.memory import CHUNK_ELEMENTS, activation_bytes, estimate_step_memory
+    from lib.sharding.memory import CHUNK_ELEMENTS, activation_bytes, estimate_step_memory
 
     s = result["settings"]
     with torch.device("meta"):
@@ -483,7 +485,7 @@ def format_result(result: dict) -> str:
              f"{s['optim']}, {s['threads']} threads",
              f"method check: a {cal['bytes'] / 2**20:.0f} MiB tensor read {cal['peak'] / 2**20:.1f} MiB peak, "
              f"{cal['held'] / 2**20:.1f} MiB held, {cal['after_free'] / 2**20:.1f} MiB after it was freed",
-             f"token positions: {counted} counted a micro-batch (lib/extras/memory.step_token_counts), the scorer ran {ran} "
+             f"token positions: {counted} counted a micro-batch (lib/sharding/memory.step_token_counts), the scorer ran {ran} "
              f"(decoder output {result['hidden_dtype']}); sampling {result['tokens']['sampling_tokens']}",
              "",
              f"| part | estimate at {counted} tokens (GB) | estimate at {ran} (GB) | measured (GB) | "

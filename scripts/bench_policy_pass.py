@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lib.extras import cpu_kernels  # noqa: E402,F401  (registers the CPU decode attention load_policy picks)
-from lib.extras.embedded_model import embedded_model_path  # noqa: E402
-from lib.modeling import CompletionScorer, load_policy, native_bf16  # noqa: E402
+from lib.sampling import cpu_kernels  # noqa: E402,F401  (registers the CPU decode attention load_policy picks)
+from lib.models.embedded import embedded_model_path  # noqa: E402
+from lib.models.modeling import CompletionScorer, load_policy, native_bf16  # noqa: E402
 
 VARIANTS = {
     "full": {},

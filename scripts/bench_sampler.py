@@ -3,7 +3,7 @@
     python scripts/bench_sampler.py                                   # CPU: the embedded model, 1 / 8 / 64 rows
     python scripts/bench_sampler.py --shape qwen2.5-0.5b --attn sdpa agrpo_sdpa    # GPU: random weights, bf16
 
-One decode step of `lib.rollout.HFRollout` (the trainer's sampler: prompts prefilled once, the cache shared by a
+One decode step of `lib.sampling.rollout.HFRollout` (the trainer's sampler: prompts prefilled once, the cache shared by a
 group, one token a step for every row), timed as the difference of two generate calls that decode `--short` and
 `--short + --steps` tokens with no end token (every row runs to the cap), divided by `--steps`; the median of
 `--repeats`. Beside it, its floor: the bytes one step must read (the sampler's weights once, and every row's cached
@@ -27,12 +27,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lib.extras.memory import kv_bytes_per_token  # noqa: E402
-from lib.extras.embedded_model import resolve_model_path  # noqa: E402
-from lib.modeling import load_policy, native_bf16  # noqa: E402
-from lib.extras import cpu_kernels  # noqa: E402  (also registers --attn agrpo_sdpa)
-from lib.extras.decode import GraphStep, LlamaStep  # noqa: E402
-from lib.rollout import HFRollout  # noqa: E402
+from lib.sharding.memory import kv_bytes_per_token  # noqa: E402
+from lib.models.embedded import resolve_model_path  # noqa: E402
+from lib.models.modeling import load_policy, native_bf16  # noqa: E402
+from lib.sampling import cpu_kernels  # noqa: E402  (also registers --attn agrpo_sdpa)
+from lib.sampling.decode import GraphStep, LlamaStep  # noqa: E402
+from lib.sampling.rollout import HFRollout  # noqa: E402
 
 
 def bandwidth(device: torch.device, megabytes: int) -> float:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--attn", nargs="+", default=[None], help="Attention implementations to compare (default: the "
                    "trainer's for this device).")
     p.add_argument("--decode", nargs="+", choices=["fast", "model", "written", "graph"], default=["fast"],
-                   help="The sampler's decode step: fast (what the sampler uses: lib/extras/decode.decode_step_for), "
+                   help="The sampler's decode step: fast (what the sampler uses: lib/sampling/decode.decode_step_for), "
                    "model (the model's own forward), written (decode.LlamaStep), graph (decode.GraphStep, CUDA "
                    "graphs); several are timed in alternation.")
     p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto")

@@ -5,7 +5,7 @@
     python scripts/bench_vllm_lora.py --load_in_4bit --rounds 5 --max_new_tokens 64
 
 `merge` (every weight with the adapter merged in, sent each step) and `adapter` (vLLM's LoRA: the base once, the
-adapter each step), each in a fresh child process one after the other, through lib/extras/vllm_rollout.VLLMRollout as the
+adapter each step), each in a fresh child process one after the other, through lib/sampling/vllm_rollout.VLLMRollout as the
 trainer builds it. Every completion runs to --max_new_tokens (ignore_eos), so both decode the same number of tokens.
 Prints the median seconds of a sampling call and of a sync per mode, and their ratio (docs/performance.md 4.1).
 """
@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT))
 def worker(args) -> dict:
     import torch
 
-    from lib.extras import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
-    from lib.extras.embedded_model import resolve_model_path
-    from lib.modeling import load_policy, load_tokenizer
-    from lib.extras.vllm_rollout import VLLMRollout, adapter_ranks
+    from lib.sampling import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
+    from lib.models.embedded import resolve_model_path
+    from lib.models.modeling import load_policy, load_tokenizer
+    from lib.sampling.vllm_rollout import VLLMRollout, adapter_ranks
 
     path = resolve_model_path(args.model_name_or_path)
     tokenizer = load_tokenizer(path)
@@ -40,8 +40,8 @@ def worker(args) -> dict:
     engine = VLLMRollout(path, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=512, seed=0,
                          dtype="bfloat16" if args.bf16 else "float32", sampling_kwargs={"ignore_eos": True},
                          lora_rank=max(adapter_ranks(policy)) if args.mode == "adapter" else None)
-    from lib.data import format_prompt, tokenize_prompts
-    from lib.extras.word_problems import builtin_task
+    from lib.data.records import format_prompt, tokenize_prompts
+    from lib.data.word_problems import builtin_task
 
     records = builtin_task(seed=0, num_train=args.num_prompts, num_eval=1)[0][: args.num_prompts]
     ids, mask = tokenize_prompts(tokenizer, [format_prompt(tokenizer, r["problem"]) for r in records], 256)

@@ -162,7 +162,7 @@ def check_args(args) -> None:
 
 def model_folder(args, workdir: Path) -> str:
     """The folder both trainers load: the embedded model, a given folder, or a random-weight model of --shape."""
-    from lib.extras.embedded_model import resolve_model_path
+    from lib.models.embedded import resolve_model_path
 
     if args.shape is None:
         return resolve_model_path(args.model_name_or_path)
@@ -185,10 +185,10 @@ def model_folder(args, workdir: Path) -> str:
 def bench_prompts(args, model_path: str) -> tuple[list[str], list[str]]:
     """The prompts our trainer sees in its first --steps steps, in order, as chat-formatted text, and answers."""
     from lib.config import Config
-    from lib.data import format_prompt
-    from lib.extras.word_problems import builtin_task
-    from lib.modeling import load_tokenizer
-    from lib.data import prompts_for_step
+    from lib.data.records import format_prompt
+    from lib.data.word_problems import builtin_task
+    from lib.models.modeling import load_tokenizer
+    from lib.data.records import prompts_for_step
 
     train, _ = builtin_task(seed=args.seed, num_train=2000, num_eval=0)
     tokenizer = load_tokenizer(model_path)
@@ -275,7 +275,7 @@ def run_trl(spec: dict) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from lib.rewards import accuracy_reward
+    from lib.rewards.functions import accuracy_reward
 
     prompts, answers = spec["prompts"], spec["answers"]
 

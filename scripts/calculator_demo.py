@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from scripts import calculator_task  # noqa: E402
 
 VARIANTS = {
-    "tools": ["--tools", "lib.extras.tools:calculator", "--max_tool_calling_iterations", "2"],
+    "tools": ["--tools", "lib.agents.tools:calculator", "--max_tool_calling_iterations", "2"],
     "direct": [],
 }
 
@@ -103,10 +103,10 @@ def probe(samples: int, seed: int = 0) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lib.data import render_prompt
-    from lib.extras.tools import calculator, plain_tool_prompt, tool_schemas
-    from lib.extras.embedded_model import embedded_model_path
-    from lib.modeling import load_tokenizer
+    from lib.data.records import render_prompt
+    from lib.agents.tools import calculator, plain_tool_prompt, tool_schemas
+    from lib.models.embedded import embedded_model_path
+    from lib.models.modeling import load_tokenizer
 
     path = str(embedded_model_path())
     tokenizer = load_tokenizer(path)

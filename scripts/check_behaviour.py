@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lib.methods import METHODS  # noqa: E402  (the repository root is put on the path just above)
+from lib.methods.registry import METHODS  # noqa: E402  (the repository root is put on the path just above)
 
 PRESETS = tuple(METHODS)  # every registered method's preset
 # words of metric names that measure the machine, not the algorithm (whole words: "eta" and "_s" as substrings once
@@ -40,8 +40,8 @@ def build_tiny(folder: Path) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lib.extras.embedded_model import embedded_model_path
-    from lib.modeling import load_tokenizer
+    from lib.models.embedded import embedded_model_path
+    from lib.models.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(str(embedded_model_path()))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from lib.config import PRESETS, parse_config  # noqa: E402  (the repository root is put on the path just above)
-from lib.extras.trl_keys import resolve_keys  # noqa: E402
+from lib.trl_keys import resolve_keys  # noqa: E402
 
 LAST = 5  # steps averaged for the end-of-run columns
 

@@ -7,7 +7,7 @@ drift from the code.
 
 Every field of `lib.settings.Config` becomes a row (key, type, default, its help string and the values it accepts),
 one section per section dataclass of lib/settings.py (its --help title and docstring), in their order; then one
-table of the keys each `--algo` preset sets (`lib.methods.METHODS`). tests/test_config_doc.py fails when the page differs from this output.
+table of the keys each `--algo` preset sets (`lib.methods.registry.METHODS`). tests/test_config_doc.py fails when the page differs from this output.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lib.extras import trl_keys  # noqa: E402
-from lib.extras import trl_differences  # noqa: E402
+from lib import trl_keys  # noqa: E402
+from lib import trl_differences  # noqa: E402
 from lib.config import FIELDS, PRESETS, SECTIONS  # noqa: E402
-from lib.methods import METHODS  # noqa: E402
+from lib.methods.registry import METHODS  # noqa: E402
 from lib.config import _type_hints as type_hints  # noqa: E402  (the repository root is put on the path just above)
-from lib.controllers import ADAGRPO_SCHEDULE  # noqa: E402
+from lib.methods.controllers import ADAGRPO_SCHEDULE  # noqa: E402
 
 PAGE = REPO / "docs" / "configuration.md"
 COMMAND = "python scripts/config_doc.py --write"
@@ -38,7 +38,7 @@ HEADER = f"""# Configuration: every key
 [README](../README.md) · [methods](methods.md) · [results](results.md) · [performance](performance.md) ·
 **configuration** · [troubleshooting](troubleshooting.md)
 
-<!-- Generated from lib/settings.py and lib/methods.py by `{COMMAND}`; edit the help strings there, not this page. -->
+<!-- Generated from lib/settings.py and lib/methods/registry.py by `{COMMAND}`; edit the help strings there, not this page. -->
 
 Every key of the trainer's one configuration surface (`lib/settings.py` `Config`; names follow TRL's `GRPOConfig`).
 Set a key in a YAML recipe (`--config recipe.yaml`) or as a flag (`--learning_rate 1e-5`; a list takes several
@@ -126,8 +126,8 @@ def render() -> str:
 
 
 def trl_section(number: int) -> str:
-    """lib/extras/trl_keys.py's tables (what a recipe written for TRL or open-r1 gets for each key that is not a
-    field) and lib/extras/trl_differences.py's (the fields whose values, combinations or defaults differ from TRL's)."""
+    """lib/trl_keys.py's tables (what a recipe written for TRL or open-r1 gets for each key that is not a
+    field) and lib/trl_differences.py's (the fields whose values, combinations or defaults differ from TRL's)."""
     renamed = ["| key | read as | note |", "|---|---|---|"] + [
         f"| `{k}` | `{target}` | {cell(note or 'the same setting')} |"
         for k, (target, note) in trl_keys.RENAMED.items()]
@@ -150,8 +150,8 @@ def trl_section(number: int) -> str:
     return (f"## {number}. Recipes written for TRL or open-r1\n\n"
             "A YAML recipe or command line written for TRL's `GRPOConfig` + `ModelConfig` + `ScriptArguments` (what\n"
             "`trl/scripts/grpo.py` and open-r1 parse) runs here as it is: every key above has TRL's meaning where TRL\n"
-            "has the key, and each other key of theirs is handled as the tables below say (`lib/extras/trl_keys.py`,\n"
-            "`lib/extras/trl_differences.py`; `tests/test_trl_keys.py` checks them against TRL's own dataclasses).\n"
+            "has the key, and each other key of theirs is handled as the tables below say (`lib/trl_keys.py`,\n"
+            "`lib/trl_differences.py`; `tests/test_trl_keys.py` checks them against TRL's own dataclasses).\n"
             "`--flag` alone means true.\n\n"
             "Renamed: the value goes to our key (a note is printed for our own old names).\n\n"
             + "\n".join(renamed) + "\n\nIgnored, with one warning line each:\n\n" + "\n".join(ignored_rows)
@@ -173,7 +173,7 @@ def presets_section(number: int) -> str:
         values = [f"`{cell(value_text(PRESETS[a][key]))}`" if key in PRESETS[a] else "" for a in algos]
         rows.append(f"| `{key}` | `{cell(value_text(default_of(FIELDS[key])))}` | " + " | ".join(values) + " |")
     return (f"## {number}. Presets\n\n"
-            "The keys each `--algo` preset sets (`lib/methods.py` `METHODS`); an empty cell keeps the default, and\n"
+            "The keys each `--algo` preset sets (`lib/methods/registry.py` `METHODS`); an empty cell keeps the default, and\n"
             "any key you set yourself wins. `ADAGRPO_SCHEDULE` is the upstream retry schedule\n"
             "([methods 4.2](methods.md#42-the-schedule-and-the-published-settings)). Why each preset has its values:\n"
             "[methods section 9](methods.md#9-presets-the-choices-this-package-makes).\n\n"

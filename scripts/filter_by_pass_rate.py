@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lib.data import load_records  # noqa: E402
-from lib.extras import hub_data  # noqa: E402
+from lib.data.records import load_records  # noqa: E402
+from lib.data import hub_data  # noqa: E402
 
 
 def pass_rates(completions: Path, dataset_label: str | None = None) -> dict[int, float]:

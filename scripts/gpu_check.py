@@ -12,7 +12,7 @@ Steps, each under its own time limit so that one that hangs or fails leaves the 
      merged LoRA / QLoRA sync, FSDP2 under bf16 mixed precision keeping the temperatures, resume on the device,
      the memory estimate against the measured peak; their measured figures go to the results;
   3. the HF sampler's decode step at 1, 8 and 64 rows against its memory-bandwidth floor, written out
-     (lib/extras/decode.LlamaStep) and replayed from CUDA graphs (GraphStep), in alternation
+     (lib/sampling/decode.LlamaStep) and replayed from CUDA graphs (GraphStep), in alternation
      (scripts/bench_sampler.py);
   4. a side-by-side benchmark of our trainer and TRL's GRPOTrainer (scripts/bench_vs_trl.py) at the Qwen2.5-0.5B
      shape with random weights: 8 completions of 256 new tokens, bf16, HF sampling on both sides, five steps (the
@@ -55,8 +55,8 @@ PACKAGES = ["torch", "transformers", "accelerate", "peft", "trl", "datasets", "b
 def prepare() -> None:
     """The tokenizer and the wheels, into .gpu/."""
     sys.path.insert(0, str(ROOT))
-    from lib.extras.embedded_model import embedded_model_path
-    from lib.modeling import load_tokenizer
+    from lib.models.embedded import embedded_model_path
+    from lib.models.modeling import load_tokenizer
 
     load_tokenizer(str(embedded_model_path())).save_pretrained(ASSETS / "tokenizer")
     wheels = ASSETS / "wheels"

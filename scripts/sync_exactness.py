@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lib.extras.embedded_model import embedded_model_path  # noqa
-from lib.modeling import CompletionScorer, end_token_ids, load_policy, load_tokenizer  # noqa
-from lib.extras import cpu_kernels  # noqa: E402
-from lib.rollout import HFRollout  # noqa: E402
+from lib.models.embedded import embedded_model_path  # noqa
+from lib.models.modeling import CompletionScorer, end_token_ids, load_policy, load_tokenizer  # noqa
+from lib.sampling import cpu_kernels  # noqa: E402
+from lib.sampling.rollout import HFRollout  # noqa: E402
 
 
 def gap(engine, policy, rollout, bf16: bool) -> str:

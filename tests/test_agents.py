@@ -1,4 +1,4 @@
-"""Agents (lib/extras/tools.py, lib/extras/agents.py, docs/agents.md): tool schemas, the plain call format, the
+"""Agents (lib/agents/tools.py, lib/agents/episodes.py, docs/agents.md): tool schemas, the plain call format, the
 tool worker's failures, the episode loop over the real HF sampler and its masks, a run with tools."""
 
 import json
@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from lib.extras.agents import engine_generate, episodes_rollout, run_episodes
-from lib.extras.tools import (ResultRenderer, ToolCall, ToolWorker, calculator, parse_tool_calls, plain_tool_prompt,
+from lib.agents.episodes import engine_generate, episodes_rollout, run_episodes
+from lib.agents.tools import (ResultRenderer, ToolCall, ToolWorker, calculator, parse_tool_calls, plain_tool_prompt,
                               template_has_tools, tool_schemas, tool_spec)
-from lib.rollout import Rollout
+from lib.sampling.rollout import Rollout
 import conftest
 from conftest import CALL, TOOLS
 
@@ -32,7 +32,7 @@ def test_schemas_come_from_type_hints_and_docstrings_and_bad_tools_are_named():
         tool_schemas([f"{TOOLS}:nope"])
     with pytest.raises(ValueError, match="a lambda or a nested function cannot be"):
         tool_spec(lambda x: x)
-    assert tool_spec(calculator) == "lib.extras.tools:calculator"
+    assert tool_spec(calculator) == "lib.agents.tools:calculator"
     assert '"name": "calculator"' in plain_tool_prompt([schema]) and "<tool_call>" in plain_tool_prompt([schema])
 
 
@@ -104,8 +104,8 @@ def forced_turn(tokenizer, prompts: torch.Tensor, texts: list[str]) -> Rollout:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    from lib.modeling import load_policy, load_tokenizer
-    from lib.rollout import HFRollout
+    from lib.models.modeling import load_policy, load_tokenizer
+    from lib.sampling.rollout import HFRollout
 
     tok = load_tokenizer(tiny_model)
     return HFRollout(load_policy(tiny_model), [tok.eos_token_id], tok.pad_token_id, seed=0)
@@ -116,7 +116,7 @@ def test_episodes_append_results_mask_them_and_end_at_each_limit(tokenizer, engi
                                             add_special_tokens=False)] * 3)
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
     texts = [call, "It is 42.", '<tool_call>["calculator", "6 * 7"]</tool_call>']
-    worker = ToolWorker(["lib.extras.tools:calculator"], timeout=5.0)
+    worker = ToolWorker(["lib.agents.tools:calculator"], timeout=5.0)
     renderer = ResultRenderer(tokenizer)
     generate = engine_generate(engine, tokenizer.pad_token_id, {"temperature": 0.7}, torch.arange(3))
     try:
@@ -144,7 +144,7 @@ def test_episodes_append_results_mask_them_and_end_at_each_limit(tokenizer, engi
     assert roll.temperatures[0, :len(called.ids)].tolist() == pytest.approx([0.7 if m else 1.0 for m in called.model])
 
     # max_tool_calling_iterations 0: the call is not run; a budget the result does not fit in: truncated
-    worker = ToolWorker(["lib.extras.tools:calculator"], timeout=5.0)
+    worker = ToolWorker(["lib.agents.tools:calculator"], timeout=5.0)
     try:
         [none] = run_episodes(generate, forced_turn(tokenizer, prompt[:1], [call]), tokenizer, worker.call,
                               renderer, max_iterations=0, max_completion_length=120)
@@ -167,7 +167,7 @@ def test_a_run_with_tools_trains_only_the_models_tokens(tool_caller, tmp_path, m
     counters logged, the turns in completions.jsonl."""
     import train_agrpo
     from accelerate.state import AcceleratorState
-    from lib.modeling import CompletionScorer
+    from lib.models.modeling import CompletionScorer
 
     captured, batches = [], []
     forward = CompletionScorer.forward
@@ -210,8 +210,8 @@ def test_a_run_with_tools_trains_only_the_models_tokens(tool_caller, tmp_path, m
     completions = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
     assert any("tool\n5" in c["completion"] for c in completions)
     # each episode turn by turn, and the run view's completions browser showing the call and the result apart
-    from lib.extras.page import completion_detail, split_reasoning
-    from lib.extras.runs import completion_rows, load_run
+    from lib.apps.page import completion_detail, split_reasoning
+    from lib.apps.runs import completion_rows, load_run
 
     called = [c for c in completions if len(c.get("turns", [])) == 3]
     assert called and all([t["role"] for t in c["turns"]] == ["assistant", "tool", "assistant"] and
@@ -230,8 +230,8 @@ ENVS = {"counter": f"{TOOLS}:Counter", "store": f"{TOOLS}:Store"}
 
 def test_environment_factory_is_read_from_yaml_and_the_command_line_and_bad_specs_name_the_key(tmp_path):
     from lib.config import ConfigError, make_config, parse_config
-    from lib.extras.agents import environment_specs
-    from lib.extras.tools import environment_methods, environment_tools, load_environment
+    from lib.agents.episodes import environment_specs
+    from lib.agents.tools import environment_methods, environment_tools, load_environment
     from tiny_tools import Counter
 
     assert parse_config(["--environment_factory", ENVS["counter"]]).environment_factory == ENVS["counter"]
@@ -242,7 +242,7 @@ def test_environment_factory_is_read_from_yaml_and_the_command_line_and_bad_spec
     # a Python user's class (or function, in tools) is recorded by name: the worker imports it, config.yaml holds it
     assert make_config({"environment_factory": Counter}).environment_factory == "tiny_tools:Counter"
     assert make_config({"environment_factory": {"c": Counter}, "tools": [calculator]}).tools == [
-        "lib.extras.tools:calculator"]
+        "lib.agents.tools:calculator"]
     with pytest.raises(ConfigError, match=r"environment_factory: a mapping gives each name a 'module:Class'"):
         parse_config(["--environment_factory", '{"counter": 3}'])
     # TRL's rule: the class's public functions, less reset and get_reward; a class, with a reset
@@ -260,7 +260,7 @@ def test_environment_factory_is_read_from_yaml_and_the_command_line_and_bad_spec
 
 
 def test_each_episode_has_its_own_environment_in_the_worker_until_it_ends():
-    from lib.extras.tools import EnvironmentFailed
+    from lib.agents.tools import EnvironmentFailed
 
     worker = ToolWorker([f"{TOOLS}:add"], timeout=2.0, environments={
         None: ENVS["counter"], "store": ENVS["store"], "bad": f"{TOOLS}:BadReset"})
@@ -299,7 +299,7 @@ def test_each_episode_has_its_own_environment_in_the_worker_until_it_ends():
 def environment_agent(tokenizer, environments, tools=(), timeout=5.0, max_iterations=1, max_completion_length=80):
     from types import SimpleNamespace
 
-    from lib.extras.agents import Agent
+    from lib.agents.episodes import Agent
 
     cfg = SimpleNamespace(tools=list(tools), environment_factory=environments, tool_timeout=timeout,
                           max_tool_calling_iterations=max_iterations, max_completion_length=max_completion_length)
@@ -315,8 +315,8 @@ def test_environment_episodes_over_the_hf_sampler(tokenizer, engine):
     reset's text in the prompt, each episode's own state, the other environment's methods refused, a raising method
     counted, get_reward in the rollout's columns and through the reward function named after the class."""
     from lib.config import ConfigError
-    from lib.data import render_prompt
-    from lib.extras.agents import EnvironmentReward
+    from lib.data.records import render_prompt
+    from lib.agents.episodes import EnvironmentReward
 
     agent = environment_agent(tokenizer, ENVS)
     try:
@@ -470,7 +470,7 @@ def test_rollout_func_contract_and_config_errors_name_the_key(tokenizer):
     from types import SimpleNamespace
 
     from lib.config import ConfigError, make_config, parse_config
-    from lib.extras.rollout_func import RolloutFunction
+    from lib.agents.rollout_func import RolloutFunction
     from tiny_tools import rollout_with_feedback
 
     assert parse_config(["--rollout_func", f"{TOOLS}:rollout_with_feedback"]).rollout_func == \
@@ -478,7 +478,7 @@ def test_rollout_func_contract_and_config_errors_name_the_key(tokenizer):
     assert make_config({"rollout_func": rollout_with_feedback}).rollout_func == "tiny_tools:rollout_with_feedback"
     with pytest.raises(ConfigError, match="rollout_func samples the completions itself.*without tools or "
                                           "environment_factory"):
-        make_config({"rollout_func": rollout_with_feedback, "tools": ["lib.extras.tools:calculator"]})
+        make_config({"rollout_func": rollout_with_feedback, "tools": ["lib.agents.tools:calculator"]})
     cfg = SimpleNamespace(rollout_func=f"{TOOLS}:nope", max_completion_length=6, temperature=0.7)
     accelerator = SimpleNamespace(device=torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"rollout_func: rollout_func 'tests/tiny_tools.py:nope': module .* has no "

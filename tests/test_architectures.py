@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from conftest import assert_close_to_scale, rel_diff
 from lib.config import ConfigError, make_config
-from lib.modeling import check_scoring_path, completion_logps, load_policy, load_tokenizer, logit_transform
-from lib.rollout import prefill
+from lib.models.modeling import check_scoring_path, completion_logps, load_policy, load_tokenizer, logit_transform
+from lib.sampling.rollout import prefill
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -150,7 +150,7 @@ QWEN3_STYLE_TEMPLATE = (
 def test_chat_template_kwargs_reach_the_template(tmp_path, embedded_model):
     from accelerate import Accelerator
 
-    from lib.sampling import RolloutContext
+    from lib.sampling.context import RolloutContext
 
     tokenizer = load_tokenizer(embedded_model)
     tokenizer.chat_template = QWEN3_STYLE_TEMPLATE

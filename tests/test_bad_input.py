@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 from conftest import REPO
 from lib.config import Config, ConfigError, load_yaml, make_config, parse_config, validate
-from lib.data import load_records
-from lib.extras import hub, hub_data
+from lib.data.records import load_records
+from lib import hub
+from lib.data import hub_data
 
 FIELDS = [f.name for f in dataclasses.fields(Config)]
 
@@ -282,7 +283,7 @@ def test_an_unknown_flag_after_a_known_one_names_both(argv, where):
 ])
 def test_a_value_with_a_line_break_is_quoted_on_one_line(argv, key):
     """Values are shown with their escapes (repr), so a line break in one cannot split the one-line message
-    (hub_model_id is read as a repository id when a run starts: lib/extras/hub.check_settings)."""
+    (hub_model_id is read as a repository id when a run starts: lib/hub.check_settings)."""
     with pytest.raises(ConfigError) as error:
         hub.check_settings(parse_config(argv))
     assert str(error.value).startswith(f"{key}: ") and "\n" not in str(error.value) and "\\n" in str(error.value)

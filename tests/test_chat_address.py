@@ -13,7 +13,7 @@ from conftest import REPO, wait_for_page
 
 sys.path.insert(0, str(REPO))
 from chat_app import parse_args  # noqa: E402
-from lib.extras.page import exposure  # noqa: E402
+from lib.apps.page import exposure  # noqa: E402
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, start_page, wait_for_page
 
 sys.path.insert(0, str(REPO))
-from lib.extras.page import (MAX_UPLOAD_BYTES, PageInputError, allowed_roots, check_inside,  # noqa: E402
+from lib.apps.page import (MAX_UPLOAD_BYTES, PageInputError, allowed_roots, check_inside,  # noqa: E402
                              checkpoint_choices, exposure, generation_config, loadable, model_messages,
                              read_conversation, run_folder_of, split_reasoning)
 from chat_app import main, parse_args  # noqa: E402

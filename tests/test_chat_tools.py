@@ -10,10 +10,10 @@ from test_agents import CALL, TOOLS
 
 sys.path.insert(0, str(REPO))
 from chat_app import PageTools, Slot, build_app, main, page_tools, parse_args  # noqa: E402
-from lib.data import DEFAULT_INSTRUCTION  # noqa: E402
-from lib.extras.word_problems import builtin_task  # noqa: E402
-from lib.extras.page import assistant_messages, model_messages, read_conversation  # noqa: E402
-from lib.extras.tools import plain_tool_prompt, tool_schemas  # noqa: E402
+from lib.data.records import DEFAULT_INSTRUCTION  # noqa: E402
+from lib.data.word_problems import builtin_task  # noqa: E402
+from lib.apps.page import assistant_messages, model_messages, read_conversation  # noqa: E402
+from lib.agents.tools import plain_tool_prompt, tool_schemas  # noqa: E402
 
 
 @pytest.fixture
@@ -67,10 +67,10 @@ def test_an_answer_with_tools_shows_the_call_the_result_and_the_final_turn(run_w
 
 
 def test_the_system_prompt_describes_the_tools_as_in_training(tool_caller):
-    from lib.data import format_prompt
+    from lib.data.records import format_prompt
 
     args = parse_args(["--tools", f"{TOOLS}:add"])
-    run = {"tools": ["lib.extras.tools:calculator"], "max_tool_calling_iterations": 3, "tool_timeout": 7.0}
+    run = {"tools": ["lib.agents.tools:calculator"], "max_tool_calling_iterations": 3, "tool_timeout": 7.0}
     tools = page_tools(args, run)  # --tools wins over the run's tools; the run's limits stay
     assert tools.specs == [f"{TOOLS}:add"] and tools.max_iterations == 3 and tools.worker.timeout == 7.0
     limited = page_tools(parse_args(["--tools", f"{TOOLS}:add", "--max_tool_calling_iterations", "1",
@@ -115,7 +115,7 @@ def test_a_runs_tools_that_do_not_load_here_are_named_with_the_fix(run_with_tool
 def test_a_saved_episode_loads_back_and_a_malformed_one_is_refused(tmp_path):
     import json
 
-    from lib.extras.page import PageInputError, chat_view
+    from lib.apps.page import PageInputError, chat_view
 
     episode = [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "5"},
                {"role": "assistant", "content": "Done."}]

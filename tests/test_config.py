@@ -7,7 +7,7 @@ import yaml
 
 from conftest import REPO
 from lib.config import ConfigError, make_config, parse_config
-from lib.extras import trl_keys
+from lib import trl_keys
 
 
 def test_defaults_are_the_grpo_preset():
@@ -101,7 +101,7 @@ def test_method_presets_set_section_9_defaults(algo, expected):
 
 def test_user_keys_override_a_preset_and_config_yaml_records_the_resolved_values(tmp_path):
     from lib.config import save_yaml
-    from lib.extras.hub import check_settings
+    from lib.hub import check_settings
 
     cfg = parse_config(["--algo", "agrpo", "--eta", "0", "--kl_target", "0.1", "--resample_schedule",
                         '[{"step": 3, "params": [{"temperature": 1.2, "top_p": 0.95}]}]'])
@@ -178,7 +178,7 @@ def test_bad_method_values_fail_with_the_field_and_the_fix(values, message):
 
 def test_adaptive_group_size_needs_a_batch_that_splits_into_every_reachable_size():
     from lib.config import validate
-    from lib.methods import reachable_group_sizes
+    from lib.methods.registry import reachable_group_sizes
 
     cfg = make_config({"adaptive_group_size": True, "num_generations": 8, "per_device_train_batch_size": 16})
     assert reachable_group_sizes(cfg) == [4, 8, 16]
@@ -220,10 +220,10 @@ def test_every_recipe_parses_and_validates(recipe):
 
 
 def test_a_vllm_recipe_is_refused_where_vllm_is_missing_but_estimated_and_planned(monkeypatch):
-    """use_vllm's keys are lib/extras/vllm_rollout.check_settings', which train_agrpo.main calls right after parsing,
+    """use_vllm's keys are lib/sampling/vllm_rollout.check_settings', which train_agrpo.main calls right after parsing,
     before anything loads."""
     import train_agrpo
-    from lib.extras.vllm_rollout import check_settings
+    from lib.sampling.vllm_rollout import check_settings
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # importlib reports vLLM as not installed, as on a bare machine
     recipe = str(REPO / "scripts" / "recipes" / "grpo_gsm8k_qlora_16gb.yaml")
@@ -262,11 +262,11 @@ def test_the_default_learning_rate_follows_what_is_trained(tmp_path):
 
 
 def test_the_method_registry_is_the_one_source_of_presets_choices_and_parts():
-    """lib/methods.py METHODS (docs/methods.md 11): `--algo`'s choices, the presets and the parts choose_method
+    """lib/methods/registry.py METHODS (docs/methods.md 11): `--algo`'s choices, the presets and the parts choose_method
     picks all come from the one entry per method."""
     from lib.config import FIELDS, PRESETS, steps_per_rollout
-    from lib.losses import LOSS_TYPES
-    from lib.methods import METHODS, DynamicSampling, NoRefill, RetryUntilCorrect, choose_method
+    from lib.methods.losses import LOSS_TYPES
+    from lib.methods.registry import METHODS, DynamicSampling, NoRefill, RetryUntilCorrect, choose_method
 
     assert FIELDS["algo"].metadata["choices"] == tuple(METHODS) == tuple(PRESETS)
     assert FIELDS["loss_type"].metadata["choices"] == tuple(LOSS_TYPES)
@@ -313,7 +313,7 @@ def test_ranges_and_choices_come_from_the_fields_metadata(values, message):
      r"entropy_coef_min \(0.5\) must not exceed entropy_coef_max"),
 ])
 def test_objective_keys_refuse_what_they_cannot_combine_with(values, message):
-    """docs/configuration.md 10 lists these refusals with their reasons (lib/extras/trl_differences.LIMITED)."""
+    """docs/configuration.md 10 lists these refusals with their reasons (lib/trl_differences.LIMITED)."""
     with pytest.raises(ConfigError, match=message):
         make_config(values)
 

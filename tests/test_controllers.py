@@ -1,4 +1,4 @@
-"""Hand-computed values for the adaptive controllers in lib/controllers.py (docs/methods.md 2.2, 4, 5), including the
+"""Hand-computed values for the adaptive controllers in lib/methods/controllers.py (docs/methods.md 2.2, 4, 5), including the
 upstream AGPO-DSF unit-test vectors; directions and bounds of every update; state round trips."""
 
 import json
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from lib import controllers
+from lib.methods import controllers
 from lib.config import make_config
-from lib.controllers import (ADAGRPO_SCHEDULE, DSFState, GroupSizeState, KLControllerState, dsf_clip_range,
+from lib.methods.controllers import (ADAGRPO_SCHEDULE, DSFState, GroupSizeState, KLControllerState, dsf_clip_range,
                              dsf_clip_ranges, dsf_temperatures, dsf_uncertainty, init_kl_controller,
                              parse_resample_schedule, resample_plan, update_group_size, update_kl_controller,
                              update_step_kl, vote_entropy)
@@ -206,8 +206,8 @@ def test_entropy_controller_matches_trls_grpo_trainer_over_steps():
 
     import torch
 
-    from lib.losses import aggregate_loss, policy_loss
-    from lib.methods import EntropyController, TrainValues
+    from lib.methods.losses import aggregate_loss, policy_loss
+    from lib.methods.registry import EntropyController, TrainValues
 
     trainer_module = pytest.importorskip("trl.trainer.grpo_trainer")
     cfg = SimpleNamespace(eta=0.02, entropy_target=0.2, entropy_coef_delta=0.05, entropy_coef_min=0.0,
@@ -265,8 +265,8 @@ def test_entropy_controller_matches_trl_under_gradient_accumulation(loss_type):
 
     import torch
 
-    from lib.losses import aggregate_loss, policy_loss
-    from lib.methods import EntropyController, TrainValues
+    from lib.methods.losses import aggregate_loss, policy_loss
+    from lib.methods.registry import EntropyController, TrainValues
 
     trainer_module = pytest.importorskip("trl.trainer.grpo_trainer")
     cfg = SimpleNamespace(eta=0.03, entropy_target=0.25, entropy_coef_delta=0.02, entropy_coef_min=0.0,
@@ -334,7 +334,7 @@ def test_every_controller_passes_on_the_values_it_does_not_set():
     KL controller and AGPO-DSF's per-group clip, and the clip and beta under the entropy controller."""
     import torch
 
-    from lib.methods import Controllers, DSFController, EntropyController, KLController, TrainValues
+    from lib.methods.registry import Controllers, DSFController, EntropyController, KLController, TrainValues
 
     cfg = make_config({"algo": "agpo_dsf", "adaptive_kl": True, "beta": 0.03, "eta": 0.01})
     dsf = DSFController(cfg)

@@ -1,4 +1,4 @@
-"""Tests for lib/data.py on the real data sets: the slices in tests/data (rows copied from the sets' files), and the
+"""Tests for lib/data/records.py on the real data sets: the slices in tests/data (rows copied from the sets' files), and the
 whole files where the full sets are given (the `full_data_dir` fixture; gold answers checked by hand against the
 files)."""
 
@@ -8,9 +8,10 @@ import re
 import pytest
 
 from conftest import FULL_DATA, NO_FULL_DATA, REPO
-from lib.extras import hub_data, word_problems
-from lib.data import DEFAULT_INSTRUCTION, format_number, format_prompt, last_boxed, load_records, render_prompt
-from lib.extras.word_problems import builtin_task
+from lib.data import hub_data
+from lib.data import word_problems
+from lib.data.records import DEFAULT_INSTRUCTION, format_number, format_prompt, last_boxed, load_records, render_prompt
+from lib.data.word_problems import builtin_task
 
 # (file, records in the full set (its README) and in the slice (tests/data/README.md), gold of row 1, gold of row 2),
 # read off the files by hand; a slice starts at the set's first row
@@ -341,7 +342,7 @@ def test_the_default_run_prompts_are_byte_for_byte_what_they_were(tokenizer):
     from types import SimpleNamespace
 
     from lib.config import Config
-    from lib.sampling import RolloutContext
+    from lib.sampling.context import RolloutContext
 
     cfg = Config()
     train, held_out = builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train, num_eval=cfg.num_eval_samples)
@@ -446,9 +447,9 @@ def test_messages_outside_the_prompt_column_and_a_prompt_column_left_aside_are_r
 
 
 def test_reward_functions_that_need_the_gold_answer_are_named_with_the_fix():
-    from lib.data import answer_needed, check_answers
-    from lib.extras.open_r1_rewards import REWARD_FUNCS
-    from lib.reward_funcs import resolve_reward_funcs
+    from lib.data.records import answer_needed, check_answers
+    from lib.rewards.open_r1 import REWARD_FUNCS
+    from lib.rewards.scoring import resolve_reward_funcs
 
     tiny = f"{REPO / 'tests' / 'tiny_rewards.py'}:characters"
     funcs = resolve_reward_funcs(["accuracy", "format", "length", "cosine", "repetition", tiny],
@@ -468,7 +469,7 @@ def test_reward_functions_that_need_the_gold_answer_are_named_with_the_fix():
 
 
 def test_a_run_without_dataset_name_trains_on_the_builtin_task_it_is_handed():
-    """lib/setup.load_data makes no data of its own: the entry scripts hand it lib/extras/word_problems.builtin_task."""
+    """lib/setup.load_data makes no data of its own: the entry scripts hand it lib/data/word_problems.builtin_task."""
     from lib.config import Config, ConfigError
     from lib.setup import load_data
 

@@ -12,8 +12,8 @@ import pytest
 datasets = pytest.importorskip("datasets")
 
 from lib.config import ConfigError, parse_config  # noqa: E402
-from lib.data import load_records as read_records, split_names as read_splits  # noqa: E402
-from lib.extras import hub_data  # noqa: E402
+from lib.data.records import load_records as read_records, split_names as read_splits  # noqa: E402
+from lib.data import hub_data  # noqa: E402
 
 
 def load_records(*args, **kwargs):

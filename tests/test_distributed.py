@@ -1,4 +1,4 @@
-"""Sharded training (FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 through Accelerate, lib/extras/sharding.py) on two CPU
+"""Sharded training (FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 through Accelerate, lib/sharding/fsdp_deepspeed.py) on two CPU
 processes over gloo: the same sharding code that runs on GPUs (docs/distributed.md).
 
 The fast tests check the pieces a sharded run relies on in one process (the scorer's fixed decoder calls, the
@@ -91,7 +91,7 @@ def test_fixed_decoder_calls_give_the_same_log_probs_and_gradients(tiny_model):
     pass even for one-token completions): the values and gradients are those of the default path."""
     from transformers import AutoModelForCausalLM
 
-    from lib.modeling import completion_logps
+    from lib.models.modeling import completion_logps
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
@@ -119,8 +119,8 @@ def test_the_sampler_of_a_sharded_policy_keeps_its_own_copy_and_follows_the_poli
     full copy, which a sync brings to the policy's current weights."""
     from transformers import AutoModelForCausalLM
 
-    from lib.extras.sampling_copy import make_copy
-    from lib.rollout import HFRollout
+    from lib.sampling.policy_copy import make_copy
+    from lib.sampling.rollout import HFRollout
 
     policy = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     assert HFRollout(policy, [2], 0, copy=make_copy).copy is None
@@ -291,7 +291,7 @@ def thirty_blocks(tmp_path, embedded_model) -> str:
     model) is the real model's; a step costs about what the tiny model's does."""
     from transformers import AutoConfig, LlamaForCausalLM
 
-    from lib.modeling import load_tokenizer
+    from lib.models.modeling import load_tokenizer
 
     config = AutoConfig.from_pretrained(embedded_model)
     config.update({"hidden_size": 72, "head_dim": 8, "intermediate_size": 128})

@@ -90,7 +90,7 @@ def test_every_flag_in_the_pages_commands_is_one_its_script_takes(known_flags):
 
 
 # a repository path in the text: a file or folder under one of the repository's folders, a wildcard allowed; a
-# `lib/module.name` names a function, class or constant of that module (lib/data.py::name too; `name...` is the start
+# `lib/module.name` names a function, class or constant of that module (lib/data/records.py::name too; `name...` is the start
 # of a long name)
 REPO_PATH = re.compile(r"(?<![\w./-])((?:scripts|docs|lib|tests|\.ci)/[\w./*-]*[\w/*])(?:::(\w+(?:\.\.\.)?))?")
 
@@ -133,8 +133,8 @@ def missing_references(page: Path) -> list[str]:
                 if not glob.glob(str(REPO / path)):
                     missing.append(f"no file matches {path}")
                 continue
-            module = re.fullmatch(r"(lib/(?:extras/)?\w+)\.(\w+)(?:\.\w+)*", path)
-            if module and not (REPO / path).exists():  # lib/extras/vllm_rollout.VLLMRollout
+            module = re.fullmatch(r"(lib/(?:\w+/)?\w+)\.(\w+)(?:\.\w+)*", path)
+            if module and not (REPO / path).exists():  # lib/sampling/vllm_rollout.VLLMRollout
                 path, name = module.group(1) + ".py", module.group(2)
             if not (REPO / path).exists():
                 missing.append(f"path {path}")
@@ -145,10 +145,10 @@ def missing_references(page: Path) -> list[str]:
 
 def test_the_reference_finder_catches_a_stale_path_a_stale_name_and_a_stale_section(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# Top\n`lib/extras/vllm_rollout.VLLMRollout`, `lib/extras/word_problems.py::builtin_task`, "
-                    "scripts/recipes/*.yaml, [ok](#top), `lib/extras/word_problems.py::builtin_t...`\n"
-                    "`lib/rollout.NoSuchThing`, lib/nowhere.py, [gone](#nowhere), docs/*.nothing\n")
-    assert missing_references(page) == ["section #nowhere", "lib/rollout.py defines no NoSuchThing",
+    page.write_text("# Top\n`lib/sampling/vllm_rollout.VLLMRollout`, `lib/data/word_problems.py::builtin_task`, "
+                    "scripts/recipes/*.yaml, [ok](#top), `lib/data/word_problems.py::builtin_t...`\n"
+                    "`lib/sampling/rollout.NoSuchThing`, lib/nowhere.py, [gone](#nowhere), docs/*.nothing\n")
+    assert missing_references(page) == ["section #nowhere", "lib/sampling/rollout.py defines no NoSuchThing",
                                         "path lib/nowhere.py", "no file matches docs/*.nothing"]
 
 

@@ -1,4 +1,4 @@
-"""lib/extras/embedded_model.py: the embedded model's one-time conversion, with processes that start together."""
+"""lib/models/embedded.py: the embedded model's one-time conversion, with processes that start together."""
 
 import threading
 import time
@@ -6,7 +6,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from lib.extras.embedded_model import conversion_lock, embedded_model_path
+from lib.models.embedded import conversion_lock, embedded_model_path
 
 
 def test_a_process_that_finds_a_conversion_under_way_waits_and_loads_its_folder(tmp_path, monkeypatch, embedded_model):

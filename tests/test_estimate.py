@@ -8,8 +8,8 @@ import torch
 
 from conftest import REPO
 from lib.config import load_yaml, make_config
-from lib.extras.memory import GB, model_config, recipe_memory
-from lib.modeling import load_policy
+from lib.sharding.memory import GB, model_config, recipe_memory
+from lib.models.modeling import load_policy
 
 
 def _tensor_bytes(model: torch.nn.Module) -> int:

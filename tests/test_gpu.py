@@ -59,7 +59,7 @@ def tokenizer_folder() -> str:
     path = os.environ.get("AGRPO_TOKENIZER_DIR")
     if path:
         return path
-    from lib.extras.embedded_model import embedded_model_path
+    from lib.models.embedded import embedded_model_path
 
     return str(embedded_model_path())
 
@@ -88,8 +88,8 @@ def teacher_forced_logps(model, roll, autocast) -> torch.Tensor:
     """The sampler's own log-probs of its completions: the decode loop's arithmetic (one prefill per prompt, its
     cache gathered per completion, then one token at a time with the cache, logits in float32), each token's
     log-prob at the temperature it was sampled at. (B, T), 0 past each completion's end."""
-    from lib.modeling import positions_from_mask
-    from lib.rollout import prefill
+    from lib.models.modeling import positions_from_mask
+    from lib.sampling.rollout import prefill
 
     with autocast:
         logits, cache = prefill(model, roll.prompt_ids, roll.prompt_mask)
@@ -116,9 +116,9 @@ def test_the_samplers_logps_equal_the_scorers(device, small_model, bf16):
     shared prompt prefix, not one token at a time with a cache). In fp32 the two agree to rounding; in bf16 (the
     sampler's bf16 copy against the fp32 master weights under autocast) they may differ by bf16 rounding only: no
     more than the scorer's own bf16 results differ from fp32."""
-    from lib.modeling import CompletionScorer, load_policy
-    from lib.extras.sampling_copy import make_copy
-    from lib.rollout import HFRollout
+    from lib.models.modeling import CompletionScorer, load_policy
+    from lib.sampling.policy_copy import make_copy
+    from lib.sampling.rollout import HFRollout
 
     policy = load_policy(small_model, device=device).eval()
     engine = HFRollout(policy, [2], 0, bf16=bf16, seed=3, copy=make_copy)
@@ -148,14 +148,14 @@ def test_the_samplers_logps_equal_the_scorers(device, small_model, bf16):
 
 @torch.no_grad()
 def test_the_written_out_decode_step_against_the_models_forward(device, small_model):
-    """lib/extras/decode.LlamaStep (the sampler's decode step for a Llama-family copy) against the model's own forward over
+    """lib/sampling/decode.LlamaStep (the sampler's decode step for a Llama-family copy) against the model's own forward over
     transformers' cache, teacher-forced on the same tokens, on the bf16 copy: bit for bit on a CPU
     (tests/test_rollout.py); on CUDA the attention kernel SDPA picks may differ with the mask's form (transformers
     may pass none where no row is padded), so the logits may differ by bf16 rounding, and the figure is reported."""
-    from lib.extras.decode import LlamaStep, llama_family
-    from lib.modeling import load_policy
-    from lib.extras.sampling_copy import make_copy
-    from lib.rollout import HFRollout, ModelStep, prefill
+    from lib.sampling.decode import LlamaStep, llama_family
+    from lib.models.modeling import load_policy
+    from lib.sampling.policy_copy import make_copy
+    from lib.sampling.rollout import HFRollout, ModelStep, prefill
 
     engine = HFRollout(load_policy(small_model, device=device).eval(), [2], 0, bf16=True, seed=3, copy=make_copy)
     model = engine.model
@@ -179,17 +179,17 @@ def test_the_written_out_decode_step_against_the_models_forward(device, small_mo
 
 @torch.no_grad()
 def test_the_graphed_decode_step_against_the_written_out_one(device, small_model):
-    """lib/extras/decode.GraphStep (the sampler's decode step on CUDA: LlamaStep replayed from CUDA graphs) against
+    """lib/sampling/decode.GraphStep (the sampler's decode step on CUDA: LlamaStep replayed from CUDA graphs) against
     LlamaStep, teacher-forced on the same tokens through three attention windows and a compaction of the rows, on
     the bf16 copy: the same logits to the attention kernel's rounding (bit for bit on a CPU, where it runs eagerly:
     tests/test_rollout.py); then both sample the same completions from one seed, and the time of a decode step of
     each, and of the model's forward, is reported (Qwen2.5-0.5B's is scripts/bench_sampler.py's)."""
     import time
 
-    from lib.extras.decode import GraphStep, LlamaStep, decode_step_for
-    from lib.modeling import load_policy
-    from lib.extras.sampling_copy import make_copy
-    from lib.rollout import HFRollout, prefill
+    from lib.sampling.decode import GraphStep, LlamaStep, decode_step_for
+    from lib.models.modeling import load_policy
+    from lib.sampling.policy_copy import make_copy
+    from lib.sampling.rollout import HFRollout, prefill
 
     engine = HFRollout(load_policy(small_model, device=device).eval(), [2], 0, bf16=True, seed=3, copy=make_copy)
     model = engine.model
@@ -241,9 +241,9 @@ def test_a_merged_adapter_copy_samples_the_policy_and_a_sync_refreshes_it(device
     sync_weights."""
     if load_in_4bit:
         pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (scripts/gpu_check.sh carries it)")
-    from lib.modeling import load_policy
-    from lib.extras.sampling_copy import make_copy
-    from lib.rollout import HFRollout
+    from lib.models.modeling import load_policy
+    from lib.sampling.policy_copy import make_copy
+    from lib.sampling.rollout import HFRollout
 
     policy = load_policy(small_model, use_peft=True, lora_r=8, lora_alpha=16, load_in_4bit=load_in_4bit,
                          device=device)

@@ -48,7 +48,7 @@ import json, sys
 import torch
 from accelerate import Accelerator
 
-from lib.modeling import load_policy
+from lib.models.modeling import load_policy
 
 
 def sleep_and_seeds(engine, path):
@@ -90,7 +90,7 @@ def sleep_and_seeds(engine, path):
 
 if __name__ == "__main__":
     accelerator = Accelerator(cpu=True)
-    from lib.extras.vllm_rollout import VLLMRollout
+    from lib.sampling.vllm_rollout import VLLMRollout
     # seeded once per call, as in-process engines on a GPU are
     engine = VLLMRollout(sys.argv[1], [2], 0, max_model_len=128, seed=5 + accelerator.process_index, max_num_seqs=8,
                          per_request_seeds=False)
@@ -157,7 +157,7 @@ def test_an_engine_asleep_after_a_skipped_step_samples_with_the_policys_weights_
 def test_bf16_is_native_from_compute_capability_8_and_emulated_below():
     """torch.cuda.is_bf16_supported() says yes on a T4 (7.5) or V100 (7.0), where bf16 is emulated (slow, and vLLM
     refuses a bfloat16 engine there): the default precision now comes from the capability."""
-    from lib.modeling import native_bf16
+    from lib.models.modeling import native_bf16
 
     assert not native_bf16("cuda", (7, 0)) and not native_bf16("cuda", (7, 5))
     assert native_bf16("cuda", (8, 0)) and native_bf16("cuda", (8, 9)) and native_bf16("cuda", (9, 0))
@@ -189,14 +189,14 @@ def plain_model(tmp_path_factory) -> str:
 def test_fsdp2_bf16_mixed_precision_scores_at_the_sampled_temperatures(plain_model):
     """FSDP2 with the trainer's bf16 mixed-precision policy, one process: the policy computes in bf16, but the
     per-row temperatures reach the log-softmax as the float32 values they were sampled at (0.7, not bf16's
-    0.69921875), and the log-probs come back in float32 (lib/extras/sharding.mixed_precision_policy). Under
+    0.69921875), and the log-probs come back in float32 (lib/sharding/fsdp_deepspeed.mixed_precision_policy). Under
     Accelerate's policy as it was (cast_forward_inputs on) the two temperatures gave the same log-probs."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from lib.extras.sharding import mixed_precision_policy
-    from lib.modeling import CompletionScorer, load_policy, unwrap_causal_lm
+    from lib.sharding.fsdp_deepspeed import mixed_precision_policy
+    from lib.models.modeling import CompletionScorer, load_policy, unwrap_causal_lm
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -1,4 +1,4 @@
-"""lib/extras/health.py on real metric lines: the preset runs in docs/results/presets_embedded (embedded model, 40 steps
+"""lib/apps/health.py on real metric lines: the preset runs in docs/results/presets_embedded (embedded model, 40 steps
 each) and the runs in tests/fixtures/ (how each was produced: tests/fixtures/README.md)."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from lib.extras import health
+from lib.apps import health
 
 PRESETS = REPO / "docs" / "results" / "presets_embedded"
 FIXTURES = REPO / "tests" / "fixtures"

@@ -1,4 +1,4 @@
-"""push_to_hub, the model card and generation_config.json (lib/extras/hub.py, docs/hub.md), offline.
+"""push_to_hub, the model card and generation_config.json (lib/hub.py, docs/hub.md), offline.
 
 The uploads go to a small local HTTP server (`FakeHub`) that implements the endpoints huggingface_hub 2.4's
 `whoami`, `create_repo`, `create_branch` and `create_commit` call, with HF_ENDPOINT (or huggingface_hub's ENDPOINT
@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from conftest import REPO, wait_until
-from lib.extras import hub
+from lib import hub
 from lib.config import ConfigError, make_config, to_dict
 
 TOKEN = "hf_test_secret_never_written"
@@ -232,9 +232,9 @@ def test_the_command_line_is_exact_from_the_script_and_never_shows_the_token():
 
 
 def test_the_embedded_model_is_named_by_its_upstream_hub_id():
-    from lib.extras.embedded_model import EMBEDDED_ALIASES
+    from lib.models.embedded import EMBEDDED_ALIASES
 
-    assert set(hub.EMBEDDED_ALIASES) == set(EMBEDDED_ALIASES)  # lib/extras/hub.py keeps its own copy (import order)
+    assert set(hub.EMBEDDED_ALIASES) == set(EMBEDDED_ALIASES)  # lib/hub.py keeps its own copy (import order)
     assert hub.base_model_label("embedded").startswith("`HuggingFaceTB/SmolLM2-135M-Instruct` (agrpo's embedded")
     assert hub.hub_id("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
     assert hub.hub_id("./models/base") is None and hub.hub_id("data/train.jsonl") is None

@@ -289,7 +289,7 @@ def test_a_run_refused_in_set_up_leaves_no_accelerate_state(tmp_path):
 
 
 def test_cispo_loss_type_trains_through_the_registry(tmp_path, tiny_model):
-    """`--loss_type cispo` (lib/losses.LOSS_TYPES, docs/methods.md 1.7) reaches the loop's loss: on-policy every
+    """`--loss_type cispo` (lib/methods/losses.LOSS_TYPES, docs/methods.md 1.7) reaches the loop's loss: on-policy every
     weight is 1, so its gradient is DAPO's (-A grad log pi over the global batch's tokens) and one step leaves the
     same weights, while the logged loss is the CISPO value, -A log pi, not DAPO's -A."""
     runs = {}
@@ -387,10 +387,10 @@ def test_normalize_then_sum_and_fp32_head_train(tmp_path, tiny_model):
 
 
 def test_gradient_checkpointing_shares_the_prompt_in_the_trainer(tmp_path, tiny_model, monkeypatch):
-    """train_agrpo.setup hands lib/extras/checkpointed_prefix.py to the policy's scorer: under gradient checkpointing
+    """train_agrpo.setup hands lib/models/checkpointed_prefix.py to the policy's scorer: under gradient checkpointing
     the training pass runs each prompt once (docs/performance.md 3.6), and the step equals the one without
     checkpointing. The real completion_cache runs; the wrapper only counts its calls."""
-    from lib.extras import checkpointed_prefix
+    from lib.models import checkpointed_prefix
 
     calls = []
     completion_cache = checkpointed_prefix.completion_cache

@@ -1,4 +1,4 @@
-"""Hand-computed values for the GRPO math in lib/losses.py (docs/methods.md section 1)."""
+"""Hand-computed values for the GRPO math in lib/methods/losses.py (docs/methods.md section 1)."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import assert_close_to_scale, assert_rel_close
-from lib.losses import (aggregate_loss, clipped_surrogate, dispersion, group_advantages, group_skewness, kl_penalty,
+from lib.methods.losses import (aggregate_loss, clipped_surrogate, dispersion, group_advantages, group_skewness, kl_penalty,
                         high_entropy_mask, off_policy_sequence_mask,
                         LOSS_TYPES, policy_loss,
                         normalize_then_sum, truncated_importance_weights, weighted_rewards,
@@ -597,10 +597,10 @@ def test_delta_is_dual_clip_for_every_sign_above_one_plus_epsilon_high(loss_type
 def test_delta_below_one_plus_epsilon_high_differs_from_dual_clip_and_is_refused():
     """Below 1 + epsilon_high the two are different losses (docs/methods.md 1.9): for A < 0 dual-clip PPO caps the
     loss at c |A| inside the clip range, TRL's delta leaves it rho |A| there (its cap falls back to 1 + eps_high); for
-    A > 0 TRL's delta caps rho at delta, dual-clip PPO leaves it alone. So lib/losses.check_settings refuses that
+    A > 0 TRL's delta caps rho at delta, dual-clip PPO leaves it alone. So lib/methods/losses.check_settings refuses that
     range."""
     from lib.config import ConfigError, make_config
-    from lib.extras.trl_keys import resolve_keys
+    from lib.trl_keys import resolve_keys
 
     rho = torch.tensor([[1.15, 1.3]])
     logp, old, mask = torch.log(rho), torch.zeros(1, 2), torch.ones(1, 2)

@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from lib.extras.memory import (GB, check_step_memory, eight_bit_adamw, estimate_step_memory, memory_budget,
+from lib.sharding.memory import (GB, check_step_memory, eight_bit_adamw, estimate_step_memory, memory_budget,
                                step_token_counts)
 from lib.setup import build_optimizer
 
@@ -42,9 +42,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lib.config import make_config
-from lib.losses import token_logps_and_entropy
-from lib.extras.memory import estimate_step_memory, resident_bytes, step_token_counts
-from lib.modeling import completion_logps, default_attn_implementation
+from lib.methods.losses import token_logps_and_entropy
+from lib.sharding.memory import estimate_step_memory, resident_bytes, step_token_counts
+from lib.models.modeling import completion_logps, default_attn_implementation
 from lib.setup import build_optimizer
 
 model_config, micro_batches = json.loads(sys.argv[1])
@@ -203,9 +203,9 @@ import sys
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lib.losses import token_logps_and_entropy
-from lib.extras.memory import estimate_step_memory, resident_bytes
-from lib.modeling import OutputHead, completion_logps, load_policy, unwrap_causal_lm
+from lib.methods.losses import token_logps_and_entropy
+from lib.sharding.memory import estimate_step_memory, resident_bytes
+from lib.models.modeling import OutputHead, completion_logps, load_policy, unwrap_causal_lm
 
 
 def resident():
@@ -314,7 +314,7 @@ def _saved_bytes_per_token(model, bf16: bool) -> float:
     """What one decoder block saves for its backward, per token: the tensors autograd keeps
     (torch.autograd.graph.saved_tensors_hooks), each storage once, less the block input, the rotary tables and the
     weights, at 256 and 512 tokens; the difference, so that what does not grow with tokens drops out."""
-    from lib.modeling import unwrap_causal_lm
+    from lib.models.modeling import unwrap_causal_lm
 
     lm = unwrap_causal_lm(model)
     layer = lm.get_decoder().layers[0]
@@ -363,13 +363,13 @@ def one_block_model(tmp_path_factory) -> str:
     ({}, True),
 ], ids=["qlora-recipe", "qlora-bf16-compute", "qlora-fp32", "lora", "lora-bf16-base", "full-fp32", "full-autocast"])
 def test_block_activations_against_what_autograd_saves(one_block_model, options, bf16):  # under a second each
-    # the per-token accounting of one block (lib/extras/memory.activation_bytes) against the bytes autograd keeps for that
+    # the per-token accounting of one block (lib/sharding/memory.activation_bytes) against the bytes autograd keeps for that
     # block's backward. Here 0.99 to 1.12 of them in each setting (over with autocast: q, k and v are counted with a
     # bf16 copy of their input each). The accounting before counted 34 h + 8 i bytes (x 2 in fp32) whatever the
     # setting: 0.57 of the recipe's (a 4-bit layer returns the fp32 stream's dtype; LoRA keeps bf16 copies of its
     # inputs and float dropout masks) and 1.45 of full fine-tuning's in fp32.
-    from lib.extras.memory import activation_bytes
-    from lib.modeling import load_policy
+    from lib.sharding.memory import activation_bytes
+    from lib.models.modeling import load_policy
 
     policy = load_policy(one_block_model, **options).train()
     saved = _saved_bytes_per_token(policy, bf16)
@@ -468,15 +468,15 @@ def test_step_token_counts_of_a_configuration():
 
 
 def test_activation_offloading_moves_the_checkpointed_block_inputs(tmp_path):
-    """What activation_offloading moves to host memory (lib/extras/memory.offloaded_activations: torch's save_on_cpu,
+    """What activation_offloading moves to host memory (lib/sharding/memory.offloaded_activations: torch's save_on_cpu,
     so every tensor autograd saves in the training forward) against the estimate's `offloaded`: under non-reentrant
     gradient checkpointing the blocks' inputs are saved through the same hooks (so they do move), and only they,
     the last norm's and the logits chunks' inputs are. On a CPU save_on_cpu moves nothing, so the bytes it would
     move are counted with the same hooks; the scores and gradients under save_on_cpu are checked against none."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from lib.extras import checkpointed_prefix
-    from lib.modeling import CompletionScorer, load_policy
+    from lib.models import checkpointed_prefix
+    from lib.models.modeling import CompletionScorer, load_policy
 
     config = Qwen2Config(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, bos_token_id=None,
@@ -514,7 +514,7 @@ def test_activation_offloading_moves_the_checkpointed_block_inputs(tmp_path):
 
     plain, _ = saved_bytes(False)
     checkpointed, policy = saved_bytes(True)
-    tokens = 8 * 96 + 32  # completions and their one shared prompt (lib/extras/memory.step_token_counts)
+    tokens = 8 * 96 + 32  # completions and their one shared prompt (lib/sharding/memory.step_token_counts)
     options = dict(BASE, bf16=False, sampling_tokens=0, tokens_per_micro_batch=tokens)
     estimate = estimate_step_memory(policy, **{**options, "gradient_checkpointing": True},
                                     activation_offloading=True, device_type="cuda")

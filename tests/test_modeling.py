@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import assert_close_to_scale, assert_rel_close
-from lib.data import format_prompt, tokenize_prompts
-from lib.modeling import adapter_disabled, completion_logps, length_chunks, load_policy
-from lib.rollout import HFRollout
+from lib.data.records import format_prompt, tokenize_prompts
+from lib.models.modeling import adapter_disabled, completion_logps, length_chunks, load_policy
+from lib.sampling.rollout import HFRollout
 
 PROBLEMS = ["Ben has 9 books. Ben gives away 4 books. How many books does Ben have left?", "What is 6 x 7?"]
 
@@ -53,7 +53,7 @@ def test_shared_prefix_logps_and_gradients_equal_the_full_forward(tiny_model, to
 def test_checkpointed_blocks_share_the_prompt_and_equal_the_plain_forward(tiny_model, tokenizer, lora):
     """Under gradient checkpointing the prompt still runs once per distinct prompt (docs/performance.md 3.2), with
     the values and gradients of the plain full-sequence forward without checkpointing."""
-    from lib.extras import checkpointed_prefix
+    from lib.models import checkpointed_prefix
 
     plain = load_policy(tiny_model, use_peft=lora, lora_r=4)
     checkpointed = load_policy(tiny_model, use_peft=lora, lora_r=4, gradient_checkpointing=True)
@@ -97,7 +97,7 @@ def test_checkpointed_blocks_share_the_prompt_and_equal_the_plain_forward(tiny_m
 def test_reentrant_checkpointing_runs_the_full_sequences(tiny_model, tokenizer):
     """Reentrant checkpointing does not differentiate through the prompt's keys read inside a block, so there the
     scorer runs the full sequences (and still equals the plain forward)."""
-    from lib.extras import checkpointed_prefix
+    from lib.models import checkpointed_prefix
 
     policy = load_policy(tiny_model, gradient_checkpointing=True,
                          gradient_checkpointing_kwargs={"use_reentrant": True})
@@ -229,7 +229,7 @@ def test_mix_into_reference_matches_trls_sync_ref_model_callback():
     import copy
 
     callbacks = pytest.importorskip("trl.trainer.callbacks")
-    from lib.modeling import mix_into_reference
+    from lib.models.modeling import mix_into_reference
 
     policy = _small_llama(tied=True)
     reference = copy.deepcopy(policy)
@@ -256,7 +256,7 @@ def test_fp32_head_matches_trls_fused_head_on_bf16_weights(tied):
     import copy
 
     trl_utils = pytest.importorskip("trl.trainer.utils")
-    from lib.extras.fp32_head import cast_lm_head_to_fp32
+    from lib.models.fp32_head import cast_lm_head_to_fp32
 
     model = _small_llama(tied, torch.bfloat16)
     theirs, plain = copy.deepcopy(model), copy.deepcopy(model)
@@ -293,7 +293,7 @@ def test_fp32_head_refuses_an_adapted_head():
     from peft import LoraConfig, get_peft_model
 
     from lib.config import ConfigError
-    from lib.extras.fp32_head import cast_lm_head_to_fp32
+    from lib.models.fp32_head import cast_lm_head_to_fp32
 
     model = get_peft_model(_small_llama(tied=False), LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
     with pytest.raises(ConfigError, match="lora_target_modules"):

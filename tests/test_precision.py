@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lib.modeling import completion_logps, load_policy, reference_dtype, weights_dtype
+from lib.models.modeling import completion_logps, load_policy, reference_dtype, weights_dtype
 from lib.setup import build_optimizer
 
 
@@ -30,7 +30,7 @@ def test_a_full_fine_tuning_reference_is_bf16_on_a_bf16_gpu_and_the_policys_dtyp
 
 def test_the_recipe_estimate_counts_a_bf16_reference():
     from lib.config import parse_config
-    from lib.extras.memory import recipe_memory
+    from lib.sharding.memory import recipe_memory
 
     recipe = Path(__file__).resolve().parents[1] / "scripts/recipes/grpo_gsm8k_qwen05b.yaml"
     sizes = {}

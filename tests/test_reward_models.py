@@ -1,4 +1,4 @@
-"""Reward models (lib/extras/reward_models.py) on a small random-weight LlamaForSequenceClassification saved with the embedded
+"""Reward models (lib/models/reward_models.py) on a small random-weight LlamaForSequenceClassification saved with the embedded
 model's tokenizer: a completion's score is the model's own forward on the conversation in its chat template, in
 batches, and a training run on the tiny policy scores and logs with it (docs/methods.md 2.5)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import assert_close_to_scale
-from lib.extras.reward_models import RewardModelSpec, load_reward_models, reward_model_spec
-from lib.reward_funcs import resolve_reward_funcs, reward_arguments, score_completions
+from lib.models.reward_models import RewardModelSpec, load_reward_models, reward_model_spec
+from lib.rewards.scoring import resolve_reward_funcs, reward_arguments, score_completions
 from test_loop import REWARDS, train
 
 TRL_STYLE = REWARDS.replace("tiny_rewards.py", "trl_style_rewards.py")
@@ -21,7 +21,7 @@ def tiny_reward_model(tmp_path_factory, embedded_model) -> str:
     weights, and the embedded model's tokenizer, which has a chat template."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from lib.modeling import load_tokenizer
+    from lib.models.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(embedded_model)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

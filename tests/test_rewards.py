@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import REPO
-from lib.extras.open_r1_rewards import (REWARD_FUNCS as NAMED, cosine_reward, reasoning_steps_reward,
+from lib.rewards.open_r1 import (REWARD_FUNCS as NAMED, cosine_reward, reasoning_steps_reward,
                                         repetition_reward, soft_overlong_reward, tag_count_reward, think_format_reward)
-from lib.rewards import REWARD_FUNCS, accuracy_reward, answers_match, extract_answer, format_reward, length_reward
-from lib.reward_funcs import RewardState, resolve_reward_funcs, reward_arguments, score_completions
+from lib.rewards.functions import REWARD_FUNCS, accuracy_reward, answers_match, extract_answer, format_reward, length_reward
+from lib.rewards.scoring import RewardState, resolve_reward_funcs, reward_arguments, score_completions
 
 EMMA = "Emma has 18 cards, so Emma has 18 + 34 = 52 cards.\nAnswer: 52."
 THINK = "<think>\nEmma has 18 + 24 = 42 cards.\n</think>\n<answer>\n42\n</answer>"
@@ -390,7 +390,7 @@ def test_resolve_rejects_duplicate_names():
 
 
 def test_open_r1_rewards_resolve_only_where_the_entry_scripts_hand_them_over():
-    """The core knows the presets' rewards; open-r1's others are lib/extras/open_r1_rewards.py, which the entry scripts
+    """The core knows the presets' rewards; open-r1's others are lib/rewards/open_r1.py, which the entry scripts
     pass as `named_rewards`: without it "cosine" is an unknown name, and every message lists the names it was given."""
     assert list(REWARD_FUNCS) == ["accuracy", "format", "length"]
     assert list(NAMED) == [*REWARD_FUNCS, "think_format", "cosine", "repetition", "soft_overlong", "tag_count",
@@ -427,9 +427,9 @@ def test_resolve_binds_options_to_keyword_only_parameters(tmp_path, monkeypatch)
 
 
 def test_the_configurations_options_reach_the_functions_as_the_trainer_hands_them_over():
-    # train_agrpo.setup passes lib/extras/open_r1_rewards.reward_options(cfg) to lib/setup.resolve_rewards
+    # train_agrpo.setup passes lib/rewards/open_r1.reward_options(cfg) to lib/setup.resolve_rewards
     from lib.config import parse_config
-    from lib.extras.open_r1_rewards import reward_options
+    from lib.rewards.open_r1 import reward_options
     from lib.setup import resolve_rewards
 
     cfg = parse_config(["--reward_funcs", "cosine", "soft_overlong", "--cosine_max_len", "20",
@@ -537,7 +537,7 @@ def test_every_builtin_scores_a_conversational_completion_as_its_text():
 
 
 def test_reward_arguments_pass_prompts_and_completions_in_the_records_form():
-    # lib/data.py's three forms: a conversation under `prompt`, a text `prompt` (TRL's standard form), `problem`
+    # lib/data/records.py's three forms: a conversation under `prompt`, a text `prompt` (TRL's standard form), `problem`
     chat = {"prompt": [{"role": "user", "content": "2+2?"}], "problem": "2+2?", "solution": "\\boxed{4}",
             "answer": "4"}
     text = {"prompt": "Q: 5+5?\nA:", "answer": "10"}
@@ -551,9 +551,9 @@ def test_reward_arguments_pass_prompts_and_completions_in_the_records_form():
     prompts, completions, columns = reward_arguments([math], ["<rendered>3+3?"], ["6"])
     assert prompts == ["<rendered>3+3?"] and completions == ["6"]
     assert columns == {"answer": ["6"], "operation": ["+"]}  # not `problem`: it reaches the function as the prompt
-    # a reward model (lib/extras/reward_models.py) reads each prompt from its record, as the policy's was built:
+    # a reward model (lib/models/reward_models.py) reads each prompt from its record, as the policy's was built:
     # the system prompt first, the text as it is, the problem and the instruction as messages
-    from lib.extras.reward_models import RewardModel
+    from lib.models.reward_models import RewardModel
 
     model = RewardModel(torch.nn.Linear(1, 1), None, "rm", instruction="Answer briefly.", system_prompt="Be brief.")
     assert model.prompts_of([chat, text, math]) == [
@@ -584,9 +584,9 @@ def test_functions_written_for_trl_and_open_r1_run_unchanged():
 
 
 def test_trl_names_map_to_ours_or_are_refused_with_what_to_use():
-    """TRL's reward names are lib/extras/trl_keys.py's: read as ours (or refused) with the configuration's keys."""
+    """TRL's reward names are lib/trl_keys.py's: read as ours (or refused) with the configuration's keys."""
     from lib.config import ConfigError, make_config
-    from lib.extras.trl_keys import resolve_keys, reward_name
+    from lib.trl_keys import resolve_keys, reward_name
 
     options = {"max_completion_length": 40, "overlong_buffer_length": 20}
     funcs = resolve_reward_funcs([reward_name(s) for s in ("accuracy_reward", "get_soft_overlong_punishment")], options,
@@ -604,12 +604,12 @@ def test_trl_names_map_to_ours_or_are_refused_with_what_to_use():
         make_config({"reward_funcs": "reasoning_accuracy_reward"}, keys=resolve_keys)
     assert make_config({"reward_funcs": ["accuracy_reward", "format"]}, keys=resolve_keys).reward_funcs == [
         "accuracy", "format"]
-    with pytest.raises(ValueError, match="'accuracy_reward': unknown name"):  # lib/reward_funcs.py alone: ours only
+    with pytest.raises(ValueError, match="'accuracy_reward': unknown name"):  # lib/rewards/scoring.py alone: ours only
         resolve_reward_funcs(["accuracy_reward"])
 
 
 def test_reward_model_specs_are_told_apart_from_functions_before_anything_loads(tmp_path, monkeypatch):
-    from lib.extras.reward_models import RewardModelSpec, reward_model_spec
+    from lib.models.reward_models import RewardModelSpec, reward_model_spec
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_rm").mkdir()
@@ -643,7 +643,7 @@ def test_async_functions_run_concurrently_in_this_process():
 
 
 def test_async_functions_run_concurrently_in_the_reward_worker_and_get_the_run_state():
-    from lib.extras.reward_worker import RewardWorker
+    from lib.rewards.worker import RewardWorker
 
     specs = [f"{TRL_STYLE}:slow_length", f"{TRL_STYLE}:slow_words", f"{TRL_STYLE}:progress"]
     worker = RewardWorker(specs, {}, timeout=5)
@@ -662,7 +662,7 @@ def test_async_functions_run_concurrently_in_the_reward_worker_and_get_the_run_s
 
 
 def test_the_time_limit_cancels_an_async_call_and_kills_a_worker_whose_loop_is_blocked():
-    from lib.extras.reward_worker import RewardCallFailed, RewardWorker
+    from lib.rewards.worker import RewardCallFailed, RewardWorker
 
     specs = [f"{TRL_STYLE}:waits_forever", "format", f"{TRL_STYLE}:blocks_the_loop"]
     worker = RewardWorker(specs, {}, timeout=1)

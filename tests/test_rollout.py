@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from conftest import assert_close_to_scale, rel_diff, rollout_logps
-from lib.data import format_prompt, tokenize_prompts
-from lib.extras.sampling_copy import make_copy
-from lib.extras.word_problems import builtin_task
-from lib.modeling import load_policy
-from lib.rollout import AnswerPhase, HFRollout, Rollout, replace_completions, sample_next_token
+from lib.data.records import format_prompt, tokenize_prompts
+from lib.sampling.policy_copy import make_copy
+from lib.data.word_problems import builtin_task
+from lib.models.modeling import load_policy
+from lib.sampling.rollout import AnswerPhase, HFRollout, Rollout, replace_completions, sample_next_token
 
 PROBLEMS = ["Mia has 4 apples. Mia gets 3 more apples. How many apples does Mia have now?",
             "What is 12 + 7?"]
@@ -147,8 +147,8 @@ def test_policy_weights_of_a_lora_policy_equal_peft_merge(tiny_model):
     peft's merge_and_unload computes, the tied lm_head left out, the policy itself unchanged."""
     from peft import LoraConfig, get_peft_model
 
-    from lib.modeling import load_policy
-    from lib.extras.vllm_rollout import policy_weights
+    from lib.models.modeling import load_policy
+    from lib.sampling.vllm_rollout import policy_weights
 
     lora = get_peft_model(load_policy(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     with torch.no_grad():
@@ -205,12 +205,12 @@ def test_the_sampler_is_the_policy_after_every_sync(tied, bf16):
     """After each of three updates of every weight, each followed by sync_weights, the sampler's log-probs of fixed
     completions equal the policy's within the sampler's precision, and equal bitwise those of a sampler built anew
     from the updated policy. The bf16 copy is the default on a CPU with bf16, its linear layers prepacked for oneDNN
-    where this CPU has the kernel (lib/extras/cpu_kernels.can_prepack; then the output layer too, tied or not); the
+    where this CPU has the kernel (lib/sampling/cpu_kernels.can_prepack; then the output layer too, tied or not); the
     fp32 copy is what a sharded policy samples from. A layer the sync leaves stale is 3e-2 to 7e-2 of the log-probs'
     scale off (measured: the prepacked tied head, before it was packed again at each sync)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lib.extras.cpu_kernels import PackedLinear, can_prepack, sampling_copy
+    from lib.sampling.cpu_kernels import PackedLinear, can_prepack, sampling_copy
 
     config = LlamaConfig(vocab_size=2000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
@@ -243,12 +243,12 @@ VLLM_ENGINES = r"""
 import json, os, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from lib.data import format_prompt, tokenize_prompts
-from lib.extras.word_problems import builtin_task
-from lib.extras.embedded_model import embedded_model_path
-from lib.modeling import load_tokenizer
-from lib.rollout import AnswerPhase
-from lib.extras.vllm_rollout import VLLMRollout
+from lib.data.records import format_prompt, tokenize_prompts
+from lib.data.word_problems import builtin_task
+from lib.models.embedded import embedded_model_path
+from lib.models.modeling import load_tokenizer
+from lib.sampling.rollout import AnswerPhase
+from lib.sampling.vllm_rollout import VLLMRollout
 
 
 def answer_phase(path, tokenizer, ids, mask):
@@ -331,9 +331,9 @@ def test_vllm_answer_phase_switches_each_sequence_after_the_marker(vllm_engines,
 def test_a_cpu_engines_kv_cache_is_what_its_largest_call_needs_within_half_the_free_memory():
     from transformers import AutoConfig
 
-    from lib.extras.memory import kv_bytes_per_token
-    from lib.extras.embedded_model import embedded_model_path
-    from lib.extras.vllm_rollout import CPU_KV_CACHE_MIN, cpu_kv_cache_bytes
+    from lib.sharding.memory import kv_bytes_per_token
+    from lib.models.embedded import embedded_model_path
+    from lib.sampling.vllm_rollout import CPU_KV_CACHE_MIN, cpu_kv_cache_bytes
 
     # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, a key and a value, 2 bytes each in bf16
     config = AutoConfig.from_pretrained(embedded_model_path())
@@ -359,7 +359,7 @@ def test_vllm_on_a_cpu_gets_the_kv_cache_it_was_sized_and_samples_a_full_batch_w
 def _tiny(kind: str) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from lib.modeling import FAST_ATTENTION
+    from lib.models.modeling import FAST_ATTENTION
     torch.manual_seed(0)
     shape = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512, attn_implementation=FAST_ATTENTION)
@@ -372,13 +372,13 @@ def _tiny(kind: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_the_written_out_decode_step_gives_the_models_own_logits_bit_for_bit(kind):
-    """lib/extras/decode.LlamaStep against the model's forward over transformers' cache (ModelStep), on the sampler's bf16
+    """lib/sampling/decode.LlamaStep against the model's forward over transformers' cache (ModelStep), on the sampler's bf16
     copy (prepacked layers on a CPU with oneDNN's bf16 kernel): the same float32 logits at every step, through the
     buffers' growth (a block of 8 here) and a compaction of the rows; then a sampled run takes the same tokens
     either way, rows ending and leaving the batch included."""
-    from lib.extras.cpu_kernels import can_prepack, sampling_copy
-    from lib.extras.decode import GraphStep, LlamaStep, llama_family
-    from lib.rollout import ModelStep, prefill
+    from lib.sampling.cpu_kernels import can_prepack, sampling_copy
+    from lib.sampling.decode import GraphStep, LlamaStep, llama_family
+    from lib.sampling.rollout import ModelStep, prefill
 
     engine = HFRollout(_tiny(kind), [1], 0, bf16=True, seed=3, copy=sampling_copy)
     model = engine.model
@@ -417,7 +417,7 @@ def test_the_written_out_decode_step_gives_the_models_own_logits_bit_for_bit(kin
 
 
 def _prepackable() -> bool:
-    from lib.extras.cpu_kernels import can_prepack
+    from lib.sampling.cpu_kernels import can_prepack
 
     return can_prepack()
 
@@ -429,14 +429,14 @@ NO_PREPACK = "this CPU has no oneDNN bf16 kernel for prepacked weights"
 @pytest.mark.ci_may_skip(NO_PREPACK)
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_stacked_products_are_the_layers_own_bit_for_bit_and_a_partial_sync_refreshes_them(kind):
-    """lib/extras/cpu_kernels.PackedGroup (each layer's q, k, v and its gate, up as one prepacked product) against
+    """lib/sampling/cpu_kernels.PackedGroup (each layer's q, k, v and its gate, up as one prepacked product) against
     the same copy with every layer packed on its own: the same logits bit for bit from the model's forward (the
     prefill, 1 to 40 rows) and from LlamaStep, so the same tokens sampled; then after a sync that reaches only the q
     and v layers (LoRA on those), both copies again agree bit for bit, k read back from the stacked pack."""
-    from lib.extras.cpu_kernels import PackedGroup, PackedPart, prepack_linears, sampling_copy
-    from lib.extras.decode import LlamaStep
-    from lib.extras.sampling_copy import _load_linear
-    from lib.rollout import prefill
+    from lib.sampling.cpu_kernels import PackedGroup, PackedPart, prepack_linears, sampling_copy
+    from lib.sampling.decode import LlamaStep
+    from lib.sampling.policy_copy import _load_linear
+    from lib.sampling.rollout import prefill
 
     def one_by_one(copy):
         prepack_linears(copy)

@@ -1,4 +1,4 @@
-"""The run view: lib/extras/runs.py and the Run tab's functions on real run files (docs/results/presets_embedded, the
+"""The run view: lib/apps/runs.py and the Run tab's functions on real run files (docs/results/presets_embedded, the
 runs in tests/fixtures/, see tests/fixtures/README.md), then the page in headless Chromium while a real run's lines
 are appended to its files (slow)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, start_page, wait_for_page
-from lib.extras import runs
+from lib.apps import runs
 
 PRESETS = REPO / "docs" / "results" / "presets_embedded"
 EMBEDDED_RUN = REPO / "tests" / "fixtures" / "embedded_run"  # 6 steps of the default run: completions included
@@ -106,7 +106,7 @@ def test_curves_align_by_generated_tokens():
 
 
 def test_completions_browser_rows_filters_and_nearest_checkpoint(tmp_path):
-    from lib.extras.page import split_reasoning
+    from lib.apps.page import split_reasoning
 
     run_dir = tmp_path / "run"
     shutil.copytree(EMBEDDED_RUN, run_dir)
@@ -140,7 +140,7 @@ def test_completions_browser_rows_filters_and_nearest_checkpoint(tmp_path):
 
 
 def test_the_run_tab_refuses_folders_outside_its_roots_and_expands_a_folder_of_runs(tmp_path):
-    from lib.extras.page import selected_runs, warnings_markdown
+    from lib.apps.page import selected_runs, warnings_markdown
 
     roots = [PRESETS.resolve()]
     folders, messages = selected_runs([str(PRESETS / "seed43"), str(tmp_path)], roots)

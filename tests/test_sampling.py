@@ -6,8 +6,8 @@ import torch
 
 from conftest import assert_close_to_scale
 from lib.config import ConfigError, make_config
-from lib.modeling import load_policy
-from lib.rollout import HFRollout, penalize_repetitions, sample_next_token, sampling_probs
+from lib.models.modeling import load_policy
+from lib.sampling.rollout import HFRollout, penalize_repetitions, sample_next_token, sampling_probs
 
 PROBS = torch.tensor([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04]])
 
@@ -99,7 +99,7 @@ import json, sys, time
 t0 = time.time()
 import torch
 sys.path.insert(0, sys.argv[1])
-from lib.extras.vllm_rollout import VLLMRollout
+from lib.sampling.vllm_rollout import VLLMRollout
 
 if __name__ == "__main__":
     t1 = time.time()
@@ -131,7 +131,7 @@ def test_vllm_samples_the_models_own_processed_distribution(tmp_path, tokenizer)
     from transformers import GraniteConfig, GraniteForCausalLM
 
     from conftest import REPO
-    from lib.modeling import CompletionScorer
+    from lib.models.modeling import CompletionScorer
 
     torch.manual_seed(0)  # head_dim 32: the smallest vLLM's CPU attention takes
     config = GraniteConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

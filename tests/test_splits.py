@@ -10,7 +10,7 @@ from conftest import NO_FULL_DATA, REPO
 sys.path.insert(0, str(REPO / "scripts"))
 import make_splits  # noqa: E402  (a script, imported from its folder)
 
-from lib.data import load_records  # noqa: E402
+from lib.data.records import load_records  # noqa: E402
 
 
 def problems(path) -> list[str]:

@@ -1,4 +1,4 @@
-"""report_to as TRL takes it, and what each tracker receives (lib/extras/hub.py, docs/hub.md 4), offline: TensorBoard's event
+"""report_to as TRL takes it, and what each tracker receives (lib/hub.py, docs/hub.md 4), offline: TensorBoard's event
 files, wandb's offline run folder (WANDB_MODE=offline, under the run directory) and trackio's local store
 (TRACKIO_DIR), each read back after a run of the trainer on the tiny random model of tests/conftest.py."""
 
@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from conftest import REPO
-from lib.extras import hub
+from lib import hub
 from lib.config import ConfigError, make_config, parse_config
-from lib.extras.hub import check_settings, resolve_report_to
+from lib.hub import check_settings, resolve_report_to
 
 REWARDS = str(REPO / "tests" / "tiny_rewards.py")
 TINY = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4",
@@ -42,7 +42,7 @@ def test_report_to_takes_a_name_or_a_list_as_trl_does(tmp_path):
     with pytest.raises(ValueError, match=r"^report_to: 'none' cannot be combined with other trackers"):
         resolve_report_to(["none", "wandb"], installed)
     # the configuration: a YAML list, a list of flags, TRL's `report_to: none`, resolved when a run starts
-    # (lib/extras/hub.check_settings, train_agrpo.setup's first step); config.yaml keeps the resolved list
+    # (lib/hub.check_settings, train_agrpo.setup's first step); config.yaml keeps the resolved list
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("report_to: [tensorboard]\nrun_name: first\n")
     cfg = parse_config(["--config", str(recipe)])

@@ -160,7 +160,7 @@ def test_bad_configuration_fails_before_loading_and_keeps_an_existing_run(tmp_pa
                                    "'learning_rate'?"),
         (["--dataset_name", "missing.jsonl"], "dataset_name: the path 'missing.jsonl' does not exist"),
         (["--reward_funcs", "no_such_module:f"], "no_such_module"),
-        # open-r1's rewards (lib/extras/open_r1_rewards.py, handed over by train_agrpo.setup), checked at start-up
+        # open-r1's rewards (lib/rewards/open_r1.py, handed over by train_agrpo.setup), checked at start-up
         (["--reward_funcs", "accuracy", "repetition", "--repetition_max_penalty", "0.5"],
          "reward function 'repetition': repetition: max_penalty is a penalty and must be <= 0, got 0.5"),
     ]:

@@ -1,4 +1,4 @@
-"""TRL's and open-r1's configuration keys (lib/extras/trl_keys.py): a recipe or command line
+"""TRL's and open-r1's configuration keys (lib/trl_keys.py): a recipe or command line
 written for TRL's GRPOConfig + ModelConfig + ScriptArguments, or an open-r1 recipe, parses here as it is; keys with
 TRL's name have TRL's meaning; keys that are not implemented are ignored with a line only where that cannot change
 what is trained, and refused otherwise."""
@@ -14,9 +14,10 @@ import yaml
 from safetensors.torch import load_file
 
 from lib import config
-from lib.extras import trl_differences, trl_keys
+from lib import trl_differences
+from lib import trl_keys
 from lib.config import FIELDS, ConfigError, build_parser, validate
-from lib.losses import kl_penalty, policy_ratio
+from lib.methods.losses import kl_penalty, policy_ratio
 from lib.schedule import resolve_epochs, steps_per_rollout, warmup_steps
 
 # as the trainer parses (train_agrpo.py passes TRL's and open-r1's keys to the configuration as `keys`)
@@ -292,14 +293,14 @@ def test_a_tiny_run_with_trls_keys_trains_the_weights_in_the_asked_dtype(tmp_pat
 
 @pytest.mark.skipif(not HAS_TRL, reason="TRL is not installed (pip install -r requirements-bench.txt)")
 def test_limited_keys_are_trls_keys_implemented_here():
-    """lib/extras/trl_differences.LIMITED (docs/configuration.md 10) names TRL keys that are fields here, with TRL's default."""
+    """lib/trl_differences.LIMITED (docs/configuration.md 10) names TRL keys that are fields here, with TRL's default."""
     fields = trl_fields()
     for key in trl_differences.LIMITED:
         assert key in FIELDS and key in fields and FIELDS[key].default == fields[key], key
 
 
 def test_only_the_fields_are_read_unless_the_trl_keys_are_passed():
-    """lib/config.py alone reads our fields; the entry scripts pass lib/extras/trl_keys.resolve_keys as `keys`."""
+    """lib/config.py alone reads our fields; the entry scripts pass lib/trl_keys.resolve_keys as `keys`."""
     with pytest.raises(ConfigError, match=r"unknown configuration key 'torch_dtype' \(the configuration\)\. Did you "
                                           r"mean 'dtype'\?"):
         config.make_config({"torch_dtype": "float32"})

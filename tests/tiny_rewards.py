@@ -19,7 +19,7 @@ def one(prompts, completions, **columns):
     return [1.0 for _ in completions]
 
 
-# ---- faults (tests/test_faults.py). These run in the trainer's reward worker (lib/extras/reward_worker.py), a fresh process
+# ---- faults (tests/test_faults.py). These run in the trainer's reward worker (lib/rewards/worker.py), a fresh process
 # per run, so a module-level counter counts the calls of one run.
 _calls = {"bad_after_two": 0}
 

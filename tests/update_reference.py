@@ -107,7 +107,7 @@ class ReplaySampler:
                                      roll["temperatures"][i], None if logps is None else logps[i]) for i in rows]
 
     def generate(self, prompt_ids, prompt_mask, num_generations, max_new_tokens, **_):
-        from lib.rollout import Rollout
+        from lib.sampling.rollout import Rollout
 
         counts = num_generations.tolist() if isinstance(num_generations, torch.Tensor) else \
             [num_generations] * prompt_ids.shape[0]
@@ -149,7 +149,7 @@ def replaying(records: list[dict]):
     """While inside, train_agrpo samples with a ReplaySampler of `records`, in place of the sampler it makes or of its
     colocated vLLM engine (use_vllm: no engine is started)."""
     import train_agrpo
-    from lib.extras import vllm_rollout
+    from lib.sampling import vllm_rollout
 
     make_engine, colocated_rollout = train_agrpo.make_engine, vllm_rollout.colocated_rollout
     train_agrpo.make_engine = lambda *args, **kwargs: ReplaySampler(records)

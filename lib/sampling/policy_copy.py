@@ -1,0 +1,176 @@
+"""The HF sampler's plain copy of the policy's weights, where sampling from one is faster than from the policy itself
+(docs/performance.md 2.1), refreshed after each optimizer step: a bf16 copy of a fully trained fp32 policy with
+`bf16`; a LoRA policy's base with the adapter merged, W + (alpha/r) B A, a 4-bit base dequantised, in bf16 with `bf16`,
+else the compute dtype (`merge_adapter=False`: no copy, the policy itself under bf16 autocast); a full copy of a policy
+that will be sharded (`own_copy`). Also the merged weights the vLLM engines are sent (lib/sampling/vllm_rollout.py).
+
+`make_copy` is lib.sampling.rollout.HFRollout's `copy` hook; lib/sampling/cpu_kernels.sampling_copy, the one the entry scripts
+give it, adds the CPU kernels (`prepack`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import torch
+
+from lib.distributed import full_tensor
+from lib.models.modeling import unwrap_causal_lm
+
+
+def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of each parameter, gathered one at a time, in the module's order."""
+    for name, param in model.named_parameters():
+        yield name, full_tensor(param).detach()
+
+
+def is_lora_layer(module: torch.nn.Module) -> bool:
+    return hasattr(module, "lora_A") and hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
+
+
+def _tied_output_layer(lm: torch.nn.Module) -> bool:
+    """Whether a causal LM's output layer and input embeddings share one weight (tie_word_embeddings)."""
+    head, embed = lm.get_output_embeddings(), lm.get_input_embeddings()
+    return head is not None and embed is not None and getattr(head, "weight", None) is embed.weight
+
+
+def _compute_dtype(lm: torch.nn.Module) -> torch.dtype:
+    """The dtype the policy computes in: a 4-bit base's compute dtype, else its floating weights' dtype."""
+    for module in lm.modules():
+        if hasattr(module, "compute_dtype") and module.compute_dtype is not None:
+            return module.compute_dtype
+    return next(p.dtype for p in lm.parameters() if p.is_floating_point())
+
+
+def dense_weight(linear: torch.nn.Module) -> torch.Tensor:
+    """A linear layer's weight as a dense tensor: bitsandbytes' 4-bit weights dequantised (NF4 / FP4)."""
+    weight = linear.weight
+    state = getattr(weight, "quant_state", None)
+    if state is not None:
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(weight.data, state)
+    return weight
+
+
+def merged_linear(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of a layer as the plain model computes it: for a LoRA layer with its active adapters, W + sum_a
+    scale_a B_a A_a (PEFT's get_delta_weight; Hu et al. 2021, eq. 3); a 4-bit base dequantised."""
+    if not is_lora_layer(module):
+        return dense_weight(module), getattr(module, "bias", None)
+    base = module.base_layer
+    weight = dense_weight(base)
+    adapters = [a for a in module.active_adapters if a in module.lora_A]
+    if adapters and not getattr(module, "disable_adapters", False):
+        weight = weight.float() + sum(module.get_delta_weight(a).float() for a in adapters)
+    return weight, base.bias
+
+
+def _load_linear(target: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if not isinstance(target, torch.nn.Linear):  # a prepacked layer (`prepack`)
+        target.load(weight, bias)
+        return
+    target.weight.copy_(weight)
+    if bias is not None:
+        target.bias.copy_(bias)
+
+
+@torch.no_grad()
+def merged_copy(lm: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.nn.Module, list[str]]:
+    """A plain causal LM with `lm`'s weights as it computes them (adapters merged, 4-bit weights dequantised), in
+    `dtype`, for sampling; and the names of its layers that come from LoRA layers (the ones a sync recomputes)."""
+    from transformers.initialization import no_init_weights
+
+    config = copy.deepcopy(lm.config)
+    config.__dict__.pop("quantization_config", None)
+    device = next(lm.parameters()).device
+    with no_init_weights(), torch.device(device):  # every weight is overwritten below: no random init
+        # the policy's own class (also one from a hub model's code, loaded with trust_remote_code)
+        plain = type(lm)._from_config(config, dtype=dtype)
+    plain.eval().requires_grad_(False)
+    adapted = []
+    for name, module in plain.named_modules():
+        if not name:
+            continue
+        source = lm.get_submodule(name)
+        if isinstance(module, torch.nn.Linear):
+            weight, bias = merged_linear(source)
+            _load_linear(module, weight, bias)
+            if is_lora_layer(source):
+                adapted.append(name)
+        else:  # embeddings, norms: their own parameters and persistent buffers, as they are
+            for key, tensor in module.named_parameters(recurse=False):
+                tensor.copy_(getattr(source, key))
+            for key, tensor in module.named_buffers(recurse=False):
+                if key in module._buffers and key not in module._non_persistent_buffers_set:
+                    tensor.copy_(getattr(source, key))
+    plain.tie_weights()
+    return plain, adapted
+
+
+class SamplingCopy:
+    """A plain copy of the policy to sample with (`model`), its decode step and its refresh (`sync`).
+
+    `prepack(model)` (lib/sampling/cpu_kernels.prepack_for_cpu) may replace the copy's linear layers by faster ones that
+    take their weights through `load(weight, bias)`, and returns the copy's decode step,
+    `decode_step(model, cache, attention, max_new_tokens)` with lib.sampling.rollout.ModelStep's interface
+    (lib/sampling/decode.LlamaStep: the same logits, less per-step overhead), or None: the model's own forward.
+    """
+
+    def __init__(self, model: torch.nn.Module, adapted: list[str], prepack=None):
+        self.model = model
+        self.adapted = adapted  # the copy's modules whose weights a sync recomputes (LoRA layers)
+        # a tied output layer is the input embeddings' parameter, which a policy lists once, under the embeddings'
+        # name: a prepacked copy of it must be packed again from the embeddings after each sync
+        self.tied_head = _tied_output_layer(model)
+        self.decode_step = prepack(model) if prepack is not None else None
+
+    @torch.no_grad()
+    def sync(self, policy: torch.nn.Module) -> None:
+        """Copy the policy's current weights into the copy: every weight of a fully trained policy; the adapted layers
+        only of a LoRA policy (W + (alpha/r) B A)."""
+        if self.adapted:
+            lm = unwrap_causal_lm(policy)
+            for name in self.adapted:
+                weight, bias = merged_linear(lm.get_submodule(name))
+                _load_linear(self.model.get_submodule(name), weight, bias)
+            return
+        # one parameter at a time (a sharded policy's is gathered here: `full_parameters`); a
+        # prepacked layer is loaded once its weight and bias have both come
+        targets = dict(self.model.named_parameters())
+        pending: dict[str, dict] = {}
+        for name, tensor in full_parameters(policy):
+            if name in targets:
+                targets[name].copy_(tensor)
+                continue
+            owner, _, key = name.rpartition(".")
+            module = self.model.get_submodule(owner)
+            if isinstance(module, torch.nn.Linear) or not hasattr(module, "load"):
+                raise KeyError(f"the sampling copy has no parameter {name}")
+            parts = pending.setdefault(owner, {})
+            parts[key] = tensor
+            if "weight" in parts and ("bias" in parts or module.bias is None):
+                module.load(parts["weight"], parts.get("bias"))
+                del pending[owner]
+        head = self.model.get_output_embeddings()
+        if self.tied_head and hasattr(head, "load"):  # prepacked: bitwise what packing the new weights anew gives
+            head.load(self.model.get_input_embeddings().weight, head.bias)
+
+
+def make_copy(policy: torch.nn.Module, bf16: bool, own_copy: bool = False, merge_adapter: bool = True,
+              prepack=None) -> SamplingCopy | None:
+    """HFRollout's `copy` hook: the copy to sample with (see the module docstring), or None where the policy itself
+    is sampled from."""
+    lm = unwrap_causal_lm(policy)
+    adapter = any(is_lora_layer(m) for m in lm.modules())
+    quantized = getattr(lm, "is_quantized", False) or getattr(policy, "is_quantized", False)
+    if adapter and merge_adapter:
+        return SamplingCopy(*merged_copy(lm, torch.bfloat16 if bf16 else _compute_dtype(lm)), prepack)
+    if bf16 and not adapter and not quantized and next(policy.parameters()).dtype != torch.bfloat16:
+        # built in bf16 and filled a layer at a time: a deepcopy cast afterwards would hold a second full fp32
+        # copy on the device for a moment (28 GB at 7B)
+        return SamplingCopy(merged_copy(lm, torch.bfloat16)[0], [], prepack)
+    if own_copy and not adapter and not quantized:  # a policy that will be sharded: sample from a full copy
+        return SamplingCopy(merged_copy(lm, next(policy.parameters()).dtype)[0], [], prepack)
+    return None
