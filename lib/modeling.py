@@ -99,8 +99,8 @@ def load_policy(
 ) -> torch.nn.Module:
     """The trainable policy: full model, or a base with a fresh LoRA adapter (optionally on a 4-bit base).
 
-    With `load_in_4bit` the base is quantised to NF4 by bitsandbytes (QLoRA, Dettmers et al. 2023) and prepared for
-    k-bit training; LoRA is then required (a 4-bit base cannot be trained directly). A PEFT adapter folder (`final/` of
+    With `load_in_4bit` the base is quantised to NF4 by bitsandbytes (QLoRA, Dettmers et al. 2023) and frozen, its
+    other weights (embeddings, norms, head) kept in `dtype`; LoRA is then required (a 4-bit base cannot be trained directly). A PEFT adapter folder (`final/` of
     a LoRA run) is loaded on its base and stays trainable; resolve(name), where given, turns the base's name into a
     folder or hub id (lib/extras/embedded_model.resolve_model_path). The loaded model must pass `check_scoring_path`
     (ConfigError otherwise); code shipped with a hub model runs only with `trust_remote_code`.
@@ -128,10 +128,11 @@ def load_policy(
         model_path = resolve(model_path) if resolve else model_path
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     if load_in_4bit:
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
-                                                gradient_checkpointing_kwargs=checkpointing_kwargs)
+        # What peft's prepare_model_for_kbit_training does that training needs: the base frozen (the adapter is all
+        # that trains), and below, input grads under gradient checkpointing. Not its upcast of the embeddings, head
+        # and norms to fp32: 2.2 GB more weights at 7B and an fp32 residual stream (twice the kept activations);
+        # they stay in the load dtype, as in TRL's GRPO path (docs/performance.md 3.3)
+        model.requires_grad_(False)
         # bitsandbytes 0.50 repacks a 4-bit weight for its AVX512-BF16 CPU kernel at the first eval-mode forward
         # without grad (our sampling), and that kernel has no backward: every later training forward would drop
         # the gradient through the base layers. Keep the differentiable path.
@@ -141,7 +142,7 @@ def load_policy(
     else:
         model = model.to(device)
     check_scoring_path(model)  # after the 4-bit kernel choice above: its first no-grad forward would repack
-    if gradient_checkpointing and not load_in_4bit:
+    if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
     if gradient_checkpointing and (use_peft or adapter_path):
         # with frozen embeddings the checkpointed blocks would see inputs without grad and drop the LoRA grads

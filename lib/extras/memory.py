@@ -26,8 +26,8 @@ reference, the sampler and vLLM's reservation are measured, not estimated):
                                          bytes), else the shared inputs; with dropout its mask too, in the adapter's
                                          dtype on a CPU (torch's CPU dropout multiplies by a float mask) and one
                                          byte on CUDA (native_dropout's bool mask)
-                  where s is the residual stream's bytes (the embedding's dtype; 4 for a 4-bit model, whose other
-                  weights prepare_model_for_kbit_training keeps in fp32, whatever its compute dtype), c = 2 under bf16
+                  where s is the residual stream's bytes (the embedding's dtype; a 4-bit model's other weights stay
+                  in the load dtype, lib/modeling.load_policy), c = 2 under bf16
                   autocast else s, and o = s for a 4-bit model (a bitsandbytes layer returns its input's dtype, the
                   fp32 stream), c otherwise. The block being run also holds about 3 i x o of temporaries (the MLP's
                   product and its gradients: 2.3 i x 4 measured at 1.5B). Under autocast an fp32 weight's bf16 copy is
@@ -162,9 +162,8 @@ def activation_bytes(model: torch.nn.Module, *, bf16: bool, load_in_4bit: bool |
     quantized = any(_is_4bit(m) for m in base.modules()) if load_in_4bit is None else load_in_4bit
     if device_type is None:
         device_type = next(model.parameters()).device.type
-    # the residual stream's dtype: the embedding's; prepare_model_for_kbit_training keeps a 4-bit model's other
-    # weights (embeddings, norms) in fp32
-    s = 4 if quantized else base.get_input_embeddings().weight.element_size()
+    # the residual stream's dtype: the embedding's (a 4-bit model's too: its other weights stay in the load dtype)
+    s = base.get_input_embeddings().weight.element_size()
     cast = bf16 and s > 2  # autocast makes bf16 copies of the fp32 tensors a product reads
     c = 2 if bf16 else s  # SDPA and plain linear layers compute (and return) in this
     o = s if quantized else c  # a bitsandbytes 4-bit layer returns its input's dtype: the fp32 stream
@@ -224,13 +223,12 @@ def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, t
     # without the chunk recomputation) the peak is 4.0 to 4.6 buffers in the forward and 3.6 to 4.0 in backward, and
     # tests/test_memory.py measures 3.99; three (logits, softmax, gradient) missed the entropy's temporaries. Rows
     # count the prompt tokens too, although logits are formed at completion positions only: an over-count while a
-    # micro-batch is under one chunk. Under bf16 autocast an fp32 output layer (a 4-bit model's, whose embedding
-    # prepare_model_for_kbit_training keeps in fp32, and tied) is copied to bf16 for each chunk's product: 0.43 GB at
-    # Qwen2.5-1.5B's 151,936 x 1,536, measured with the chunk (scripts/bench_memory.py, docs/performance.md 3.5).
+    # micro-batch is under one chunk. Under bf16 autocast an fp32 output layer (fp32 master weights) is copied to
+    # bf16 for each chunk's product: 0.43 GB at Qwen2.5-1.5B's 151,936 x 1,536, measured with the chunk
+    # (scripts/bench_memory.py, docs/performance.md 3.5).
     logits = 4 * rows * vocab * 4
     head = base.get_output_embeddings()
-    head_bytes = 4 if (load_in_4bit or any(_is_4bit(m) for m in base.modules())) else \
-        (head.weight.element_size() if head is not None else 2)
+    head_bytes = head.weight.element_size() if head is not None else 2
     if bf16 and head_bytes > 2 and head is not None:
         logits += head.weight.numel() * 2
     kv_cache = 0 if vllm else kv_bytes_per_token(config, 2 if bf16 else 4) * sampling_tokens
@@ -403,8 +401,8 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
         elif cfg.load_in_4bit and name.rsplit(".", 1)[0].replace("base_model.model.", "").replace(
                 ".base_layer", "") in names:
             weights += quantized_bytes(p.numel(), cfg.use_bnb_nested_quant)
-        else:  # prepare_model_for_kbit_training keeps a 4-bit model's other weights in fp32
-            weights += p.numel() * (4 if cfg.load_in_4bit else size)
+        else:  # a 4-bit model's other weights stay in the load dtype (lib/modeling.load_policy)
+            weights += p.numel() * size
     parts = {"policy weights": int(weights)}
     if cfg.beta > 0 and not lora:  # bf16 on a bf16 GPU unless dtype says otherwise (lib/modeling.reference_dtype)
         reference = reference_dtype(cfg.dtype, dtype, device="cuda", bf16=bf16)
