@@ -513,6 +513,44 @@ def native_bf16(device: torch.device | str, capability: tuple[int, int] | None =
     return False
 
 
+# compute capabilities of the cards an estimate can be made for (estimate_gpu), from NVIDIA's CUDA GPUs table
+GPU_CAPABILITIES = {"v100": (7, 0), "t4": (7, 5), "a100": (8, 0), "a10": (8, 6), "rtx3090": (8, 6), "l4": (8, 9),
+                    "rtx4090": (8, 9), "h100": (9, 0), "h200": (9, 0)}
+
+
+def card_capability(name: str) -> tuple[int, int]:
+    """(major, minor) for a card's name (GPU_CAPABILITIES, any case) or a capability written "7.5". ValueError
+    naming the choices otherwise."""
+    key = name.strip().lower().replace(" ", "").replace("-", "")
+    if key in GPU_CAPABILITIES:
+        return GPU_CAPABILITIES[key]
+    try:
+        major, minor = (int(x) for x in key.split("."))
+        return major, minor
+    except ValueError:
+        raise ValueError(f"{name!r} is neither a card ({', '.join(GPU_CAPABILITIES)}) nor a compute capability such "
+                         f"as 7.5") from None
+
+
+def training_precision(device: torch.device | str, capability: tuple[int, int] | None = None, *,
+                       bf16: bool | None = None, fp16: bool | None = None) -> str:
+    """The training pass's precision: "bf16" (bf16 autocast), "fp16" (fp16 autocast with loss scaling) or "fp32",
+    always over fp32 master weights; `bf16` / `fp16` as given by the configuration win (None: chosen here).
+    Unset: bf16 where it runs natively (`native_bf16`: compute capability 8.0 on, CPUs with AVX512-BF16 / AMX); on a
+    CUDA card below 8.0 (T4 7.5, V100 7.0), where bf16 is emulated and vLLM refuses it, fp16, whose 5-bit exponent
+    needs the loss scaled so that small gradients do not flush to zero (Micikevicius et al. 2018, "Mixed precision
+    training", section 3.2); a CPU without bf16: fp32 (docs/performance.md 3.3)."""
+    if bf16 and fp16:
+        raise ValueError("bf16 and fp16 are both true: choose one (or leave both unset to choose from the card)")
+    if bf16 or fp16:
+        return "bf16" if bf16 else "fp16"
+    native = native_bf16(device, capability)
+    if bf16 is None and native:
+        return "bf16"
+    cuda = torch.device(device).type == "cuda" and (capability is not None or torch.cuda.is_available())
+    return "fp16" if cuda and fp16 is None and not native else "fp32"
+
+
 def pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
     """Stack (b_i, T_i) blocks into (sum b_i, max T_i), zero-padded on the right."""
     width = max(p.shape[1] for p in parts)

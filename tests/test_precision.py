@@ -127,3 +127,46 @@ def test_a_4bit_base_keeps_its_other_weights_in_the_load_dtype_and_trains_as_the
         # bf16 norms and residual stream against fp32 ones: measured 0.1% (loss) and 1% (norm) apart over 30 layers
         assert abs(loss - loss_u) <= 0.01 * abs(loss_u)
         assert abs(norm - norm_u) <= 0.03 * norm_u
+
+
+@pytest.mark.parametrize("card,capability,precision", [
+    ("v100", (7, 0), "fp16"), ("t4", (7, 5), "fp16"), ("a100", (8, 0), "bf16"), ("a10", (8, 6), "bf16"),
+    ("h100", (9, 0), "bf16")])
+def test_the_precision_is_chosen_from_the_cards_compute_capability(card, capability, precision):
+    from lib.modeling import card_capability, training_precision
+
+    assert card_capability(card) == capability == card_capability(f"{capability[0]}.{capability[1]}")
+    assert training_precision("cuda", capability) == precision
+    # what the configuration says wins; bf16 false on a bf16 card is fp32, as before fp16 existed
+    assert training_precision("cuda", capability, bf16=True) == "bf16"
+    assert training_precision("cuda", capability, fp16=False, bf16=False) == "fp32"
+    assert training_precision("cuda", capability, bf16=False) == ("fp16" if precision == "fp16" else "fp32")
+    with pytest.raises(ValueError, match="choose one"):
+        training_precision("cuda", capability, bf16=True, fp16=True)
+    with pytest.raises(ValueError, match="t4"):
+        card_capability("a toaster")
+
+
+def test_a_cpu_trains_in_bf16_where_it_has_it_and_fp32_elsewhere():
+    from lib.modeling import native_bf16, training_precision
+
+    assert training_precision("cpu") == ("bf16" if native_bf16("cpu") else "fp32")  # never fp16 on a CPU
+    assert training_precision("cpu", fp16=True) == "fp16"  # asked for (Accelerate then runs it without autocast)
+
+
+def test_the_16gb_recipe_estimated_for_a_t4_fits_in_fp16(capsys):
+    from lib.config import parse_config
+    from lib.extras.memory import estimate_only
+
+    recipe = Path(__file__).resolve().parents[1] / "scripts/recipes/grpo_gsm8k_qlora_16gb.yaml"
+    out = {}
+    for card in ("t4", "a100"):
+        cfg = parse_config(["--config", str(recipe), "--estimate_memory_only", "--max_memory", "16", "--use_vllm",
+                            "false", "--estimate_gpu", card])
+        out[card] = estimate_only(cfg)
+        printed = capsys.readouterr().out
+        assert "fits in 16.0 GB" in printed
+        assert ("fp16 autocast with loss scaling" if card == "t4" else "bf16 autocast") in printed
+    assert (out["t4"]["precision"], out["a100"]["precision"]) == ("fp16", "bf16")
+    # fp32 weights outside the 4-bit layers and an fp32 sampler copy on the T4: more than on a bf16 card
+    assert out["t4"]["estimated_peak_bytes"] > out["a100"]["estimated_peak_bytes"]

@@ -62,7 +62,8 @@ from lib.config import ConfigError
 from lib.extras.hub_data import HUB_TIMEOUT_S
 from lib.extras.model_folders import adapter_base
 from lib.extras.embedded_model import resolve_model_path
-from lib.modeling import _lora_targets, is_adapter_folder, reference_dtype, weights_dtype
+from lib.modeling import (_lora_targets, card_capability, is_adapter_folder, reference_dtype, training_precision,
+                          weights_dtype)
 
 GB = 2**30
 CHUNK_ELEMENTS = 2**26  # lib/losses.token_logps_and_entropy's default
@@ -367,12 +368,16 @@ def quantized_bytes(numel: int, nested: bool) -> float:
     return numel / 2 + (blocks + blocks / 256 * 4 if nested else blocks * 4)
 
 
-def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dict[str, int], StepMemory]:
+def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True,
+                  fp16: bool = False) -> tuple[dict[str, int], StepMemory]:
     """(what is resident before a step, by part; the step's StepMemory) for a configuration on one GPU, from the
     model's configuration alone: the model is built on the meta device (shapes, no memory), with the run's LoRA
     adapter, and its bytes are counted as the trainer would hold them. `gpu_bytes`: the GPU's memory, for vLLM's
     reservation (its share of it, gpu_memory_utilization). With cfg.estimate_processes N > 1, per GPU of a
-    full fine-tuning sharded over N GPUs as cfg.estimate_sharding says (FSDP2, ZeRO-2, ZeRO-3: `sharded_parts`)."""
+    full fine-tuning sharded over N GPUs as cfg.estimate_sharding says (FSDP2, ZeRO-2, ZeRO-3: `sharded_parts`).
+    `bf16`: a card with bf16 (bf16 autocast, a LoRA base frozen in bf16); `fp16` (a card without, T4, V100): fp16
+    autocast over the fp32 weights the trainer keeps there, 2 bytes a computed value as under bf16
+    (lib/modeling.training_precision)."""
     from transformers import AutoModelForCausalLM
 
 
@@ -414,14 +419,15 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
         if gpu_bytes is None:
             raise ValueError("use_vllm reserves a share of the GPU's memory: give max_memory (the GPU's GB)")
         parts["vLLM engine (its share of the GPU)"] = int(cfg.vllm_gpu_memory_utilization * gpu_bytes)
-    elif lora or (bf16 and size == 4):  # the HF sampler's merged bf16 copy (lib/rollout.HFRollout)
-        parts["sampler's bf16 copy"] = total * 2
+    elif lora or (bf16 and size == 4):  # the HF sampler's merged copy (lib/rollout.HFRollout): bf16, else the
+        # compute dtype (fp32 on a card without bf16)
+        parts["sampler's bf16 copy" if bf16 else "sampler's fp32 copy"] = total * (2 if bf16 else 4)
     parts["CUDA context, workspaces, allocator slack (allowance)"] = GPU_OVERHEAD
     processes = getattr(cfg, "estimate_processes", 1)
     if processes > 1:
         parts = sharded_parts(parts, model, processes, bf16=bf16, mode=getattr(cfg, "estimate_sharding", "fsdp2"),
                               sampler=not server)
-    step = estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16,
+    step = estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16 or fp16,
                                 vllm=bool(cfg.use_vllm), gradient_checkpointing=cfg.gradient_checkpointing,
                                 load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda",
                                 activation_offloading=bool(cfg.activation_offloading), **step_token_counts(cfg))
@@ -529,16 +535,26 @@ def check_run(cfg, policy: torch.nn.Module, device: torch.device, bf16: bool) ->
             f"(in GB: {estimate.describe()})")
 
 
+PRECISION_WORDS = {"bf16": "bf16 autocast, fp32 master weights (a LoRA base frozen in bf16)",
+                   "fp16": "fp16 autocast with loss scaling, fp32 master weights (no bf16 below compute capability "
+                           "8.0; a vLLM engine samples in fp16)",
+                   "fp32": "fp32 (bf16 and fp16 off)"}
+
+
 def estimate_only(cfg) -> dict:
     """estimate_memory_only: the recipe's memory from the model's configuration alone (no
     weights, no accelerator), printed; {"estimated_peak_bytes": the step's estimated peak}."""
     budget = int(cfg.max_memory * GB) if cfg.max_memory else None
     try:
-        parts, step = recipe_memory(cfg, gpu_bytes=budget)
+        capability = card_capability(cfg.estimate_gpu) if cfg.estimate_gpu else (8, 0)
+        precision = training_precision("cuda", capability, bf16=cfg.bf16, fp16=cfg.fp16)
+        parts, step = recipe_memory(cfg, gpu_bytes=budget, bf16=precision == "bf16", fp16=precision == "fp16")
     except ValueError as error:
         raise ConfigError(f"estimate_memory_only: {error}") from None
+    card = cfg.estimate_gpu or "a card with bf16"
+    print(f"precision on {card} (compute capability {capability[0]}.{capability[1]}): {PRECISION_WORDS[precision]}")
     print(describe_recipe(parts, step, budget))
-    return {"estimated_peak_bytes": step.total}
+    return {"estimated_peak_bytes": step.total, "precision": precision}
 
 
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
