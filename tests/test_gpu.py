@@ -434,3 +434,23 @@ def test_a_4bit_policys_vllm_engine_holds_a_4bit_base_and_samples_the_policy(dev
         assert float(gap.mean()) < 0.05  # bf16 rounding of two kernels over the same NF4 weights
     finally:
         engine.close()
+
+
+def test_max_memory_caps_the_process_so_that_going_over_is_an_out_of_memory(device):
+    """lib/extras/memory.cap_process_memory: under a 2 GB cap an allocation past it raises torch's OutOfMemoryError
+    on a card with far more memory, one within it succeeds; the fraction is reset afterwards."""
+    from lib.extras.memory import GB, cap_process_memory
+
+    if device.type != "cuda":
+        pytest.skip("the cap is a CUDA allocator setting")
+    try:
+        fraction = cap_process_memory(device, 2.0)
+        total = torch.cuda.mem_get_info(device)[1]
+        report("max_memory_cap", fraction=fraction, allocator_gb=fraction * total / GB)
+        kept = torch.empty(GB // 2, dtype=torch.uint8, device=device)  # within the cap
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2 * GB, dtype=torch.uint8, device=device)
+        del kept
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()

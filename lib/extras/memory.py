@@ -274,6 +274,46 @@ def memory_budget(device: torch.device, max_memory_gb: float | None) -> tuple[in
     return resident_bytes(device) + available, "this process's memory plus the RAM available"
 
 
+def allocator_fraction(budget: int, total: int, outside: int) -> float:
+    """The share of a GPU's memory (`total` bytes) that torch's caching allocator may take so that the process stays
+    within `budget` bytes (max_memory) in all, given the bytes it holds outside the allocator (`outside`: the CUDA
+    context, cuBLAS handles, NCCL; what mem_get_info counts beyond memory_reserved): (budget - outside) / total.
+    ValueError where the budget does not cover what is already outside it or is above the GPU's memory."""
+    if budget > total:
+        raise ValueError(f"max_memory ({budget / GB:.1f} GB) is above this GPU's memory ({total / GB:.1f} GB)")
+    if budget <= outside:
+        raise ValueError(f"max_memory ({budget / GB:.1f} GB) does not cover the {outside / GB:.2f} GB this process "
+                         f"already holds outside PyTorch's allocator (the CUDA context)")
+    return (budget - outside) / total
+
+
+def cap_process_memory(device: torch.device, max_memory_gb: float | None) -> float | None:
+    """On a GPU with max_memory: cap this process's caching allocator (torch.cuda.set_per_process_memory_fraction) so
+    that the process, the CUDA context included, stays within max_memory: going over is then a real out-of-memory
+    (`out_of_memory_message`) and not only the estimate's warning, as on a card of that size. The context and a cuBLAS
+    handle are made first so that what lies outside the allocator is measured. Returns the fraction (None: no cap)."""
+    if max_memory_gb is None or device.type != "cuda":
+        return None
+    torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)  # the context and a cuBLAS handle
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    outside = max(0, total - free - torch.cuda.memory_reserved(device))
+    fraction = allocator_fraction(int(max_memory_gb * GB), total, outside)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def out_of_memory_message(max_memory_gb: float | None, error: BaseException) -> str:
+    """What a run that ran out of GPU memory stops with: under max_memory, the cap named and what to change."""
+    if max_memory_gb is None:
+        return f"out of GPU memory ({str(error)[:200]})"
+    return (f"out of memory under max_memory {max_memory_gb:g} GB (the process is capped there, as a card of that "
+            f"size would be): lower per_device_train_batch_size (raise gradient_accumulation_steps to keep the "
+            f"batch), max_completion_length or vllm_gpu_memory_utilization; set gradient_checkpointing, load_in_4bit "
+            f"or optim paged_adamw_8bit; or raise max_memory. `--estimate_memory_only --max_memory "
+            f"{max_memory_gb:g}` shows the parts (docs/performance.md 3.4). ({str(error)[:200]})")
+
+
 def fit_advice(estimate: StepMemory, *, use_peft: bool, gradient_checkpointing: bool, optim: str) -> str:
     """The settings to lower, biggest part first."""
     activations = estimate.training
