@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> dict:
         return memory.estimate_only(cfg)
     try:
         run, state = setup(cfg)
+    except torch.OutOfMemoryError as error:  # loading under max_memory's cap
+        AcceleratorState._reset_state(reset_partial_state=True)
+        raise MemoryError(memory.out_of_memory_message(cfg.max_memory, error)) from error
     except BaseException:
         # a run refused during set-up leaves no Accelerate state behind, so that the same process (a notebook, a
         # test) can start another run, with another precision too (Accelerate keeps one state per process)
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise
     try:
         return train(run, state)
+    except torch.OutOfMemoryError as error:  # under max_memory's cap: the setting to change, not a raw CUDA error
+        raise MemoryError(memory.out_of_memory_message(cfg.max_memory, error)) from error
     finally:
         close(run)
 
@@ -542,6 +547,10 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
 
     hub.check_settings(cfg)  # report_to resolved to the trackers the accelerator starts; hub_model_id
     accelerator, bf16, sharded, partitioned = start_accelerator(cfg, sharding)
+    try:  # max_memory on a GPU: a real cap, the CUDA context counted (lib/sharding/memory.py)
+        memory.cap_process_memory(accelerator.device, cfg.max_memory)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     rank, world = accelerator.process_index, accelerator.num_processes
     # push_to_hub: the hub reachable, a write token, the repository ready, before data and models
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None

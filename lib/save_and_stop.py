@@ -64,11 +64,14 @@ def step_optimizer(run: Run, loss: torch.Tensor, skip_update: bool, nonfinite: s
                 distributed.grad_norm(run.params, accelerator, run.sharding is not None))
         if not torch.isfinite(loss):
             nonfinite = nonfinite or f"the loss ({float(loss)})"
-        elif not torch.isfinite(grad_norm):
+        elif not torch.isfinite(grad_norm) and accelerator.scaler is None:
             nonfinite = nonfinite or f"the gradient norm ({float(grad_norm)})"
     if not skip_update and not nonfinite and not deepspeed:
+        # under fp16 loss scaling (Accelerate's GradScaler) a gradient that overflowed is the scaler's to handle: its
+        # step skips the update and lowers the scale (Micikevicius et al. 2018, section 3.2), and no step counts as
+        # non-finite for that
         run.optimizer.step()
-        moved = True
+        moved = not getattr(run.optimizer, "step_was_skipped", False)
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return grad_norm, nonfinite, moved

@@ -79,6 +79,9 @@ class ModelArguments:
     bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast for the forward passes (fp32 master "
                               "weights). Default: on where the hardware runs bf16 natively (CUDA, CPUs with "
                               "AVX512-BF16 or AMX), off elsewhere."})
+    fp16: bool | None = field(default=None, metadata={"help": "fp16 autocast with loss scaling for the training "
+                              "pass (fp32 master weights; TRL's fp16). Default: on for a CUDA card without bf16 "
+                              "(compute capability below 8.0: T4, V100), off elsewhere (docs/performance.md 3.3)."})
     tf32: bool | None = field(default=None, metadata={"help": "TF32 for float32 matrix products on NVIDIA GPUs "
                               "(Ampere on): about 8x the fp32 rate, at 10-bit mantissa precision (TRL's tf32). Unset: "
                               "PyTorch's default (off for products). Matters only for fp32 runs (bf16 false)."})
@@ -569,6 +572,10 @@ class RunArguments:
                                     "of full fine-tuning sharded over this many GPUs (the launch's num_processes; 1 "
                                     "= one GPU, unsharded; docs/distributed.md 4).",
         "range": "[1, inf)", "why": "the GPUs to shard over"})
+    estimate_gpu: str | None = field(default=None, metadata={"help": "With estimate_memory_only: the card the "
+                                     "estimate is for, by name (t4, v100, a100, a10, l4, rtx3090, rtx4090, h100, "
+                                     "h200) or compute capability (7.5), which decides the precision (bf16 from 8.0, "
+                                     "fp16 below). Default: a card with bf16."})
     estimate_sharding: str = field(default="fsdp2", metadata={"help": "With estimate_processes > 1: fsdp2 | zero2 | "
                                    "zero3, the launch config the estimate is for (scripts/accelerate/fsdp2.yaml, "
                                    "zero2.yaml, zero3.yaml).",

@@ -33,7 +33,7 @@ from lib.data.records import check_answers, load_records, render_prompt, split_n
 from lib.methods.registry import Method
 from lib.sampling.context import RolloutContext
 from lib.models.modeling import (REFERENCE_FOLDER, CompletionScorer, end_token_ids, is_adapter_folder, load_policy,
-                          load_reference, load_tokenizer, native_bf16, reference_dtype, weights_dtype)
+                          load_reference, load_tokenizer, reference_dtype, training_precision, weights_dtype)
 from lib.rewards.scoring import resolve_reward_funcs
 from lib.rewards.functions import REWARD_FUNCS
 from lib.sampling.rollout import AnswerPhase, HFRollout
@@ -114,15 +114,21 @@ def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, ob
     (accelerator, bf16, the launch's lib/sharding/fsdp_deepspeed.Sharding or None, partitioned): partitioned where each process
     holds only part of the weights (FSDP2, ZeRO-3)."""
     hf_logging.disable_progress_bar()  # per-file loading bars would drown the one training bar
-    bf16 = cfg.bf16 if cfg.bf16 is not None else native_bf16(
-        "cuda" if torch.cuda.is_available() and not cfg.use_cpu else "cpu")
+    try:  # bf16 / fp16 autocast or fp32, from the card where the configuration leaves it open
+        precision = training_precision("cuda" if torch.cuda.is_available() and not cfg.use_cpu else "cpu",
+                                       bf16=cfg.bf16, fp16=cfg.fp16)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    bf16 = precision == "bf16"
     # with no accelerator, say cpu=True: that is what makes Accelerate form a gloo group (MULTI_CPU) when launched
     # with several processes, instead of running each process alone (except under DeepSpeed, which forms the group
     # itself: lib/sharding/fsdp_deepspeed.enable_deepspeed_on_cpu). The scheduler is stepped by us once per optimizer step:
     # its Accelerate wrapper must not step it once per process
     accelerator = Accelerator(cpu=(cfg.use_cpu or torch.accelerator.current_accelerator() is None)
                               and not (sharding is not None and sharding.deepspeed_requested()),
-                              mixed_precision="bf16" if bf16 else "no",
+                              # fp16: Accelerate's autocast and loss scaling (a GradScaler behind backward, the
+                              # gradient clip and the optimizer's step; lib/save_and_stop.step_optimizer)
+                              mixed_precision=precision if precision != "fp32" else "no",
                               step_scheduler_with_optimizer=False, log_with=cfg.report_to or None,
                               project_dir=cfg.output_dir)
     # FSDP2 / DeepSpeed, checked and configured (on a CPU too, where Accelerate would not run them)

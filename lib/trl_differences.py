@@ -69,6 +69,8 @@ DIFFERENT_DEFAULTS: dict[str, tuple[object, str]] = {
     "reward_funcs": (None, "answer accuracy, the demo's reward"),
     "dtype": ("float32", "null loads float32 master weights, as TRL's float32 does, and a LoRA base on a bf16 GPU "
                          "in bfloat16 (frozen; the adapter float32)"),
+    "fp16": (False, "null turns it on for a CUDA card without bf16 (T4, V100), where bf16 is emulated and vLLM "
+                    "refuses it; off elsewhere"),
     "num_train_epochs": (3.0, "a recipe that gives neither key trains the demo's 40 steps, not 3 epochs; give it "
                               "to train by epochs"),
     "num_completions_to_print": (None, "a few a step keep completions.jsonl small"),

@@ -101,7 +101,6 @@ del _names, _why
 # key -> (TRL's default, why it is not implemented and what to do instead). At the default the key is accepted.
 UNSUPPORTED: dict[str, tuple[object, str]] = {
     "auto_find_batch_size": (False, "a batch that does not fit is refused before training (max_memory), not shrunk"),
-    "fp16": (False, "fp16 mixed precision is not implemented; use bf16 (or dtype float16 for the weights)"),
     "torch_compile": (False, "torch.compile of the policy is not implemented"),
     "use_liger_kernel": (False, "Liger kernels are not used; the log-probs are computed in chunks instead "
                                 "(docs/performance.md)"),

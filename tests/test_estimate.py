@@ -49,12 +49,12 @@ def test_a_recipe_is_estimated_without_its_weights_and_without_the_hub():
     # full fine-tuning of 7.6B parameters in fp32 with AdamW: 16 bytes a parameter before activations
     assert 7.0e9 * 16 < step.resident + step.gradients + step.optimizer < 8.5e9 * 24
     # activation_offloading at the 16 GB recipe's shape with 4,096-token completions: the checkpointed blocks' inputs
-    # (8 x 4,096 + 2 x 256 tokens x 28 layers x 1,536 x 4 bytes: fp32 on a 4-bit base) leave the GPU's total
+    # (8 x 4,096 + 2 x 256 tokens x 28 layers x 1,536 x 2 bytes: a 4-bit base's bf16 stream) leave the GPU's total
     recipe = load_yaml(str(REPO / "scripts" / "recipes" / "grpo_gsm8k_qlora_16gb.yaml"))
     long = {**recipe, "max_completion_length": 4096, "use_vllm": False}
     _, kept = recipe_memory(make_config(long), gpu_bytes=16 * GB)
     _, moved = recipe_memory(make_config({**long, "activation_offloading": True}), gpu_bytes=16 * GB)
-    assert moved.offloaded == (8 * 4096 + 2 * 256) * 28 * 1536 * 4 == kept.total - moved.total
+    assert moved.offloaded == (8 * 4096 + 2 * 256) * 28 * 1536 * 2 == kept.total - moved.total
     with pytest.raises(ValueError, match="local model folder"):
         model_config("no-such-org/no-such-model-xyz")
 

@@ -396,3 +396,61 @@ def test_the_memory_estimate_against_the_measured_peak(device, tmp_path):
     # the estimate is what the guard refuses runs by: it must not promise a fit that the device does not give
     # (at least 0.9x the measured peak), nor refuse runs that fit by a wide margin (at most 1.6x)
     assert 0.9 < measured["estimate"] / peak < 1.6
+
+
+def test_a_4bit_policys_vllm_engine_holds_a_4bit_base_and_samples_the_policy(device, small_model, tmp_path):
+    """A QLoRA policy's colocated engine (lib/sampling/vllm_rollout.colocated_rollout's choice, engine_quantization):
+    started with bitsandbytes quantization where vLLM has it, given the adapter only, its sampling log-probs close to
+    the scorer's on the policy (both NF4 of the same checkpoint). Skips where the installed vLLM has no bitsandbytes
+    (0.32 removed it: the engine then holds a 16-bit base)."""
+    pytest.importorskip("vllm")
+    from lib.sampling.vllm_rollout import VLLMRollout, engine_quantization, vllm_quantization_methods
+    from lib.models.modeling import CompletionScorer, load_policy
+
+    quantization = engine_quantization(True, vllm_quantization_methods())
+    if quantization is None or device.type != "cuda":
+        pytest.skip("this vLLM has no bitsandbytes quantization (or no GPU): a 4-bit policy's engine is 16-bit")
+    policy = load_policy(small_model, device=device, use_peft=True, load_in_4bit=True, lora_r=8,
+                         dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    engine = VLLMRollout(small_model, [2], 0, max_model_len=64, gpu_memory_utilization=0.2, dtype="bfloat16",
+                         lora_rank=8, quantization=quantization, max_num_seqs=12)
+    try:
+        assert engine.base_loaded  # nothing but the adapter is sent to a quantised engine
+        engine.sync_weights(policy)
+        ids, mask = prompts(device)
+        roll = engine.generate(ids, mask, 4, 16)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            scorer = CompletionScorer(policy)(roll.prompt_ids, roll.prompt_mask, roll.prompt_index,
+                                              roll.completion_ids, roll.completion_mask, roll.temperatures,
+                                              with_entropy=False)[0]
+        on = roll.completion_mask.bool()
+        gap = (roll.sampling_logps - scorer)[on].abs()
+        report("vllm_bnb_engine_vs_scorer", tokens=int(on.sum()), mean_gap=float(gap.mean()),
+               max_gap=float(gap.max()))
+        assert float(gap.mean()) < 0.05  # bf16 rounding of two kernels over the same NF4 weights
+    finally:
+        engine.close()
+
+
+def test_max_memory_caps_the_process_so_that_going_over_is_an_out_of_memory(device):
+    """lib/sharding/memory.cap_process_memory: under a 2 GB cap an allocation past it raises torch's OutOfMemoryError
+    on a card with far more memory, one within it succeeds; the fraction is reset afterwards."""
+    from lib.sharding.memory import GB, cap_process_memory
+
+    if device.type != "cuda":
+        pytest.skip("the cap is a CUDA allocator setting")
+    try:
+        fraction = cap_process_memory(device, 2.0)
+        total = torch.cuda.mem_get_info(device)[1]
+        report("max_memory_cap", fraction=fraction, allocator_gb=fraction * total / GB)
+        kept = torch.empty(GB // 2, dtype=torch.uint8, device=device)  # within the cap
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2 * GB, dtype=torch.uint8, device=device)
+        del kept
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()

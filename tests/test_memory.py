@@ -527,3 +527,22 @@ def test_activation_offloading_moves_the_checkpointed_block_inputs(tmp_path):
     assert checkpointed < plain / 4  # the blocks' own sets are recomputed, not saved (and not moved)
     without = estimate_step_memory(policy, **{**options, "gradient_checkpointing": True}, device_type="cuda")
     assert without.total - estimate.total == block_inputs and without.offloaded == 0
+
+
+def test_the_max_memory_cap_leaves_the_context_outside_the_allocators_share():
+    """lib/sharding/memory.allocator_fraction: on a 141 GB card with 0.5 GB outside the allocator (the CUDA context),
+    16 GB in all gives the allocator (16 - 0.5) / 141 of the card; a cap that does not cover the context, or one
+    above the card, is refused naming max_memory. vLLM's share scales to the cap (vllm_rollout.engine_share)."""
+    from lib.sharding.memory import GB, allocator_fraction, out_of_memory_message
+    from lib.sampling.vllm_rollout import engine_share
+
+    assert allocator_fraction(16 * GB, 141 * GB, GB // 2) == pytest.approx(15.5 / 141)
+    assert allocator_fraction(16 * GB, 16 * GB, 0) == 1.0
+    with pytest.raises(ValueError, match="max_memory .* does not cover"):
+        allocator_fraction(GB // 4, 141 * GB, GB // 2)
+    with pytest.raises(ValueError, match="max_memory .* above this GPU"):
+        allocator_fraction(200 * GB, 141 * GB, GB // 2)
+    assert engine_share(0.35, 16, 141 * GB) * 141 == pytest.approx(0.35 * 16)
+    assert engine_share(0.35, None, 141 * GB) == engine_share(0.35, 16, None) == 0.35
+    message = out_of_memory_message(16, RuntimeError("CUDA out of memory"))
+    assert "max_memory 16 GB" in message and "per_device_train_batch_size" in message

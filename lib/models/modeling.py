@@ -99,8 +99,8 @@ def load_policy(
 ) -> torch.nn.Module:
     """The trainable policy: full model, or a base with a fresh LoRA adapter (optionally on a 4-bit base).
 
-    With `load_in_4bit` the base is quantised to NF4 by bitsandbytes (QLoRA, Dettmers et al. 2023) and prepared for
-    k-bit training; LoRA is then required (a 4-bit base cannot be trained directly). A PEFT adapter folder (`final/` of
+    With `load_in_4bit` the base is quantised to NF4 by bitsandbytes (QLoRA, Dettmers et al. 2023) and frozen, its
+    other weights (embeddings, norms, head) kept in `dtype`; LoRA is then required (a 4-bit base cannot be trained directly). A PEFT adapter folder (`final/` of
     a LoRA run) is loaded on its base and stays trainable; resolve(name), where given, turns the base's name into a
     folder or hub id (lib/models/embedded.resolve_model_path). The loaded model must pass `check_scoring_path`
     (ConfigError otherwise); code shipped with a hub model runs only with `trust_remote_code`.
@@ -128,10 +128,11 @@ def load_policy(
         model_path = resolve(model_path) if resolve else model_path
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     if load_in_4bit:
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
-                                                gradient_checkpointing_kwargs=checkpointing_kwargs)
+        # What peft's prepare_model_for_kbit_training does that training needs: the base frozen (the adapter is all
+        # that trains), and below, input grads under gradient checkpointing. Not its upcast of the embeddings, head
+        # and norms to fp32: 2.2 GB more weights at 7B and an fp32 residual stream (twice the kept activations);
+        # they stay in the load dtype, as in TRL's GRPO path (docs/performance.md 3.3)
+        model.requires_grad_(False)
         # bitsandbytes 0.50 repacks a 4-bit weight for its AVX512-BF16 CPU kernel at the first eval-mode forward
         # without grad (our sampling), and that kernel has no backward: every later training forward would drop
         # the gradient through the base layers. Keep the differentiable path.
@@ -141,7 +142,7 @@ def load_policy(
     else:
         model = model.to(device)
     check_scoring_path(model)  # after the 4-bit kernel choice above: its first no-grad forward would repack
-    if gradient_checkpointing and not load_in_4bit:
+    if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
     if gradient_checkpointing and (use_peft or adapter_path):
         # with frozen embeddings the checkpointed blocks would see inputs without grad and drop the LoRA grads
@@ -510,6 +511,44 @@ def native_bf16(device: torch.device | str, capability: tuple[int, int] | None =
             return False
         return "avx512_bf16" in flags or "amx_bf16" in flags
     return False
+
+
+# compute capabilities of the cards an estimate can be made for (estimate_gpu), from NVIDIA's CUDA GPUs table
+GPU_CAPABILITIES = {"v100": (7, 0), "t4": (7, 5), "a100": (8, 0), "a10": (8, 6), "rtx3090": (8, 6), "l4": (8, 9),
+                    "rtx4090": (8, 9), "h100": (9, 0), "h200": (9, 0)}
+
+
+def card_capability(name: str) -> tuple[int, int]:
+    """(major, minor) for a card's name (GPU_CAPABILITIES, any case) or a capability written "7.5". ValueError
+    naming the choices otherwise."""
+    key = name.strip().lower().replace(" ", "").replace("-", "")
+    if key in GPU_CAPABILITIES:
+        return GPU_CAPABILITIES[key]
+    try:
+        major, minor = (int(x) for x in key.split("."))
+        return major, minor
+    except ValueError:
+        raise ValueError(f"{name!r} is neither a card ({', '.join(GPU_CAPABILITIES)}) nor a compute capability such "
+                         f"as 7.5") from None
+
+
+def training_precision(device: torch.device | str, capability: tuple[int, int] | None = None, *,
+                       bf16: bool | None = None, fp16: bool | None = None) -> str:
+    """The training pass's precision: "bf16" (bf16 autocast), "fp16" (fp16 autocast with loss scaling) or "fp32",
+    always over fp32 master weights; `bf16` / `fp16` as given by the configuration win (None: chosen here).
+    Unset: bf16 where it runs natively (`native_bf16`: compute capability 8.0 on, CPUs with AVX512-BF16 / AMX); on a
+    CUDA card below 8.0 (T4 7.5, V100 7.0), where bf16 is emulated and vLLM refuses it, fp16, whose 5-bit exponent
+    needs the loss scaled so that small gradients do not flush to zero (Micikevicius et al. 2018, "Mixed precision
+    training", section 3.2); a CPU without bf16: fp32 (docs/performance.md 3.3)."""
+    if bf16 and fp16:
+        raise ValueError("bf16 and fp16 are both true: choose one (or leave both unset to choose from the card)")
+    if bf16 or fp16:
+        return "bf16" if bf16 else "fp16"
+    native = native_bf16(device, capability)
+    if bf16 is None and native:
+        return "bf16"
+    cuda = torch.device(device).type == "cuda" and (capability is not None or torch.cuda.is_available())
+    return "fp16" if cuda and fp16 is None and not native else "fp32"
 
 
 def pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:

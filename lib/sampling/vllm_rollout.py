@@ -79,6 +79,37 @@ def gpu_without_bf16() -> bool:
     return torch.cuda.is_available() and not native_bf16("cuda")
 
 
+def engine_quantization(policy_4bit: bool, methods) -> str | None:
+    """The `quantization` a colocated engine starts with: "bitsandbytes" for a 4-bit policy where the installed vLLM
+    has it (`methods`: its quantization methods, `vllm_quantization_methods`), so that the engine holds a 4-bit base
+    (quantised by vLLM from the checkpoint as bitsandbytes quantised the policy's) and gets only the adapter, as TRL
+    starts its engine; None otherwise: a 16-bit base (15.2 GB at 7B). vLLM removed bitsandbytes after its deprecation
+    (vllm-project/vllm#39583; 0.32 has none), so there a 4-bit policy's engine holds a 16-bit base."""
+    return "bitsandbytes" if policy_4bit and "bitsandbytes" in methods else None
+
+
+def vllm_quantization_methods() -> list[str]:
+    """The quantization methods the installed vLLM knows (empty where vLLM is not installed)."""
+    try:
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    except ImportError:
+        return []
+    return list(QUANTIZATION_METHODS)
+
+
+def gpu_device() -> bool:
+    return torch.cuda.is_available()
+
+
+def engine_share(utilization: float, max_memory_gb: float | None, total: int | None) -> float:
+    """vLLM's gpu_memory_utilization is a share of the whole GPU; under max_memory (the process capped there,
+    lib/sharding/memory.cap_process_memory) the recipe's share means a share of the cap: utilization x max_memory /
+    the GPU's memory (16 GB at 0.35 on a 141 GB card: 0.04, 5.6 GB)."""
+    if max_memory_gb is None or total is None:
+        return utilization
+    return utilization * min(1.0, max_memory_gb * 2**30 / total)
+
+
 def launched_processes() -> int:
     """The processes `accelerate launch` or torchrun started for this run (WORLD_SIZE; 1 when run directly)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -142,7 +173,8 @@ class VLLMRollout:
                  enable_sleep_mode: bool = False, enforce_eager: bool | None = None,
                  sampling_kwargs: dict | None = None, trust_remote_code: bool = False, lora_rank: int | None = None,
                  tensor_parallel_size: int = 1, worker_extension_cls: str | None = None,
-                 max_num_seqs: int | None = None, per_request_seeds: bool | None = None):
+                 max_num_seqs: int | None = None, per_request_seeds: bool | None = None,
+                 quantization: str | None = None):
         # the engine runs in this process: weight sync reaches its model runner directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -163,6 +195,8 @@ class VLLMRollout:
             # launcher's process group and takes this process's device from LOCAL_RANK. Without it every process's
             # engine would start a world of its own on device 0 (cuda:0 for all of them, N times the memory share)
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if quantization is not None:  # (`engine_quantization`) a 4-bit base the engine quantises as it loads
+            kwargs["quantization"] = quantization
         if worker_extension_cls is not None:  # the generation server's weight receiver (lib/sampling/generation_server.py)
             kwargs["worker_extension_cls"] = worker_extension_cls
         self.lora_rank = lora_rank
@@ -172,7 +206,8 @@ class VLLMRollout:
             kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=1)
         self.adapter_folder = None  # a temporary folder the adapter is written to at each sync
         self.lora_request = None  # the request that names the current adapter in generate calls
-        self.base_loaded = False
+        # a quantised engine holds the base it quantised from the checkpoint: only the adapter is ever sent to it
+        self.base_loaded = quantization is not None
         if enforce_eager is None:
             # on a CPU, compiling the model costs about 60 s at start-up (2 cores, 135M) and gains little when
             # decoding (measured: 6 s eager against 5 s compiled for 24 prompts); CUDA graphs pay off on a GPU
@@ -558,7 +593,8 @@ def colocated_rollout(cfg, policy, tokenizer, model_path: str, bf16: bool, rank:
                    max_num_seqs=max(cfg.per_device_train_batch_size
                                     * cfg.optimizer_steps_per_generation,
                                     cfg.per_device_eval_batch_size),
-                   gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                   gpu_memory_utilization=engine_share(cfg.vllm_gpu_memory_utilization, cfg.max_memory,
+                                                       torch.cuda.mem_get_info()[1] if gpu_device() else None),
                    # a GPU without native bf16 (T4, V100: vLLM refuses bfloat16 there) samples in
                    # fp16
                    dtype="bfloat16" if bf16 else "float16" if gpu_without_bf16() else "float32",
@@ -569,9 +605,15 @@ def colocated_rollout(cfg, policy, tokenizer, model_path: str, bf16: bool, rank:
     gpu = next(policy.parameters()).device.type == "cuda"
     sync = cfg.vllm_lora_sync if cfg.vllm_lora_sync != "auto" else "adapter" if gpu else "merge"
     if hasattr(policy, "peft_config") and sync == "adapter":
+        # a 4-bit policy's engine holds a 4-bit base where vLLM can (adapter sync only: a quantised engine takes no
+        # merged weights, so the merged fallback below starts an unquantised one)
+        quantization = engine_quantization(bool(cfg.load_in_4bit), vllm_quantization_methods())
+        if cfg.load_in_4bit and quantization is None and rank == 0:
+            tqdm.write("use_vllm: this vLLM has no bitsandbytes quantization, so the engine holds the 4-bit "
+                       "policy's base in 16 bits (vllm_gpu_memory_utilization must leave room for it)")
         engine = None
         try:
-            engine = VLLMRollout(*args, **options, lora_rank=max(adapter_ranks(policy)))
+            engine = VLLMRollout(*args, **options, lora_rank=max(adapter_ranks(policy)), quantization=quantization)
             engine.sync_weights(policy)
             return engine
         except AdapterSyncError as error:

@@ -26,8 +26,8 @@ reference, the sampler and vLLM's reservation are measured, not estimated):
                                          bytes), else the shared inputs; with dropout its mask too, in the adapter's
                                          dtype on a CPU (torch's CPU dropout multiplies by a float mask) and one
                                          byte on CUDA (native_dropout's bool mask)
-                  where s is the residual stream's bytes (the embedding's dtype; 4 for a 4-bit model, whose other
-                  weights prepare_model_for_kbit_training keeps in fp32, whatever its compute dtype), c = 2 under bf16
+                  where s is the residual stream's bytes (the embedding's dtype; a 4-bit model's other weights stay
+                  in the load dtype, lib/models/modeling.load_policy), c = 2 under bf16
                   autocast else s, and o = s for a 4-bit model (a bitsandbytes layer returns its input's dtype, the
                   fp32 stream), c otherwise. The block being run also holds about 3 i x o of temporaries (the MLP's
                   product and its gradients: 2.3 i x 4 measured at 1.5B). Under autocast an fp32 weight's bf16 copy is
@@ -62,7 +62,8 @@ from lib.config import ConfigError
 from lib.data.hub_data import HUB_TIMEOUT_S
 from lib.models.folders import adapter_base
 from lib.models.embedded import resolve_model_path
-from lib.models.modeling import _lora_targets, is_adapter_folder, reference_dtype, weights_dtype
+from lib.models.modeling import (_lora_targets, card_capability, is_adapter_folder, reference_dtype, training_precision,
+                          weights_dtype)
 
 GB = 2**30
 CHUNK_ELEMENTS = 2**26  # lib/methods/losses.token_logps_and_entropy's default
@@ -162,9 +163,8 @@ def activation_bytes(model: torch.nn.Module, *, bf16: bool, load_in_4bit: bool |
     quantized = any(_is_4bit(m) for m in base.modules()) if load_in_4bit is None else load_in_4bit
     if device_type is None:
         device_type = next(model.parameters()).device.type
-    # the residual stream's dtype: the embedding's; prepare_model_for_kbit_training keeps a 4-bit model's other
-    # weights (embeddings, norms) in fp32
-    s = 4 if quantized else base.get_input_embeddings().weight.element_size()
+    # the residual stream's dtype: the embedding's (a 4-bit model's too: its other weights stay in the load dtype)
+    s = base.get_input_embeddings().weight.element_size()
     cast = bf16 and s > 2  # autocast makes bf16 copies of the fp32 tensors a product reads
     c = 2 if bf16 else s  # SDPA and plain linear layers compute (and return) in this
     o = s if quantized else c  # a bitsandbytes 4-bit layer returns its input's dtype: the fp32 stream
@@ -224,13 +224,12 @@ def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, t
     # without the chunk recomputation) the peak is 4.0 to 4.6 buffers in the forward and 3.6 to 4.0 in backward, and
     # tests/test_memory.py measures 3.99; three (logits, softmax, gradient) missed the entropy's temporaries. Rows
     # count the prompt tokens too, although logits are formed at completion positions only: an over-count while a
-    # micro-batch is under one chunk. Under bf16 autocast an fp32 output layer (a 4-bit model's, whose embedding
-    # prepare_model_for_kbit_training keeps in fp32, and tied) is copied to bf16 for each chunk's product: 0.43 GB at
-    # Qwen2.5-1.5B's 151,936 x 1,536, measured with the chunk (scripts/bench_memory.py, docs/performance.md 3.5).
+    # micro-batch is under one chunk. Under bf16 autocast an fp32 output layer (fp32 master weights) is copied to
+    # bf16 for each chunk's product: 0.43 GB at Qwen2.5-1.5B's 151,936 x 1,536, measured with the chunk
+    # (scripts/bench_memory.py, docs/performance.md 3.5).
     logits = 4 * rows * vocab * 4
     head = base.get_output_embeddings()
-    head_bytes = 4 if (load_in_4bit or any(_is_4bit(m) for m in base.modules())) else \
-        (head.weight.element_size() if head is not None else 2)
+    head_bytes = head.weight.element_size() if head is not None else 2
     if bf16 and head_bytes > 2 and head is not None:
         logits += head.weight.numel() * 2
     kv_cache = 0 if vllm else kv_bytes_per_token(config, 2 if bf16 else 4) * sampling_tokens
@@ -273,6 +272,46 @@ def memory_budget(device: torch.device, max_memory_gb: float | None) -> tuple[in
             if line.startswith("MemAvailable:"):
                 available = int(line.split()[1]) * 1024
     return resident_bytes(device) + available, "this process's memory plus the RAM available"
+
+
+def allocator_fraction(budget: int, total: int, outside: int) -> float:
+    """The share of a GPU's memory (`total` bytes) that torch's caching allocator may take so that the process stays
+    within `budget` bytes (max_memory) in all, given the bytes it holds outside the allocator (`outside`: the CUDA
+    context, cuBLAS handles, NCCL; what mem_get_info counts beyond memory_reserved): (budget - outside) / total.
+    ValueError where the budget does not cover what is already outside it or is above the GPU's memory."""
+    if budget > total:
+        raise ValueError(f"max_memory ({budget / GB:.1f} GB) is above this GPU's memory ({total / GB:.1f} GB)")
+    if budget <= outside:
+        raise ValueError(f"max_memory ({budget / GB:.1f} GB) does not cover the {outside / GB:.2f} GB this process "
+                         f"already holds outside PyTorch's allocator (the CUDA context)")
+    return (budget - outside) / total
+
+
+def cap_process_memory(device: torch.device, max_memory_gb: float | None) -> float | None:
+    """On a GPU with max_memory: cap this process's caching allocator (torch.cuda.set_per_process_memory_fraction) so
+    that the process, the CUDA context included, stays within max_memory: going over is then a real out-of-memory
+    (`out_of_memory_message`) and not only the estimate's warning, as on a card of that size. The context and a cuBLAS
+    handle are made first so that what lies outside the allocator is measured. Returns the fraction (None: no cap)."""
+    if max_memory_gb is None or device.type != "cuda":
+        return None
+    torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)  # the context and a cuBLAS handle
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    outside = max(0, total - free - torch.cuda.memory_reserved(device))
+    fraction = allocator_fraction(int(max_memory_gb * GB), total, outside)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def out_of_memory_message(max_memory_gb: float | None, error: BaseException) -> str:
+    """What a run that ran out of GPU memory stops with: under max_memory, the cap named and what to change."""
+    if max_memory_gb is None:
+        return f"out of GPU memory ({str(error)[:200]})"
+    return (f"out of memory under max_memory {max_memory_gb:g} GB (the process is capped there, as a card of that "
+            f"size would be): lower per_device_train_batch_size (raise gradient_accumulation_steps to keep the "
+            f"batch), max_completion_length or vllm_gpu_memory_utilization; set gradient_checkpointing, load_in_4bit "
+            f"or optim paged_adamw_8bit; or raise max_memory. `--estimate_memory_only --max_memory "
+            f"{max_memory_gb:g}` shows the parts (docs/performance.md 3.4). ({str(error)[:200]})")
 
 
 def fit_advice(estimate: StepMemory, *, use_peft: bool, gradient_checkpointing: bool, optim: str) -> str:
@@ -369,12 +408,16 @@ def quantized_bytes(numel: int, nested: bool) -> float:
     return numel / 2 + (blocks + blocks / 256 * 4 if nested else blocks * 4)
 
 
-def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dict[str, int], StepMemory]:
+def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True,
+                  fp16: bool = False) -> tuple[dict[str, int], StepMemory]:
     """(what is resident before a step, by part; the step's StepMemory) for a configuration on one GPU, from the
     model's configuration alone: the model is built on the meta device (shapes, no memory), with the run's LoRA
     adapter, and its bytes are counted as the trainer would hold them. `gpu_bytes`: the GPU's memory, for vLLM's
     reservation (its share of it, gpu_memory_utilization). With cfg.estimate_processes N > 1, per GPU of a
-    full fine-tuning sharded over N GPUs as cfg.estimate_sharding says (FSDP2, ZeRO-2, ZeRO-3: `sharded_parts`)."""
+    full fine-tuning sharded over N GPUs as cfg.estimate_sharding says (FSDP2, ZeRO-2, ZeRO-3: `sharded_parts`).
+    `bf16`: a card with bf16 (bf16 autocast, a LoRA base frozen in bf16); `fp16` (a card without, T4, V100): fp16
+    autocast over the fp32 weights the trainer keeps there, 2 bytes a computed value as under bf16
+    (lib/models/modeling.training_precision)."""
     from transformers import AutoModelForCausalLM
 
 
@@ -403,8 +446,8 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
         elif cfg.load_in_4bit and name.rsplit(".", 1)[0].replace("base_model.model.", "").replace(
                 ".base_layer", "") in names:
             weights += quantized_bytes(p.numel(), cfg.use_bnb_nested_quant)
-        else:  # prepare_model_for_kbit_training keeps a 4-bit model's other weights in fp32
-            weights += p.numel() * (4 if cfg.load_in_4bit else size)
+        else:  # a 4-bit model's other weights stay in the load dtype (lib/models/modeling.load_policy)
+            weights += p.numel() * size
     parts = {"policy weights": int(weights)}
     if cfg.beta > 0 and not lora:  # bf16 on a bf16 GPU unless dtype says otherwise (lib/models/modeling.reference_dtype)
         reference = reference_dtype(cfg.dtype, dtype, device="cuda", bf16=bf16)
@@ -416,14 +459,15 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
         if gpu_bytes is None:
             raise ValueError("use_vllm reserves a share of the GPU's memory: give max_memory (the GPU's GB)")
         parts["vLLM engine (its share of the GPU)"] = int(cfg.vllm_gpu_memory_utilization * gpu_bytes)
-    elif lora or (bf16 and size == 4):  # the HF sampler's merged bf16 copy (lib/sampling/rollout.HFRollout)
-        parts["sampler's bf16 copy"] = total * 2
+    elif lora or (bf16 and size == 4):  # the HF sampler's merged copy (lib/sampling/rollout.HFRollout): bf16, else the
+        # compute dtype (fp32 on a card without bf16)
+        parts["sampler's bf16 copy" if bf16 else "sampler's fp32 copy"] = total * (2 if bf16 else 4)
     parts["CUDA context, workspaces, allocator slack (allowance)"] = GPU_OVERHEAD
     processes = getattr(cfg, "estimate_processes", 1)
     if processes > 1:
         parts = sharded_parts(parts, model, processes, bf16=bf16, mode=getattr(cfg, "estimate_sharding", "fsdp2"),
                               sampler=not server)
-    step = estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16,
+    step = estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16 or fp16,
                                 vllm=bool(cfg.use_vllm), gradient_checkpointing=cfg.gradient_checkpointing,
                                 load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda",
                                 activation_offloading=bool(cfg.activation_offloading), **step_token_counts(cfg))
@@ -531,16 +575,26 @@ def check_run(cfg, policy: torch.nn.Module, device: torch.device, bf16: bool) ->
             f"(in GB: {estimate.describe()})")
 
 
+PRECISION_WORDS = {"bf16": "bf16 autocast, fp32 master weights (a LoRA base frozen in bf16)",
+                   "fp16": "fp16 autocast with loss scaling, fp32 master weights (no bf16 below compute capability "
+                           "8.0; a vLLM engine samples in fp16)",
+                   "fp32": "fp32 (bf16 and fp16 off)"}
+
+
 def estimate_only(cfg) -> dict:
     """estimate_memory_only: the recipe's memory from the model's configuration alone (no
     weights, no accelerator), printed; {"estimated_peak_bytes": the step's estimated peak}."""
     budget = int(cfg.max_memory * GB) if cfg.max_memory else None
     try:
-        parts, step = recipe_memory(cfg, gpu_bytes=budget)
+        capability = card_capability(cfg.estimate_gpu) if cfg.estimate_gpu else (8, 0)
+        precision = training_precision("cuda", capability, bf16=cfg.bf16, fp16=cfg.fp16)
+        parts, step = recipe_memory(cfg, gpu_bytes=budget, bf16=precision == "bf16", fp16=precision == "fp16")
     except ValueError as error:
         raise ConfigError(f"estimate_memory_only: {error}") from None
+    card = cfg.estimate_gpu or "a card with bf16"
+    print(f"precision on {card} (compute capability {capability[0]}.{capability[1]}): {PRECISION_WORDS[precision]}")
     print(describe_recipe(parts, step, budget))
-    return {"estimated_peak_bytes": step.total}
+    return {"estimated_peak_bytes": step.total, "precision": precision}
 
 
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
