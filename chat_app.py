@@ -57,7 +57,8 @@ from lib.models.folders import adapter_base, load_for_inference, model_folder_pr
 from lib.models.embedded import EMBEDDED_ALIASES
 from lib.models.modeling import end_token_ids, is_adapter_folder
 from lib.rewards.open_r1 import REWARD_FUNCS
-from lib.rewards.scoring import resolve_reward_funcs, score_completions
+from lib.rewards.scoring import score_completions
+from lib.setup import reward_functions
 
 DEFAULT_RUN = Path("runs/agrpo/final")
 RUN_PLOTS = 30  # plot slots of the run view; a run logs fewer varying panels than this (docs/watching.md 2)
@@ -346,7 +347,7 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
     roots = roots if roots is not None else ([run_dir.resolve()] if run_dir else [])
     started = started or {name for name in (checkpoint.name, base.name) if name}
 
-    reward_funcs = resolve_reward_funcs(args.reward_funcs, named_rewards=REWARD_FUNCS)
+    reward_funcs = reward_functions(args.reward_funcs)  # as the trainer and the evaluator resolve them
 
     def score(text: str, reference: str) -> dict[str, float] | None:
         if not reference.strip():

@@ -46,15 +46,14 @@ from lib.models.folders import adapter_base, load_for_inference, model_folder_pr
 from lib.models.embedded import EMBEDDED_ALIASES, resolve_model_path
 from lib.models.modeling import end_token_ids, is_adapter_folder, native_bf16
 from lib.methods.losses import weighted_rewards
-from lib.sampling import cpu_kernels
 from lib.data import hub_data
-from lib.rewards.open_r1 import REWARD_FUNCS
 from lib.evaluation.reference_cache import cache_key, read_kept, weights_fingerprint, write_kept
-from lib.models.reward_models import load_reward_models, reward_model_spec
+from lib.models.reward_models import load_reward_models
 from lib.trl_keys import reward_name
 from lib.agents.tools import ToolWorker, tool_schemas, tool_spec
-from lib.rewards.scoring import resolve_reward_funcs, reward_arguments, score_completions
+from lib.rewards.scoring import reward_arguments, score_completions
 from lib.sampling.rollout import HFRollout
+from lib.setup import make_engine, reward_functions
 from lib.sampling.vllm_rollout import VLLMRollout
 
 BUILTIN = "builtin"
@@ -241,7 +240,7 @@ def validate(args: argparse.Namespace) -> None:
                               f"--reward_funcs; give one weight per function")
     try:
         args.reward_funcs = [reward_name(spec) for spec in args.reward_funcs]  # TRL's reward names read as ours
-        resolve_reward_funcs(args.reward_funcs, models=reward_model_spec, named_rewards=REWARD_FUNCS)
+        reward_functions(args.reward_funcs)
     except ValueError as error:
         raise EvalConfigError(f"--reward_funcs: {error}") from error
     if not 0 < args.vllm_gpu_memory_utilization <= 1:
@@ -466,7 +465,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     bf16 = args.bf16 if args.bf16 is not None else native_bf16(device)
     # reward models (a folder or hub id in --reward_funcs) load once, onto the device (lib/models/reward_models.py)
     try:
-        specs = resolve_reward_funcs(args.reward_funcs, models=reward_model_spec, named_rewards=REWARD_FUNCS)
+        specs = reward_functions(args.reward_funcs)
         reward_funcs = load_reward_models(specs, device, args.batch_size, trust_remote_code=args.trust_remote_code,
                                           chat_template_kwargs=args.chat_template_kwargs, instruction=args.instruction,
                                           system_prompt=args.system_prompt)
@@ -510,8 +509,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             engine.sync_weights(model)
             backend = engine
         else:
-            backend = HFRollout(model, end_token_ids(model, tokenizer), tokenizer.pad_token_id, bf16=bf16,
-                                seed=args.seed, copy=cpu_kernels.sampling_copy)
+            backend = make_engine(model, tokenizer, bf16, args.seed)  # the trainer's HF sampler
         agent = None if tools is None else Agent(tokenizer, tools.call, args.max_tool_calling_iterations,
                                                  args.max_completion_length, tool_schemas(args.tools))
         for set_label, records in sets.items():

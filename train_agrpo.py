@@ -46,12 +46,11 @@ The settings that shape the loop (declared in lib/settings.py; `--help`, docs/co
 `loss_type`, `importance_sampling_level`; the advantages' `scale_rewards`; and `algo`, the method's
 preset.
 
-This file is the loop and its phases. Building a run (`Run`, `TrainerState`, `Geometry`) is
-lib/setup.py; saving and stopping (checkpoints, final/, signals, non-finite values: the optimizer
+This file is the loop and its phases, then `setup`. Building a run (`Run`, `TrainerState`, `Geometry`)
+is lib/setup.py; saving and stopping (checkpoints, final/, signals, non-finite values: the optimizer
 step's guard, `step_optimizer`) lib/save_and_stop.py; the logs (phase 7's `log_step`, the health
-warnings through `Run.watch`) lib/logs.py. The optional parts (lib/extras/: the hub, the health
-warnings, the memory check, the reward worker, the generation server's client) are wired here, in
-`setup`: the core never imports them.
+warnings through `Run.watch`) lib/logs.py. The folders of lib/ hold one domain each (docs/methods.md
+12): methods, data, rewards, models, sampling, sharding, agents, evaluation, apps.
 """
 
 from __future__ import annotations
@@ -70,25 +69,18 @@ from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import Config, ConfigError, parse_config, to_dict
 from lib.evaluation.accuracy import generate_and_score, summarize
+from lib import hub, trl_keys
 from lib.agents import episodes as agents
-from lib.models import checkpointed_prefix
-from lib.models import embedded as embedded_model
-from lib.models import fp32_head
-from lib.apps import health
-from lib import hub
-from lib.data import hub_data
-from lib.sharding import memory
-from lib.rewards import open_r1 as open_r1_rewards
-from lib.models import reward_models
 from lib.agents import rollout_func
-from lib import save_failure
-from lib.sharding import fsdp_deepspeed as sharding
-from lib import trl_keys
-from lib.sampling import vllm_rollout
-from lib.data import word_problems
-from lib.sampling.generation_server import ServerError, server_rollout
-from lib.rewards.worker import RewardWorker
+from lib.apps import health
 from lib.apps.runs import read_jsonl
+from lib.models import embedded as embedded_model
+from lib.models import reward_models
+from lib.rewards import open_r1 as open_r1_rewards
+from lib.rewards.worker import RewardWorker
+from lib.sampling import vllm_rollout
+from lib.sampling.generation_server import ServerError, server_rollout
+from lib.sharding import memory
 from lib.logs import append_jsonl, batch_metrics, log_step
 from lib.methods.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
                         per_row, policy_loss, policy_ratio, token_share, truncated_importance_weights)
@@ -226,7 +218,7 @@ def train(run: Run, state: TrainerState) -> dict:
     end_eval = evaluate(run, state.global_step)
     if cfg.save_strategy != "no":  # TRL's `no`: final/ only
         save_checkpoint(run, state)
-    save_final(run, end_eval, state.global_step, write_files=hub.write_final_files)  # + model card
+    save_final(run, end_eval, state.global_step)  # + model card
     return {"eval": end_eval, "global_step": state.global_step}
 
 
@@ -533,20 +525,16 @@ def evaluate(run: Run, step: int) -> dict:
 
 
 # =====================================================================================================================
-# Set-up (lib/setup.py), with the optional parts wired in
+# Set-up: lib/setup.py's steps, in the order that fails fastest
 
 
 def setup(cfg: Config) -> tuple[Run, TrainerState]:
     """Everything before the first step (lib/setup.py), in the order that fails fastest:
     configuration and data errors before any model loads, the memory check before any sampling.
-    Raises ConfigError with the field and the fix. The optional parts (lib/extras/) are made here
-    and handed to the core as plain objects."""
-    # the CPU decode attention, registered with transformers as lib/models/modeling.FAST_ATTENTION on import, which loads
-    # transformers' model code (about 1.3 s): imported when a run starts, not by --help or a refused configuration
-    from lib.sampling import cpu_kernels
-
+    Raises ConfigError with the field and the fix. Each step takes the settings and what the
+    steps before it made."""
     hub.check_settings(cfg)  # report_to resolved to the trackers the accelerator starts; hub_model_id
-    accelerator, bf16, sharded, partitioned = start_accelerator(cfg, sharding)
+    accelerator, bf16, sharded, partitioned = start_accelerator(cfg)
     try:  # max_memory on a GPU: a real cap, the CUDA context counted (lib/sharding/memory.py)
         memory.cap_process_memory(accelerator.device, cfg.max_memory)
     except ValueError as error:
@@ -554,10 +542,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     rank, world = accelerator.process_index, accelerator.num_processes
     # push_to_hub: the hub reachable, a write token, the repository ready, before data and models
     hub_target = hub.connect(cfg) if cfg.push_to_hub and accelerator.is_main_process else None
-    reward_specs, reward_funcs = resolve_rewards(cfg, reward_models.reward_model_spec, open_r1_rewards.REWARD_FUNCS,
-                                                 open_r1_rewards.reward_options(cfg))
-    train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print, hub_data, word_problems.builtin_task,
-                                            open_r1_rewards.REWARD_FUNCS)
+    reward_specs, reward_funcs = resolve_rewards(cfg)
+    train_records, eval_records = load_data(cfg, reward_funcs, accelerator.print)
     resolve_epochs(cfg, len(train_records), world)  # max_steps -1, and the epoch strategies
     resume = prepare_output_dir(cfg, accelerator)
     # reward functions run in a worker process with a time limit per call
@@ -574,26 +560,23 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     agent = agents.Agent.for_run(cfg, tokenizer, train_records, reward_funcs)
     # rollout_func: the user's function samples in place of the sampler, behind the same hook (docs/agents.md 8)
     sampler_hook = agent or rollout_func.RolloutFunction.from_config(cfg, tokenizer, accelerator)
-    policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded,
-                                    partitioned, embedded_model.resolve_model_path,
-                                    fp32_head.cast_lm_head_to_fp32)
+    policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded, partitioned)
     if cfg.use_vllm and cfg.vllm_mode == "server":  # an engine on its own devices (serve_vllm.py)
         engine = server_rollout(cfg, policy, tokenizer, rank, partitioned, world)
     elif cfg.use_vllm:  # a vLLM engine in each process
         engine = vllm_rollout.colocated_rollout(cfg, policy, tokenizer, model_path, bf16, rank)
     else:
-        engine = make_engine(cfg, policy, tokenizer, bf16, rank, partitioned, cpu_kernels.sampling_copy)
+        engine = make_engine(policy, tokenizer, bf16, cfg.seed + rank, partitioned)
     reward_funcs = reward_models.load_rewards(cfg, reward_funcs, accelerator.device)
     if agent is not None:  # an environment's get_reward: a reward of its own, after the configured ones
         reward_funcs = reward_funcs + agent.reward_funcs()
-    optimizer = policy_optimizer(cfg, policy, memory.eight_bit_adamw)  # optim's 8-bit / paged states: bitsandbytes
+    optimizer = policy_optimizer(cfg, policy)
     estimate = memory.check_run(cfg, policy, accelerator.device, bf16)  # stops a run that won't fit
     if accelerator.is_main_process:
         tqdm.write(estimate)
         vllm_rollout.say_hf_sampler_note(cfg, accelerator.device, tqdm.write)  # a GPU run without vLLM
         memory.say_offloading_note(cfg, accelerator.device, tqdm.write)  # activation_offloading on a CPU
-    scorer, optimizer, scheduler, params = prepare_policy(cfg, accelerator, policy, optimizer,
-                                                          sharded, partitioned, checkpointed_prefix)
+    scorer, optimizer, scheduler, params = prepare_policy(cfg, accelerator, policy, optimizer, sharded, partitioned)
 
     geometry = Geometry.of(cfg, rank, world)
     method = choose_method(cfg, geometry.steps_per_rollout)
@@ -604,9 +587,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     history = read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None
     run = Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method,
               params, optimizer, scheduler, eval_records, geometry, ckpt.StopRequest(), sharded,
-              watch=health.Watch(to_dict(cfg), history), completions_table=hub.log_completions,
-              hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None,
-              save_failed=save_failure.save_failed_message)
+              watch=health.Watch(to_dict(cfg), history),
+              hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None)
     return run, state
 
 

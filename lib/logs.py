@@ -1,7 +1,7 @@
 """What a run logs (docs/watching.md): metrics.jsonl, completions.jsonl and warnings.jsonl, one JSON object a line,
 appended by the main process (lib/setup.RUN_LOGS; trimmed to the checkpoint on resume), and the dense console line, one
-per logged step: the loop's phase 7 (`log_step`). The optional parts it uses (the health warnings after each logged
-line, the trackers' completion tables) come from lib/extras/ through the Run.
+per logged step: the loop's phase 7 (`log_step`). After each logged line: the health warnings
+(lib/apps/health.Watch, the run's `watch`) and the trackers' completion tables (lib/hub.log_completions).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import torch
 from tqdm.auto import tqdm
 
+from lib.hub import log_completions
 from lib.setup import Run
 
 
@@ -76,4 +77,4 @@ def log_step(run: Run, step: int, metrics: dict, batch) -> None:
             row["turns"] = turns[i]
     append_jsonl(run, "completions.jsonl", rows)
     if rows and run.accelerator.is_main_process:  # a table per tracker: wandb / trackio Tables, TensorBoard text
-        run.completions_table(run.accelerator, run.cfg.report_to, rows, step)
+        log_completions(run.accelerator, run.cfg.report_to, rows, step)

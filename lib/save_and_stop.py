@@ -11,7 +11,8 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Callable
+
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 from lib import checkpoint as ckpt
 from lib import distributed
 from lib.config import to_dict
+from lib.hub import write_final_files
 from lib.sampling.context import Sampled
 from lib.models.modeling import REFERENCE_FOLDER, end_token_ids
 from lib.setup import Run, TrainerState
@@ -118,7 +120,7 @@ def save_checkpoint(run: Run, state: TrainerState) -> None:
     if error is not None:
         if main_process:
             shutil.rmtree(staging, ignore_errors=True)
-        raise ckpt.RunStopped(run.save_failed(run, f"checkpoint-{step}", error))
+        raise ckpt.RunStopped(save_failed_message(run, f"checkpoint-{step}", error))
     if run.hub is not None:  # main process; in the background, never waited on here (docs/hub.md 3)
         run.hub.push_checkpoint(run.out / f"checkpoint-{step}", step)
 
@@ -184,10 +186,9 @@ def stop_for_signal(run: Run, state: TrainerState, signal_name: str, saved: bool
                           exit_code=128 + int(getattr(signal, signal_name)))
 
 
-def save_final(run: Run, end_eval: dict, step: int, write_files: Callable | None = None) -> None:
-    """final/: a model (or adapter) folder that transformers / peft load as is, renamed into place. `write_files`, given
-    by the entry script, adds files before the rename: lib/hub.write_final_files's model card and
-    generation_config.json (docs/hub.md 2)."""
+def save_final(run: Run, end_eval: dict, step: int) -> None:
+    """final/: a model (or adapter) folder that transformers / peft load as is, renamed into place, with
+    lib/hub.write_final_files's model card and generation_config.json written in before the rename (docs/hub.md 2)."""
     check_finite_weights(run, "final/")
     # sharded: the whole model gathered on the main process (a collective), saved as one folder
     state = run.sharding.full_state_dict(run.scorer) if run.sharding is not None else None
@@ -208,17 +209,15 @@ def save_final(run: Run, end_eval: dict, step: int, write_files: Callable | None
             run.tokenizer.save_pretrained(staging)
             # the model card and the sampling the run trained with go in before the rename, so that final/ never
             # exists without them (docs/hub.md 2)
-            if write_files is not None:
-                write_files(staging, run.cfg, end_ids=end_token_ids(run.policy, run.tokenizer),
-                            generation_config=getattr(run.policy, "generation_config", None),
-                            adapter=hasattr(model, "peft_config"),
-                            metrics_path=run.out / "metrics.jsonl", after=end_eval, step=step,
-                            argv=sys.argv, num_processes=run.accelerator.num_processes,
-                            repo_id=run.hub.target.repo_id if run.hub else None)
+            write_final_files(staging, run.cfg, end_ids=end_token_ids(run.policy, run.tokenizer),
+                              generation_config=getattr(run.policy, "generation_config", None),
+                              adapter=hasattr(model, "peft_config"), metrics_path=run.out / "metrics.jsonl",
+                              after=end_eval, step=step, argv=sys.argv, num_processes=run.accelerator.num_processes,
+                              repo_id=run.hub.target.repo_id if run.hub else None)
         # a full disk (safetensors raises either): the checkpoint is whole
         except (OSError, RuntimeError) as exc:
             shutil.rmtree(staging, ignore_errors=True)
-            message = run.save_failed(run, "final/", f"{type(exc).__name__}: {exc}")
+            message = save_failed_message(run, "final/", f"{type(exc).__name__}: {exc}")
             raise ckpt.RunStopped(message) from exc
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
@@ -231,3 +230,28 @@ def save_final(run: Run, end_eval: dict, step: int, write_files: Callable | None
             raise ckpt.RunStopped(error)
 
 
+def folder_bytes(folder: str | Path) -> int:
+    """The bytes of the files under `folder` (a checkpoint's size)."""
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
+def save_failed_message(run, what: str, error: str) -> str:
+    """The message a run stops with when `what` (checkpoint-<step>, final/) could not be written, `error` the cause:
+    out of space where a checkpoint (the last one's size, else the weights and optimizer states) needs more than is
+    free, and the checkpoint a resume starts from."""
+    unwrapped = run.accelerator.unwrap_model(run.scorer).model
+    previous = ckpt.latest_checkpoint(run.out)
+    if previous is not None:
+        needed = folder_bytes(previous)
+    else:  # model (adapter) and optimizer states, as written
+        weights = run.params if hasattr(unwrapped, "peft_config") \
+            else list(unwrapped.state_dict().values())
+        states = [v for s in run.optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor)]
+        needed = sum(t.numel() * t.element_size() for t in [*weights, *states])
+    free = shutil.disk_usage(run.out).free
+    cause = f"out of space; {error}" if free < needed else error
+    kept = f"{previous.name} is whole" if previous else "no earlier checkpoint exists"
+    return (f"{what} could not be written to '{run.out}' ({cause}). A checkpoint needs about "
+            f"{needed / 2**20:.1f} MiB; {free / 2**20:.1f} MiB are free. The partial files were "
+            f"removed and {kept}. Free some space and resume with --resume_from_checkpoint latest")

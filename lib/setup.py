@@ -5,9 +5,10 @@ optimizer and scheduler, the data); `TrainerState` what the loop advances and a 
 sizes. The functions below are the set-up's steps, which train_agrpo.setup calls in the order that fails fastest:
 configuration and data errors before any model loads, the memory check before any sampling.
 
-This module is core: it never imports lib/extras/. The optional parts a run may use (the hub, the health warnings, the
-memory check, the reward worker, the generation server, FSDP2 / DeepSpeed) are made by train_agrpo.setup and held here
-as plain objects.
+Each step imports the parts it builds from the rooms below (lib/sharding for FSDP2 / DeepSpeed and the 8-bit optimizer,
+lib/models for the embedded model and TRL's float32 output layer, lib/data for the built-in task and hub data sets,
+lib/rewards for open-r1's rewards, lib/sampling for the sampler's copy of the policy): the entry script calls the steps
+with the settings and what earlier steps returned, nothing else.
 """
 
 from __future__ import annotations
@@ -23,21 +24,28 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
 from lib.config import Config, ConfigError, save_yaml, validate
+from lib.data import hub_data
 from lib.data.records import check_answers, load_records, render_prompt, split_names
+from lib.data.word_problems import builtin_task
 from lib.methods.registry import Method
 from lib.sampling.context import RolloutContext
 from lib.models.modeling import (REFERENCE_FOLDER, CompletionScorer, end_token_ids, is_adapter_folder, load_policy,
                           load_reference, load_tokenizer, reference_dtype, training_precision, weights_dtype)
+from lib.models.embedded import resolve_model_path
+from lib.models import checkpointed_prefix
+from lib.models.fp32_head import cast_lm_head_to_fp32
+from lib.models.reward_models import reward_model_spec
+from lib.rewards.open_r1 import REWARD_FUNCS, reward_options
 from lib.rewards.scoring import resolve_reward_funcs
-from lib.rewards.functions import REWARD_FUNCS
 from lib.sampling.rollout import AnswerPhase, HFRollout
 from lib.schedule import build_scheduler, steps_per_rollout, warmup_steps
+from lib.sharding import fsdp_deepspeed
+from lib.sharding.memory import eight_bit_adamw
 
 # the run's JSON-lines logs (lib/logs.py), trimmed to the checkpoint on resume
 RUN_LOGS = ("metrics.jsonl", "completions.jsonl", "warnings.jsonl")
@@ -90,7 +98,7 @@ class Run:
     policy: torch.nn.Module  # the model being trained (PEFT-wrapped with LoRA)
     scorer: torch.nn.Module  # CompletionScorer(policy), prepared by Accelerate (DDP, FSDP2, ...)
     reference: CompletionScorer | None  # frozen; None when beta is 0 or with LoRA (the adapter off)
-    engine: HFRollout  # the sampler, or one with its interface: lib/extras' VLLMRollout, ServerRollout
+    engine: HFRollout  # the sampler, or one with its interface: lib/sampling's VLLMRollout, ServerRollout
     ctx: RolloutContext
     method: Method
     params: list[torch.nn.Parameter]
@@ -101,16 +109,13 @@ class Run:
     stop: ckpt.StopRequest  # SIGTERM / SIGUSR1 received
     # FSDP2 / DeepSpeed (weights, gradients, optimizer states sharded): lib/sharding/fsdp_deepspeed.Sharding; else None
     sharding: object = None
-    # optional parts, made by train_agrpo.setup from lib/extras/ (which the core does not import):
     watch: object = None  # lib/apps/health.Watch: the metric history behind the health warnings
-    completions_table: object = None  # lib/hub.log_completions: a step's completions, a table per tracker
     hub: object = None  # lib/hub.HubPusher: push_to_hub's uploads (main process), or None
-    save_failed: object = None  # lib/save_failure.save_failed_message: the message a failed save stops with
 
 
-def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, object, bool]:
-    """The Accelerator as launched (data parallel, FSDP2 or DeepSpeed), its launch checked against the configuration.
-    `sharding` (lib/sharding/fsdp_deepspeed, handed in by train_agrpo.setup) starts FSDP2 and DeepSpeed launches. Returns
+def start_accelerator(cfg: Config) -> tuple[Accelerator, bool, object, bool]:
+    """The Accelerator as launched (data parallel, FSDP2 or DeepSpeed), its launch checked against the configuration
+    (lib/sharding/fsdp_deepspeed starts FSDP2 and DeepSpeed launches). Returns
     (accelerator, bf16, the launch's lib/sharding/fsdp_deepspeed.Sharding or None, partitioned): partitioned where each process
     holds only part of the weights (FSDP2, ZeRO-3)."""
     hf_logging.disable_progress_bar()  # per-file loading bars would drown the one training bar
@@ -125,32 +130,37 @@ def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, ob
     # itself: lib/sharding/fsdp_deepspeed.enable_deepspeed_on_cpu). The scheduler is stepped by us once per optimizer step:
     # its Accelerate wrapper must not step it once per process
     accelerator = Accelerator(cpu=(cfg.use_cpu or torch.accelerator.current_accelerator() is None)
-                              and not (sharding is not None and sharding.deepspeed_requested()),
+                              and not fsdp_deepspeed.deepspeed_requested(),
                               # fp16: Accelerate's autocast and loss scaling (a GradScaler behind backward, the
                               # gradient clip and the optimizer's step; lib/save_and_stop.step_optimizer)
                               mixed_precision=precision if precision != "fp32" else "no",
                               step_scheduler_with_optimizer=False, log_with=cfg.report_to or None,
                               project_dir=cfg.output_dir)
     # FSDP2 / DeepSpeed, checked and configured (on a CPU too, where Accelerate would not run them)
-    launch = sharding.start(accelerator, cfg, bf16) if sharding is not None else None
-    if launch is None and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise ConfigError("this launch shards (FSDP / DeepSpeed), which lib/sharding/fsdp_deepspeed.py runs: hand it to "
-                          "start_accelerator as train_agrpo.setup does")
+    launch = fsdp_deepspeed.start(accelerator, cfg, bf16)
     validate(cfg, accelerator.num_processes)  # the settings that depend on the number of processes
     if cfg.tf32 is not None and accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
     return accelerator, bf16, launch, launch is not None and launch.partitioned
 
 
-def resolve_rewards(cfg: Config, models=None, named_rewards: dict = REWARD_FUNCS,
-                    options: dict | None = None) -> tuple[list[str], list]:
+def reward_functions(specs: list[str], options: dict | None = None) -> list[tuple[str, object]]:
+    """The reward functions of `specs`, as the trainer, the evaluator and the chat page resolve them: the built-ins and
+    open-r1's by name (lib/rewards/open_r1.py; `options` their settings), `module:function` and `file.py:function`,
+    and a folder or hub id as a reward model (lib/models/reward_models.py; loaded later, onto a device). Raises
+    ValueError naming the spec and the fix."""
+    return resolve_reward_funcs(specs, options, reward_model_spec, REWARD_FUNCS)
+
+
+def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
     """(the reward specs the reward worker resolves, None for a reward model, the resolved functions): bad names stop
-    here, before any data or model loads. `models`, `named_rewards`, `options` as lib/rewards/scoring.resolve_reward_funcs
-    takes them; reward models load later, onto each process's device, and run in this process."""
+    here, before any data or model loads. Names are the built-ins and open-r1's (lib/rewards/open_r1.py, with the
+    configuration's options); a folder or hub id is a reward model (lib/models/reward_models.py), which loads later,
+    onto each process's device, and runs in this process."""
     # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
     specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
     try:
-        reward_funcs = resolve_reward_funcs(specs, options, models, named_rewards)
+        reward_funcs = reward_functions(specs, reward_options(cfg))
     except ValueError as error:
         raise ConfigError(f"reward_funcs: {error}") from error
     names = [name for name, _ in reward_funcs]
@@ -164,28 +174,26 @@ def resolve_rewards(cfg: Config, models=None, named_rewards: dict = REWARD_FUNCS
     return [None if here else spec for spec, here in zip(specs, in_process)], reward_funcs
 
 
-def load_data(cfg: Config, reward_funcs: list = (), say=print, reader=None, builtin=None,
-              named_rewards: dict = REWARD_FUNCS) -> tuple[list[dict], list[dict]]:
+def load_data(cfg: Config, reward_funcs: list = (), say=print) -> tuple[list[dict], list[dict]]:
     """(train records, eval records). Errors in the data surface here, before any model is loaded; so does a data set
     with no gold answer trained with a reward function that needs one (lib/data/records.check_answers, which names the
-    built-ins of `named_rewards` that need none).
+    built-in rewards that need none).
 
     The held-out set is eval_dataset_name; else dataset_name's dataset_test_split where it has one (a folder or a hub
     data set, as TRL evaluates on it); else, for a single file, a seeded share of its rows. Held-out data with no gold
-    answer cannot be scored: the evaluation is left out, and `say` says so in one line. `reader` reads hub ids and the
-    folders only `datasets` reads (lib/data/hub_data.py; lib/data/records.load_records); builtin(seed, num_train, num_eval)
-    makes the data of a run without dataset_name (lib/data/word_problems.builtin_task)."""
+    answer cannot be scored: the evaluation is left out, and `say` says so in one line. Hub ids and the folders only
+    `datasets` reads go through lib/data/hub_data.py; a run without dataset_name trains on the built-in task
+    (lib/data/word_problems.builtin_task)."""
+    reader = hub_data
     try:
         if cfg.dataset_name is None:
-            if builtin is None:
-                raise ConfigError("dataset_name is not set: give a data set (a file, a folder or a hub id)")
-            return builtin(seed=cfg.seed, num_train=cfg.builtin_num_train, num_eval=cfg.num_eval_samples)
+            return builtin_task(seed=cfg.seed, num_train=cfg.builtin_num_train, num_eval=cfg.num_eval_samples)
         columns = dict(prompt_column=cfg.prompt_column, answer_column=cfg.answer_column,
                        skip_invalid_rows=cfg.skip_invalid_rows, reader=reader)
         train = load_records(cfg.dataset_name, split=cfg.dataset_train_split,
                              max_samples=cfg.max_train_samples, seed=cfg.seed,
                              config=cfg.dataset_config, **columns)
-        check_answers(train, reward_funcs, "dataset_name", cfg.dataset_name, named_rewards)
+        check_answers(train, reward_funcs, "dataset_name", cfg.dataset_name, REWARD_FUNCS)
         evals, source = [], cfg.eval_dataset_name or cfg.dataset_name
         if cfg.num_eval_samples == 0:
             source = None  # no evaluation asked for
@@ -292,13 +300,12 @@ def load_checked_tokenizer(cfg: Config, model_path: str, records: list[dict]):
 
 
 def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: Path | None,
-                bf16: bool, sharding, partitioned: bool, resolve=None, cast_head=None
-                ) -> tuple[torch.nn.Module, CompletionScorer | None]:
+                bf16: bool, sharding, partitioned: bool) -> tuple[torch.nn.Module, CompletionScorer | None]:
     """(policy, reference): the policy from the model (or an unsharded checkpoint), the frozen reference (none when beta
     is 0; with LoRA the base with the adapter disabled, not a second copy), sharded like the policy will be where
-    `sharding` (Run.sharding) is given; `resolve` as lib/models/modeling.load_policy takes it. `cast_head` turns a model's
-    output layer to float32 where cast_lm_head_to_fp32 (lib/models/fp32_head.cast_lm_head_to_fp32, handed in by
-    train_agrpo.setup). The sampler comes next (make_engine)."""
+    `sharding` (Run.sharding) is given; the embedded model's name resolved to its cached folder
+    (lib/models/embedded.py); the output layers in float32 where cast_lm_head_to_fp32 (lib/models/fp32_head.py). The
+    sampler comes next (make_engine)."""
     device, sharded = accelerator.device, sharding is not None
     adapter = cfg.use_peft or is_adapter_folder(model_path)
     if cfg.sync_ref_model and (adapter or sharded or partitioned):
@@ -319,9 +326,9 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                          gradient_checkpointing=cfg.gradient_checkpointing,
                          gradient_checkpointing_kwargs=cfg.gradient_checkpointing_kwargs,
                          attn_implementation=cfg.attn_implementation, device=device,
-                         trust_remote_code=cfg.trust_remote_code, resolve=resolve)
+                         trust_remote_code=cfg.trust_remote_code, resolve=resolve_model_path)
     if cfg.cast_lm_head_to_fp32:
-        cast_head(policy)
+        cast_lm_head_to_fp32(policy)
     if cfg.disable_dropout:  # TRL's disable_dropout: the scored distribution is the sampled one
         for module in policy.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -337,50 +344,52 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                                 trust_remote_code=cfg.trust_remote_code, revision=None if synced else
                                 cfg.model_revision)
         if cfg.cast_lm_head_to_fp32:
-            cast_head(frozen)
+            cast_lm_head_to_fp32(frozen)
         reference = CompletionScorer(frozen, fixed_calls=partitioned)
         if sharded:
             reference = sharding.shard_frozen(reference)
     return policy, reference
 
 
-def make_engine(cfg: Config, policy, tokenizer, bf16: bool, rank: int,
-                sharded: bool = False, copy=None) -> HFRollout:
-    """The HF sampler (lib/sampling/rollout.py): our decode loop, over the policy itself or a copy of its weights that `copy`
-    (lib/sampling/cpu_kernels.sampling_copy) makes where that is faster, refreshed after every optimizer step; a
-    policy that will be sharded is sampled from a full copy (`own_copy`). (A vLLM engine is
-    lib/sampling/vllm_rollout.colocated_rollout, one on devices of its own lib/sampling/generation_server.server_rollout;
-    the trainer picks.)"""
+def make_engine(policy, tokenizer, bf16: bool, seed: int, sharded: bool = False) -> HFRollout:
+    """The HF sampler (lib/sampling/rollout.py), as the trainer and the evaluator make it: our decode loop, over the
+    policy itself or a copy of its weights that lib/sampling/cpu_kernels.sampling_copy makes where that is faster,
+    refreshed when the weights move; a policy that will be sharded is sampled from a full copy (`own_copy`). (A vLLM
+    engine is lib/sampling/vllm_rollout.colocated_rollout, one on devices of its own
+    lib/sampling/generation_server.server_rollout; the trainer picks.)"""
+    # imported when a sampler is made, not with this module: it registers the CPU decode attention with transformers
+    # (lib/models/modeling.FAST_ATTENTION), which loads transformers' model code (about 1.3 s), and --help or a
+    # refused configuration need none of it
+    from lib.sampling.cpu_kernels import sampling_copy
+
     return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16,
-                     seed=cfg.seed + rank, copy=None if copy is None else partial(copy, own_copy=sharded))
+                     seed=seed, copy=partial(sampling_copy, own_copy=sharded))
 
 
 def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float,
-                    eps: float = 1e-8, eight_bit=None):
-    """AdamW by `optim` name: torch's, or bitsandbytes' 8-bit / paged states, which `eight_bit` makes
-    (lib/sharding/memory.eight_bit_adamw, handed in by train_agrpo.setup)."""
+                    eps: float = 1e-8):
+    """AdamW by `optim` name: torch's, or bitsandbytes' 8-bit / paged states (lib/sharding/memory.eight_bit_adamw)."""
     if name in ("adamw_torch", "adamw_torch_fused"):
         # fused: one kernel for all tensors on CUDA, the same update
         fused = name == "adamw_torch_fused" and all(p.is_cuda for p in params)
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  fused=fused or None)
-    return eight_bit(params, name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return eight_bit_adamw(params, name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
-def policy_optimizer(cfg: Config, policy: torch.nn.Module, eight_bit=None) -> torch.optim.Optimizer:
-    """The optimizer over the policy's trained parameters (all of them, or LoRA's adapter); `eight_bit` as
-    build_optimizer takes it."""
+def policy_optimizer(cfg: Config, policy: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer over the policy's trained parameters (all of them, or LoRA's adapter)."""
     params = [p for p in policy.parameters() if p.requires_grad]
     return build_optimizer(params, cfg.optim, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
-                           cfg.weight_decay, eps=cfg.adam_epsilon, eight_bit=eight_bit)
+                           cfg.weight_decay, eps=cfg.adam_epsilon)
 
 
 def prepare_policy(cfg: Config, accelerator: Accelerator, policy: torch.nn.Module,
-                   optimizer: torch.optim.Optimizer, sharding, partitioned: bool, checkpointed_prefix=None
+                   optimizer: torch.optim.Optimizer, sharding, partitioned: bool
                    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, object, list]:
     """(scorer, optimizer, scheduler, trained parameters): the scheduler built, the scorer and the optimizer prepared by
-    Accelerate. Called after the memory check, which needs the optimizer built. `checkpointed_prefix`
-    (lib/models/checkpointed_prefix, handed in by train_agrpo.setup) shares the prompt under gradient checkpointing."""
+    Accelerate. Called after the memory check, which needs the optimizer built. The scorer shares the prompt under
+    gradient checkpointing (lib/models/checkpointed_prefix.py)."""
     scheduler = build_scheduler(optimizer, cfg.lr_scheduler_type, num_training_steps=cfg.max_steps,
                                 num_warmup_steps=warmup_steps(cfg), kwargs=cfg.lr_scheduler_kwargs)
     # DDP, or FSDP2 / DeepSpeed (lib/sharding/fsdp_deepspeed.Sharding.prepare)

@@ -197,7 +197,7 @@ def run_worker(spec: dict) -> dict:
 
     from lib.config import load_yaml, make_config
     from lib.methods.losses import aggregate_loss, clipped_surrogate, kl_penalty, token_logps_and_entropy
-    from lib.sharding.memory import CHUNK_ELEMENTS, eight_bit_adamw, estimate_step_memory, step_token_counts
+    from lib.sharding.memory import CHUNK_ELEMENTS, estimate_step_memory, step_token_counts
     from lib.models.modeling import (CompletionScorer, OutputHead, adapter_disabled, load_policy, native_bf16,
                               unwrap_causal_lm, weights_dtype)
     from lib.models import checkpointed_prefix
@@ -270,7 +270,7 @@ def run_worker(spec: dict) -> dict:
     out["seconds"]["sampler_copy"] = time.perf_counter() - t0
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.optim, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
-                                cfg.weight_decay, eps=cfg.adam_epsilon, eight_bit=eight_bit_adamw)
+                                cfg.weight_decay, eps=cfg.adam_epsilon)
     counts = step_token_counts(cfg)
     # what train_agrpo.setup estimates (lib/sharding/memory.check_run): after the policy and the sampler are loaded
     estimate = estimate_step_memory(policy, resident=resident(), optim=cfg.optim, bf16=bf16, vllm=False,

@@ -468,12 +468,12 @@ def test_reward_functions_that_need_the_gold_answer_are_named_with_the_fix():
     check_answers([{"problem": "p", "answer": "1"}], funcs, "dataset_name", "gold.jsonl")
 
 
-def test_a_run_without_dataset_name_trains_on_the_builtin_task_it_is_handed():
-    """lib/setup.load_data makes no data of its own: the entry scripts hand it lib/data/word_problems.builtin_task."""
-    from lib.config import Config, ConfigError
+def test_a_run_without_dataset_name_trains_on_the_builtin_task():
+    """lib/setup.load_data: without dataset_name, lib/data/word_problems.builtin_task's problems from the seed."""
+    from lib.config import Config
     from lib.setup import load_data
 
-    with pytest.raises(ConfigError, match="dataset_name is not set"):
-        load_data(Config())
     cfg = Config(builtin_num_train=20, num_eval_samples=5)
-    assert load_data(cfg, builtin=builtin_task) == builtin_task(seed=cfg.seed, num_train=20, num_eval=5)
+    train, held_out = load_data(cfg)
+    assert (train, held_out) == builtin_task(seed=cfg.seed, num_train=20, num_eval=5)
+    assert len(train) == 20 and len(held_out) == 5

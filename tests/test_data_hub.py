@@ -146,11 +146,11 @@ def test_the_trainer_evaluates_on_the_test_split_and_holds_out_rows_of_a_single_
 
     said = []
     train, held_out = load_data(parse_config(["--dataset_name", str(gsm8k_hub), "--dataset_config", "main"]),
-                                say=said.append, reader=hub_data)
+                                say=said.append)
     assert len(train) == 20 and [r["answer"] for r in held_out] == [gold(r) for r in gsm8k_rows[20:30]]
     path = tmp_path / "one.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows))
-    train, held_out = load_data(parse_config(["--dataset_name", str(path)]), say=said.append, reader=hub_data)
+    train, held_out = load_data(parse_config(["--dataset_name", str(path)]), say=said.append)
     assert (len(train), len(held_out)) == (36, 4) and not {r["question"] for r in train} & {
         r["question"] for r in held_out}
     assert said == []

@@ -387,7 +387,7 @@ def test_normalize_then_sum_and_fp32_head_train(tmp_path, tiny_model):
 
 
 def test_gradient_checkpointing_shares_the_prompt_in_the_trainer(tmp_path, tiny_model, monkeypatch):
-    """train_agrpo.setup hands lib/models/checkpointed_prefix.py to the policy's scorer: under gradient checkpointing
+    """lib/setup.prepare_policy gives the policy's scorer lib/models/checkpointed_prefix.py: under gradient checkpointing
     the training pass runs each prompt once (docs/performance.md 3.6), and the step equals the one without
     checkpointing. The real completion_cache runs; the wrapper only counts its calls."""
     from lib.models import checkpointed_prefix

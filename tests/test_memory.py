@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from lib.sharding.memory import (GB, check_step_memory, eight_bit_adamw, estimate_step_memory, memory_budget,
+from lib.sharding.memory import (GB, check_step_memory, estimate_step_memory, memory_budget,
                                step_token_counts)
 from lib.setup import build_optimizer
 
@@ -448,7 +448,7 @@ def test_adamw_8bit_steps_like_adamw(embedded_model):
     start = layer_a.weight.detach().clone()
     x = torch.randn(16, layer_a.in_features, generator=torch.Generator().manual_seed(0))
     for layer, name in ((layer_a, "adamw_8bit"), (layer_b, "adamw_torch")):
-        optimizer = build_optimizer(layer.parameters(), name, 1e-3, (0.9, 0.999), 0.0, eight_bit=eight_bit_adamw)
+        optimizer = build_optimizer(layer.parameters(), name, 1e-3, (0.9, 0.999), 0.0)
         layer(x).pow(2).mean().backward()
         optimizer.step()
     moved_8bit, moved_torch = layer_a.weight.detach() - start, layer_b.weight.detach() - start

@@ -390,7 +390,7 @@ def test_resolve_rejects_duplicate_names():
 
 
 def test_open_r1_rewards_resolve_only_where_the_entry_scripts_hand_them_over():
-    """The core knows the presets' rewards; open-r1's others are lib/rewards/open_r1.py, which the entry scripts
+    """The core knows the presets' rewards; open-r1's others are lib/rewards/open_r1.py, which lib/setup.reward_functions
     pass as `named_rewards`: without it "cosine" is an unknown name, and every message lists the names it was given."""
     assert list(REWARD_FUNCS) == ["accuracy", "format", "length"]
     assert list(NAMED) == [*REWARD_FUNCS, "think_format", "cosine", "repetition", "soft_overlong", "tag_count",
@@ -427,14 +427,13 @@ def test_resolve_binds_options_to_keyword_only_parameters(tmp_path, monkeypatch)
 
 
 def test_the_configurations_options_reach_the_functions_as_the_trainer_hands_them_over():
-    # train_agrpo.setup passes lib/rewards/open_r1.reward_options(cfg) to lib/setup.resolve_rewards
+    # lib/setup.resolve_rewards reads open-r1's options from the configuration (lib/rewards/open_r1.reward_options)
     from lib.config import parse_config
-    from lib.rewards.open_r1 import reward_options
     from lib.setup import resolve_rewards
 
     cfg = parse_config(["--reward_funcs", "cosine", "soft_overlong", "--cosine_max_len", "20",
                         "--max_completion_length", "100", "--overlong_buffer_length", "20"])
-    specs, resolved = resolve_rewards(cfg, named_rewards=NAMED, options=reward_options(cfg))
+    specs, resolved = resolve_rewards(cfg)
     assert specs == ["cosine", "soft_overlong"]
     assert dict(resolved)["cosine"](["q"], [RIGHT], answer=["52"]) == pytest.approx([0.75])  # 10 chars / 20
     assert dict(resolved)["soft_overlong"](["q"], [""], completion_length=[90]) == pytest.approx([-0.5])

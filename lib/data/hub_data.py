@@ -3,7 +3,7 @@ the hub lays a data set out (data/train-00000-of-00002.parquet shards, a README'
 
 lib/data/records.py reads local .jsonl / .json / .parquet files and folders of {split}.jsonl / .json / .parquet itself, with
 row-exact errors, and hands every other name to a reader; this module is that reader (`read_rows`, `split_names`):
-the entry scripts pass it to lib.data.records.load_records / split_names (`reader=hub_data`). Rows come back as (location,
+lib/setup.load_data passes it to lib.data.records.load_records / split_names (`reader=hub_data`). Rows come back as (location,
 row) pairs, validated by lib/data/records.py as any file's are.
 """
 

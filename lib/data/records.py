@@ -1,6 +1,6 @@
 """Data for agrpo: local JSONL/Parquet files and folders of them, prompts and gold answers (the built-in arithmetic task
 is lib/data/word_problems.py's). Hub ids and the folders only `datasets` reads (save_to_disk's, the hub's layout)
-are read by a `reader`, lib/data/hub_data.py, which the entry scripts pass in.
+are read by a `reader`, lib/data/hub_data.py, which lib/setup.load_data passes in.
 
 Every loader returns records, plain dicts that keep every original column under its own name (reward functions get
 them as keyword arguments, as in TRL), in one of two forms (docs/troubleshooting.md 3.1):
@@ -41,7 +41,7 @@ SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
 
 class Reader(Protocol):
     """What reads the data sets this module does not read itself (hub ids, save_to_disk folders, folders in the
-    hub's layout): lib/data/hub_data.py, which the entry scripts pass in (a module with these two functions)."""
+    hub's layout): lib/data/hub_data.py, which lib/setup.load_data passes in (a module with these two functions)."""
 
     def read_rows(self, name: str, split: str, config: str | None) -> list[tuple[str, dict]]: ...
 

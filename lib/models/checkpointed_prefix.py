@@ -1,6 +1,6 @@
 """The prompt prefix shared under gradient checkpointing (docs/performance.md 3.6): the hook that
-lib/models/modeling.completion_logps takes as `checkpointed_prefix` (train_agrpo.setup hands this module to the policy's
-CompletionScorer through lib/setup.prepare_policy). Without it a checkpointed training forward runs the full
+lib/models/modeling.completion_logps takes as `checkpointed_prefix` (lib/setup.prepare_policy gives this module to the policy's
+CompletionScorer). Without it a checkpointed training forward runs the full
 [prompt; completion] sequences, with the same values and gradients.
 
 Transformers drops the cache inside a checkpointed block because a block recomputed in backward would append its keys

@@ -1,6 +1,6 @@
 """TRL's cast_lm_head_to_fp32 (docs/methods.md 13.2): the output layer's weight kept in float32 and its logits
-computed in float32. train_agrpo.setup hands `cast_lm_head_to_fp32` to lib/setup.load_models, which applies it to the
-policy and the reference where the key is true.
+computed in float32. lib/setup.load_models applies `cast_lm_head_to_fp32` to the policy and the reference where the key is
+true.
 """
 
 from __future__ import annotations

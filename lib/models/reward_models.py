@@ -53,7 +53,7 @@ def reward_model_name(spec: str) -> str:
 
 def reward_model_spec(spec: str) -> tuple[str, RewardModelSpec] | None:
     """(name, the reward model) `spec` names (a local folder, or a hub id 'org/name'), or None when it names a
-    function: lib/rewards/scoring.resolve_reward_funcs' `models`, which the entry scripts pass.
+    function: lib/rewards/scoring.resolve_reward_funcs' `models`, which lib/setup.reward_functions passes.
     Raises on a folder that holds no sequence-classification model: a causal LM would get a new, random score head
     (transformers initialises what the checkpoint lacks) and train the policy on noise."""
     if ":" in spec:

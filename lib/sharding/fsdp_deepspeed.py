@@ -1,8 +1,8 @@
 """FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 through Accelerate (docs/distributed.md 1 and 1.1: what is sharded and how; 2:
 the same code on a CPU over gloo). What the trainer adds around Accelerate for a sharded launch: its checks and
-settings, the reference sharded like the policy, sharded checkpoints, DeepSpeed's backward and step. A single process
-or data parallelism does without it: train_agrpo.setup hands this module to lib/setup.start_accelerator, which keeps
-the `Sharding` that `start` returns as Run.sharding. The core keeps what every launch needs (lib/distributed.py: a
+settings, the reference sharded like the policy, sharded checkpoints, DeepSpeed's backward and step. lib/setup.start_accelerator
+calls `start`, which returns None for a single process or data parallelism, and keeps the `Sharding` it returns for a
+sharded launch as Run.sharding. lib/distributed.py keeps what every launch needs (lib/distributed.py: a
 sharded parameter's full value, small collectives)."""
 from __future__ import annotations
 
