@@ -30,6 +30,7 @@ from transformers.utils import logging as hf_logging
 from lib import checkpoint as ckpt
 from lib.config import Config, ConfigError, save_yaml, validate
 from lib.data import check_answers, load_records, render_prompt, split_names
+from lib.losses import ObjectiveSettings
 from lib.methods import Method
 from lib.sampling import RolloutContext
 from lib.modeling import (REFERENCE_FOLDER, CompletionScorer, end_token_ids, is_adapter_folder, load_policy,
@@ -93,6 +94,7 @@ class Run:
     engine: HFRollout  # the sampler, or one with its interface: lib/extras' VLLMRollout, ServerRollout
     ctx: RolloutContext
     method: Method
+    objective: ObjectiveSettings  # what shapes the per-token loss (lib/losses.policy_objective)
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: object
