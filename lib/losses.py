@@ -744,8 +744,8 @@ def policy_objective(settings: ObjectiveSettings, logp: torch.Tensor, old_logp: 
            with bias_correction_kl, else 1
     H_it   `entropy`, the full next-token distribution's (with its gradient for A-GRPO's bonus eta)
 
-    A term whose setting is off, or whose weight (beta, eta) is 0, is not computed. logp, old_logp, the log-probs, the
-    entropy and the mask are (B, T); advantages (B,). Statistics (ObjectiveStats), by the logged name: sums over the
+    A term whose setting is off, or whose weight (beta, eta) is 0, is not computed. The log-probs, the entropy and the
+    mask are (B, T); advantages (B,). Statistics (ObjectiveStats), by the logged name: sums over the
     loss tokens of the surrogate's clip shares, `masked/off_policy` and `masked/low_entropy` (the tokens each mask
     left out), `kl` (0 with beta 0) and, with the importance weights, the weights and |log pi_old - log pi_sampling|
     (`.../mean`), their largest (`.../max`) and the smallest weight (`.../min`)."""
