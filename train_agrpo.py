@@ -55,7 +55,6 @@ warnings through `Run.watch`) lib/logs.py. The folders of lib/ hold one domain e
 
 from __future__ import annotations
 
-import math
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -82,8 +81,7 @@ from lib.sampling import vllm_rollout
 from lib.sampling.generation_server import ServerError, server_rollout
 from lib.sharding import memory
 from lib.logs import append_jsonl, batch_metrics, log_step
-from lib.methods.losses import (aggregate_loss, high_entropy_mask, kl_penalty, loss_options, mean_of, off_policy_sequence_mask,
-                        per_row, policy_loss, policy_ratio, token_share, truncated_importance_weights)
+from lib.methods.losses import ObjectiveSettings, ObjectiveStats, aggregate_loss, mean_of, per_row, policy_objective
 from lib.methods.registry import TrainValues, choose_method
 from lib.models.modeling import adapter_disabled, mix_into_reference, pad_cat
 from lib.sampling.rollout import Rollout
@@ -372,14 +370,8 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     step_rows = slice(part * geo.local_completions, (part + 1) * geo.local_completions)
     global_tokens, skip_update = batch.slice_tokens[part], batch.skip_updates[part]
     zero = partial(torch.zeros, (), device=accelerator.device)
-    sums = {"loss": zero(), "kl": zero(), "entropy": zero(), "trained_entropy": zero()}
-    clip_sums = {}
-    # truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-    # training"): the engine's sampling probabilities differ from the trainer's, so each token's policy-gradient term
-    # is weighted by pi_train / pi_vllm clamped into [C_min, C_max] (or per sequence, or zeroed outside it)
-    tis = cfg.use_vllm and cfg.vllm_importance_sampling_correction and roll.sampling_logps is not None
-    tis_sums = {"sum": zero(), "diff_sum": zero()}
-    tis_highs = {"max": zero(), "diff_max": zero(), "neg_min": torch.full((), -math.inf, device=accelerator.device)}
+    sums = {"loss": zero(), "entropy": zero(), "trained_entropy": zero()}
+    stats = ObjectiveStats()  # the objective's statistics over the step's micro-batches
     t0 = clock(run)
     run.policy.train()
     for m, rows in enumerate(step_micro):
@@ -394,41 +386,15 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
             mask = batch.loss_mask[rows]
             width = logp.shape[1]
             old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
-            per_token, clip_stats = policy_loss(  # the loss_type's per-token loss (lib/methods/losses.LOSS_TYPES)
-                cfg.loss_type, logp, old, batch.advantages[rows], mask, per_row(values.epsilon_low, rows),
-                per_row(values.epsilon_high, rows), cfg.importance_sampling_level, **loss_options(cfg.loss_type, cfg))
-            sampling = roll.sampling_logps[rows, :width] if roll.sampling_logps is not None else None
-            if cfg.off_policy_mask_threshold is not None:  # DeepSeek-V3.2, docs/methods.md 1.10
-                keep = off_policy_sequence_mask(logp, old if sampling is None else sampling, batch.advantages[rows],
-                                                mask, cfg.off_policy_mask_threshold)
-                per_token = per_token * keep
-                clip_stats["masked/off_policy"] = token_share(1 - keep, mask)
-            if cfg.top_entropy_quantile < 1.0:  # the 80/20 rule: high-entropy tokens only (docs/methods.md 1.11)
-                pool = distributed.gather_ragged(accelerator, entropy.detach()[mask.bool()].float())
-                keep = high_entropy_mask(entropy, mask, cfg.top_entropy_quantile, pool)
-                per_token = per_token * keep
-                clip_stats["masked/low_entropy"] = token_share(1 - keep, mask)
-            if tis:
-                weight = truncated_importance_weights(old, sampling, mask, cfg.vllm_importance_sampling_mode,
-                                                      cfg.vllm_importance_sampling_clip_max,
-                                                      cfg.vllm_importance_sampling_clip_min)
-                per_token = per_token * weight
-                off = ~mask.bool()
-                gap = (old - sampling).abs().masked_fill(off, 0.0)
-                tis_sums["sum"] += weight.masked_fill(off, 0.0).sum()
-                tis_sums["diff_sum"] += gap.sum()
-                tis_highs["max"] = torch.maximum(tis_highs["max"], weight.masked_fill(off, 0.0).max())
-                tis_highs["diff_max"] = torch.maximum(tis_highs["diff_max"], gap.max())
-                tis_highs["neg_min"] = torch.maximum(tis_highs["neg_min"], -weight.masked_fill(off, math.inf).min())
-            if values.beta > 0:
-                kl = kl_penalty(logp, batch.ref_logp[rows, :width], cfg.kl_estimator)
-                # TRL's use_bias_correction_kl: the term weighted by pi / pi_old (lib/methods/losses.policy_ratio)
-                kl_weight = policy_ratio(logp, old, mask, cfg.importance_sampling_level) \
-                    if cfg.use_bias_correction_kl else 1.0
-                per_token = per_token + values.beta * kl * kl_weight
-                sums["kl"] += (kl.detach() * mask).sum()
-            if values.eta > 0:  # A-GRPO entropy bonus: the gradient raises the full distribution's entropy
-                per_token = per_token - values.eta * entropy
+            # the 80/20 rule's threshold is over this micro-batch's loss tokens on every process (docs/methods.md 1.11)
+            pool = distributed.gather_ragged(accelerator, entropy.detach()[mask.bool()].float()) \
+                if run.objective.top_entropy_quantile < 1.0 else None
+            per_token, micro_stats = policy_objective(  # every per-token term (docs/methods.md 6.1, phase 5)
+                run.objective, logp, old, batch.advantages[rows], mask, entropy,
+                epsilon_low=per_row(values.epsilon_low, rows), epsilon_high=per_row(values.epsilon_high, rows),
+                beta=values.beta, eta=values.eta, entropy_pool=pool,
+                ref_logp=batch.ref_logp[rows, :width] if batch.ref_logp is not None else None,
+                sampling_logp=roll.sampling_logps[rows, :width] if roll.sampling_logps is not None else None)
             loss = aggregate_loss(per_token, mask, cfg.loss_type, global_num_sequences=geo.global_completions,
                                   global_num_tokens=global_tokens, max_completion_length=cfg.max_completion_length,
                                   num_processes=geo.world, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
@@ -439,15 +405,15 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
         sums["loss"] += loss.detach() / geo.world
         sums["entropy"] += (entropy.detach() * roll.completion_mask[rows]).sum()
         sums["trained_entropy"] += (entropy.detach() * mask).sum()  # what the adaptive entropy controller reads
-        for k, v in clip_stats.items():
-            clip_sums[k] = clip_sums.get(k, 0.0) + v * mask.sum()
+        stats = stats + micro_stats
     timing = {"time/policy": clock(run) - t0}
 
     t0 = clock(run)
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this update used
-    reduced = accelerator.reduce(torch.stack([sums["loss"], sums["kl"], sums["entropy"], sums["trained_entropy"]]),
-                                 reduction="sum")
-    grad_norm, nonfinite, moved = step_optimizer(run, reduced[0], skip_update, batch.nonfinite)
+    reduced = dict(zip([*sums, *stats.sums], accelerator.reduce(torch.stack([*sums.values(), *stats.sums.values()]),
+                                                                 reduction="sum")))
+    step_loss = reduced.pop("loss")
+    grad_norm, nonfinite, moved = step_optimizer(run, step_loss, skip_update, batch.nonfinite)
     timing["time/optimizer"] = clock(run) - t0
     t0 = clock(run)
     if moved:  # the weights moved: the sampler gets them
@@ -458,24 +424,19 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     loss_tokens = global_tokens.clamp(min=1)
     temperature = accelerator.reduce((roll.temperatures * roll.completion_mask)[step_rows].sum(), reduction="sum")
     metrics = {
-        "kl": float(reduced[1] / loss_tokens) if values.beta > 0 else 0.0,
-        "entropy": float(reduced[2] / step_tokens),
-        "entropy/trained": float(reduced[3] / loss_tokens),  # over the loss's tokens (TRL's adaptive entropy's)
-        **{k: float(accelerator.reduce(v, reduction="sum") / loss_tokens) for k, v in clip_sums.items()},
-        "learning_rate": learning_rate, "loss": float(reduced[0]), "grad_norm": float(grad_norm),
+        "kl": float(reduced.pop("kl") / loss_tokens),
+        "entropy": float(reduced.pop("entropy") / step_tokens),
+        # over the loss's tokens (TRL's adaptive entropy's)
+        "entropy/trained": float(reduced.pop("trained_entropy") / loss_tokens),
+        # the objective's other sums: the clip and mask shares, the importance weights' means
+        **{k: float(v / loss_tokens) for k, v in reduced.items()},
+        "learning_rate": learning_rate, "loss": float(step_loss), "grad_norm": float(grad_norm),
         "temperature": float(temperature / step_tokens),
     }
     if cfg.skip_zero_signal_updates:
         metrics["update_skipped"] = float(skip_update and not batch.nonfinite)
     metrics["nonfinite_skipped"] = float(bool(nonfinite))
-    if tis:
-        total = accelerator.reduce(torch.stack([tis_sums["sum"], tis_sums["diff_sum"]]), reduction="sum")
-        highs = accelerator.reduce(torch.stack(list(tis_highs.values())), reduction="max")
-        metrics.update({"sampling/importance_sampling_ratio/mean": float(total[0] / loss_tokens),
-                        "sampling/importance_sampling_ratio/min": float(-highs[2]),
-                        "sampling/importance_sampling_ratio/max": float(highs[0]),
-                        "sampling/sampling_logp_difference/mean": float(total[1] / loss_tokens),
-                        "sampling/sampling_logp_difference/max": float(highs[1])})
+    metrics.update(distributed.reduce_extremes(accelerator, stats.maxima, stats.minima))  # the weights' max / min
     return {**metrics, **timing}, nonfinite
 
 
@@ -586,7 +547,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
                           geometry, worker, sampler_hook)
     history = read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None
     run = Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method,
-              params, optimizer, scheduler, eval_records, geometry, ckpt.StopRequest(), sharded,
+              ObjectiveSettings.of(cfg), params, optimizer, scheduler, eval_records, geometry, ckpt.StopRequest(),
+              sharded,
               watch=health.Watch(to_dict(cfg), history),
               hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None)
     return run, state

@@ -62,6 +62,17 @@ def group_token_means(accelerator: Accelerator, values: torch.Tensor, mask: torc
     return (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
 
 
+def reduce_extremes(accelerator: Accelerator, maxima: dict[str, torch.Tensor],
+                    minima: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The largest of each of `maxima`'s values over the processes, and the smallest of each of `minima`'s, in one
+    reduction (a minimum is the maximum of the negated values); {} for none."""
+    if not maxima and not minima:
+        return {}
+    highs = accelerator.reduce(torch.stack([*maxima.values(), *(-v for v in minima.values())]), reduction="max")
+    signs = [1.0] * len(maxima) + [-1.0] * len(minima)
+    return {k: float(sign * v) for k, sign, v in zip([*maxima, *minima], signs, highs)}
+
+
 def gather_ragged(accelerator: Accelerator, values: torch.Tensor) -> torch.Tensor:
     """Every process's (M_p,) values, one after the other, (sum_p M_p,), where the counts differ between processes (the
     loss tokens of a micro-batch, for lib/methods/losses.high_entropy_mask's threshold). Each process pads to the longest with

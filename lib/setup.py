@@ -32,6 +32,7 @@ from lib.config import Config, ConfigError, save_yaml, validate
 from lib.data import hub_data
 from lib.data.records import check_answers, load_records, render_prompt, split_names
 from lib.data.word_problems import builtin_task
+from lib.methods.losses import ObjectiveSettings
 from lib.methods.registry import Method
 from lib.sampling.context import RolloutContext
 from lib.models.modeling import (REFERENCE_FOLDER, CompletionScorer, end_token_ids, is_adapter_folder, load_policy,
@@ -101,6 +102,7 @@ class Run:
     engine: HFRollout  # the sampler, or one with its interface: lib/sampling's VLLMRollout, ServerRollout
     ctx: RolloutContext
     method: Method
+    objective: ObjectiveSettings  # what shapes the per-token loss (lib/methods/losses.policy_objective)
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: object

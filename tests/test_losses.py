@@ -8,7 +8,7 @@ import torch
 from conftest import assert_close_to_scale, assert_rel_close
 from lib.methods.losses import (aggregate_loss, clipped_surrogate, dispersion, group_advantages, group_skewness, kl_penalty,
                         high_entropy_mask, off_policy_sequence_mask,
-                        LOSS_TYPES, policy_loss,
+                        LOSS_TYPES, ObjectiveSettings, ObjectiveStats, policy_loss, policy_objective,
                         normalize_then_sum, truncated_importance_weights, weighted_rewards,
                         token_logps_and_entropy)
 
@@ -453,8 +453,8 @@ def test_cispo_matches_trls_grpo_trainer_loss():
 
 # ---------------------------------------------------------------------------------------------------------------------
 # TRL 1.16's own loss (GRPOTrainer._compute_loss, its model pass replaced by given log-probs and entropies) against
-# ours, composed as train_agrpo.update_policy composes it: policy_loss, the off-policy and entropy masks, the vLLM
-# importance weights, aggregate_loss. Same tensors, both signs of the advantage, padding, and two accumulated
+# ours as train_agrpo.update_policy makes it: policy_objective (the surrogate, the off-policy and entropy masks, the
+# vLLM importance weights), then aggregate_loss. Same tensors, both signs of the advantage, padding, and two accumulated
 # micro-batches. docs/methods.md 1.7-1.11.
 
 def _mixed_batch():
@@ -508,15 +508,12 @@ def _trl_compute_loss(logp, old, adv, mask, entropy, *, trainer=None, args=None,
 
 def _ours(loss_type, logp, old, adv, mask, entropy, *, options=None, eps=(0.2, 0.2), level="token", sampling=None,
           off_policy=None, quantile=1.0, tis=None, accumulation=1, num_sequences=None, num_tokens=None):
-    """Our loss for one micro-batch, composed as train_agrpo.update_policy composes it."""
-    per_token, _ = policy_loss(loss_type, logp, old, adv, mask, eps[0], eps[1], level, **(options or {}))
-    if off_policy is not None:
-        per_token = per_token * off_policy_sequence_mask(logp, old if sampling is None else sampling, adv, mask,
-                                                         off_policy)
-    if quantile < 1.0:
-        per_token = per_token * high_entropy_mask(entropy, mask, quantile)
-    if tis is not None:
-        per_token = per_token * truncated_importance_weights(old, sampling, mask, *tis)
+    """Our loss for one micro-batch, as train_agrpo.update_policy makes it: policy_objective, then aggregate_loss."""
+    mode, clip_max, clip_min = tis or ("token_truncate", 3.0, None)
+    settings = ObjectiveSettings(loss_type, level, options or {}, off_policy, quantile, tis is not None, mode,
+                                 clip_max, clip_min)
+    per_token, _ = policy_objective(settings, logp, old, adv, mask, entropy, epsilon_low=eps[0], epsilon_high=eps[1],
+                                    sampling_logp=sampling)
     return aggregate_loss(per_token, mask, loss_type, global_num_sequences=num_sequences or logp.shape[0],
                           global_num_tokens=mask.sum() if num_tokens is None else num_tokens,
                           max_completion_length=logp.shape[1], gradient_accumulation_steps=accumulation)
@@ -786,3 +783,168 @@ def test_normalize_then_sum_composes_with_agpo_homogeneous_values():
     assert torch.equal(adv[2:], normalize_then_sum(rewards, torch.ones(2), 2)[2:])
     with pytest.raises(ValueError, match="per_function"):
         group_advantages(rewards[:, 0], 2, aggregation="normalize_then_sum")
+
+
+# ---- policy_objective: every per-token term and its statistics (docs/methods.md 6.1, phase 5) ------------------------
+
+def _objective(loss_type="grpo", **settings):
+    return ObjectiveSettings(loss_type, **settings)
+
+
+def test_objective_masks_by_hand_with_their_shares_and_the_gathered_pool():
+    """On-policy (rho = 1) grpo's term is -A on every token; the off-policy mask drops the negative-advantage row whose
+    mean log-prob gap to the sampler is above the threshold, the 80/20 mask the tokens below the entropy quantile
+    (padding in neither count nor pool), and each share is summed over the loss tokens."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.7]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    # sampler minus policy: row 0 gaps 2 (kept anyway, A > 0); row 1 (1 + 0.5) / 2 = 0.75 over its two tokens > 0.5
+    sampling = logp + torch.tensor([[2.0, 2.0, 2.0], [1.0, 0.5, -9.0]])
+    entropy = torch.tensor([[0.1, 0.9, 0.5], [0.3, 0.7, 5.0]])
+    args = dict(epsilon_low=0.2, epsilon_high=0.2, sampling_logp=sampling)
+
+    plain, stats = policy_objective(_objective(), logp, logp, adv, mask, entropy, **args)
+    assert plain.tolist() == [[-1.0] * 3, [1.0] * 3]
+    assert set(stats.sums) == {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl"}
+    assert not any(stats.sums.values()) and not stats.maxima and not stats.minima  # no clip on-policy, beta 0
+
+    masked, stats = policy_objective(_objective(off_policy_mask_threshold=0.5), logp, logp, adv, mask, entropy, **args)
+    assert masked.tolist() == [[-1.0] * 3, [0.0] * 3]
+    assert float(stats.sums["masked/off_policy"]) == pytest.approx(2.0)  # row 1's two loss tokens
+
+    # the pool of the 5 loss tokens 0.1 0.3 0.5 0.7 0.9: its median 0.5; kept: 0.9 and 0.5, 0.7 (not 5.0, padding)
+    high = _objective(top_entropy_quantile=0.5)
+    kept, stats = policy_objective(high, logp, logp, adv, mask, entropy, **args)
+    assert kept.tolist() == [[0.0, -1.0, -1.0], [0.0, 1.0, 0.0]]
+    assert float(stats.sums["masked/low_entropy"]) == pytest.approx(2.0)  # 0.1 and 0.3
+    # a pool gathered from every process: 8 tokens, median (0.7 + 0.8) / 2 = 0.75, so only 0.9 stays
+    pool = torch.tensor([0.1, 0.9, 0.5, 0.3, 0.7, 0.8, 0.85, 0.95])
+    kept, stats = policy_objective(high, logp, logp, adv, mask, entropy, entropy_pool=pool, **args)
+    assert kept.tolist() == [[0.0, -1.0, 0.0], [0.0, 0.0, 0.0]]
+    assert float(stats.sums["masked/low_entropy"]) == pytest.approx(4.0)
+
+    both, stats = policy_objective(_objective(off_policy_mask_threshold=0.5, top_entropy_quantile=0.5), logp, logp,
+                                   adv, mask, entropy, **args)
+    assert both.tolist() == [[0.0, -1.0, -1.0], [0.0, 0.0, 0.0]]
+    assert {k: float(stats.sums[k]) for k in ("masked/off_policy", "masked/low_entropy")} == {
+        "masked/off_policy": pytest.approx(2.0), "masked/low_entropy": pytest.approx(2.0)}
+
+
+def test_objective_importance_weights_and_their_statistics_by_hand():
+    """w = clamp(pi_old / pi_sampling, 0.5, 2) on the policy term; the sums of w and of |log pi_old - log pi_sampling|
+    over the loss tokens, their largest, and the smallest w (padding out of all of them)."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]])
+    sampling = torch.tensor([[-1.0, -3.0, 0.5], [-1.5, -0.75, -4.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    settings = _objective(importance_sampling=True, importance_sampling_mode="token_truncate",
+                          importance_sampling_clip_max=2.0, importance_sampling_clip_min=0.5)
+    per_token, stats = policy_objective(settings, old, old, adv, mask, torch.zeros(2, 3), epsilon_low=0.2,
+                                        epsilon_high=0.2, sampling_logp=sampling)
+    # ratios 1, e (capped at 2), e^-1 (raised to 0.5); e^0.5, e^-0.25, padding 0
+    w = [[1.0, 2.0, 0.5], [math.exp(0.5), math.exp(-0.25), 0.0]]
+    assert torch.allclose(per_token, torch.tensor([[-1.0, -2.0, -0.5], [w[1][0], w[1][1], 0.0]]))
+    got = {k: float(v) for part in (stats.sums, stats.maxima, stats.minima) for k, v in part.items()}
+    assert got == pytest.approx({
+        "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0, "kl": 0.0,
+        "sampling/importance_sampling_ratio/mean": 3.5 + w[1][0] + w[1][1],
+        "sampling/sampling_logp_difference/mean": 0.0 + 1.0 + 1.0 + 0.5 + 0.25,
+        "sampling/importance_sampling_ratio/max": 2.0, "sampling/sampling_logp_difference/max": 1.0,
+        "sampling/importance_sampling_ratio/min": 0.5})
+    # off (the HF sampler), or no sampler log-probs in this rollout: no weight, no statistics of it
+    for off, given in ((_objective(), sampling), (settings, None)):
+        plain, stats = policy_objective(off, old, old, adv, mask, torch.zeros(2, 3), epsilon_low=0.2,
+                                        epsilon_high=0.2, sampling_logp=given)
+        assert plain.tolist() == [[-1.0] * 3, [1.0] * 3] and not stats.maxima and not stats.minima
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_objective_kl_with_and_without_bias_correction_by_hand(level):
+    """beta k3 with u = pi_ref / pi: pi = (0.5, 0.25), pi_ref = (0.25, 0.5), so u = (1/2, 2) and k3 = u - log u - 1 =
+    (ln 2 - 1/2, 1 - ln 2), which sum to 1/2. With the bias correction the term is weighted by rho = pi / pi_old
+    (pi_old = (0.4, 0.25): rho = (1.25, 1), or GSPO's sqrt(1.25) on both), and its gradient is
+    beta rho (k3 + 1 - u) instead of beta (1 - u). A = 0 leaves the surrogate out; the logged KL sum is k3's."""
+    beta = 0.1
+    pi, old, ref = torch.tensor([[0.5, 0.25]]), torch.tensor([[0.4, 0.25]]), torch.tensor([[0.25, 0.5]])
+    k3, u = [math.log(2) - 0.5, 1 - math.log(2)], [0.5, 2.0]
+    rho = [1.25, 1.0] if level == "token" else [math.sqrt(1.25)] * 2
+    for corrected, weight in ((False, [1.0, 1.0]), (True, rho)):
+        logp = pi.log().requires_grad_()
+        settings = _objective(importance_sampling_level=level, kl_estimator="k3", bias_correction_kl=corrected)
+        per_token, stats = policy_objective(settings, logp, old.log(), torch.zeros(1), torch.ones(1, 2),
+                                            torch.zeros(1, 2), epsilon_low=0.2, epsilon_high=0.2, beta=beta,
+                                            ref_logp=ref.log())
+        assert per_token[0].tolist() == pytest.approx([beta * k * w for k, w in zip(k3, weight)], rel=1e-6)
+        assert float(stats.sums["kl"]) == pytest.approx(0.5, rel=1e-6)
+        per_token.sum().backward()
+        if not corrected:
+            want = [beta * (1 - v) for v in u]
+        elif level == "token":
+            want = [beta * w * (k + 1 - v) for k, w, v in zip(k3, weight, u)]
+        else:  # d sqrt(rho_1 rho_2) / d log pi_t = s / 2 on both tokens: beta s (k3_1 + k3_2) / 2 + beta s (1 - u_t)
+            want = [beta * w * (sum(k3) / 2 + 1 - v) for w, v in zip(weight, u)]
+        assert logp.grad[0].tolist() == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ValueError, match="beta > 0 needs ref_logp"):
+        policy_objective(_objective(), pi.log(), pi.log(), torch.zeros(1), torch.ones(1, 2), torch.zeros(1, 2),
+                         epsilon_low=0.2, epsilon_high=0.2, beta=beta)
+
+
+def test_objective_entropy_bonus_by_hand():
+    """-eta H on every token (the mask acts in aggregate_loss): each token's entropy gets the gradient -eta; with
+    eta 0 the entropy is not in the loss at all."""
+    entropy = torch.tensor([[0.5, 1.5, 2.0]], requires_grad=True)
+    logp = torch.tensor([[-1.0, -2.0, -3.0]])
+    per_token, _ = policy_objective(_objective(), logp, logp, torch.zeros(1), torch.tensor([[1.0, 1.0, 0.0]]),
+                                    entropy, epsilon_low=0.2, epsilon_high=0.2, eta=0.01)
+    assert per_token[0].tolist() == pytest.approx([-0.005, -0.015, -0.02])
+    per_token.sum().backward()
+    assert entropy.grad[0].tolist() == pytest.approx([-0.01] * 3)
+    without, _ = policy_objective(_objective(), logp, logp, torch.zeros(1), torch.ones(1, 3), entropy,
+                                  epsilon_low=0.2, epsilon_high=0.2)
+    assert not without.requires_grad
+
+
+def test_objective_statistics_of_two_micro_batches_add_up_to_the_whole_batchs():
+    """Off the policy, with the clip, the off-policy mask and the importance weights on: the statistics of two halves
+    combined (`+`: sums added, the largest and the smallest kept) are those of the whole batch, which the loop
+    divides by the step's loss tokens; and every one acts here (none is 0)."""
+    logp, old, adv, mask, entropy, sampling = _mixed_batch()
+    settings = _objective(off_policy_mask_threshold=0.1, importance_sampling=True,
+                          importance_sampling_mode="token_truncate", importance_sampling_clip_max=1.5)
+    ref = old - 0.3
+    run = lambda rows: policy_objective(settings, logp[rows], old[rows], adv[rows], mask[rows], entropy[rows],
+                                        epsilon_low=0.2, epsilon_high=0.2, beta=0.05, ref_logp=ref[rows],
+                                        sampling_logp=sampling[rows])[1]
+    whole, halves = run(slice(0, 4)), ObjectiveStats() + run(slice(0, 2)) + run(slice(2, 4))
+    for part in ("sums", "maxima", "minima"):
+        mine, theirs = getattr(whole, part), getattr(halves, part)
+        assert mine.keys() == theirs.keys() and all(float(mine[k]) > 0 for k in mine)
+        assert all(float(mine[k]) == pytest.approx(float(theirs[k]), rel=1e-6) for k in mine), part
+    first, second = ObjectiveStats({"a": torch.tensor(1.0)}, {"m": torch.tensor(2.0)}, {"n": torch.tensor(3.0)}), \
+        ObjectiveStats({"a": torch.tensor(4.0), "b": torch.tensor(5.0)}, {"m": torch.tensor(1.0)},
+                       {"n": torch.tensor(-1.0)})
+    total = first + second
+    assert ({k: float(v) for k, v in total.sums.items()}, float(total.maxima["m"]), float(total.minima["n"])) == (
+        {"a": 5.0, "b": 5.0}, 2.0, -1.0)
+
+
+def test_objective_settings_from_a_configuration_and_refused_values():
+    from lib.config import make_config
+
+    cfg = make_config({"loss_type": "sapo", "sapo_temperature_neg": 2.0, "top_entropy_quantile": 0.2,
+                       "off_policy_mask_threshold": 0.5, "use_bias_correction_kl": True, "kl_estimator": "k1",
+                       "importance_sampling_level": "sequence"})
+    settings = ObjectiveSettings.of(cfg)
+    assert settings == ObjectiveSettings("sapo", "sequence", {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 2.0},
+                                         0.5, 0.2, False, cfg.vllm_importance_sampling_mode,
+                                         cfg.vllm_importance_sampling_clip_max, cfg.vllm_importance_sampling_clip_min,
+                                         "k1", True)
+    assert not settings.importance_sampling  # the HF sampler samples with the trained weights: no weights
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        ObjectiveSettings("ppo")
+    with pytest.raises(ValueError, match="loss_type sapo takes no dual_clip"):
+        ObjectiveSettings("sapo", loss_options={"dual_clip": 3.0})
+    with pytest.raises(ValueError, match="kl_estimator must be one of"):
+        ObjectiveSettings("grpo", kl_estimator="k9")
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode must be one of"):
+        ObjectiveSettings("grpo", importance_sampling_mode="token")

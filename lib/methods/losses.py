@@ -4,6 +4,7 @@ Everything here takes tensors and returns tensors (plus a dict of detached stati
 Accelerator, no globals, no `.item()`: the training loop reduces and logs. Shapes use B = completions in the
 (micro-)batch, T = completion tokens (padded), V = vocabulary, G = group size (`num_generations`).
 Formulas: docs/methods.md section 1 (DeepSeekMath GRPO, TRL's implementation, DAPO, Dr. GRPO, GSPO, CISPO).
+`policy_objective` assembles the per-token loss from them: the surrogate, its masks and weights, KL, entropy.
 
 The choices a configuration offers are the keys of the registries here: `LOSS_TYPES` (the per-token policy loss and
 how it is averaged), `KL_ESTIMATORS`, `SCALE_REWARDS`, plus `DISPERSIONS` and `IMPORTANCE_SAMPLING_LEVELS`;
@@ -13,7 +14,8 @@ lib/settings.py reads its choices from them, and `check_settings` refuses the ke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -661,6 +663,129 @@ def aggregate_loss(
     mask = completion_mask.to(per_token_loss.dtype)
     return _loss_type(loss_type).average(per_token_loss * mask, mask, global_num_sequences, global_num_tokens,
                                          max_completion_length, num_processes, gradient_accumulation_steps)
+
+
+@dataclass(frozen=True)
+class ObjectiveSettings:
+    """What shapes `policy_objective`, read once from a configuration at set-up (`of`). The values a controller moves
+    between steps (beta, eta, the clip range) are arguments of each call instead. docs/methods.md 6.1, phase 5."""
+
+    loss_type: str
+    importance_sampling_level: str = "token"
+    loss_options: dict = field(default_factory=dict)  # the loss type's own keys (LossType.options, `loss_options`)
+    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's sequence mask (docs/methods.md 1.10); None: off
+    top_entropy_quantile: float = 1.0  # the 80/20 rule (docs/methods.md 1.11); 1: every token
+    importance_sampling: bool = False  # the sampler's truncated importance weights (docs/methods.md 1.12)
+    importance_sampling_mode: str = "token_truncate"
+    importance_sampling_clip_max: float | None = 3.0
+    importance_sampling_clip_min: float | None = None
+    kl_estimator: str = "k3"
+    bias_correction_kl: bool = False  # TRL's use_bias_correction_kl: the KL term weighted by pi / pi_old
+
+    def __post_init__(self):
+        unknown = set(self.loss_options) - set(_loss_type(self.loss_type).options)
+        if unknown:
+            raise ValueError(f"loss_type {self.loss_type} takes no {', '.join(sorted(unknown))}")
+        for name, value, choices in (("kl_estimator", self.kl_estimator, tuple(KL_ESTIMATORS)),
+                                     ("importance_sampling_level", self.importance_sampling_level,
+                                      IMPORTANCE_SAMPLING_LEVELS),
+                                     ("vllm_importance_sampling_mode", self.importance_sampling_mode,
+                                      IMPORTANCE_SAMPLING_MODES)):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+    @classmethod
+    def of(cls, cfg) -> ObjectiveSettings:
+        """From a configuration (any object with its keys). The importance weights apply with use_vllm only: the HF
+        sampler samples with the trained weights themselves."""
+        return cls(cfg.loss_type, cfg.importance_sampling_level, loss_options(cfg.loss_type, cfg),
+                   cfg.off_policy_mask_threshold, cfg.top_entropy_quantile,
+                   bool(cfg.use_vllm and cfg.vllm_importance_sampling_correction), cfg.vllm_importance_sampling_mode,
+                   cfg.vllm_importance_sampling_clip_max, cfg.vllm_importance_sampling_clip_min, cfg.kl_estimator,
+                   cfg.use_bias_correction_kl)
+
+
+@dataclass
+class ObjectiveStats:
+    """`policy_objective`'s statistics of one micro-batch, each keyed by the metric it is logged as, in the form that
+    combines over micro-batches (`+`) and processes: `sums` are added (each logged divided by the step's loss
+    tokens), `maxima` take the largest, `minima` the smallest."""
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    maxima: dict[str, torch.Tensor] = field(default_factory=dict)
+    minima: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __add__(self, other: ObjectiveStats) -> ObjectiveStats:
+        def combine(mine: dict, theirs: dict, how: Callable) -> dict:
+            return {**mine, **{k: how(mine[k], v) if k in mine else v for k, v in theirs.items()}}
+        return ObjectiveStats(combine(self.sums, other.sums, torch.add),
+                              combine(self.maxima, other.maxima, torch.maximum),
+                              combine(self.minima, other.minima, torch.minimum))
+
+
+def policy_objective(settings: ObjectiveSettings, logp: torch.Tensor, old_logp: torch.Tensor,
+                     advantages: torch.Tensor, completion_mask: torch.Tensor, entropy: torch.Tensor, *,
+                     epsilon_low: float | torch.Tensor, epsilon_high: float | torch.Tensor, beta: float = 0.0,
+                     eta: float = 0.0, ref_logp: torch.Tensor | None = None, sampling_logp: torch.Tensor | None = None,
+                     entropy_pool: torch.Tensor | None = None) -> tuple[torch.Tensor, ObjectiveStats]:
+    """Every per-token term of the loss of one micro-batch, (B, T), for `aggregate_loss` to average:
+
+        l_it = M_i K_it w_it s_it  +  beta c_it KL_it  -  eta H_it
+
+    s_it   the loss type's surrogate (`policy_loss`, LOSS_TYPES) with the clip range epsilon_low / epsilon_high (floats
+           or (B,), one per completion)
+    M_i    the off-policy sequence mask (`off_policy_sequence_mask`, docs/methods.md 1.10) with
+           off_policy_mask_threshold, its KL taken to `sampling_logp` where given, else to `old_logp`
+    K_it   the high-entropy mask (`high_entropy_mask`, 1.11) with top_entropy_quantile < 1, its threshold over
+           `entropy_pool` (the caller gathers every process's loss-token entropies: lib/distributed.gather_ragged)
+    w_it   the sampler's truncated importance weight pi_old / pi_sampling (`truncated_importance_weights`, 1.12) with
+           settings.importance_sampling and `sampling_logp` given
+    KL_it  `kl_penalty` to `ref_logp` (needed when beta > 0) by kl_estimator; c_it = pi / pi_old (`policy_ratio`)
+           with bias_correction_kl, else 1
+    H_it   `entropy`, the full next-token distribution's (with its gradient for A-GRPO's bonus eta)
+
+    A term whose setting is off, or whose weight (beta, eta) is 0, is not computed. The log-probs, the entropy and the
+    mask are (B, T); advantages (B,). Statistics (ObjectiveStats), by the logged name: sums over the
+    loss tokens of the surrogate's clip shares, `masked/off_policy` and `masked/low_entropy` (the tokens each mask
+    left out), `kl` (0 with beta 0) and, with the importance weights, the weights and |log pi_old - log pi_sampling|
+    (`.../mean`), their largest (`.../max`) and the smallest weight (`.../min`)."""
+    mask = completion_mask
+    per_token, shares = policy_loss(settings.loss_type, logp, old_logp, advantages, mask, epsilon_low, epsilon_high,
+                                    settings.importance_sampling_level, **settings.loss_options)
+    if settings.off_policy_mask_threshold is not None:
+        keep = off_policy_sequence_mask(logp, old_logp if sampling_logp is None else sampling_logp, advantages, mask,
+                                        settings.off_policy_mask_threshold)
+        per_token = per_token * keep
+        shares["masked/off_policy"] = token_share(1 - keep, mask)
+    if settings.top_entropy_quantile < 1.0:
+        keep = high_entropy_mask(entropy, mask, settings.top_entropy_quantile, entropy_pool)
+        per_token = per_token * keep
+        shares["masked/low_entropy"] = token_share(1 - keep, mask)
+    tokens = mask.sum()
+    stats = ObjectiveStats({k: v * tokens for k, v in shares.items()})
+    if settings.importance_sampling and sampling_logp is not None:
+        weight = truncated_importance_weights(old_logp, sampling_logp, mask, settings.importance_sampling_mode,
+                                              settings.importance_sampling_clip_max,
+                                              settings.importance_sampling_clip_min)
+        per_token = per_token * weight
+        off = ~mask.bool()
+        gap = (old_logp - sampling_logp).abs().masked_fill(off, 0.0)
+        ratio, difference = "sampling/importance_sampling_ratio", "sampling/sampling_logp_difference"
+        stats.sums |= {f"{ratio}/mean": weight.masked_fill(off, 0.0).sum(), f"{difference}/mean": gap.sum()}
+        stats.maxima |= {f"{ratio}/max": weight.masked_fill(off, 0.0).max(), f"{difference}/max": gap.max()}
+        stats.minima[f"{ratio}/min"] = weight.masked_fill(off, math.inf).min()
+    stats.sums["kl"] = torch.zeros((), device=logp.device)
+    if beta > 0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp, the reference's log-probs of the same tokens")
+        kl = kl_penalty(logp, ref_logp, settings.kl_estimator)
+        kl_weight = policy_ratio(logp, old_logp, mask, settings.importance_sampling_level) \
+            if settings.bias_correction_kl else 1.0
+        per_token = per_token + beta * kl * kl_weight
+        stats.sums["kl"] = (kl.detach() * mask).sum()
+    if eta > 0:  # A-GRPO's entropy bonus: the gradient raises the full distribution's entropy
+        per_token = per_token - eta * entropy
+    return per_token, stats
 
 
 def per_row(value: float | torch.Tensor, rows: slice) -> float | torch.Tensor:
