@@ -46,6 +46,11 @@ reference, the sampler and vLLM's reservation are measured, not estimated):
 
 A micro-batch's tokens: its completions x max_completion_length plus its distinct prompts x max_prompt_length
 (each prompt runs once, its keys/values shared by its group).
+
+Several processes: every figure is one process's. `process_memory` turns what a process holds before the policy is
+sharded into what the launch leaves it (FSDP2 / ZeRO-3: 1/N of the weights, gradients and AdamW states; ZeRO-2: of
+the gradients and states; data parallel: everything), for the run-time guard (`check_run`, measured) and the
+estimate (`recipe_memory`, by arithmetic) alike (docs/distributed.md 4).
 """
 
 from __future__ import annotations
