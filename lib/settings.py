@@ -651,7 +651,8 @@ class Config(RunArguments, AdaptiveArguments, GRPOArguments, OptimizationArgumen
     def local_generation_batch(self) -> int:
         """Completions one process samples at once, its share of a generation batch: per_device_train_batch_size x
         gradient_accumulation_steps x optimizer_steps_per_generation (per_device_train_batch_size x
-        steps_per_generation, TRL's meaning). lib/setup.Geometry's local_rollout; what a sampler's batch is sized for."""
+        steps_per_generation, TRL's meaning). lib/setup.Geometry's local_rollout; what a sampler's batch is sized
+        for."""
         return (self.per_device_train_batch_size * self.gradient_accumulation_steps
                 * self.optimizer_steps_per_generation)
 

@@ -5,8 +5,8 @@ each a stage that prints PASS or FAIL with its figures.
   2. server: a vLLM generation server (serve_vllm.py) on the last GPU, FSDP2 over the others, sampling through it
      (vllm_mode server), the weights pushed to it after every optimizer step.
 
-A stage passes when the run ends with every step logged, a finite loss, and the engine's log-probs of what it sampled
-within --max_logp_gap of the policy's after each weight sync (the weights reached it). Its figures, from the run's
+A stage passes when the run ends with every step logged, a finite loss, a gradient, and the engine's log-probs of what
+it sampled within --max_logp_gap of the policy's after each weight sync (the new weights reached it). Its figures, from the run's
 metrics.jsonl: the median step time (the first step left out), the median weight-sync time, the memory guard's
 estimate a process (its start-up line), and on GPUs the peak memory used on each GPU (nvidia-smi, polled).
 
@@ -61,6 +61,16 @@ def tiny_model(folder: Path) -> str:
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def spread_reward(folder: Path) -> Path:
+    """A reward file whose reward, a completion's length in characters / 100, differs within every group (a random
+    model's too, whose accuracy is 0 everywhere): every step moves the weights, so the engine's log-probs after a
+    sync show whether the new weights reached it."""
+    path = folder / "spread_reward.py"
+    path.write_text("def characters(prompts, completions, **columns):\n"
+                    "    return [len(c) / 100 for c in completions]\n")
+    return path
 
 
 class PeakMemory:
@@ -136,7 +146,8 @@ def train(args, model: str, processes: int, gpus: list[int] | None, out: Path, e
                "--per_device_train_batch_size", "8", "--num_generations", "4",
                "--max_prompt_length", str(args.max_prompt_length),
                "--max_completion_length", str(args.max_completion_length), "--num_eval_samples", "0",
-               "--save_strategy", "no", "--use_vllm", "true", "--reward_funcs", "accuracy", "repetition", "--bf16", "false" if args.cpu else "true", *extra]
+               "--save_strategy", "no", "--use_vllm", "true", "--bf16", "false" if args.cpu else "true",
+               "--reward_funcs", "accuracy", f"{spread_reward(out.parent)}:characters", *extra]
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus is not None else {})}
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.stage_timeout)
     (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
@@ -156,6 +167,8 @@ def verdict(args, name: str, code: int, output: str, out: Path, memory: PeakMemo
         problems.append(f"{len(steps)} of {args.steps} steps logged")
     if not all(abs(m["loss"]) < float("inf") for m in steps):
         problems.append("a loss that is not finite")
+    if steps and not any(m.get("grad_norm", 0.0) > 0 for m in steps):
+        problems.append("no step had a gradient: the weights never moved, so their sync was not checked")
     if steps and not gap <= args.max_logp_gap:
         problems.append(f"the engine's log-probs {gap:.3g} from the policy's (more than {args.max_logp_gap})")
     timed = steps[1:] or steps
