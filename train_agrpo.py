@@ -532,7 +532,8 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     if agent is not None:  # an environment's get_reward: a reward of its own, after the configured ones
         reward_funcs = reward_funcs + agent.reward_funcs()
     optimizer = policy_optimizer(cfg, policy)
-    estimate = memory.check_run(cfg, policy, accelerator.device, bf16)  # stops a run that won't fit
+    # stops a run that won't fit, per process and per shard (a sleeping engine measured asleep)
+    estimate = memory.check_run(cfg, policy, accelerator.device, bf16, world, sharded, engine)
     if accelerator.is_main_process:
         tqdm.write(estimate)
         vllm_rollout.say_hf_sampler_note(cfg, accelerator.device, tqdm.write)  # a GPU run without vLLM

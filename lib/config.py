@@ -545,9 +545,9 @@ def validate_backend(cfg: Config, check_installed: bool = True) -> None:
     if (check_installed and cfg.optim.startswith(("adamw_8bit", "paged"))
             and importlib.util.find_spec("bitsandbytes") is None):
         raise ConfigError(f"optim: {cfg.optim!r} needs bitsandbytes: pip install bitsandbytes (or --optim adamw_torch)")
-    if cfg.estimate_processes > 1 and cfg.use_peft:
+    if cfg.estimate_processes > 1 and cfg.use_peft and cfg.estimate_sharding != "ddp":
         raise ConfigError("estimate_processes: FSDP2 and DeepSpeed shard full fine-tuning; LoRA / QLoRA train data "
-                          "parallel (their estimate is per GPU as it is): drop estimate_processes or use_peft")
+                          "parallel (their estimate is per GPU as it is): --estimate_sharding ddp, or drop use_peft")
 
 
 def default_use_vllm(cuda: bool, vllm_installed: bool) -> bool:

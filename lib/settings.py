@@ -577,9 +577,10 @@ class RunArguments:
                                      "h200) or compute capability (7.5), which decides the precision (bf16 from 8.0, "
                                      "fp16 below). Default: a card with bf16."})
     estimate_sharding: str = field(default="fsdp2", metadata={"help": "With estimate_processes > 1: fsdp2 | zero2 | "
-                                   "zero3, the launch config the estimate is for (scripts/accelerate/fsdp2.yaml, "
-                                   "zero2.yaml, zero3.yaml).",
-        "choices": ("fsdp2", "zero2", "zero3"), "why": "the launch config"})
+                                   "zero3 | ddp, the launch config the estimate is for (scripts/accelerate/fsdp2.yaml, "
+                                   "zero2.yaml, zero3.yaml; ddp_8gpu.yaml: data parallel, nothing sharded). The "
+                                   "run-time memory guard counts the same way.",
+        "choices": ("fsdp2", "zero2", "zero3", "ddp"), "why": "the launch config"})
     output_dir: str = field(default="runs/agrpo", metadata={"help": "Run directory (config, metrics, "
                             "checkpoints, final model).",
         "nonempty": "give a name or a path (see `python train_agrpo.py --help`)"})
@@ -652,6 +653,15 @@ class Config(RunArguments, AdaptiveArguments, GRPOArguments, OptimizationArgumen
         default gradient_accumulation_steps) over gradient_accumulation_steps a step."""
         return max(1, (self.steps_per_generation or self.gradient_accumulation_steps)
                    // self.gradient_accumulation_steps)
+
+    @property
+    def local_generation_batch(self) -> int:
+        """Completions one process samples at once, its share of a generation batch: per_device_train_batch_size x
+        gradient_accumulation_steps x optimizer_steps_per_generation (per_device_train_batch_size x
+        steps_per_generation, TRL's meaning). lib/setup.Geometry's local_rollout; what a sampler's batch is sized
+        for."""
+        return (self.per_device_train_batch_size * self.gradient_accumulation_steps
+                * self.optimizer_steps_per_generation)
 
     def resolved_epsilon_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high

@@ -81,7 +81,7 @@ class Geometry:
     @classmethod
     def of(cls, cfg: Config, rank: int, world: int) -> Geometry:
         local = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-        local_rollout = local * cfg.optimizer_steps_per_generation
+        local_rollout = cfg.local_generation_batch
         micro = [slice(i, i + cfg.per_device_train_batch_size)
                  for i in range(0, local_rollout, cfg.per_device_train_batch_size)]
         return cls(world, local, local * world, local_rollout, rank * local_rollout,

@@ -283,6 +283,24 @@ def test_sharding_refuses_lora_before_loading_a_model(tmp_path, tiny_model, shar
     assert not (tmp_path / "lora" / "checkpoint-2").exists()
 
 
+@pytest.mark.slow
+def test_the_memory_guard_counts_a_process_of_the_sharded_launch(tmp_path, tiny_model, fsdp_run):
+    """The guard on two real processes: the sharded run says its per-process figure at start-up (and ran, fsdp_run);
+    under a budget below it every process stops before a step with that figure and the advice for a sharded launch
+    (more processes, not LoRA, which does not shard)."""
+    _, output = fsdp_run
+    assert "a process (FSDP2 over 2 processes) (in GB: already resident" in output
+    proc = launch(FSDP, ["--model_name_or_path", tiny_model, *TWO, "--max_memory", "0.5", "--output_dir",
+                         str(tmp_path / "small")], tmp_path)
+    assert proc.returncode != 0
+    refused = [line for line in proc.stderr.splitlines() if line.startswith("configuration error: a training step")]
+    assert len(refused) == 2, proc.stderr[-3000:]  # each process
+    assert all("GB a process (FSDP2 over 2 processes)" in line and "launch more processes" in line
+               and "use_peft" not in line for line in refused), refused
+    assert not (tmp_path / "small" / "metrics.jsonl").exists() or "loss" not in (
+        tmp_path / "small" / "metrics.jsonl").read_text()
+
+
 @pytest.fixture
 def thirty_blocks(tmp_path, embedded_model) -> str:
     """The embedded 135M model's layout at a fraction of its width: its configuration (30 decoder blocks, 9 attention

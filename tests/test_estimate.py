@@ -83,7 +83,7 @@ def test_the_sharded_estimate_divides_the_policy_reference_gradients_and_states_
 
     with pytest.raises(ConfigError, match="estimate_processes: FSDP2 and DeepSpeed shard full fine-tuning"):
         make_config({**base, "estimate_processes": 2, "use_peft": True})
-    with pytest.raises(ConfigError, match="estimate_sharding: 'zero1' is not one of fsdp2, zero2, zero3"):
+    with pytest.raises(ConfigError, match="estimate_sharding: 'zero1' is not one of fsdp2, zero2, zero3, ddp"):
         make_config({**base, "estimate_processes": 2, "estimate_sharding": "zero1"})
 
     # DeepSpeed: ZeRO-3 as FSDP2 with a bf16 partition and its fp32 master copy, and the gradient bucket; ZeRO-2 with
@@ -104,3 +104,140 @@ def test_the_sharded_estimate_divides_the_policy_reference_gradients_and_states_
                                            "estimate_sharding": "zero3"}), gpu_bytes=None)
     assert not [k for k in served if k.startswith(("vLLM", "sampler"))]
     assert served["policy weights (ZeRO-3: its partition, + fp32 master)"] == numel * 6 // 4
+
+
+# ---- the run-time guard, per process and per shard, and its agreement with --estimate_memory_only
+
+def test_the_guard_counts_one_process_of_each_sharding(tiny_model):
+    """The guard's figure from what a process holds before the policy is sharded (`guard_memory`), on the tiny
+    model's real fp32 parameters: data parallel keeps everything whole at any process count; FSDP2 and ZeRO-3
+    replace the whole weights by 1/N of them (plus what is gathered, and ZeRO-3's bucket) and divide the fp32
+    gradients and AdamW states; ZeRO-2 divides the gradients and states, keeps whole compute-dtype weights. A
+    budget between the sharded and the unsharded peak refuses the one and passes the other."""
+    from transformers import AutoModelForCausalLM
+
+    from lib.sharding.memory import DEEPSPEED_BUCKET, MEASURED_PART, check_step_memory, guard_memory
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model)
+    numel = sum(p.numel() for p in policy.parameters())
+    layer = sum(p.numel() for p in policy.model.layers[0].parameters())
+    root = numel - sum(p.numel() for p in policy.model.layers.parameters())
+    cfg = make_config({"model_name_or_path": tiny_model, "use_vllm": False, "bf16": True})
+    resident = 3 * GB  # what the process measured: the whole policy, its sampler, the context...
+    rest = resident - numel * 4
+
+    def guard(processes, sharding):
+        return guard_memory(cfg, policy, resident=resident, processes=processes, sharding=sharding, bf16=True)
+
+    one_parts, one = guard(1, "fsdp2")  # one process shards nothing, whatever the launch config says
+    assert one_parts == {"policy weights": numel * 4, MEASURED_PART: rest}
+    assert (one.resident, one.gradients, one.optimizer) == (resident, numel * 4, numel * 8)
+    for processes in (2, 8):
+        assert guard(processes, "ddp")[1] == one
+        parts, fsdp2 = guard(processes, "fsdp2")
+        assert parts == {"policy weights (FSDP2: its fp32 shard)": numel * 4 // processes,
+                         "gathered for compute (FSDP2: root unit + 2 decoder layers)": (root + 2 * layer) * 2,
+                         MEASURED_PART: rest}
+        assert (fsdp2.gradients, fsdp2.optimizer) == (numel * 4 // processes, numel * 8 // processes)
+        assert (fsdp2.activations, fsdp2.logits) == (one.activations, one.logits)
+        parts, zero3 = guard(processes, "zero3")
+        assert zero3.resident == (numel * 6 // processes + (root + 2 * layer) * 2 + rest
+                                  + DEEPSPEED_BUCKET * 2)
+        parts, zero2 = guard(processes, "zero2")
+        assert zero2.resident == numel * 2 + numel * 4 // processes + rest + DEEPSPEED_BUCKET * 2
+        assert (zero2.gradients, zero2.optimizer) == (zero3.gradients, zero3.optimizer) == (
+            fsdp2.gradients, fsdp2.optimizer)
+    # the decision: between FSDP2's peak over 8 processes and the whole policy's
+    _, eight = guard(8, "fsdp2")
+    budget = (eight.total + one.total) // 2
+    check_step_memory(eight, budget, "max_memory", use_peft=False, gradient_checkpointing=False, optim=cfg.optim,
+                      sharding="fsdp2")
+    with pytest.raises(MemoryError, match="shard full fine-tuning over several GPUs"):
+        check_step_memory(one, budget, "max_memory", use_peft=False, gradient_checkpointing=False, optim=cfg.optim)
+    with pytest.raises(ValueError, match="sharding: 'zero1' is not one of ddp, fsdp2, zero2, zero3"):
+        guard(2, "zero1")
+
+
+# each launch the multi-GPU recipes and the SLURM script start (scripts/recipes, scripts/slurm): the recipe, the
+# processes, the sharding and the flags the launch adds
+LAUNCHES = {
+    "fsdp2 x 8": ("grpo_gsm8k_qwen7b_fsdp2.yaml", 8, "fsdp2", {}),
+    "zero3 x 7 + server": ("grpo_gsm8k_qwen7b_zero3_server.yaml", 7, "zero3", {}),
+    "slurm: 2 nodes, fsdp2 x 16": ("grpo_gsm8k_qwen7b_fsdp2.yaml", 16, "fsdp2", {}),
+    "slurm: 2 training nodes + a generation node": ("grpo_gsm8k_qwen7b_fsdp2.yaml", 16, "fsdp2",
+                                                     {"vllm_mode": "server", "vllm_enable_sleep_mode": False}),
+}
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_each_multi_gpu_recipe_fits_its_cards_and_the_guard_decides_as_the_estimate(launch):
+    """--estimate_memory_only of each multi-GPU launch fits 80 GB cards; and the run-time guard, given what a
+    process of that launch holds before sharding (the whole fp32 policy, the reference already sharded as
+    lib/setup.load_models leaves it, the vLLM engine awake, the context) and what the engine gives back asleep,
+    comes to the same peak, so it lets the run through (before, it counted the whole policy's gradients and AdamW
+    states on every GPU: over 120 GB)."""
+    from lib.sharding.memory import ENGINE_PART, VLLM_ASLEEP, guard_memory, recipe_model, recipe_parts
+
+    recipe, processes, sharding, flags = LAUNCHES[launch]
+    cfg = make_config({**load_yaml(str(REPO / "scripts" / "recipes" / recipe)), **flags,
+                       "estimate_processes": processes, "estimate_sharding": sharding})
+    _, estimate = recipe_memory(cfg, gpu_bytes=80 * GB)
+    assert estimate.total <= 80 * GB, estimate.describe()
+
+    model = recipe_model(cfg)
+    whole = recipe_parts(cfg, model, gpu_bytes=80 * GB)
+    held = dict(whole)
+    if "reference model" in held and sharding in ("fsdp2", "zero3"):  # sharded as it loads
+        held["reference model"] //= processes
+    asleep = whole[ENGINE_PART] - VLLM_ASLEEP if cfg.vllm_enable_sleep_mode else 0
+    _, guard = guard_memory(cfg, model, resident=sum(held.values()), processes=processes, sharding=sharding,
+                            bf16=True, asleep=asleep, load_in_4bit=False, device_type="cuda")
+    assert abs(guard.total - estimate.total) <= processes, (guard.describe(), estimate.describe())
+    # what the guard refused before: the whole policy's gradients and states on one process
+    _, unsharded = guard_memory(cfg, model, resident=sum(held.values()), processes=1, sharding="ddp", bf16=True,
+                                asleep=asleep, load_in_4bit=False, device_type="cuda")
+    assert unsharded.total > 80 * GB
+
+
+def test_the_estimate_of_a_multi_gpu_recipe_says_it_fits():
+    proc = subprocess.run([sys.executable, str(REPO / "train_agrpo.py"), "--config",
+                           str(REPO / "scripts" / "recipes" / "grpo_gsm8k_qwen7b_zero3_server.yaml"),
+                           "--estimate_memory_only", "--max_memory", "80", "--estimate_processes", "7",
+                           "--estimate_sharding", "zero3"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fits in 80.0 GB" in proc.stdout and "ZeRO-3: its partition" in proc.stdout
+
+
+def test_a_run_that_fits_only_because_the_engine_sleeps_is_not_refused():
+    """vllm_enable_sleep_mode: the engine gives its weights and KV cache back while the policy trains, so the
+    training pass is counted without them and sampling (no activations) with them. The 7B FSDP2 recipe over 8 GPUs
+    fits 50 GB that way and not awake; the guard, given the engine's share measured asleep, decides alike."""
+    from lib.sharding.memory import (ENGINE_PART, VLLM_ASLEEP, check_step_memory, guard_memory, recipe_model,
+                                   recipe_parts)
+
+    recipe = {**load_yaml(str(REPO / "scripts" / "recipes" / "grpo_gsm8k_qwen7b_fsdp2.yaml")),
+              "estimate_processes": 8}
+    asleep_cfg = make_config(recipe)
+    awake_cfg = make_config({**recipe, "vllm_enable_sleep_mode": False})
+    _, sleeping = recipe_memory(asleep_cfg, gpu_bytes=80 * GB)
+    _, awake = recipe_memory(awake_cfg, gpu_bytes=80 * GB)
+    share = int(0.35 * 80 * GB)
+    assert sleeping.asleep == share - VLLM_ASLEEP and awake.asleep == 0
+    # asleep, the peak is sampling's (the engine's whole share, no activations); awake, training's on top of it
+    assert sleeping.total == sleeping.resident + sleeping.gradients + sleeping.optimizer
+    assert awake.total == awake.resident + awake.gradients + awake.optimizer + awake.training
+    budget = 50 * GB
+    assert sleeping.total <= budget < awake.total
+    settings = dict(use_peft=False, gradient_checkpointing=True, optim="adamw_torch", sharding="fsdp2")
+    check_step_memory(sleeping, budget, "max_memory", **settings)
+    with pytest.raises(MemoryError, match="about 5[0-9.]* GB"):
+        check_step_memory(awake, budget, "max_memory", **settings)
+    # the guard, with what it would measure: the engine asleep gives back what the estimate says
+    model = recipe_model(asleep_cfg)
+    held = recipe_parts(asleep_cfg, model, gpu_bytes=80 * GB)
+    held["reference model"] //= 8
+    for cfg, asleep, estimate in ((asleep_cfg, held[ENGINE_PART] - VLLM_ASLEEP, sleeping), (awake_cfg, 0, awake)):
+        _, guard = guard_memory(cfg, model, resident=sum(held.values()), processes=8, sharding="fsdp2", bf16=True,
+                                asleep=asleep, load_in_4bit=False, device_type="cuda")
+        assert abs(guard.total - estimate.total) <= 8
+        assert (guard.total <= budget) == (estimate.total <= budget)

@@ -438,6 +438,9 @@ def test_budget_on_cpu_is_this_process_plus_available_ram():
     budget, source = memory_budget(torch.device("cpu"), None)
     assert 1 * GB < budget < 4096 * GB and "RAM" in source
     assert memory_budget(torch.device("cpu"), 3.5) == (int(3.5 * GB), "max_memory")
+    # two processes of one machine (LOCAL_WORLD_SIZE 2) share the RAM available: each gets half of it
+    shared, source = memory_budget(torch.device("cpu"), None, 2)
+    assert "1/2 of the RAM available" in source and shared < budget - 0.25 * GB
 
 
 def test_adamw_8bit_steps_like_adamw(embedded_model):

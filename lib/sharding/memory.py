@@ -46,12 +46,17 @@ reference, the sampler and vLLM's reservation are measured, not estimated):
 
 A micro-batch's tokens: its completions x max_completion_length plus its distinct prompts x max_prompt_length
 (each prompt runs once, its keys/values shared by its group).
+
+Several processes: every figure is one process's. `process_memory` turns what a process holds before the policy is
+sharded into what the launch leaves it (FSDP2 / ZeRO-3: 1/N of the weights, gradients and AdamW states; ZeRO-2: of
+the gradients and states; data parallel: everything), for the run-time guard (`check_run`, measured) and the
+estimate (`recipe_memory`, by arithmetic) alike (docs/distributed.md 4).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
+import os
 import resource
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -103,6 +108,9 @@ class StepMemory:
     kept: int | None = None
     # activation_offloading: the bytes saved for backward that live in host memory instead (not in `total`)
     offloaded: int = 0
+    # vLLM sleep mode: the bytes of `resident` the sleeping engine gives back while the policy trains (its weights,
+    # KV cache and working pools); sampling has them back, but sampling holds no activations
+    asleep: int = 0
 
     @property
     def training(self) -> int:
@@ -113,9 +121,9 @@ class StepMemory:
 
     @property
     def total(self) -> int:
-        # sampling (KV cache) and training (activations, logits) do not overlap; gradients and optimizer states
-        # live through the training pass
-        return self.resident + self.gradients + self.optimizer + max(self.kv_cache, self.training)
+        # sampling (KV cache; a vLLM engine awake) and training (activations, logits; the engine asleep) do not
+        # overlap; gradients and optimizer states are counted through both
+        return self.resident + self.gradients + self.optimizer + max(self.kv_cache, self.training - self.asleep)
 
     def describe(self) -> str:
         parts = [("already resident (models loaded)", self.resident), ("gradients", self.gradients),
@@ -123,6 +131,8 @@ class StepMemory:
                  ("logits chunk", self.logits), ("sampling KV cache", self.kv_cache)]
         if self.offloaded:
             parts.append(("offloaded to host memory (not counted)", self.offloaded))
+        if self.asleep:
+            parts.append(("given back by the sleeping vLLM engine while training", self.asleep))
         return ", ".join(f"{name} {value / GB:.2f}" for name, value in parts)
 
 
@@ -244,8 +254,7 @@ def step_token_counts(cfg) -> dict[str, int]:
     completions = cfg.per_device_train_batch_size
     prompts = min(-(-completions // cfg.num_generations) + 1, completions)
     return {"tokens_per_micro_batch": completions * cfg.max_completion_length + prompts * cfg.max_prompt_length,
-            "sampling_tokens": completions * cfg.gradient_accumulation_steps
-            * (cfg.max_prompt_length + cfg.max_completion_length)}
+            "sampling_tokens": cfg.local_generation_batch * (cfg.max_prompt_length + cfg.max_completion_length)}
 
 
 def resident_bytes(device: torch.device) -> int:
@@ -260,8 +269,9 @@ def resident_bytes(device: torch.device) -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def memory_budget(device: torch.device, max_memory_gb: float | None) -> tuple[int, str]:
-    """(bytes a step may use in all, where the number comes from)."""
+def memory_budget(device: torch.device, max_memory_gb: float | None, local_processes: int = 1) -> tuple[int, str]:
+    """(bytes a step of this process may use in all, where the number comes from). A GPU is this process's own; on a
+    CPU the `local_processes` processes of this machine share the RAM available, an equal part each."""
     if max_memory_gb is not None:
         return int(max_memory_gb * GB), "max_memory"
     if device.type == "cuda":
@@ -271,6 +281,9 @@ def memory_budget(device: torch.device, max_memory_gb: float | None) -> tuple[in
         for line in f:
             if line.startswith("MemAvailable:"):
                 available = int(line.split()[1]) * 1024
+    if local_processes > 1:
+        return (resident_bytes(device) + available // local_processes,
+                f"this process's memory plus 1/{local_processes} of the RAM available")
     return resident_bytes(device) + available, "this process's memory plus the RAM available"
 
 
@@ -314,8 +327,9 @@ def out_of_memory_message(max_memory_gb: float | None, error: BaseException) -> 
             f"{max_memory_gb:g}` shows the parts (docs/performance.md 3.4). ({str(error)[:200]})")
 
 
-def fit_advice(estimate: StepMemory, *, use_peft: bool, gradient_checkpointing: bool, optim: str) -> str:
-    """The settings to lower, biggest part first."""
+def fit_advice(estimate: StepMemory, *, use_peft: bool, gradient_checkpointing: bool, optim: str,
+               sharding: str = "ddp") -> str:
+    """The settings to lower, biggest part first. `sharding`: as `process_memory` takes it."""
     activations = estimate.training
     states = estimate.gradients + estimate.optimizer
     advice = []
@@ -324,8 +338,11 @@ def fit_advice(estimate: StepMemory, *, use_peft: bool, gradient_checkpointing: 
                       "max_completion_length")
         if not gradient_checkpointing:
             advice.append("set gradient_checkpointing true")
-    if not use_peft:
-        advice.append("set use_peft true (LoRA: gradients and optimizer states for the adapter only)")
+    if sharding != "ddp":  # LoRA does not shard (docs/distributed.md 7): more GPUs divide the states further
+        advice.append("launch more processes (num_processes: each holds 1/N of the sharded parts)")
+    elif not use_peft:
+        advice.append("set use_peft true (LoRA: gradients and optimizer states for the adapter only), or shard "
+                      "full fine-tuning over several GPUs (scripts/accelerate/fsdp2.yaml, docs/distributed.md)")
     if "8bit" not in optim:
         advice.append("set optim paged_adamw_8bit (2 bytes of state a parameter instead of 8)")
     if use_peft:
@@ -333,12 +350,13 @@ def fit_advice(estimate: StepMemory, *, use_peft: bool, gradient_checkpointing: 
     return "; or ".join(advice)
 
 
-def check_step_memory(estimate: StepMemory, budget: int, source: str, **settings) -> None:
-    """Raise MemoryError naming the settings to lower when the estimated peak exceeds the budget."""
+def check_step_memory(estimate: StepMemory, budget: int, source: str, scope: str = "", **settings) -> None:
+    """Raise MemoryError naming the settings to lower when the estimated peak exceeds the budget. `scope`: what the
+    figure is of, said after it (" a process, FSDP2 over 8 processes")."""
     if estimate.total <= budget:
         return
     raise MemoryError(
-        f"a training step would need about {estimate.total / GB:.1f} GB ({estimate.describe()}, in GB) but "
+        f"a training step would need about {estimate.total / GB:.1f} GB{scope} ({estimate.describe()}, in GB) but "
         f"{source} is {budget / GB:.1f} GB. To fit: {fit_advice(estimate, **settings)}. (max_memory sets the "
         f"budget, in GB)")
 
@@ -408,35 +426,46 @@ def quantized_bytes(numel: int, nested: bool) -> float:
     return numel / 2 + (blocks + blocks / 256 * 4 if nested else blocks * 4)
 
 
-def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True,
-                  fp16: bool = False) -> tuple[dict[str, int], StepMemory]:
-    """(what is resident before a step, by part; the step's StepMemory) for a configuration on one GPU, from the
-    model's configuration alone: the model is built on the meta device (shapes, no memory), with the run's LoRA
-    adapter, and its bytes are counted as the trainer would hold them. `gpu_bytes`: the GPU's memory, for vLLM's
-    reservation (its share of it, gpu_memory_utilization). With cfg.estimate_processes N > 1, per GPU of a
-    full fine-tuning sharded over N GPUs as cfg.estimate_sharding says (FSDP2, ZeRO-2, ZeRO-3: `sharded_parts`).
-    `bf16`: a card with bf16 (bf16 autocast, a LoRA base frozen in bf16); `fp16` (a card without, T4, V100): fp16
-    autocast over the fp32 weights the trainer keeps there, 2 bytes a computed value as under bf16
-    (lib/models/modeling.training_precision)."""
+def recipe_model(cfg, bf16: bool = True) -> torch.nn.Module:
+    """The policy a configuration trains, on the meta device (shapes, no memory): the model built from its
+    configuration in the dtype the trainer loads it in on a GPU, with the run's LoRA adapter."""
     from transformers import AutoModelForCausalLM
 
 
     config = model_config(cfg.model_name_or_path, cfg.model_revision, cfg.trust_remote_code)
-    lora = bool(cfg.use_peft)
-    dtype = weights_dtype(cfg.dtype, lora=lora, device="cuda", bf16=bf16)
+    dtype = weights_dtype(cfg.dtype, lora=bool(cfg.use_peft), device="cuda", bf16=bf16)
     if dtype == "auto":  # the checkpoint's
         dtype = getattr(config, "dtype", None) or torch.bfloat16
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    if lora:
+    if cfg.use_peft:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                                                  lora_dropout=cfg.lora_dropout,  # its masks are activations
                                                  target_modules=_lora_targets(cfg.lora_target_modules),
                                                  task_type="CAUSAL_LM"))
+    return model
+
+
+ENGINE_PART = "vLLM engine (its share of the GPU)"
+# what a colocated vLLM engine keeps on the GPU while it sleeps: its sleep frees the memory pools it allocates
+# weights, KV cache, workspace and run-time buffers from (vllm/v1/worker/gpu_worker.py, `sleep`), and leaves what it
+# holds outside them; an allowance, not a measurement (the run-time guard measures the engine asleep)
+VLLM_ASLEEP = int(0.5 * GB)
+
+
+def recipe_parts(cfg, model: torch.nn.Module, *, gpu_bytes: int | None, bf16: bool = True) -> dict[str, int]:
+    """What one GPU holds before a step when nothing is sharded, by part, counted as the trainer would hold `model`
+    (`recipe_model`): the policy's weights, the reference, the sampler (vLLM's reservation: its share of
+    `gpu_bytes`), the device allowance."""
+    lora = bool(cfg.use_peft)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # the linear layers a 4-bit load quantises (a LoRA layer's base_layer under its own name)
+    names = {n.replace(".base_layer", "") for n, m in base.named_modules()
+             if isinstance(m, torch.nn.Linear) and "lora_" not in n and n != "lm_head"}
+    dtype = next(p.dtype for n, p in model.named_parameters() if "lora_" not in n)
     size = torch.finfo(dtype).bits // 8
     total = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
     weights = 0.0
@@ -452,30 +481,73 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True,
     if cfg.beta > 0 and not lora:  # bf16 on a bf16 GPU unless dtype says otherwise (lib/models/modeling.reference_dtype)
         reference = reference_dtype(cfg.dtype, dtype, device="cuda", bf16=bf16)
         parts["reference model"] = total * torch.finfo(reference).bits // 8
-    server = bool(cfg.use_vllm) and getattr(cfg, "vllm_mode", "colocate") == "server"
-    if server:  # the generation server's own GPUs hold the sampler (docs/distributed.md 6)
-        pass
+    if cfg.use_vllm and getattr(cfg, "vllm_mode", "colocate") == "server":
+        pass  # the generation server's own GPUs hold the sampler (docs/distributed.md 6)
     elif cfg.use_vllm:
         if gpu_bytes is None:
             raise ValueError("use_vllm reserves a share of the GPU's memory: give max_memory (the GPU's GB)")
-        parts["vLLM engine (its share of the GPU)"] = int(cfg.vllm_gpu_memory_utilization * gpu_bytes)
+        parts[ENGINE_PART] = int(cfg.vllm_gpu_memory_utilization * gpu_bytes)
     elif lora or (bf16 and size == 4):  # the HF sampler's merged copy (lib/sampling/rollout.HFRollout): bf16, else the
         # compute dtype (fp32 on a card without bf16)
         parts["sampler's bf16 copy" if bf16 else "sampler's fp32 copy"] = total * (2 if bf16 else 4)
     parts["CUDA context, workspaces, allocator slack (allowance)"] = GPU_OVERHEAD
+    return parts
+
+
+def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True,
+                  fp16: bool = False) -> tuple[dict[str, int], StepMemory]:
+    """(what is resident before a step, by part; the step's StepMemory) for a configuration on one GPU, from the
+    model's configuration alone (`recipe_model`, `recipe_parts`). `gpu_bytes`: the GPU's memory, for vLLM's
+    reservation. With cfg.estimate_processes N > 1, per GPU of a launch of N processes as cfg.estimate_sharding
+    says (`process_memory`, which the run-time guard, `check_run`, goes through too). With vllm_enable_sleep_mode
+    the engine gives back all but VLLM_ASLEEP of its share while the policy trains. `bf16`: a card with bf16 (bf16
+    autocast, a LoRA base frozen in bf16); `fp16` (a card without, T4, V100): fp16 autocast over the fp32 weights the
+    trainer keeps there, 2 bytes a computed value as under bf16 (lib/models/modeling.training_precision)."""
+    model = recipe_model(cfg, bf16)
+    parts = recipe_parts(cfg, model, gpu_bytes=gpu_bytes, bf16=bf16)
+    asleep = max(0, parts[ENGINE_PART] - VLLM_ASLEEP) if cfg.vllm_enable_sleep_mode and ENGINE_PART in parts else 0
     processes = getattr(cfg, "estimate_processes", 1)
-    if processes > 1:
-        parts = sharded_parts(parts, model, processes, bf16=bf16, mode=getattr(cfg, "estimate_sharding", "fsdp2"),
-                              sampler=not server)
-    step = estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16 or fp16,
+    return process_memory(model, parts, cfg, processes=processes, bf16=bf16 or fp16, asleep=asleep,
+                          sharding=getattr(cfg, "estimate_sharding", "fsdp2") if processes > 1 else "ddp",
+                          sampler=not (cfg.use_vllm and getattr(cfg, "vllm_mode", "colocate") == "server"),
+                          load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda")
+
+
+SHARDING_NAMES = {"ddp": "data parallel", "fsdp2": "FSDP2", "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3"}
+
+
+def process_memory(model: torch.nn.Module, parts: dict[str, int], cfg, *, processes: int, sharding: str,
+                   bf16: bool, sampler: bool = True, asleep: int = 0, load_in_4bit: bool | None = None,
+                   device_type: str | None = None) -> tuple[dict[str, int], StepMemory]:
+    """One process's resident parts and step peak in a launch of `processes` processes: the one place where both the
+    estimate (`recipe_memory`: `parts` by arithmetic) and the run-time guard (`check_run`: `parts` measured, before
+    the policy is sharded) turn what a process holds into what it will hold while it trains.
+
+    `parts` holds the policy's whole weights as "policy weights" (and, for the estimate, the whole reference as
+    "reference model"); `sharding` says what the launch divides (docs/distributed.md 1, 4): "ddp" nothing (one
+    process, or data parallelism: each holds everything); "fsdp2" and "zero3" the weights, gradients and optimizer
+    states (and the reference); "zero2" the gradients and optimizer states, with the fp32 master weights
+    (`sharded_parts`). Gradients and AdamW states of a sharded launch are fp32, 1/N each. `sampler` False: the
+    parts already hold the sampler (measured), or a generation server samples. `asleep`: the bytes a sleeping vLLM
+    engine gives back while the policy trains (StepMemory.asleep). `load_in_4bit`, `device_type`: for a stand-in
+    model (`activation_bytes`)."""
+    if sharding not in SHARDING_NAMES:
+        raise ValueError(f"sharding: {sharding!r} is not one of {', '.join(SHARDING_NAMES)}")
+    sharded = processes > 1 and sharding != "ddp"
+    if sharded:
+        parts = sharded_parts(parts, model, processes, bf16=bf16, mode=sharding, sampler=sampler)
+    if device_type is None:
+        device_type = next(model.parameters()).device.type
+    step = estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16,
                                 vllm=bool(cfg.use_vllm), gradient_checkpointing=cfg.gradient_checkpointing,
-                                load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda",
-                                activation_offloading=bool(cfg.activation_offloading), **step_token_counts(cfg))
-    if processes > 1:  # fp32 gradients and optimizer states, 1/N of each a GPU
-        numel = sum(p.numel() for p in model.parameters())
+                                load_in_4bit=load_in_4bit, device_type=device_type,
+                                activation_offloading=bool(cfg.activation_offloading) and device_type == "cuda",
+                                **step_token_counts(cfg))
+    if sharded:  # fp32 gradients and optimizer states, 1/N of each a process
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         step = dataclasses.replace(step, gradients=numel * 4 // processes,
                                    optimizer=numel * optimizer_state_bytes(cfg.optim) // processes)
-    return parts, step
+    return parts, dataclasses.replace(step, asleep=asleep)
 
 
 DEEPSPEED_BUCKET = int(5e8)  # DeepSpeed's default reduce_bucket_size, in elements (of the compute dtype)
@@ -544,6 +616,8 @@ def describe_recipe(parts: dict[str, int], step: StepMemory, budget: int | None)
                         ("activations (training micro-batch)", step.activations),
                         ("logits chunk", step.logits), ("sampling KV cache (HF sampler)", step.kv_cache)):
         lines.append(f"{name:<62}{value / GB:>8.2f}")
+    if step.asleep:
+        lines.append(f"{'vLLM sleep mode: given back while the policy trains':<62}{-step.asleep / GB:>8.2f}")
     lines.append(f"{'peak (sampling and training do not overlap)':<62}{step.total / GB:>8.2f}")
     if step.offloaded:
         lines.append(f"{'activation_offloading: in pinned host memory, not above':<62}{step.offloaded / GB:>8.2f}")
@@ -554,25 +628,61 @@ def describe_recipe(parts: dict[str, int], step: StepMemory, budget: int | None)
     return "\n".join(lines)
 
 
-def check_run(cfg, policy: torch.nn.Module, device: torch.device, bf16: bool) -> str:
-    """The memory guard train_agrpo.setup runs once the models, the sampler, the reward models and
-    the optimizer are loaded, before any sampling or training: the step's estimated peak (on top of
-    what loading left resident) against the budget. A run that would not fit stops here
-    (ConfigError) with the setting to lower; else the line that says the estimate."""
-    estimate = estimate_step_memory(policy, resident=resident_bytes(device), optim=cfg.optim,
-                                    bf16=bf16, vllm=cfg.use_vllm,
-                                    gradient_checkpointing=cfg.gradient_checkpointing,
-                                    activation_offloading=cfg.activation_offloading
-                                    and device.type == "cuda",
-                                    **step_token_counts(cfg))
+MEASURED_PART = "the rest of what this process holds now (measured)"
+
+
+def sharding_of(sharding) -> str:
+    """`process_memory`'s name for a launch's lib/sharding/fsdp_deepspeed.Sharding: None (one process, or data parallel)
+    shards nothing."""
+    if sharding is None:
+        return "ddp"
+    return f"zero{sharding.stage}" if sharding.deepspeed else "fsdp2"
+
+
+def guard_memory(cfg, policy: torch.nn.Module, *, resident: int, processes: int, sharding: str, bf16: bool,
+                 asleep: int = 0, load_in_4bit: bool | None = None,
+                 device_type: str | None = None) -> tuple[dict[str, int], StepMemory]:
+    """The run-time guard's figure from what this process holds before the policy is sharded (`resident`, measured:
+    the whole policy, the reference as loaded, already sharded under FSDP2 / ZeRO-3, the sampler, the context), per
+    process as `process_memory` counts it: the policy's whole weights are replaced by what the launch leaves this
+    process of them. `asleep`: what the sleeping vLLM engine gave back, measured. `load_in_4bit`, `device_type`: for
+    a stand-in policy (tests/test_estimate.py gives the meta-device model of a recipe)."""
+    seen, weights = set(), 0
+    for p in policy.parameters():  # a tied output layer once
+        if id(p) not in seen:
+            seen.add(id(p))
+            weights += p.numel() * p.element_size()
+    parts = {"policy weights": weights, MEASURED_PART: max(0, resident - weights)}
+    return process_memory(policy, parts, cfg, processes=processes, sharding=sharding, bf16=bf16, sampler=False,
+                          asleep=asleep, load_in_4bit=load_in_4bit, device_type=device_type)
+
+
+def check_run(cfg, policy: torch.nn.Module, device: torch.device, bf16: bool, processes: int = 1,
+              sharding=None, engine=None) -> str:
+    """The memory guard train_agrpo.setup runs once the models, the sampler, the reward models and the optimizer are
+    loaded, before the policy is sharded and before any sampling or training: this process's step peak, as the
+    launch of `processes` processes sharded as `sharding` (lib/sharding/fsdp_deepspeed.Sharding or None) will leave it
+    (`guard_memory`, on top of what loading left resident), against its budget. A vLLM `engine` with sleep mode on a
+    GPU is put to sleep here, as it will be through every training pass, and measured asleep (the next sampling or
+    evaluation wakes it: its `ready`). A run that would not fit stops here (ConfigError) with the setting to lower,
+    on every process; else the line that says the estimate."""
+    mode = sharding_of(sharding)
+    resident = resident_bytes(device)
+    asleep = 0
+    if getattr(engine, "enable_sleep_mode", False) and device.type == "cuda":
+        engine.sleep()
+        asleep = max(0, resident - resident_bytes(device))
+    _, estimate = guard_memory(cfg, policy, resident=resident, processes=processes, sharding=mode, bf16=bf16,
+                               asleep=asleep, device_type=device.type)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's (accelerate launch's) processes on this machine
+    scope = f" a process ({SHARDING_NAMES[mode]} over {processes} processes)" if processes > 1 else ""
     try:
-        check_step_memory(estimate, *memory_budget(device, cfg.max_memory),
-                          use_peft=hasattr(policy, "peft_config"),
+        check_step_memory(estimate, *memory_budget(device, cfg.max_memory, local), scope=scope,
+                          use_peft=hasattr(policy, "peft_config"), sharding=mode,
                           gradient_checkpointing=cfg.gradient_checkpointing, optim=cfg.optim)
     except MemoryError as error:
         raise ConfigError(str(error)) from error
-    return (f"memory: a step is estimated at {estimate.total / 2**30:.1f} GB "
-            f"(in GB: {estimate.describe()})")
+    return f"memory: a step is estimated at {estimate.total / GB:.1f} GB{scope} (in GB: {estimate.describe()})"
 
 
 PRECISION_WORDS = {"bf16": "bf16 autocast, fp32 master weights (a LoRA base frozen in bf16)",
