@@ -209,7 +209,7 @@ def test_the_graphed_step_is_kept_across_generate_calls_while_it_fits():
 
     ids, mask = prompts(length=10)
     first = same_as_written_out(ids, mask, 20)
-    assert first.windows == [8, 16, 32] and first.mask.shape == (6, 32)
+    assert first.windows == [8, 16, 24, 32] and first.mask.shape == (6, 32)
     longer_prompt = torch.cat([ids[:, :2], ids], 1), torch.cat([mask[:, :2], mask], 1)
     assert same_as_written_out(*longer_prompt, 20) is first  # 12 + 20 positions still fit
     # a sync copies new weights into the copy's own tensors: the same step, reading them
@@ -223,7 +223,7 @@ def test_the_graphed_step_is_kept_across_generate_calls_while_it_fits():
     second = same_as_written_out(ids, mask, 20)
     assert second is not first
     third = same_as_written_out(ids, mask, 30)  # 40 positions: longer buffers
-    assert third is not second and third.windows == [8, 16, 32, 40]
+    assert third is not second and third.windows == [8, 16, 24, 32, 40]
     fourth = same_as_written_out(ids[:2], mask[:2], 30)  # another batch size: its own step, the other kept
     assert fourth is not third and graphs.steps == {6: third, 4: fourth}
     assert same_as_written_out(ids, mask, 25) is third

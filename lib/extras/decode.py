@@ -246,10 +246,10 @@ class GraphStep(LlamaStep):
     graph launches them all at once. What a graph needs fixed is fixed: the buffers hold the prompt plus every new
     token from the start (no growth; their length rounded up to a multiple of `block`), the column written is a
     device tensor the graph advances itself, the tokens and positions go through static buffers, and rows that end
-    stay in the batch (their outputs unread). Attention reads a window of the buffers, `block` positions doubling up
-    to their length (one graph per window, captured when the first step needs it, that step run eagerly as the
-    capture's warm-up), so a step's attention costs about what the tokens so far need. Same operations as
-    `LlamaStep`, so the same logits (tests/test_gpu.py; on a CPU it runs its steps eagerly, tests/test_decode.py).
+    stay in the batch (their outputs unread). Attention reads a window of the buffers, a multiple of `block`
+    positions (one graph per window, captured when the first step needs it, that step run eagerly as the capture's
+    warm-up), so a step's attention reads fewer than `block` positions more than the tokens so far. Same operations
+    as `LlamaStep`, so the same logits (tests/test_gpu.py; on a CPU it runs its steps eagerly, tests/test_decode.py).
 
     The windows depend on the buffers' length only, not on the prompt, so one GraphStep serves every generate call
     whose batch and prompt plus new tokens fit (`fits`, then `restart`): the graphs are captured once a window a run
@@ -266,12 +266,9 @@ class GraphStep(LlamaStep):
                              f"chooses)")
         capacity = -(-(attention.shape[1] + max_new_tokens) // block) * block
         super().__init__(lm, cache, attention, max_new_tokens, capacity=capacity)
-        self.windows = []
-        width = block
-        while width < capacity:
-            self.windows.append(width)
-            width *= 2
-        self.windows.append(capacity)
+        # every multiple of block: once a run, a graph more costs one capture (tens of milliseconds), where a
+        # window twice the tokens' would cost every step up to twice the keys' and values' bytes
+        self.windows = list(range(block, capacity + 1, block))
         device = attention.device
         self.col = torch.zeros(1, dtype=torch.long, device=device)
         self.tokens = torch.zeros(attention.shape[0], dtype=torch.long, device=device)
@@ -340,8 +337,8 @@ class GraphStep(LlamaStep):
                 logits = self._body(width)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            # windows only widen within a call, so the graphs may share one memory pool (each replays after the
-            # last one's outputs are read)
+            # the graphs may share one memory pool: each one's output is read (gathered below) before another
+            # replays, and a capture keeps clear of the outputs of those before it
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = self._body(width)
         self.pool = graph.pool()
