@@ -150,8 +150,9 @@ def test_the_samplers_logps_equal_the_scorers(device, small_model, bf16):
 def test_the_written_out_decode_step_against_the_models_forward(device, small_model):
     """lib/extras/decode.LlamaStep (the sampler's decode step for a Llama-family copy) against the model's own forward over
     transformers' cache, teacher-forced on the same tokens, on the bf16 copy: bit for bit on a CPU
-    (tests/test_rollout.py); on CUDA the attention kernel SDPA picks may differ with the mask's form (transformers
-    may pass none where no row is padded), so the logits may differ by bf16 rounding, and the figure is reported."""
+    (tests/test_rollout.py); on CUDA the step attends over grouped keys and values without repeating them (bf16
+    scores upcast, as transformers' eager attention) where the model attends with SDPA, so the logits may differ by
+    bf16 rounding, and the figure is reported."""
     from lib.extras.decode import LlamaStep, llama_family
     from lib.modeling import load_policy
     from lib.extras.sampling_copy import make_copy
