@@ -74,7 +74,9 @@ class ModelArguments:
                               "checkpoint's.",
         "choices": ("auto", "bfloat16", "float16", "float32"), "why": "or null for float32 master weights"})
     attn_implementation: str | None = field(default=None, metadata={"help": "sdpa, eager, flash_attention_2, ... "
-                                            "Default: a decode-friendly SDPA on CPU, sdpa on GPU."})
+                                            "Default: a decode-friendly SDPA on CPU, sdpa on GPU; eager for a model "
+                                            "with an attention soft cap (Gemma-2), which SDPA would drop "
+                                            "(docs/models.md 1)."})
     use_cpu: bool = field(default=False, metadata={"help": "Run on the CPU even where a GPU is present."})
     bf16: bool | None = field(default=None, metadata={"help": "bf16 autocast for the forward passes (fp32 master "
                               "weights). Default: on where the hardware runs bf16 natively (CUDA, CPUs with "

@@ -344,7 +344,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
         synced = resume is not None and (resume / REFERENCE_FOLDER).is_dir()
         frozen = load_reference(str(resume / REFERENCE_FOLDER) if synced else model_path, dtype, device,
                                 trust_remote_code=cfg.trust_remote_code, revision=None if synced else
-                                cfg.model_revision)
+                                cfg.model_revision, attn_implementation=cfg.attn_implementation)
         if cfg.cast_lm_head_to_fp32:
             cast_lm_head_to_fp32(frozen)
         reference = CompletionScorer(frozen, fixed_calls=partitioned)

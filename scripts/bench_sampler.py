@@ -31,7 +31,7 @@ from lib.sharding.memory import kv_bytes_per_token  # noqa: E402
 from lib.models.embedded import resolve_model_path  # noqa: E402
 from lib.models.modeling import load_policy, native_bf16  # noqa: E402
 from lib.sampling import cpu_kernels  # noqa: E402  (also registers --attn agrpo_sdpa)
-from lib.sampling.decode import GraphStep, LlamaStep  # noqa: E402
+from lib.sampling.decode import GraphSteps, LlamaStep  # noqa: E402
 from lib.sampling.rollout import HFRollout  # noqa: E402
 
 
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "trainer's for this device).")
     p.add_argument("--decode", nargs="+", choices=["fast", "model", "written", "graph"], default=["fast"],
                    help="The sampler's decode step: fast (what the sampler uses: lib/sampling/decode.decode_step_for), "
-                   "model (the model's own forward), written (decode.LlamaStep), graph (decode.GraphStep, CUDA "
-                   "graphs); several are timed in alternation.")
+                   "model (the model's own forward), written (decode.LlamaStep), graph (decode.GraphSteps: "
+                   "decode.GraphStep's CUDA graphs, kept across calls); several are timed in alternation.")
     p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto")
     p.add_argument("--bandwidth_mb", type=int, default=None, help="Copy size for the bandwidth (default: 1024 on a "
                    "GPU, 256 on a CPU).")
@@ -123,8 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
         # no end token: every row decodes to the cap
         engine = HFRollout(policy, [-1], 0, bf16=bf16, seed=0, copy=cpu_kernels.sampling_copy)
         model = engine.model
+        # graphs kept across the generate calls, as the sampler keeps them for a run
         steps_by_name = {"fast": engine.decode_step, "model": None, "written": LlamaStep,
-                         "graph": GraphStep}
+                         "graph": GraphSteps()}
         weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()
                            if t.is_floating_point())
         weight_bytes += sum(m.packed.numel() * m.packed.element_size() for m in model.modules()
@@ -144,8 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
                 return time.perf_counter() - t0
 
             steps: dict[str, list[float]] = {decode: [] for decode in args.decode}
-            for decode in args.decode:
-                timed(args.short, decode)  # warm-up
+            for decode in args.decode:  # warm-up: kernels, allocations, and the graphs of both lengths' windows
+                timed(args.short + args.steps, decode)
+                timed(args.short, decode)
             for _ in range(args.repeats):  # the variants alternate, so that a slow moment hits both
                 for decode in args.decode:
                     long = timed(args.short + args.steps, decode)

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from conftest import assert_close_to_scale, rel_diff
 from lib.config import ConfigError, make_config
-from lib.models.modeling import check_scoring_path, completion_logps, load_policy, load_tokenizer, logit_transform
+from lib.models.modeling import (check_scoring_path, completion_logps, default_attn_implementation, load_policy,
+                          load_reference, load_tokenizer, logit_transform)
 from lib.sampling.rollout import prefill
 
 VOCAB = 96
@@ -109,6 +110,51 @@ def test_an_architecture_whose_forward_we_do_not_reproduce_is_refused():
                                           "reproduce") as refused:
         check_scoring_path(halved)
     assert "docs/models.md" in str(refused.value)
+
+
+def test_gemma2s_attention_soft_cap_is_applied_by_default_and_an_attention_that_drops_it_refused(tmp_path):
+    """Gemma-2 caps each attention score s at c tanh(s / c), c = 50 (Gemma 2 report, 2.2), which transformers' SDPA
+    (and ours on CPUs) drops. Unset, the attention is eager on every device, for the policy and its reference: the
+    scorer's and the sampler's first-token log-probs equal an eager forward's, where the same weights under SDPA are
+    another distribution. SDPA given by hand is refused at load, naming the key; and the load-time check, which
+    compares with an eager forward, refuses a model that attends with SDPA."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config
+
+    config = Gemma2Config(**SMALL, query_pre_attn_scalar=8, sliding_window=4)  # Gemma-2's caps: 50 and 30
+    assert config.attn_logit_softcapping == 50.0
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config)
+    with torch.no_grad():  # attention scores past the cap, as a trained model's reach (random ones stay below 1)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(100)
+            layer.self_attn.k_proj.weight.mul_(100)
+    model.save_pretrained(tmp_path)
+    assert default_attn_implementation("cpu", config) == default_attn_implementation("cuda", config) == "eager"
+    assert default_attn_implementation("cuda", Qwen2Config()) == "sdpa"  # no cap: as before
+
+    policy = load_policy(str(tmp_path))
+    reference = load_reference(str(tmp_path), torch.float32)
+    assert policy.config._attn_implementation == reference.config._attn_implementation == "eager"
+    sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    prompt, prompt_mask, index, completion, completion_mask = batch()
+    ids = torch.cat([prompt[index], completion], 1)
+    mask = torch.cat([prompt_mask[index], completion_mask], 1)
+    with torch.no_grad():
+        logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        expected = torch.log_softmax(logits[:, 6:-1].float(), -1).gather(-1, completion[..., None]).squeeze(-1)
+        expected = expected * completion_mask
+        args = (prompt, prompt_mask, index, completion, completion_mask, torch.ones(3))
+        for model in (policy, reference):
+            logp, _ = completion_logps(model, *args, with_entropy=False)
+            assert_close_to_scale(logp, expected, 1e-4, "eager log-probs")
+        first, _ = prefill(policy, prompt, prompt_mask)
+        assert_close_to_scale(first, logits[[0, 2], 6], 1e-4, "the sampler's first token")
+        dropped, _ = completion_logps(sdpa, *args, with_entropy=False)
+    assert float((dropped - expected).abs().max()) > 0.1  # the cap matters at these scores (0.17 nats here)
+    with pytest.raises(ConfigError, match="attn_implementation: sdpa does not apply gemma2's attention soft cap"):
+        load_policy(str(tmp_path), attn_implementation="sdpa")
+    with pytest.raises(ConfigError, match="attn_implementation: sdpa computes another model than Gemma2ForCausalLM"):
+        check_scoring_path(sdpa)
 
 
 def remote_code_folder(tmp_path):

@@ -150,8 +150,9 @@ def test_the_samplers_logps_equal_the_scorers(device, small_model, bf16):
 def test_the_written_out_decode_step_against_the_models_forward(device, small_model):
     """lib/sampling/decode.LlamaStep (the sampler's decode step for a Llama-family copy) against the model's own forward over
     transformers' cache, teacher-forced on the same tokens, on the bf16 copy: bit for bit on a CPU
-    (tests/test_rollout.py); on CUDA the attention kernel SDPA picks may differ with the mask's form (transformers
-    may pass none where no row is padded), so the logits may differ by bf16 rounding, and the figure is reported."""
+    (tests/test_rollout.py); on CUDA the step attends over grouped keys and values without repeating them (bf16
+    scores upcast, as transformers' eager attention) where the model attends with SDPA, so the logits may differ by
+    bf16 rounding, and the figure is reported."""
     from lib.sampling.decode import LlamaStep, llama_family
     from lib.models.modeling import load_policy
     from lib.sampling.policy_copy import make_copy
@@ -180,20 +181,26 @@ def test_the_written_out_decode_step_against_the_models_forward(device, small_mo
 @torch.no_grad()
 def test_the_graphed_decode_step_against_the_written_out_one(device, small_model):
     """lib/sampling/decode.GraphStep (the sampler's decode step on CUDA: LlamaStep replayed from CUDA graphs) against
-    LlamaStep, teacher-forced on the same tokens through three attention windows and a compaction of the rows, on
-    the bf16 copy: the same logits to the attention kernel's rounding (bit for bit on a CPU, where it runs eagerly:
-    tests/test_rollout.py); then both sample the same completions from one seed, and the time of a decode step of
-    each, and of the model's forward, is reported (Qwen2.5-0.5B's is scripts/bench_sampler.py's)."""
+    LlamaStep, teacher-forced on the same tokens through eleven attention windows and a compaction of the rows, on
+    the bf16 copy: the same logits (both attend over grouped keys and values without repeating them; bit for bit on
+    a CPU, where it runs eagerly: tests/test_rollout.py, tests/test_decode.py); then both sample the same completions
+    from one seed, the graphs kept across generate calls (`GraphSteps`: captured once a window, not once a call), and
+    the time of a decode step of each, and of the model's forward, is reported (Qwen2.5-0.5B's is
+    scripts/bench_sampler.py's). A rope type a graph cannot capture ("dynamic") is refused by GraphStep and decoded
+    written out."""
     import time
 
-    from lib.sampling.decode import GraphStep, LlamaStep, decode_step_for
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lib.sampling.decode import GraphStep, GraphSteps, LlamaStep, decode_step_for
     from lib.models.modeling import load_policy
     from lib.sampling.policy_copy import make_copy
     from lib.sampling.rollout import HFRollout, prefill
 
     engine = HFRollout(load_policy(small_model, device=device).eval(), [2], 0, bf16=True, seed=3, copy=make_copy)
     model = engine.model
-    assert decode_step_for(model) is (GraphStep if device.type == "cuda" else LlamaStep)
+    chosen = decode_step_for(model)
+    assert isinstance(chosen, GraphSteps) if device.type == "cuda" else chosen is LlamaStep
     ids, mask = prompts(device)
     steps = []
     for make in (lambda c: LlamaStep(model, c, mask, 80, block=16), lambda c: GraphStep(model, c, mask, 80, block=8)):
@@ -211,10 +218,20 @@ def test_the_graphed_decode_step_against_the_written_out_one(device, small_model
         gaps.append(float((ours - reference).abs().max()))
         scale = max(scale, float(reference.abs().max()))
         positions = positions + 1
+    assert steps[1].windows == list(range(8, 89, 8))  # every 8 up to the buffers' 7 + 80 rounded up to 8s
     if device.type == "cuda":
-        assert sorted(steps[1].graphs) == steps[1].windows == [15, 30, 60, 87]  # a graph per window
-    runs, times = {}, {}
-    for name, step in (("graph", GraphStep), ("written", LlamaStep), ("model", None)):
+        assert sorted(steps[1].graphs) == steps[1].windows and steps[1].captures == 11  # a graph per window
+        torch.manual_seed(0)
+        dynamic = Qwen2ForCausalLM(Qwen2Config(**{**SMALL, "max_position_embeddings": 16}, vocab_size=4096,
+                                               rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                "rope_theta": 10_000.0})).to(device).eval()
+        assert decode_step_for(dynamic) is LlamaStep
+        _, cache = prefill(dynamic, ids, mask)
+        with pytest.raises(ValueError, match="cannot capture"):
+            GraphStep(dynamic, cache, mask, 8)
+    runs, times, captures = {}, {}, []
+    graphs = GraphSteps()  # kept across the calls below, as the sampler keeps it for a run
+    for name, step in (("graph", graphs), ("written", LlamaStep), ("model", None)):
         engine.decode_step = step
         for _ in range(2):  # the second is timed (the first warms up kernels and allocations)
             engine.generator.manual_seed(5)
@@ -225,11 +242,15 @@ def test_the_graphed_decode_step_against_the_written_out_one(device, small_model
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times[name] = (time.perf_counter() - t0) / int(runs[name].completion_mask.sum(-1).max())
+            if name == "graph":
+                captures.append(graphs.steps[12].captures)  # 3 prompts x 4: one step for both calls
     same = (runs["graph"].completion_ids == runs["written"].completion_ids).all(-1) if \
         runs["graph"].completion_ids.shape == runs["written"].completion_ids.shape else torch.tensor([False])
     report("decode_step_graph_vs_written_out", device=str(device), max_gap=max(gaps), logit_scale=scale,
            bitwise=max(gaps) == 0.0, same_completions=f"{int(same.sum())}/{same.numel()}",
-           step_ms={name: round(t * 1e3, 3) for name, t in times.items()})
+           step_ms={name: round(t * 1e3, 3) for name, t in times.items()}, captures_after_each_call=captures)
+    if device.type == "cuda":  # the same completions, so the same windows: all captured in the first call
+        assert captures[0] == captures[1] == len(graphs.steps[12].graphs) >= 1
     assert max(gaps) < 0.05 * scale
     assert float(same.float().mean()) >= 0.5
 

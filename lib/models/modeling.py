@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -18,15 +18,41 @@ from lib.methods.losses import token_logps_and_entropy
 
 
 FAST_ATTENTION = "agrpo_sdpa"  # lib/sampling/cpu_kernels.grouped_decode_attention's name in transformers
+# transformers' attention implementations that apply an attention logit soft cap (they take `softcap`); its SDPA and
+# ours drop it without a word
+SOFT_CAP_ATTENTION = ("eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
-def default_attn_implementation(device: torch.device | str) -> str:
-    """The decode-friendly SDPA of lib/sampling/cpu_kernels.py (`grouped_decode_attention`, registered with transformers
-    as FAST_ATTENTION when that module is imported, as the entry scripts do) on CPU; plain SDPA elsewhere (users pick
-    flash_attention_2 on GPUs themselves): on an H100 the two did not differ (docs/performance.md 6.1), and
-    transformers' own also knows sliding windows and soft caps."""
+def attention_soft_cap(config) -> float | None:
+    """The attention logit soft cap c of a model's (text) config, or None: each attention score s becomes
+    c tanh(s / c) (Gemma 2 report, Gemma Team 2024, section 2.2: Gemma-2 caps at 50, as do VaultGemma and T5Gemma;
+    Gemma-3 sets none)."""
+    return getattr(config.get_text_config(), "attn_logit_softcapping", None) or None
+
+
+def default_attn_implementation(device: torch.device | str, config=None) -> str:
+    """The attention a model loads with when `attn_implementation` is unset: eager for a model whose `config` has an
+    attention soft cap (`attention_soft_cap`), which SDPA would drop (eager is transformers' reference forward and
+    applies it; flash_attention_2, where installed, does too and is given by hand); otherwise the decode-friendly
+    SDPA of lib/sampling/cpu_kernels.py (`grouped_decode_attention`, registered with transformers as FAST_ATTENTION when
+    that module is imported, as the entry scripts do) on CPU, plain SDPA elsewhere: on an H100 the two did not differ
+    (docs/performance.md 6.1), and transformers' own also knows sliding windows."""
+    if config is not None and attention_soft_cap(config):
+        return "eager"
     registered = FAST_ATTENTION in transformers.AttentionInterface().valid_keys()
     return FAST_ATTENTION if registered and torch.device(device).type == "cpu" else "sdpa"
+
+
+def check_attn_implementation(name: str, config) -> None:
+    """Refuse (ConfigError naming the key) an attention implementation that drops the model's attention soft cap:
+    the policy, its reference and the HF sampler would compute another model than the checkpoint (and than vLLM,
+    which applies the cap)."""
+    cap = attention_soft_cap(config)
+    if cap and name not in SOFT_CAP_ATTENTION:
+        raise ConfigError(f"attn_implementation: {name} does not apply {config.get_text_config().model_type}'s "
+                          f"attention soft cap (attn_logit_softcapping {cap}), so training would compute another "
+                          f"model than the checkpoint; leave it unset (eager is chosen) or give one of "
+                          f"{', '.join(SOFT_CAP_ATTENTION)}")
 
 
 def load_tokenizer(model_path: str, padding_side: str = "left", trust_remote_code: bool = False,
@@ -108,8 +134,7 @@ def load_policy(
     # non-reentrant by default: reentrant checkpointing drops the gradient of inputs that need none (a frozen
     # embedding under LoRA) and, with it, every LoRA gradient inside the checkpointed blocks
     checkpointing_kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
-    kwargs: dict = {"dtype": dtype, "attn_implementation": attn_implementation or default_attn_implementation(device),
-                    "trust_remote_code": trust_remote_code, "revision": revision}
+    kwargs: dict = {"dtype": dtype, "trust_remote_code": trust_remote_code, "revision": revision}
     if load_in_4bit:
         from transformers import BitsAndBytesConfig
 
@@ -126,6 +151,10 @@ def load_policy(
         adapter_path = model_path
         model_path = PeftConfig.from_pretrained(adapter_path).base_model_name_or_path
         model_path = resolve(model_path) if resolve else model_path
+    config = transformers.AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code,
+                                                     revision=revision)
+    kwargs["attn_implementation"] = attn_implementation or default_attn_implementation(device, config)
+    check_attn_implementation(kwargs["attn_implementation"], config)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     if load_in_4bit:
         # What peft's prepare_model_for_kbit_training does that training needs: the base frozen (the adapter is all
@@ -169,9 +198,16 @@ def _lora_targets(names: list[str] | str | None) -> list[str] | str:
 
 
 def load_reference(model_path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
-                   trust_remote_code: bool = False, revision: str | None = None) -> torch.nn.Module:
-    """A frozen copy of the starting model (only for full fine-tuning with beta > 0; LoRA uses the base)."""
+                   trust_remote_code: bool = False, revision: str | None = None,
+                   attn_implementation: str | None = None) -> torch.nn.Module:
+    """A frozen copy of the starting model (only for full fine-tuning with beta > 0; LoRA uses the base), with the
+    policy's attention (`attn_implementation`, else `default_attn_implementation`)."""
+    config = transformers.AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code,
+                                                     revision=revision)
+    attn_implementation = attn_implementation or default_attn_implementation(device, config)
+    check_attn_implementation(attn_implementation, config)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                              attn_implementation=attn_implementation,
                                                               trust_remote_code=trust_remote_code, revision=revision)
     model = model.to(device)
     return model.eval().requires_grad_(False)
@@ -257,6 +293,22 @@ class OutputHead:
         return logits
 
 
+@contextmanager
+def attention_as(lm: torch.nn.Module, implementation: str):
+    """`lm` attending with another of transformers' attention implementations within, its own again after; as it
+    is where the model cannot switch (remote code outside transformers' attention interface)."""
+    own = getattr(lm.config, "_attn_implementation", None)
+    if own in (None, implementation) or not hasattr(lm, "set_attn_implementation") or \
+            not lm._can_set_attn_implementation():
+        yield
+        return
+    lm.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        lm.set_attn_implementation(own)
+
+
 _CHECKED: set = set()
 
 
@@ -269,16 +321,20 @@ def check_scoring_path(model: torch.nn.Module) -> None:
     left-padded prompts of 5 tokens, 4 completion tokens each) and the per-token log-probs compared with log_softmax of
     the forward's logits: an architecture that post-processes its logits in a way `logit_transform` does not know, whose
     decoder is not what the head reads, or whose cache cannot be shared, fails here at load time (three forwards of 9
-    tokens) instead of training on another distribution. Tolerance: 1e-3 of the log-probs' scale in float32 (a missed
-    post-processing moved them by 0.16 to 0.5 nats on small random models, 38 to 47 with trained-size logits:
-    docs/models.md 2), 3e-2 in lower precision.
+    tokens) instead of training on another distribution. The forward compared with runs with eager attention,
+    transformers' reference implementation, so an attention implementation that computes something else (SDPA drops
+    Gemma-2's attention soft cap) fails too, where the input shows it. Tolerance: 1e-3 of the log-probs' scale in
+    float32 (a missed post-processing moved them by 0.16 to 0.5 nats on small random models, 38 to 47 with
+    trained-size logits: docs/models.md 2), 3e-2 in lower precision.
     """
     lm = unwrap_causal_lm(model)
     name = type(lm).__name__
     device = next(lm.parameters()).device
     # what is checked is the code path, which the class, the config and the weights' dtype decide (not the weights'
     # values): once per process for each (a reference model, another checkpoint of the same model, pass at once)
-    key = (type(lm), lm.config.to_json_string(use_diff=False), str(next(lm.parameters()).dtype), str(device))
+    implementation = getattr(lm.config, "_attn_implementation", None)
+    key = (type(lm), lm.config.to_json_string(use_diff=False), str(next(lm.parameters()).dtype), str(device),
+           implementation)
     if key in _CHECKED:
         return
     vocab = lm.get_output_embeddings().weight.shape[0]
@@ -291,26 +347,35 @@ def check_scoring_path(model: torch.nn.Module) -> None:
     ids, mask = torch.cat([prompt, completion], 1), torch.cat([prompt_mask, completion_mask], 1)
     was_training = lm.training
     lm.eval()
+
+    def forward_logps(attention: str | None) -> torch.Tensor:  # the model's forward, with this attention
+        with attention_as(lm, attention) if attention else nullcontext():
+            logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+        return torch.log_softmax(logits[:, 4:-1].float(), -1).gather(-1, completion[..., None]).squeeze(-1)
+
+    # a 4-bit base keeps its other weights in fp32 but computes its linear layers in its compute dtype
+    precise = next(p for p in lm.parameters() if p.is_floating_point()).dtype == torch.float32 and all(
+        getattr(m, "compute_dtype", None) in (None, torch.float32) for m in lm.modules()
+        if type(m).__name__ == "Linear4bit")
     try:
-        logits = lm(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
-        expected = torch.log_softmax(logits[:, 4:-1].float(), -1).gather(-1, completion[..., None]).squeeze(-1)
-        gaps = []
-        for shared in (True, False):
-            ours, _ = completion_logps(lm, prompt, prompt_mask, torch.arange(2, device=device), completion,
-                                       completion_mask, torch.ones(2, device=device), share_prompt_prefix=shared,
-                                       with_entropy=False)
-            gaps.append(float((ours - expected).abs().max()))
+        expected = forward_logps("eager")
+        ours = [completion_logps(lm, prompt, prompt_mask, torch.arange(2, device=device), completion, completion_mask,
+                                 torch.ones(2, device=device), share_prompt_prefix=shared, with_entropy=False)[0]
+                for shared in (True, False)]
+        gaps = [float((logp - expected).abs().max()) for logp in ours]
+        limit = (1e-3 if precise else 3e-2) * max(1.0, float(expected.abs().max()))
+        # refused, attending otherwise: is it the attention (the forward with its own agrees with ours)?
+        own = forward_logps(None) if not max(gaps) <= limit and implementation not in (None, "eager") else None
     except Exception as error:  # noqa: BLE001  (any failure of our path on this architecture is a refusal)
         raise ConfigError(f"model_name_or_path: {name} cannot be scored by agrpo's log-prob path "
                           f"({type(error).__name__}: {error}); supported architectures: docs/models.md") from error
     finally:
         lm.train(was_training)
-    # a 4-bit base keeps its other weights in fp32 but computes its linear layers in its compute dtype
-    precise = next(p for p in lm.parameters() if p.is_floating_point()).dtype == torch.float32 and all(
-        getattr(m, "compute_dtype", None) in (None, torch.float32) for m in lm.modules()
-        if type(m).__name__ == "Linear4bit")
-    limit = (1e-3 if precise else 3e-2) * max(1.0, float(expected.abs().max()))
     if not max(gaps) <= limit:  # also refuses NaN
+        if own is not None and max(float((logp - own).abs().max()) for logp in ours) <= limit:
+            raise ConfigError(f"attn_implementation: {implementation} computes another model than {name}'s eager "
+                              f"attention, transformers' reference (log-probs {max(gaps):.3g} nats apart on a test "
+                              f"input, allowed {limit:.2g}): give attn_implementation: eager")
         raise ConfigError(f"model_name_or_path: {name} computes its logits in a way agrpo does not reproduce "
                           f"(log-probs {max(gaps):.3g} nats from the model's own forward on a test input, allowed "
                           f"{limit:.2g}), so it would train on another distribution than it samples from; supported "

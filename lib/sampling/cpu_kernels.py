@@ -199,7 +199,7 @@ def prepack_for_cpu(model: torch.nn.Module):
     """The sampling copy's `prepack` hook (lib/sampling/policy_copy.SamplingCopy): prepack a bf16 copy's linear
     layers where it lives on a CPU that has oneDNN's bf16 kernel, a Llama-family model's q, k, v and gate, up as one
     product each (leave any other model as it is); return the copy's decode step (lib/sampling/decode.decode_step_for:
-    LlamaStep for a Llama-family model, GraphStep on CUDA, else None)."""
+    LlamaStep for a Llama-family model, GraphSteps on CUDA, else None)."""
     if next(model.parameters()).dtype == torch.bfloat16 and next(model.parameters()).device.type == "cpu" \
             and can_prepack():
         prepack_linears(model, stacked_layers(model))
