@@ -23,7 +23,7 @@ FAST_ATTENTION = "agrpo_sdpa"  # lib/sampling/cpu_kernels.grouped_decode_attenti
 def default_attn_implementation(device: torch.device | str) -> str:
     """The decode-friendly SDPA of lib/sampling/cpu_kernels.py (`grouped_decode_attention`, registered with transformers
     as FAST_ATTENTION when that module is imported, as the entry scripts do) on CPU; plain SDPA elsewhere (users pick
-    flash_attention_2 on GPUs themselves): on an H100 the two did not differ (docs/performance.md 6.1), and
+    flash_attention_2 on GPUs themselves): on an H100 the two did not differ (docs/performance.md 6.2), and
     transformers' own also knows sliding windows and soft caps."""
     registered = FAST_ATTENTION in transformers.AttentionInterface().valid_keys()
     return FAST_ATTENTION if registered and torch.device(device).type == "cpu" else "sdpa"
