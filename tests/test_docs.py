@@ -1,6 +1,6 @@
-"""The pages (README.md, docs/*.md, tests/data/README.md) against the code: every flag of a command they show exists
-in that script's parser, every file, folder, function and section they name exists, and `.ci/run` runs the README's
-test command. A renamed flag or a moved file fails here instead of on a reader's machine."""
+"""The pages (README.md, docs/*.md, docs/log/*.md, tests/data/README.md) against the code: every flag of a command
+they show exists in that script's parser, every file, folder, function and section they name exists, and `.ci/run`
+runs the README's test command. A renamed flag or a moved file fails here instead of on a reader's machine."""
 
 import contextlib
 import glob
@@ -12,8 +12,8 @@ import pytest
 
 from conftest import REPO
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "tests" / "data" / "README.md",
-         REPO / "tests" / "fixtures" / "README.md"]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "docs" / "log").glob("*.md")),
+         REPO / "tests" / "data" / "README.md", REPO / "tests" / "fixtures" / "README.md"]
 ENTRY_SCRIPTS = ("train_agrpo.py", "eval_agrpo.py", "chat_app.py", "serve_vllm.py")
 # scripts whose words after a lone `--` go to every train_agrpo.py run they start
 PASS_THROUGH = ("ablate.py", "compare_presets.py")

@@ -36,7 +36,7 @@ def default_attn_implementation(device: torch.device | str, config=None) -> str:
     applies it; flash_attention_2, where installed, does too and is given by hand); otherwise the decode-friendly
     SDPA of lib/sampling/cpu_kernels.py (`grouped_decode_attention`, registered with transformers as FAST_ATTENTION when
     that module is imported, as the entry scripts do) on CPU, plain SDPA elsewhere: on an H100 the two did not differ
-    (docs/performance.md 6.1), and transformers' own also knows sliding windows."""
+    (docs/performance.md 6.2), and transformers' own also knows sliding windows."""
     if config is not None and attention_soft_cap(config):
         return "eager"
     registered = FAST_ATTENTION in transformers.AttentionInterface().valid_keys()
