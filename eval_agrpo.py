@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 from transformers.utils import logging as hf_logging
 
-from lib.config import (EMBEDDED_MODEL, ConfigError, Differs, _help_only, check_fields, read_as_fields, read_fields,
+from lib.config import (EMBEDDED_MODEL, ConfigError, Differs, check_fields, help_only, read_as_fields, read_fields,
                         shared_sections)
 from lib.data.records import ANSWER_COLUMNS, load_records, render_prompt
 from lib.data.word_problems import builtin_task
@@ -134,7 +134,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def build_parser() -> HfArgumentParser:
     """transformers' HfArgumentParser over the evaluator's own keys and the trainer's shared sections."""
-    parser = HfArgumentParser([EvalArguments, *map(_help_only, SHARED)], description=__doc__,
+    parser = HfArgumentParser([EvalArguments, *map(help_only, SHARED)], description=__doc__,
                               formatter_class=HelpFormatter)
     read_as_fields(parser, SHARED_FIELDS)
     return parser

@@ -8,7 +8,8 @@ Precedence: dataclass defaults < the `algo` preset (lib/methods/registry.py) < t
 not a field is an error that names the closest field (TRL's and open-r1's keys: lib/trl_keys.py, which the
 entry scripts pass as `keys`); an invalid value is an error that names the field and the fix: each field's choices
 and range in one loop (`check_fields`), then the checks that span several keys (`validate`, each method's own in
-lib/methods/registry.py, the loss type's in lib/methods/losses.py).
+lib/methods/registry.py, the loss type's in lib/methods/losses.py). eval_agrpo.py reads the keys it shares with the
+trainer through the same parser set-up, reader and checks (`shared_sections`).
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ def load_yaml(path: str) -> dict:
     return data
 
 
-def _help_only(section: type) -> type:
+def help_only(section: type) -> type:
     """A section as HfArgumentParser is given it: it passes every metadata key but `aliases` (more flags of the key)
     to argparse's add_argument, which takes `help` and `choices` and refuses the rest, and would refuse a bad choice
     itself, without the field's fix; choices and ranges are `check_fields`' instead."""
@@ -254,7 +255,7 @@ def build_parser() -> HfArgumentParser:
     TRL), with every default set to 'not given' so that precedence stays explicit. Values stay text here and are
     read by `_coerce`, the same reader a YAML recipe goes through."""
     # no abbreviations: argparse would read `--lr 1e-5` as --lr_scheduler_type 1e-5
-    parser = HfArgumentParser([_help_only(section) for section in SECTIONS], description="GRPO and adaptive "
+    parser = HfArgumentParser([help_only(section) for section in SECTIONS], description="GRPO and adaptive "
                               "variants, one visible training loop. Keys follow TRL's GRPOConfig / ModelConfig / "
                               "ScriptArguments; a TRL or open-r1 recipe runs as it is (docs/configuration.md).",
                               allow_abbrev=False)
@@ -310,13 +311,14 @@ class Differs:
     why: str | None = None
 
 
-def shared_sections(names, differs: dict[str, Differs], who: str, aliases: dict[str, tuple[str, ...]] = {}
-                    ) -> list[type]:
+def shared_sections(names, differs: dict[str, Differs], who: str,
+                    aliases: dict[str, tuple[str, ...]] | None = None) -> list[type]:
     """lib/settings.py's sections cut down to the keys `names`, in the trainer's order, each titled as the trainer's
     --help titles it: every field keeps its type, help, choices and range (so the other script's --help and checks
     cannot drift from the trainer's), except where `differs` declares it otherwise (`who` names the script in the
     help: "Evaluator: ..."); `aliases`: more flags of a key (the script's older names). Give them to HfArgumentParser
-    through `_help_only`, then `read_as_fields`."""
+    through `help_only`, then `read_as_fields`."""
+    aliases = aliases or {}
     unknown = sorted(set(names) - set(FIELDS)) + sorted((set(differs) | set(aliases)) - set(names))
     if unknown:
         raise ValueError(f"not keys of lib/settings.py shared here: {', '.join(unknown)}")
