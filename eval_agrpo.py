@@ -24,20 +24,23 @@ the generation loop is the one the trainer's periodic evaluation runs (`lib/eval
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
-import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import HfArgumentParser
 from transformers.utils import logging as hf_logging
 
-from lib.config import EMBEDDED_MODEL
-from lib.data.records import ANSWER_COLUMNS, DEFAULT_INSTRUCTION, load_records, render_prompt
+from lib.config import (EMBEDDED_MODEL, ConfigError, Differs, check_fields, help_only, read_as_fields, read_fields,
+                        shared_sections)
+from lib.data.records import ANSWER_COLUMNS, load_records, render_prompt
 from lib.data.word_problems import builtin_task
 from lib.evaluation.accuracy import generate_and_score
 from lib.agents.episodes import Agent
@@ -63,96 +66,93 @@ class EvalConfigError(ValueError):
     """Bad input, found before any model is loaded: the message names the option and the fix."""
 
 
-def str2bool(value: str) -> bool:
-    if value.lower() in ("true", "1", "yes"):
-        return True
-    if value.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+@dataclass
+class EvalArguments:
+    """The evaluator's own keys; every other key is the trainer's (`SHARED_KEYS`)."""
+
+    _argument_group_name = "evaluation"
+
+    reference_model: str | None = field(default=None, metadata={"help": "Model to compare against (win rate, reward, "
+                                        "KL, entropy); scored as well."})
+    num_samples: int = field(default=1, metadata={"help": "Completions per problem."})
+    pass_k: list[int] | None = field(default=None, metadata={"help": "k values for pass@k and maj@k (not given: 1 "
+                                     "and the powers of 2 up to num_samples)."})
+    batch_size: int = field(default=64, metadata={"help": "Problems per generation batch."})
+    max_samples: int | None = field(default=None, metadata={"help": "Problems per data set: a seeded subset (the "
+                                    "built-in task: 200 unless set)."})
+    output_json: str | None = field(default=None, metadata={"help": "Where results.json goes (not given: in "
+                                    "--output_dir)."})
+    plot: bool = field(default=False, metadata={"help": "Also write accuracy.png: accuracy per model and data set."})
+    reference_cache: str | None = field(default=None, metadata={"help": "A folder that keeps the reference model's "
+                                        "scores: a later evaluation with the same reference files, problems and "
+                                        "settings reads them instead of generating again (scripts/ablate.py scores "
+                                        "every run against one starting model)."})
+
+
+# The trainer's keys the evaluator reads. Their type, help, choices and range are the trainer's (lib/settings.py,
+# docs/configuration.md), shown under the trainer's section titles in --help and checked by the trainer's loop
+# (lib/config.check_fields), so the two cannot drift; tests/test_eval_script.py holds them to it.
+SHARED_KEYS = ("model_name_or_path", "bf16", "dataset_name", "dataset_config", "dataset_test_split", "prompt_column",
+               "answer_column", "skip_invalid_rows", "system_prompt", "instruction", "max_prompt_length",
+               "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "use_vllm",
+               "vllm_gpu_memory_utilization", "chat_template_kwargs", "trust_remote_code", "seed", "reward_funcs",
+               "reward_weights", "tools", "max_tool_calling_iterations", "tool_timeout", "output_dir",
+               "overwrite_output_dir")
+# Where the evaluator declares one of them otherwise, on purpose, and why; the reason is added to the key's --help.
+DIFFERS = {
+    "model_name_or_path": Differs(several=True, because="several models, each scored on the same prompts "
+                                  "('embedded' is the default model; a run's final/ or checkpoint-<step>/ too)"),
+    "dataset_name": Differs(several=True, because="several data sets, each scored on its own; not given: the "
+                            "built-in task's held-out problems, drawn from --seed as the trainer draws them"),
+    "temperature": Differs(default=0.0, range="[0, inf)", why="0 = greedy decoding",
+                           because="greedy decoding (0) by default, as accuracy results are reported; > 0 samples, "
+                                   "as --num_samples > 1 needs"),
+    "max_prompt_length": Differs(default=512, because="512 by default: room for longer problems than the built-in "
+                                 "task's (GSM8K) and for the tools' description; a cut prompt is another problem"),
+    "max_completion_length": Differs(default=256, because="256 by default: room for models trained with longer "
+                                     "completions than the demo's 64; a completion cut before its answer scores "
+                                     "wrong (the truncated column counts them)"),
+    "use_vllm": Differs(default=False, because="false by default: HF decoding unless asked, which reproduces the "
+                        "trainer's HF eval/accuracy; vLLM's bf16 kernels flip near-tied greedy tokens "
+                        "(docs/results.md 4.3)"),
+    "vllm_gpu_memory_utilization": Differs(default=0.5, because="0.5 by default: no policy, optimizer or training "
+                                           "pass shares the GPU with the engine"),
+    "output_dir": Differs(default="runs/eval", because="runs/eval by default; it receives results.json, results.md, "
+                          "completions.jsonl and accuracy.png"),
+    "overwrite_output_dir": Differs(because="replace the results of an earlier evaluation in --output_dir"),
+}
+SHARED = shared_sections(SHARED_KEYS, DIFFERS, "Evaluator", aliases={"dataset_name": ("--dataset_id_or_path",),
+                                                                    "dataset_test_split": ("--split",)})
+SHARED_FIELDS = {f.name: f for section in SHARED for f in dataclasses.fields(section)}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module's docstring as written, and each own key's default after its help (the shared keys' help ends with
+    theirs already)."""
+
+
+def build_parser() -> HfArgumentParser:
+    """transformers' HfArgumentParser over the evaluator's own keys and the trainer's shared sections."""
+    parser = HfArgumentParser([EvalArguments, *map(help_only, SHARED)], description=__doc__,
+                              formatter_class=HelpFormatter)
+    read_as_fields(parser, SHARED_FIELDS)
+    return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    flag = {"type": str2bool, "nargs": "?", "const": True, "default": False}
-    models = parser.add_argument_group("models")
-    models.add_argument("--model_name_or_path", nargs="+", default=["embedded"],
-                        help="Models to score: 'embedded', hub ids, model / checkpoint / PEFT adapter folders.")
-    models.add_argument("--reference_model", default=None,
-                        help="Model to compare against (win rate, reward, KL, entropy); scored as well.")
-    models.add_argument("--bf16", type=str2bool, default=None,
-                        help="Generate in bf16 (default: where the hardware has it natively, as the trainer does).")
-    models.add_argument("--use_vllm", **flag, help="Generate with a vLLM engine instead of Hugging Face.")
-    models.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.5)
-    models.add_argument("--trust_remote_code", **flag, help="Run the Python code a hub model ships with (off unless "
-                        "asked).")
-    data = parser.add_argument_group("data")
-    data.add_argument("--dataset_name", "--dataset_id_or_path", dest="dataset_name", nargs="+", default=None,
-                      help="JSONL / Parquet files, folders holding <split>.jsonl, or hub ids (default: the built-in "
-                           "task's held-out problems, drawn from --seed as the trainer draws them).")
-    data.add_argument("--split", "--dataset_test_split", dest="split", default="test",
-                      help="Split for folders and hub ids.")
-    data.add_argument("--dataset_config", default=None,
-                      help="Configuration of the hub data sets and folders that have several (main for openai/gsm8k, "
-                           "taken by default).")
-    data.add_argument("--prompt_column", default=None)
-    data.add_argument("--answer_column", default=None)
-    data.add_argument("--skip_invalid_rows", **flag)
-    data.add_argument("--max_samples", type=int, default=None,
-                      help="Problems per data set: a seeded subset (the built-in task: 200 unless set).")
-    data.add_argument("--instruction", default=DEFAULT_INSTRUCTION, help="Appended to each problem (as in training).")
-    data.add_argument("--system_prompt", default=None)
-    data.add_argument("--chat_template_kwargs", type=json_mapping, default=None,
-                      help="Chat template variables as JSON, e.g. '{\"enable_thinking\": false}' (as in training).")
-    sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--num_samples", type=int, default=1, help="Completions per problem.")
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy decoding.")
-    sampling.add_argument("--top_p", type=float, default=1.0)
-    sampling.add_argument("--top_k", type=int, default=0)
-    sampling.add_argument("--min_p", type=float, default=0.0, help="Min-p sampling (0 = off; docs/models.md 3).")
-    sampling.add_argument("--repetition_penalty", type=float, default=1.0,
-                          help="CTRL's repetition penalty (1 = off; applies to greedy decoding too).")
-    sampling.add_argument("--max_prompt_length", type=int, default=512)
-    sampling.add_argument("--max_completion_length", type=int, default=256)
-    sampling.add_argument("--batch_size", type=int, default=64, help="Problems per generation batch.")
-    sampling.add_argument("--seed", type=int, default=42)
-    agents = parser.add_argument_group("tools (docs/agents.md)")
-    agents.add_argument("--tools", nargs="+", default=[],
-                        help="Tools the model may call while it answers (module:function / file.py:function, as in "
-                             "training): each completion runs as an episode, its calls' results appended.")
-    agents.add_argument("--max_tool_calling_iterations", type=int, default=None,
-                        help="Model turns with tool calls per episode (default: no limit).")
-    agents.add_argument("--tool_timeout", type=float, default=10.0, help="Seconds one tool call may take (0: none).")
-    scoring = parser.add_argument_group("scoring")
-    scoring.add_argument("--pass_k", type=int, nargs="+", default=None,
-                         help="k values for pass@k and maj@k (default: 1 and the powers of 2 up to num_samples).")
-    scoring.add_argument("--reward_funcs", nargs="+", default=["accuracy"],
-                         help="Reward functions for the reward and win-rate columns (names as in training).")
-    scoring.add_argument("--reward_weights", type=float, nargs="+", default=None)
-    output = parser.add_argument_group("output")
-    output.add_argument("--output_dir", default="runs/eval")
-    output.add_argument("--output_json", default=None, help="Where results.json goes (default: in --output_dir).")
-    output.add_argument("--overwrite_output_dir", **flag, help="Replace the results of an earlier evaluation.")
-    output.add_argument("--plot", **flag, help="Also write accuracy.png: accuracy per model and data set.")
-    output.add_argument("--reference_cache", default=None,
-                        help="A folder that keeps the reference model's scores: a later evaluation with the same "
-                             "reference files, problems and settings reads them instead of generating again "
-                             "(scripts/ablate.py scores every run against one starting model).")
-    args = parser.parse_args(argv)
+    """The command line: the own keys as argparse reads them, the shared keys as the trainer reads them (given, or
+    their default); a value that cannot be read is an EvalConfigError naming its flag."""
+    parser = build_parser()
+    given = vars(parser.parse_args(argv))
+    try:
+        values = {**given, **read_fields(given, SHARED_FIELDS)}
+    except ConfigError as error:
+        raise EvalConfigError(f"--{error}") from None  # the trainer's message starts with the key's name
+    args = argparse.Namespace(**{dest: values[dest] for dest in dict.fromkeys(a.dest for a in parser._actions)
+                                 if dest in values})  # in --help's order (results.json's settings)
     if args.pass_k is None:
         args.pass_k = sorted({1, args.num_samples} | {2**i for i in range(1, 12) if 2**i <= args.num_samples})
     return args
-
-
-def json_mapping(text: str) -> dict:
-    """A command-line JSON object (--chat_template_kwargs)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"enable_thinking\": false}}', got "
-                                         f"{text!r:.80}")
-    return value
 
 
 def eval_prompts(tokenizer, records: list[dict], args: argparse.Namespace, agent: Agent | None = None) -> list[str]:
@@ -189,6 +189,10 @@ def check_model(option: str, name: str) -> None:
 
 def validate(args: argparse.Namespace) -> None:
     """Every check that needs no model: fails in seconds, naming the option and the fix."""
+    try:  # the shared keys' choices and ranges, as the trainer checks them
+        check_fields(args, fields=SHARED_FIELDS)
+    except ConfigError as error:
+        raise EvalConfigError(f"--{error}") from None
     for name in args.model_name_or_path:
         check_model("--model_name_or_path", name)
     if args.reference_model:
@@ -199,36 +203,15 @@ def validate(args: argparse.Namespace) -> None:
             tool_schemas(args.tools)
         except ValueError as error:
             raise EvalConfigError(f"--tools: {error}") from None
-    if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 1:
-        raise EvalConfigError("--max_tool_calling_iterations must be at least 1 (leave it out for no limit)")
     if len({model_label(m) for m in args.model_name_or_path}) < len(args.model_name_or_path):
         raise EvalConfigError("--model_name_or_path: a model is listed twice; list each once")
     if args.num_samples < 1:
         raise EvalConfigError(f"--num_samples must be >= 1, got {args.num_samples}")
-    # NaN passes every range check below (each comparison is False); no setting here is infinite
-    for option in ("temperature", "top_p", "min_p", "repetition_penalty", "vllm_gpu_memory_utilization",
-                   "reward_weights"):
-        value = getattr(args, option)
-        if value is not None and not all(math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
-            raise EvalConfigError(f"--{option}: {value} is not a finite number; give a finite value")
-    if not 0 <= args.seed < 2**32:  # torch's and numpy's seed range, as the trainer's
-        raise EvalConfigError(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
-    if args.temperature < 0:
-        raise EvalConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.temperature == 0 and args.num_samples > 1:
         raise EvalConfigError(f"--num_samples {args.num_samples} with --temperature 0: greedy decoding gives the same "
                               f"completion every time; set --temperature > 0 (e.g. 0.7) or --num_samples 1")
-    if not 0 < args.top_p <= 1:
-        raise EvalConfigError(f"--top_p must be in (0, 1], got {args.top_p}")
-    if args.top_k < 0:
-        raise EvalConfigError(f"--top_k must be >= 0 (0 = off), got {args.top_k}")
-    if not 0 <= args.min_p <= 1:
-        raise EvalConfigError(f"--min_p must be in [0, 1] (0 = off), got {args.min_p}")
-    if not 0 < args.repetition_penalty < math.inf:
-        raise EvalConfigError(f"--repetition_penalty must be > 0 (1 = off), got {args.repetition_penalty}")
-    for option in ("max_prompt_length", "max_completion_length", "batch_size"):
-        if getattr(args, option) < 1:
-            raise EvalConfigError(f"--{option} must be >= 1, got {getattr(args, option)}")
+    if args.batch_size < 1:
+        raise EvalConfigError(f"--batch_size must be >= 1, got {args.batch_size}")
     if args.max_samples is not None and args.max_samples < 1:
         raise EvalConfigError(f"--max_samples must be >= 1, got {args.max_samples}")
     bad_k = [k for k in args.pass_k if not 1 <= k <= args.num_samples]
@@ -243,9 +226,6 @@ def validate(args: argparse.Namespace) -> None:
         reward_functions(args.reward_funcs)
     except ValueError as error:
         raise EvalConfigError(f"--reward_funcs: {error}") from error
-    if not 0 < args.vllm_gpu_memory_utilization <= 1:
-        raise EvalConfigError(f"--vllm_gpu_memory_utilization must be in (0, 1], got "
-                              f"{args.vllm_gpu_memory_utilization}")
     if args.use_vllm:
         try:
             import vllm  # noqa: F401  (only checking that it is there)
@@ -324,7 +304,7 @@ def load_sets(args: argparse.Namespace) -> dict[str, list[dict]]:
     sets = {}
     for name in args.dataset_name:
         try:
-            records = load_records(name, split=args.split, prompt_column=args.prompt_column,
+            records = load_records(name, split=args.dataset_test_split, prompt_column=args.prompt_column,
                                    answer_column=args.answer_column, max_samples=args.max_samples, seed=args.seed,
                                    skip_invalid_rows=args.skip_invalid_rows, config=args.dataset_config,
                                    reader=hub_data)

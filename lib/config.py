@@ -8,7 +8,8 @@ Precedence: dataclass defaults < the `algo` preset (lib/methods/registry.py) < t
 not a field is an error that names the closest field (TRL's and open-r1's keys: lib/trl_keys.py, which the
 entry scripts pass as `keys`); an invalid value is an error that names the field and the fix: each field's choices
 and range in one loop (`check_fields`), then the checks that span several keys (`validate`, each method's own in
-lib/methods/registry.py, the loss type's in lib/methods/losses.py).
+lib/methods/registry.py, the loss type's in lib/methods/losses.py). eval_agrpo.py reads the keys it shares with the
+trainer through the same parser set-up, reader and checks (`shared_sections`).
 """
 
 from __future__ import annotations
@@ -237,12 +238,13 @@ def load_yaml(path: str) -> dict:
     return data
 
 
-def _help_only(section: type) -> type:
-    """A section as HfArgumentParser is given it: it passes every metadata key to argparse's add_argument, which
-    takes `help` and `choices` and refuses the rest, and would refuse a bad choice itself, without the field's fix;
-    choices and ranges are `check_fields`' instead."""
+def help_only(section: type) -> type:
+    """A section as HfArgumentParser is given it: it passes every metadata key but `aliases` (more flags of the key)
+    to argparse's add_argument, which takes `help` and `choices` and refuses the rest, and would refuse a bad choice
+    itself, without the field's fix; choices and ranges are `check_fields`' instead."""
     fields = [(f.name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory,
-                                                 metadata={"help": f.metadata.get("help")}))
+                                                 metadata={k: f.metadata[k] for k in ("help", "aliases")
+                                                           if k in f.metadata}))
               for f in dataclasses.fields(section) if f.name in vars(section).get("__annotations__", {})]
     return dataclasses.make_dataclass(section.__name__, fields, namespace={
         "_argument_group_name": section._argument_group_name, "__module__": section.__module__})
@@ -253,22 +255,29 @@ def build_parser() -> HfArgumentParser:
     TRL), with every default set to 'not given' so that precedence stays explicit. Values stay text here and are
     read by `_coerce`, the same reader a YAML recipe goes through."""
     # no abbreviations: argparse would read `--lr 1e-5` as --lr_scheduler_type 1e-5
-    parser = HfArgumentParser([_help_only(section) for section in SECTIONS], description="GRPO and adaptive "
+    parser = HfArgumentParser([help_only(section) for section in SECTIONS], description="GRPO and adaptive "
                               "variants, one visible training loop. Keys follow TRL's GRPOConfig / ModelConfig / "
                               "ScriptArguments; a TRL or open-r1 recipe runs as it is (docs/configuration.md).",
                               allow_abbrev=False)
     parser.add_argument("--config", help="YAML recipe; command-line flags override its values.",
                         default=argparse.SUPPRESS)
+    read_as_fields(parser, FIELDS)
+    return parser
+
+
+def read_as_fields(parser: argparse.ArgumentParser, fields: dict[str, dataclasses.Field]) -> None:
+    """The parser's actions of `fields` made to read as the trainer reads them: the help ends with the range and the
+    default, the default is 'not given' (the caller fills it in: precedence stays explicit), and the value stays text
+    for `_coerce`, the reader a YAML recipe goes through too; `--flag` alone means true, as in TRL."""
     for action in parser._actions:
-        if action.dest not in FIELDS:
+        if action.dest not in fields:
             continue
         if action.option_strings[0].startswith("--no_"):  # HfArgumentParser's `--no_<key>` for a key true by default
             action.default = argparse.SUPPRESS
             continue
-        f = FIELDS[action.dest]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        f = fields[action.dest]
         accepts = f" Range: {f.metadata['range']}." if "range" in f.metadata else ""
-        action.help = f"{action.help or ''}{accepts} (default: {default})".replace("%", "%%")
+        action.help = f"{action.help or ''}{accepts} (default: {default_of(f)})".replace("%", "%%")
         action.default = argparse.SUPPRESS
         action.type = None  # `_coerce` reads every value, from YAML or the command line alike
         action.metavar = action.dest.upper()
@@ -277,7 +286,83 @@ def build_parser() -> HfArgumentParser:
             action.nargs, action.const = "?", True
         elif typ is dict or (typing.get_origin(typ) is list and typing.get_args(typ)[0] is dict):
             action.nargs = None  # one YAML / JSON text
-    return parser
+
+
+def default_of(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+# ---- the trainer's keys in another entry script (eval_agrpo.py) ------------------------------------------------------
+
+
+TRAINERS_DEFAULT = object()  # Differs.default when only something else differs
+
+
+@dataclasses.dataclass(frozen=True)
+class Differs:
+    """How an entry script that shares the trainer's keys declares one of them otherwise, and why (`because`, added
+    to the key's help). `several`: a list of values (`--key v1 v2`), each read and checked as the trainer reads one;
+    its default, unless given, is the trainer's default as a list. `range` and `why`: as in lib/settings.py."""
+
+    because: str
+    default: object = TRAINERS_DEFAULT
+    several: bool = False
+    range: str | None = None
+    why: str | None = None
+
+
+def shared_sections(names, differs: dict[str, Differs], who: str,
+                    aliases: dict[str, tuple[str, ...]] | None = None) -> list[type]:
+    """lib/settings.py's sections cut down to the keys `names`, in the trainer's order, each titled as the trainer's
+    --help titles it: every field keeps its type, help, choices and range (so the other script's --help and checks
+    cannot drift from the trainer's), except where `differs` declares it otherwise (`who` names the script in the
+    help: "Evaluator: ..."); `aliases`: more flags of a key (the script's older names). Give them to HfArgumentParser
+    through `help_only`, then `read_as_fields`."""
+    aliases = aliases or {}
+    unknown = sorted(set(names) - set(FIELDS)) + sorted((set(differs) | set(aliases)) - set(names))
+    if unknown:
+        raise ValueError(f"not keys of lib/settings.py shared here: {', '.join(unknown)}")
+    cut = []
+    for section in SECTIONS:
+        fields = []
+        for f in dataclasses.fields(section):
+            if f.name not in names:
+                continue
+            typ, meta, default = f.type, dict(f.metadata), default_of(f)
+            if f.name in aliases:
+                meta["aliases"] = list(aliases[f.name])
+            if f.name in differs:
+                d = differs[f.name]
+                meta["help"] = f"{meta.get('help', '')} {who}: {d.because}."
+                meta.update({k: v for k, v in (("range", d.range), ("why", d.why)) if v is not None})
+                if d.several:
+                    typ, meta["several"] = f"list[{_field_type(f.name)[0].__name__}] | None", True
+                    default = default if default is None else [default]
+                if d.default is not TRAINERS_DEFAULT:
+                    default = d.default
+            fields.append((f.name, typ, dataclasses.field(default_factory=lambda v=default: v, metadata=meta)))
+        if fields:
+            cut.append(dataclasses.make_dataclass(section.__name__, fields, namespace={
+                "_argument_group_name": section._argument_group_name, "__module__": section.__module__}))
+    return cut
+
+
+def read_fields(given: dict, fields: dict[str, dataclasses.Field]) -> dict:
+    """Each key of `fields`: its value in `given` (command-line text) or its default, read by `_coerce` as the trainer
+    reads it (`several`: each item of a list). ConfigError names the key, first, as `check_fields`' do."""
+    values = {}
+    for name, f in fields.items():
+        value = given.get(name, default_of(f))
+        if f.metadata.get("several") and value is not None:
+            value = [_coerce(name, v) for v in (value if isinstance(value, list) else [value])]
+            if value == [None]:  # `--dataset_name null`: the default, as the trainer reads it
+                value = None
+            elif None in value:
+                raise ConfigError(f"{name}: null is one of its values; give values, or null alone for the default")
+        else:
+            value = _coerce(name, value)
+        values[name] = value
+    return values
 
 
 @functools.cache
@@ -389,25 +474,26 @@ def _bound_text(name: str, interval: str) -> str:
     return f"at least {low}" if _field_type(name)[0] is int else f">= {low}"
 
 
-def check_fields(cfg: Config, names=None) -> None:
-    """Every field (or those in `names`) against its own metadata (lib/settings.py): a finite number, one of its
-    `choices`, inside its `range`, not empty; the message names the field, the accepted values and the value given.
-    Finiteness comes first: NaN passes every comparison (each is False)."""
-    for name in FIELDS if names is None else names:
-        value, meta, optional = getattr(cfg, name), FIELDS[name].metadata, _field_type(name)[1]
+def check_fields(cfg, names=None, fields: dict[str, dataclasses.Field] = FIELDS) -> None:
+    """Every field (or those in `names`) of `cfg` against its own metadata (lib/settings.py, or an entry script's
+    `shared_sections`): a finite number, one of its `choices`, inside its `range`, not empty, each item of a list
+    alike; the message starts with the field's name, then the accepted values and the value given. Finiteness comes
+    first: NaN passes every comparison (each is False)."""
+    for name in fields if names is None else names:
+        value, meta, optional = getattr(cfg, name), fields[name].metadata, _field_type(name)[1]
         why = f" ({meta['why']})" if "why" in meta else ""
-        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
             raise ConfigError(f"{name}: {value} is not a finite number; give a finite value"
                               f"{' (or null for the default)' if optional else ''}")
-        if value is None:
-            continue
-        if "choices" in meta and value not in meta["choices"]:
-            raise ConfigError(f"{name}: {value!r} is not one of {', '.join(meta['choices'])}{why}")
-        if "range" in meta and not _inside(value, meta["range"]):
-            raise ConfigError(f"{name} must be {_bound_text(name, meta['range'])}{why}{' or null' * optional}, got "
-                              f"{value}")
-        if "nonempty" in meta and not value.strip():
-            raise ConfigError(f"{name} is empty; {meta['nonempty']}")
+        for value in (v for v in items if v is not None):
+            if "choices" in meta and value not in meta["choices"]:
+                raise ConfigError(f"{name}: {value!r} is not one of {', '.join(meta['choices'])}{why}")
+            if "range" in meta and not _inside(value, meta["range"]):
+                raise ConfigError(f"{name} must be {_bound_text(name, meta['range'])}{why}{' or null' * optional}, "
+                                  f"got {value}")
+            if "nonempty" in meta and not value.strip():
+                raise ConfigError(f"{name} is empty; {meta['nonempty']}")
 
 
 def validate(cfg: Config, num_processes: int | None = None, *, check_installed: bool = True) -> None:

@@ -46,7 +46,9 @@ values, `--reward_funcs accuracy format`; a boolean takes `true` / `false`). Pre
 `--algo` preset ([section 9](#9-presets)) < the YAML file < the command line. An unknown key is an error that names
 the closest field; an invalid value is an error that names the field and the fix
 ([troubleshooting](troubleshooting.md#2-configuration-errors)). The resolved values are saved as `config.yaml` in the
-run directory. `python train_agrpo.py --help` prints the same help strings.
+run directory. `python train_agrpo.py --help` prints the same help strings. `eval_agrpo.py` takes the keys it
+shares with the trainer from here too (their help, reading and checks; its own defaults, with their reasons, in
+`python eval_agrpo.py --help`).
 """
 
 

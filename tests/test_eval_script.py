@@ -50,7 +50,11 @@ def model_folders(tmp_path, embedded_model):
     (["--num_samples", "4"], "greedy decoding gives the same completion every time; set --temperature"),
     (["--num_samples", "2", "--temperature", "0.7", "--pass_k", "1", "4"], "--pass_k [4]"),
     (["--top_p", "0"], "--top_p must be in (0, 1]"),
-    (["--max_completion_length", "0"], "--max_completion_length must be >= 1"),
+    (["--max_completion_length", "0"], "--max_completion_length must be at least 1, got 0"),
+    (["--top_k", "many"], "--top_k: cannot read 'many' as int"),
+    (["--tool_timeout", "-1"], "--tool_timeout must be >= 0 (seconds; 0 = no limit), got -1.0"),
+    (["--chat_template_kwargs", "[1]"], "--chat_template_kwargs: expected a mapping of names to values"),
+    (["--dataset_name", "a.jsonl", "null"], "--dataset_name: null is one of its values"),
     (["--reward_funcs", "accuracy", "nope"], "--reward_funcs"),
     (["--reward_funcs", "accuracy", "format", "--reward_weights", "1"], "one weight per function"),
     (["--model_name_or_path", "embedded", "embedded"], "listed twice"),
@@ -59,7 +63,7 @@ def model_folders(tmp_path, embedded_model):
     (["--max_samples", "-3"], "--max_samples must be >= 1, got -3"),
     (["--temperature", "nan"], "--temperature: nan is not a finite number"),
     (["--reward_weights", "inf"], "--reward_weights: [inf] is not a finite number"),
-    (["--seed", "-1"], "--seed must be in [0, 2**32 - 1], got -1"),
+    (["--seed", "-1"], "--seed must be in [0, 4294967295] (numpy's seed range, 2**32 - 1 at most), got -1"),
     (["--dataset_name", "{run}/a.jsonl", "{run}/./a.jsonl"], "would both be reported as 'run/a'"),
 ])
 def test_bad_input_is_named_before_any_model_loads(args, message, model_folders, tmp_path, monkeypatch):
@@ -72,6 +76,61 @@ def test_bad_input_is_named_before_any_model_loads(args, message, model_folders,
         eval_agrpo.main(args + ["--output_dir", str(tmp_path / "out")])
     assert message in str(error.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_keys_shared_with_the_trainer_are_its_declarations(tmp_path):
+    """Every evaluator flag that is a trainer key is declared once, in lib/settings.py: its --help section, help text,
+    default and value reading are the trainer's (with the reason appended where eval_agrpo.DIFFERS declares it
+    otherwise), and a value out of its range gets the trainer's message, with its flag."""
+    from lib.config import FIELDS, ConfigError, _coerce, _field_type, build_parser, make_config
+
+    def actions(parser):
+        section = {id(a): g.title for g in parser._action_groups for a in g._group_actions}
+        return {a.dest: (a, section[id(a)]) for a in parser._actions if a.dest in FIELDS}
+
+    evaluator, trainer = actions(eval_agrpo.build_parser()), actions(build_parser())
+    assert set(evaluator) == set(eval_agrpo.SHARED_KEYS) and len(evaluator) == 29  # no own key shadows one of them
+    for name, (action, section) in evaluator.items():
+        theirs, their_section = trainer[name]
+        assert section == their_section, name
+        differs = eval_agrpo.DIFFERS.get(name)
+        if differs is None:
+            assert (action.help, action.nargs, action.metavar) == (theirs.help, theirs.nargs, theirs.metavar), name
+        else:
+            assert action.help.startswith(f"{FIELDS[name].metadata['help']} Evaluator: {differs.because}."), name
+            assert action.nargs == ("+" if differs.several else theirs.nargs), name
+        assert action.type is theirs.type is None, name  # both read by lib/config._coerce
+    # one value of each key's type: the evaluator reads it as the trainer reads its recipes and flags (`_coerce`),
+    # each item of a several-valued key alike
+    text = {bool: "false", int: "3", float: "0.5", str: "some text", dict: '{"enable_thinking": false}'}
+    argv, expected = [], {}
+    for name in eval_agrpo.SHARED_KEYS:
+        typ, _ = _field_type(name)
+        inner = typ.__args__[0] if getattr(typ, "__origin__", None) is list else None
+        several = name in eval_agrpo.DIFFERS and eval_agrpo.DIFFERS[name].several
+        given = [text[inner or typ]] * (2 if inner or several else 1)
+        argv += [f"--{name}", *given]
+        expected[name] = [_coerce(name, g) for g in given] if several else _coerce(name, given if inner else given[0])
+    args = eval_agrpo.parse_args(argv)
+    assert {name: getattr(args, name) for name in expected} == expected
+    assert args.top_k == 3 and args.bf16 is False and args.reward_weights == [0.5, 0.5]
+    assert args.model_name_or_path == ["some text"] * 2 and args.chat_template_kwargs == {"enable_thinking": False}
+    # a value below each range the evaluator takes from the trainer: the trainer's message, with the flag
+    checked = 0
+    for name in eval_agrpo.SHARED_KEYS:
+        interval = FIELDS[name].metadata.get("range")
+        if interval is None or (name in eval_agrpo.DIFFERS and eval_agrpo.DIFFERS[name].range):
+            continue
+        low = float(interval[1:-1].split(",")[0])
+        value = str(int(low) if _field_type(name)[0] is int else low) if interval[0] == "(" else \
+            str(int(low) - 1 if _field_type(name)[0] is int else low - 1)
+        with pytest.raises(ConfigError) as theirs:
+            make_config({name: value}, check_installed=False)
+        with pytest.raises(EvalConfigError) as ours:
+            eval_agrpo.validate(eval_agrpo.parse_args([f"--{name}", value, "--output_dir", str(tmp_path / "o")]))
+        assert str(ours.value) == f"--{theirs.value}", name
+        checked += 1
+    assert checked >= 10, checked
 
 
 def test_bad_data_file_is_named_with_its_row(tmp_path):

@@ -29,7 +29,7 @@ def generate_and_score(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    min_p: float = 0.0,
+    min_p: float | None = 0.0,
     repetition_penalty: float = 1.0,
     device: torch.device | str = "cpu",
     on_batch: Callable[[list[dict]], None] | None = None,
@@ -46,6 +46,7 @@ def generate_and_score(
     run and their results appended (docs/agents.md); a result then also holds "tool_calls": [int] per completion and
     "model_mask": [[int]], 1 at the model's tokens of "token_ids" and 0 at the tools'. "lengths" count the model's
     tokens; "completions" are the whole episodes' texts, results included, as the reward functions read them.
+    min_p None is off, as 0 is (the trainer's `min_p` default).
     """
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list[dict | None] = [None] * len(prompts)
@@ -53,7 +54,7 @@ def generate_and_score(
         index = order[start : start + batch_size]
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [prompts[i] for i in index], max_prompt_length, device)
         sampling = dict(temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
-                        greedy=temperature <= 0, min_p=min_p, repetition_penalty=repetition_penalty)
+                        greedy=temperature <= 0, min_p=min_p or 0.0, repetition_penalty=repetition_penalty)
         rollout = backend.generate(prompt_ids, prompt_mask, num_samples, max_new_tokens, **sampling)
         calls = None
         if episodes is not None:
