@@ -26,10 +26,10 @@ reference, the sampler and vLLM's reservation are measured, not estimated):
                                          bytes), else the shared inputs; with dropout its mask too, in the adapter's
                                          dtype on a CPU (torch's CPU dropout multiplies by a float mask) and one
                                          byte on CUDA (native_dropout's bool mask)
-                  where s is the residual stream's bytes (the embedding's dtype; 4 for a 4-bit model, whose other
-                  weights prepare_model_for_kbit_training keeps in fp32, whatever its compute dtype), c = 2 under bf16
-                  autocast else s, and o = s for a 4-bit model (a bitsandbytes layer returns its input's dtype, the
-                  fp32 stream), c otherwise. The block being run also holds about 3 i x o of temporaries (the MLP's
+                  where s is the residual stream's bytes (the embedding's dtype: a 4-bit model's other weights stay
+                  in the dtype they load in, no fp32 upcast, as in TRL's GRPO path), c = 2 under bf16 autocast else
+                  s, and o = s for a 4-bit model (a bitsandbytes layer returns its input's dtype, the stream's), c
+                  otherwise. The block being run also holds about 3 i x o of temporaries (the MLP's
                   product and its gradients: 2.3 i x 4 measured at 1.5B). Under autocast an fp32 weight's bf16 copy is
                   kept for backward too (per block, not per token). Why this and not the former 34 h + 8 i bytes (x 2
                   in fp32), after Korthikanti et al. 2022 ("Reducing activation recomputation", section 4) for a bf16
@@ -39,8 +39,8 @@ reference, the sampler and vLLM's reservation are measured, not estimated):
                   it.
     logits        four fp32 buffers of one vocabulary chunk (lib/losses.token_logps_and_entropy: at most 2^26
                   floats): the logits, their log-softmax and the entropy's p and p log p are live at once, and the
-                  backward's buffers take their place; under bf16 autocast an fp32 output layer's bf16 copy too (a
-                  4-bit model's, tied to its fp32 embedding: 0.43 GB at Qwen2.5-1.5B's 151,936 x 1,536)
+                  backward's buffers take their place; under bf16 autocast an fp32 output layer's bf16 copy too
+                  (0.43 GB at Qwen2.5-1.5B's 151,936 x 1,536)
     KV cache      sampling: 2 x layers x kv_heads x head_dim x (prompt + completion) tokens x batch x 2 bytes
                   (4 in fp32; HF decode loop; vLLM's cache is inside its measured reservation)
 
@@ -62,6 +62,7 @@ from lib.config import ConfigError
 from lib.extras.hub_data import HUB_TIMEOUT_S
 from lib.extras.model_folders import adapter_base
 from lib.extras.embedded_model import resolve_model_path
+from lib.extras.sampling_copy import sampler_plan
 from lib.modeling import _lora_targets, is_adapter_folder, reference_dtype, weights_dtype
 
 GB = 2**30
@@ -162,9 +163,8 @@ def activation_bytes(model: torch.nn.Module, *, bf16: bool, load_in_4bit: bool |
     quantized = any(_is_4bit(m) for m in base.modules()) if load_in_4bit is None else load_in_4bit
     if device_type is None:
         device_type = next(model.parameters()).device.type
-    # the residual stream's dtype: the embedding's; prepare_model_for_kbit_training keeps a 4-bit model's other
-    # weights (embeddings, norms) in fp32
-    s = 4 if quantized else base.get_input_embeddings().weight.element_size()
+    # the residual stream's dtype: the embedding's (a 4-bit model's embeddings and norms are not upcast to fp32)
+    s = base.get_input_embeddings().weight.element_size()
     cast = bf16 and s > 2  # autocast makes bf16 copies of the fp32 tensors a product reads
     c = 2 if bf16 else s  # SDPA and plain linear layers compute (and return) in this
     o = s if quantized else c  # a bitsandbytes 4-bit layer returns its input's dtype: the fp32 stream
@@ -224,13 +224,12 @@ def estimate_step_memory(model: torch.nn.Module, *, resident: int, optim: str, t
     # without the chunk recomputation) the peak is 4.0 to 4.6 buffers in the forward and 3.6 to 4.0 in backward, and
     # tests/test_memory.py measures 3.99; three (logits, softmax, gradient) missed the entropy's temporaries. Rows
     # count the prompt tokens too, although logits are formed at completion positions only: an over-count while a
-    # micro-batch is under one chunk. Under bf16 autocast an fp32 output layer (a 4-bit model's, whose embedding
-    # prepare_model_for_kbit_training keeps in fp32, and tied) is copied to bf16 for each chunk's product: 0.43 GB at
-    # Qwen2.5-1.5B's 151,936 x 1,536, measured with the chunk (scripts/bench_memory.py, docs/performance.md 3.5).
+    # micro-batch is under one chunk. Under bf16 autocast an fp32 output layer (cast_lm_head_to_fp32, or an fp32
+    # policy) is copied to bf16 for each chunk's product: 0.43 GB at Qwen2.5-1.5B's 151,936 x 1,536, measured with the
+    # chunk (scripts/bench_memory.py, docs/performance.md 3.5).
     logits = 4 * rows * vocab * 4
     head = base.get_output_embeddings()
-    head_bytes = 4 if (load_in_4bit or any(_is_4bit(m) for m in base.modules())) else \
-        (head.weight.element_size() if head is not None else 2)
+    head_bytes = head.weight.element_size() if head is not None else 2
     if bf16 and head_bytes > 2 and head is not None:
         logits += head.weight.numel() * 2
     kv_cache = 0 if vllm else kv_bytes_per_token(config, 2 if bf16 else 4) * sampling_tokens
@@ -323,6 +322,10 @@ PUBLISHED_SHAPES = {
     "Qwen/Qwen2.5-7B": dict(_QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                             num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                             tie_word_embeddings=False),
+    "meta-llama/Llama-3.1-8B": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                    tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500_000.0,
+                                    max_position_embeddings=131072),
     "Qwen/Qwen3-0.6B": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                             num_attention_heads=16, num_key_value_heads=8),
     "Qwen/Qwen3-1.7B": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -403,30 +406,49 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True) -> tuple[dic
         elif cfg.load_in_4bit and name.rsplit(".", 1)[0].replace("base_model.model.", "").replace(
                 ".base_layer", "") in names:
             weights += quantized_bytes(p.numel(), cfg.use_bnb_nested_quant)
-        else:  # prepare_model_for_kbit_training keeps a 4-bit model's other weights in fp32
-            weights += p.numel() * (4 if cfg.load_in_4bit else size)
+        else:  # a 4-bit model's other weights (embeddings, norms, output layer) in the dtype they load in
+            weights += p.numel() * size
     parts = {"policy weights": int(weights)}
     if cfg.beta > 0 and not lora:  # bf16 on a bf16 GPU unless dtype says otherwise (lib/modeling.reference_dtype)
         reference = reference_dtype(cfg.dtype, dtype, device="cuda", bf16=bf16)
         parts["reference model"] = total * torch.finfo(reference).bits // 8
     server = bool(cfg.use_vllm) and getattr(cfg, "vllm_mode", "colocate") == "server"
+    processes = getattr(cfg, "estimate_processes", 1)
+    copy_bytes = total * (2 if bf16 else size)  # the HF sampler's copy: bf16 under bf16, else the compute dtype
     if server:  # the generation server's own GPUs hold the sampler (docs/distributed.md 6)
         pass
     elif cfg.use_vllm:
         if gpu_bytes is None:
             raise ValueError("use_vllm reserves a share of the GPU's memory: give max_memory (the GPU's GB)")
         parts["vLLM engine (its share of the GPU)"] = int(cfg.vllm_gpu_memory_utilization * gpu_bytes)
-    elif lora or (bf16 and size == 4):  # the HF sampler's merged bf16 copy (lib/rollout.HFRollout)
-        parts["sampler's bf16 copy"] = total * 2
+    elif processes > 1 and (lora or (bf16 and size == 4)):  # the HF sampler's full copy, whatever it costs
+        parts["sampler's bf16 copy"] = copy_bytes
     parts["CUDA context, workspaces, allocator slack (allowance)"] = GPU_OVERHEAD
-    processes = getattr(cfg, "estimate_processes", 1)
     if processes > 1:
         parts = sharded_parts(parts, model, processes, bf16=bf16, mode=getattr(cfg, "estimate_sharding", "fsdp2"),
                               sampler=not server)
-    step = estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16,
-                                vllm=bool(cfg.use_vllm), gradient_checkpointing=cfg.gradient_checkpointing,
-                                load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda",
-                                activation_offloading=bool(cfg.activation_offloading), **step_token_counts(cfg))
+
+    def step_of(parts: dict[str, int]) -> StepMemory:
+        return estimate_step_memory(model, resident=sum(parts.values()), optim=cfg.optim, bf16=bf16,
+                                    vllm=bool(cfg.use_vllm), gradient_checkpointing=cfg.gradient_checkpointing,
+                                    load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda",
+                                    activation_offloading=bool(cfg.activation_offloading), **step_token_counts(cfg))
+
+    step = step_of(parts)
+    if not cfg.use_vllm and processes == 1:  # the HF sampler: a copy where it pays and fits (sampler_plan)
+        plan = sampler_plan(adapter=lora, quantized=bool(cfg.load_in_4bit), bf16=bf16, policy_bf16=size == 2,
+                            copy_bytes=copy_bytes, headroom=None if gpu_bytes is None else gpu_bytes - step.total)
+        if plan == "dense":
+            parts["sampler's bf16 copy" if bf16 else "sampler's copy"] = copy_bytes
+        elif plan == "direct":
+            # no copy: the decode step dequantises a 4-bit layer (or casts an fp32 one under autocast) for its
+            # product, one layer at a time; the largest one is alive at once
+            cast = cfg.load_in_4bit or (bf16 and size == 4)
+            largest = max((m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                           and n.replace("base_model.model.", "").replace(".base_layer", "") in names), default=0)
+            parts["sampler without a copy (one layer dequantised at a time)"] = largest * (2 if bf16 else size) \
+                if cast else 0
+        step = step_of(parts)
     if processes > 1:  # fp32 gradients and optimizer states, 1/N of each a GPU
         numel = sum(p.numel() for p in model.parameters())
         step = dataclasses.replace(step, gradients=numel * 4 // processes,
@@ -529,6 +551,17 @@ def check_run(cfg, policy: torch.nn.Module, device: torch.device, bf16: bool) ->
         raise ConfigError(str(error)) from error
     return (f"memory: a step is estimated at {estimate.total / 2**30:.1f} GB "
             f"(in GB: {estimate.describe()})")
+
+
+def copy_headroom(cfg, policy: torch.nn.Module, device: torch.device, bf16: bool) -> int:
+    """The bytes the HF sampler's copy may take (lib/extras/sampling_copy.sampler_plan's `headroom`): the memory
+    budget (`memory_budget`: max_memory, else the GPU's memory or the RAM available) less the step's estimated peak
+    on top of what is resident now, before the sampler is made (train_agrpo.setup)."""
+    estimate = estimate_step_memory(policy, resident=resident_bytes(device), optim=cfg.optim, bf16=bf16,
+                                    vllm=cfg.use_vllm, gradient_checkpointing=cfg.gradient_checkpointing,
+                                    activation_offloading=cfg.activation_offloading and device.type == "cuda",
+                                    **step_token_counts(cfg))
+    return memory_budget(device, cfg.max_memory)[0] - estimate.total
 
 
 def estimate_only(cfg) -> dict:
