@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import rel_diff, rollout_logps
+from conftest import decoded_logps, rel_diff, rollout_logps
 
 NO_GPU = "needs an NVIDIA GPU"
 # under CI (a CPU machine) these skip: scripts/gpu_check.sh runs them where a GPU is, --dry-run on a CPU
@@ -272,6 +272,50 @@ def test_a_merged_adapter_copy_samples_the_policy_and_a_sync_refreshes_it(device
            synced=synced)
     assert stale > 1e-3
     assert fresh < 1e-5 and synced < 1e-5
+
+
+@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["lora", "qlora"])
+def test_an_adapter_policy_decoded_without_a_copy_samples_the_policy(device, small_model, load_in_4bit):
+    """With no room for a copy (headroom 0) the sampler decodes from the policy's own layers (on CUDA from graphs:
+    the 4-bit base's dequantisation and the adapter's products inside them): it writes the merged copy's greedy
+    tokens, its log-probs are the policy's, and after an optimizer step, with no sync, the updated policy's."""
+    if load_in_4bit:
+        pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (scripts/gpu_check.sh carries it)")
+    from functools import partial
+
+    from lib.extras.sampling_copy import DirectDecode, make_copy
+    from lib.modeling import load_policy
+    from lib.rollout import HFRollout
+
+    policy = load_policy(small_model, use_peft=True, lora_r=8, lora_alpha=16, load_in_4bit=load_in_4bit,
+                         device=device)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)).to(p.device) * 0.05)
+    # no end token: every row runs to the cap, every position compared
+    dense = HFRollout(policy, [-1], 0, seed=0, copy=make_copy)
+    direct = HFRollout(policy, [-1], 0, seed=0, copy=partial(make_copy, headroom=0))
+    assert isinstance(direct.sampling_copy, DirectDecode) and direct.copy is None
+    ids, mask = prompts(device)
+    same_greedy = torch.equal(dense.generate(ids, mask, 1, 12, greedy=True).completion_ids,
+                              direct.generate(ids, mask, 1, 12, greedy=True).completion_ids)
+    roll = dense.generate(ids, mask, 3, 12, temperature=1.0)
+    policy.eval()
+    fresh = rel_diff(decoded_logps(direct, roll), rollout_logps(policy, roll))
+    policy.train()
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=0.05)
+    tokens = torch.cat([roll.prompt_ids[roll.prompt_index], roll.completion_ids], 1)
+    policy(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    policy.eval()
+    after = rollout_logps(policy, roll)
+    moved = rel_diff(after, decoded_logps(dense, roll))  # the copy, not synced, still has the old adapter
+    stepped = rel_diff(decoded_logps(direct, roll), after)
+    report(f"direct_decode_{'qlora' if load_in_4bit else 'lora'}", device=str(device), same_greedy=same_greedy,
+           fresh=fresh, moved=moved, stepped=stepped)
+    assert same_greedy and moved > 1e-3
+    assert fresh < 1e-4 and stepped < 1e-4
 
 
 def run_trainer(args: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import assert_close_to_scale, rel_diff, rollout_logps
+from conftest import assert_close_to_scale, decoded_logps, rel_diff, rollout_logps
 from lib.data import format_prompt, tokenize_prompts
 from lib.extras.sampling_copy import make_copy
 from lib.extras.word_problems import builtin_task
@@ -199,31 +199,6 @@ def test_an_adapter_policy_samples_with_its_merged_weights_and_a_sync_refreshes_
     assert_close_to_scale(logps(backend.copy), logps(policy), 1e-5, "log-probs after the sync")
 
 
-def _decoded_logps(engine: HFRollout, roll) -> torch.Tensor:
-    """The log-probs a sampler's own decode step (its prefill, then one step a token) gives a rollout's completions,
-    teacher-forced: what it samples from at each position, in float32 (temperature 1). A copy without a decode
-    step of its own (no `prepack` hook) decodes with its forward, as the sampler does."""
-    from lib.rollout import ModelStep, prefill
-
-    model = engine.model
-    model.eval()
-    ids, mask, index = roll.prompt_ids, roll.prompt_mask, roll.prompt_index
-    with torch.no_grad(), engine.autocast():
-        logits, cache = prefill(model, ids, mask)
-        cache.reorder_cache(index)
-        attention = mask[index]
-        decoder = engine.decode_step(model, cache, attention, roll.completion_ids.shape[1]) \
-            if engine.decode_step is not None else ModelStep(model, cache, attention)
-        positions = mask.long().sum(-1)[index]
-        logits = logits[index]
-        out = []
-        for t in range(roll.completion_ids.shape[1]):
-            token = roll.completion_ids[:, t]
-            out.append(torch.log_softmax(logits.float(), -1).gather(-1, token[:, None])[:, 0])
-            logits = decoder.step(token, positions + t)
-    return torch.stack(out, 1)
-
-
 @pytest.mark.parametrize("load_in_4bit", [False, True], ids=["lora", "qlora"])
 def test_an_adapter_policy_samples_without_a_copy_as_with_it_and_sees_each_optimizer_step(tiny_model, load_in_4bit):
     """With no room for the merged copy (headroom 0) a LoRA / QLoRA policy is decoded from its own layers: the
@@ -249,10 +224,10 @@ def test_an_adapter_policy_samples_without_a_copy_as_with_it_and_sees_each_optim
     assert torch.equal(direct.generate(prompts, mask, 1, 10, greedy=True).completion_ids, greedy.completion_ids)
     roll = dense.generate(prompts, mask, 3, 8, temperature=1.0)
     assert roll.completion_mask.all()  # no end token drawn: every position is compared
-    merged = _decoded_logps(dense, roll)
-    assert_close_to_scale(_decoded_logps(direct, roll), merged, 1e-5, "the direct decode against the merged copy")
+    merged = decoded_logps(dense, roll)
+    assert_close_to_scale(decoded_logps(direct, roll), merged, 1e-5, "the direct decode against the merged copy")
     policy.eval()
-    assert_close_to_scale(_decoded_logps(direct, roll), rollout_logps(policy, roll), 1e-5, "against the policy")
+    assert_close_to_scale(decoded_logps(direct, roll), rollout_logps(policy, roll), 1e-5, "against the policy")
     # one optimizer step on the adapter (a real loss, AdamW), then the sampler without a sync
     policy.train()
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=0.05)
@@ -262,7 +237,7 @@ def test_an_adapter_policy_samples_without_a_copy_as_with_it_and_sees_each_optim
     policy.eval()
     after = rollout_logps(policy, roll)
     assert rel_diff(after, merged) > 1e-3
-    assert_close_to_scale(_decoded_logps(direct, roll), after, 1e-5, "the direct decode after an optimizer step")
+    assert_close_to_scale(decoded_logps(direct, roll), after, 1e-5, "the direct decode after an optimizer step")
 
 
 def test_the_sampler_plan_makes_a_copy_where_it_pays_and_fits():
