@@ -176,19 +176,21 @@ def dense_numel(lm: torch.nn.Module) -> int:
 
 def sampler_plan(*, adapter: bool, quantized: bool, bf16: bool, policy_bf16: bool, own_copy: bool = False,
                  merge_adapter: bool = True, copy_bytes: int = 0, headroom: int | None = None) -> str:
-    """How the HF sampler decodes a policy, the one rule (docs/performance.md 2.1, 3.4):
+    """How the HF sampler decodes a policy, the one rule (docs/performance.md 2.5, 3.4):
 
     "dense"   a plain copy of the weights (`merged_copy`), where it pays and fits: a LoRA / QLoRA policy's base with the
-              adapter merged and a 4-bit base dequantised, or a bf16 copy of a 16-bit-or-wider policy trained under
-              bf16 (decoding skips the adapter's extra products, the dequantisation and autocast's weight casts: 1.2x
-              to 3.5x faster a token on a CPU, section 2.1), or the full copy a policy that will be sharded needs
+              adapter merged and a 4-bit base dequantised, or a bf16 copy of a wider policy trained under bf16
+              (decoding skips the adapter's extra products, the dequantisation and autocast's weight casts: several
+              times faster a token on a CPU, docs/performance.md 2.5), or the full copy a policy that will be sharded
+              needs
               (`own_copy`, whatever it costs). It fits when its `copy_bytes` are at most `headroom`: the memory
               budget less the step's estimated peak without it (lib/extras/memory.copy_headroom); None (no budget
               known) counts as fitting.
     "direct"  a LoRA / QLoRA policy decoded from its own layers, no copy: each layer's base product (a 4-bit base
               dequantised one layer at a time, for the call) plus the adapter's scale B (A x)
               (lib/extras/decode._lora_linear), under bf16 autocast with bf16. Costs one layer's dequantised weight
-              instead of the whole model's; where the copy does not fit, or `merge_adapter` is False.
+              instead of the whole model's; where the copy does not fit, or `merge_adapter` is False. (A model
+              outside the written-out step's family, lib/extras/decode.llama_family, decodes with its own forward.)
     "policy"  the policy itself through its own forward: a plain policy that needs no copy, or whose copy does not fit.
     """
     fits = headroom is None or copy_bytes <= headroom
