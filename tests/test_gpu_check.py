@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # about 250-330 s on 2 cores: the gpu tests, the decode-step and TRL benchmarks, the 16 GB step
+@pytest.mark.slow  # 5-11 min on 2 cores: the gpu tests, the decode-step and TRL benchmarks, the 16 GB step
 def test_the_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     pytest.importorskip("trl", reason="the check's benchmark runs TRL (requirements-bench.txt)")
     # the script's interpreter is this one (gpu_check.sh takes $PYTHON, else the python3 on PATH)
