@@ -26,10 +26,10 @@ def test_the_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     steps = results["steps"]
     assert set(steps) == {"tests", "sampler", "bench", "card16"}, proc.stdout[-3000:]
     tests = {t["test"]: t["outcome"] for t in steps["tests"]["tests"]}
-    assert len(tests) == 12 and all(o == "passed" for o in tests.values()), (tests, steps["tests"]["log_tail"])
+    assert len(tests) == 14 and all(o == "passed" for o in tests.values()), (tests, steps["tests"]["log_tail"])
     measured = {m["test"] for m in steps["tests"]["measured"]}
     assert {"sampler_vs_scorer_fp32", "decode_step_graph_vs_written_out", "merged_sync_lora", "fsdp2_bf16_temperatures",
-            "resume_on_device", "direct_decode_lora", "direct_decode_qlora"} <= measured
+            "resume_on_device", "direct_decode_lora", "direct_decode_qlora", "direct_decode_qlora_bf16"} <= measured
     rows = steps["sampler"]["report"]["results"]
     assert {(r["attn"], r["decode"], r["rows"]) for r in rows} == \
         {("sdpa", d, n) for d in ("written", "graph") for n in (1, 8)}
