@@ -527,7 +527,9 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     elif cfg.use_vllm:  # a vLLM engine in each process
         engine = vllm_rollout.colocated_rollout(cfg, policy, tokenizer, model_path, bf16, rank)
     else:
-        engine = make_engine(policy, tokenizer, bf16, cfg.seed + rank, partitioned)
+        # the sampler's copy where it fits what the step's estimate leaves (lib/sharding/memory.sampler_plan)
+        headroom = memory.copy_headroom(cfg, policy, accelerator.device, bf16)
+        engine = make_engine(policy, tokenizer, bf16, cfg.seed + rank, partitioned, headroom)
     reward_funcs = reward_models.load_rewards(cfg, reward_funcs, accelerator.device)
     if agent is not None:  # an environment's get_reward: a reward of its own, after the configured ones
         reward_funcs = reward_funcs + agent.reward_funcs()

@@ -353,10 +353,13 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
     return policy, reference
 
 
-def make_engine(policy, tokenizer, bf16: bool, seed: int, sharded: bool = False) -> HFRollout:
+def make_engine(policy, tokenizer, bf16: bool, seed: int, sharded: bool = False,
+                headroom: int | None = None) -> HFRollout:
     """The HF sampler (lib/sampling/rollout.py), as the trainer and the evaluator make it: our decode loop, over the
     policy itself or a copy of its weights that lib/sampling/cpu_kernels.sampling_copy makes where that is faster,
-    refreshed when the weights move; a policy that will be sharded is sampled from a full copy (`own_copy`). (A vLLM
+    refreshed when the weights move; a policy that will be sharded is sampled from a full copy (`own_copy`); a LoRA /
+    QLoRA policy whose copy does not fit `headroom` bytes (lib/sharding/memory.copy_headroom) decodes from its own
+    layers (lib/sharding/memory.sampler_plan). (A vLLM
     engine is lib/sampling/vllm_rollout.colocated_rollout, one on devices of its own
     lib/sampling/generation_server.server_rollout; the trainer picks.)"""
     # imported when a sampler is made, not with this module: it registers the CPU decode attention with transformers
@@ -365,7 +368,7 @@ def make_engine(policy, tokenizer, bf16: bool, seed: int, sharded: bool = False)
     from lib.sampling.cpu_kernels import sampling_copy
 
     return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16,
-                     seed=seed, copy=partial(sampling_copy, own_copy=sharded))
+                     seed=seed, copy=partial(sampling_copy, own_copy=sharded, headroom=headroom))
 
 
 def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float,

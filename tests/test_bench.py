@@ -98,3 +98,19 @@ def test_the_sampler_benchmark_sets_each_step_beside_its_floor_and_its_products(
         assert 0 < r["floor_ms"] < r["step_ms"] and 0 < r["products_ms"] < r["step_ms"]
         assert r["ratio"] == pytest.approx(r["step_ms"] / r["floor_ms"])
     assert report["bandwidth_gb_s"] > 0
+
+
+def test_the_sampler_benchmark_compares_an_adapter_policys_copy_with_no_copy(tiny_model):
+    """--use_peft --load_in_4bit --sampler dense direct: both ways of decoding a QLoRA policy timed, each with what it
+    holds for sampling: the merged copy's weights (every dense value, fp32 here), or the largest layer dequantised for
+    one product (the tiny model's MLP layers, 64 x 128 values)."""
+    from lib.sampling.policy_copy import dense_numel
+    from lib.models.modeling import load_policy
+    from scripts.bench_sampler import main
+
+    report = main(["--model", tiny_model, "--rows", "2", "--short", "2", "--steps", "4", "--repeats", "1",
+                   "--bf16", "false", "--use_peft", "--load_in_4bit", "--sampler", "dense", "direct"])
+    rows = {r["sampler"]: r for r in report["results"]}
+    assert set(rows) == {"dense", "direct"} and all(r["rows"] == 2 and r["decode"] == "fast" for r in rows.values())
+    assert rows["dense"]["sampler_bytes"] == dense_numel(load_policy(tiny_model)) * 4
+    assert rows["direct"]["sampler_bytes"] == 64 * 128 * 4

@@ -49,7 +49,8 @@ def test_a_recipe_is_estimated_without_its_weights_and_without_the_hub():
     # full fine-tuning of 7.6B parameters in fp32 with AdamW: 16 bytes a parameter before activations
     assert 7.0e9 * 16 < step.resident + step.gradients + step.optimizer < 8.5e9 * 24
     # activation_offloading at the 16 GB recipe's shape with 4,096-token completions: the checkpointed blocks' inputs
-    # (8 x 4,096 + 2 x 256 tokens x 28 layers x 1,536 x 2 bytes: a 4-bit base's bf16 stream) leave the GPU's total
+    # (8 x 4,096 + 2 x 256 tokens x 28 layers x 1,536 x 2 bytes: the bf16 stream, a 4-bit base's embedding not
+    # upcast) leave the GPU's total
     recipe = load_yaml(str(REPO / "scripts" / "recipes" / "grpo_gsm8k_qlora_16gb.yaml"))
     long = {**recipe, "max_completion_length": 4096, "use_vllm": False}
     _, kept = recipe_memory(make_config(long), gpu_bytes=16 * GB)
@@ -57,6 +58,49 @@ def test_a_recipe_is_estimated_without_its_weights_and_without_the_hub():
     assert moved.offloaded == (8 * 4096 + 2 * 256) * 28 * 1536 * 2 == kept.total - moved.total
     with pytest.raises(ValueError, match="local model folder"):
         model_config("no-such-org/no-such-model-xyz")
+
+
+SHAPES_16GB = ["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-7B-Instruct",
+               "meta-llama/Llama-3.1-8B-Instruct"]
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "scripts" / "recipes").glob("*16gb*.yaml")), ids=lambda p: p.stem)
+def test_each_16gb_recipe_is_estimated_at_each_shape_and_its_parts_add_up(recipe, capsys):
+    """--estimate_memory_only for each 16 GB recipe at the Qwen2.5-1.5B, 3B, 7B and Llama-3.1-8B shapes, with its
+    vLLM engine and with the HF sampler: the table is printed, its peak is the parts' sum (what is resident, the
+    gradients and states, then the larger of sampling's KV cache and training's activations and logits chunk), and
+    the HF sampler holds the merged copy only where it fits (lib/sharding/memory.sampler_plan): at 1.5B and 3B
+    under 16 GB (2.9 and 5.8 GB of bf16 copy), not under 5 GB, never at 7B or 8B (15 and 16 GB), where the QLoRA
+    recipe then fits 15 GB."""
+    from lib.sharding.memory import estimate_only
+
+    for model in SHAPES_16GB:
+        for use_vllm, budget in ((True, 16), (False, 16), (False, 5)):
+            cfg = make_config({**load_yaml(str(recipe)), "model_name_or_path": model, "use_vllm": use_vllm,
+                               "max_memory": budget, "estimate_memory_only": True})
+            printed = estimate_only(cfg)["estimated_peak_bytes"]
+            table = capsys.readouterr().out
+            parts, step = recipe_memory(cfg, gpu_bytes=budget * GB)
+            assert printed == step.total
+            assert step.total == sum(parts.values()) + step.gradients + step.optimizer + max(step.kv_cache,
+                                                                                             step.training)
+            assert step.resident == sum(parts.values())
+            rows = {line[:62].strip(): float(line[62:]) for line in table.splitlines()[1:]
+                    if line[62:].strip().replace(".", "").isdigit()}
+            assert rows["peak (sampling and training do not overlap)"] == round(step.total / GB, 2), table
+            for name, value in parts.items():
+                assert rows[name] == round(value / GB, 2), (name, table)
+            copy = "sampler's bf16 copy" in parts
+            direct = any(name.startswith("sampler without a copy") for name in parts)
+            if use_vllm:
+                assert not copy and not direct
+                continue
+            assert copy != direct
+            assert copy == (budget == 16 and ("1.5B" in model or "3B" in model)), (model, budget, table)
+            if copy:
+                assert step.total <= budget * GB
+            if "qlora" in recipe.name and budget == 16:
+                assert step.total <= 15 * GB, (model, table)
 
 
 def test_the_sharded_estimate_divides_the_policy_reference_gradients_and_states_and_adds_the_gathered_units(

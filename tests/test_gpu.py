@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import rel_diff, rollout_logps
+from conftest import decoded_logps, rel_diff, rollout_logps
 
 NO_GPU = "needs an NVIDIA GPU"
 # under CI (a CPU machine) these skip: scripts/gpu_check.sh runs them where a GPU is, --dry-run on a CPU
@@ -293,6 +293,57 @@ def test_a_merged_adapter_copy_samples_the_policy_and_a_sync_refreshes_it(device
            synced=synced)
     assert stale > 1e-3
     assert fresh < 1e-5 and synced < 1e-5
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["lora", "qlora"])
+def test_an_adapter_policy_decoded_without_a_copy_samples_the_policy(device, small_model, load_in_4bit, bf16):
+    """With no room for a copy (headroom 0) the sampler decodes from the policy's own layers (on CUDA from graphs:
+    the 4-bit base's dequantisation and the adapter's products inside them; with bf16 under autocast, as the 16 GB
+    recipe runs): its log-probs of fixed completions are the merged copy's and the policy's, and after an optimizer
+    step, with no sync, the updated policy's; in fp32 it writes the merged copy's greedy tokens."""
+    if load_in_4bit:
+        pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (scripts/gpu_check.sh carries it)")
+    from functools import partial
+
+    from lib.sampling.policy_copy import DirectDecode, make_copy
+    from lib.models.modeling import load_policy
+    from lib.sampling.rollout import HFRollout
+
+    policy = load_policy(small_model, use_peft=True, lora_r=8, lora_alpha=16, load_in_4bit=load_in_4bit,
+                         device=device)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)).to(p.device) * 0.05)
+    # no end token: every row runs to the cap, every position compared
+    dense = HFRollout(policy, [-1], 0, bf16=bf16, seed=0, copy=make_copy)
+    direct = HFRollout(policy, [-1], 0, bf16=bf16, seed=0, copy=partial(make_copy, headroom=0))
+    assert isinstance(direct.sampling_copy, DirectDecode) and direct.copy is None
+    ids, mask = prompts(device)
+    same_greedy = torch.equal(dense.generate(ids, mask, 1, 12, greedy=True).completion_ids,
+                              direct.generate(ids, mask, 1, 12, greedy=True).completion_ids)
+    roll = dense.generate(ids, mask, 3, 12, temperature=1.0)
+    policy.eval()
+    copied = rel_diff(decoded_logps(direct, roll), decoded_logps(dense, roll))
+    fresh = rel_diff(decoded_logps(direct, roll), rollout_logps(policy, roll))
+    policy.train()
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=0.05)
+    tokens = torch.cat([roll.prompt_ids[roll.prompt_index], roll.completion_ids], 1)
+    policy(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    policy.eval()
+    after = rollout_logps(policy, roll)
+    moved = rel_diff(after, decoded_logps(dense, roll))  # the copy, not synced, still has the old adapter
+    stepped = rel_diff(decoded_logps(direct, roll), after)
+    name = f"direct_decode_{'qlora' if load_in_4bit else 'lora'}{'_bf16' if bf16 else ''}"
+    report(name, device=str(device), same_greedy=same_greedy, copied=copied, fresh=fresh, moved=moved,
+           stepped=stepped)
+    # fp32: two sums of the same products; bf16: its rounding against the bf16 copy and the fp32 scorer
+    tolerance = 3e-3 if bf16 else 1e-4  # measured on a CPU: 2e-4 to 3e-4 in bf16, 5e-8 in fp32; moved 0.035-0.04
+    assert copied < tolerance and fresh < tolerance and stepped < tolerance
+    assert moved > 3 * tolerance
+    assert same_greedy or bf16
 
 
 def run_trainer(args: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:

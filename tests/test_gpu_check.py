@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # about 100-160 s on 2 cores: the gpu tests, the decode-step benchmark and the TRL benchmark
+@pytest.mark.slow  # 5-11 min on 2 cores: the gpu tests, the decode-step and TRL benchmarks, the 16 GB step
 def test_the_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     pytest.importorskip("trl", reason="the check's benchmark runs TRL (requirements-bench.txt)")
     # the script's interpreter is this one (gpu_check.sh takes $PYTHON, else the python3 on PATH)
@@ -20,15 +20,16 @@ def test_the_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(tmp_path),
                            # the gpu tests on a CPU take about a minute, and over 200 s (the GPU's limit) on busy cores
                            "--tests_timeout", "600"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900, check=False)
+                          capture_output=True, text=True, timeout=1200, check=False)
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert results["dry_run"] and results["environment"]["cuda_available"] is False
     steps = results["steps"]
-    assert set(steps) == {"tests", "sampler", "bench"}, proc.stdout[-3000:]
+    assert set(steps) == {"tests", "sampler", "bench", "card16"}, proc.stdout[-3000:]
     tests = {t["test"]: t["outcome"] for t in steps["tests"]["tests"]}
-    assert len(tests) == 10 and all(o == "passed" for o in tests.values()), (tests, steps["tests"]["log_tail"])
+    assert len(tests) == 14 and all(o == "passed" for o in tests.values()), (tests, steps["tests"]["log_tail"])
     measured = {m["test"] for m in steps["tests"]["measured"]}
-    assert {"sampler_vs_scorer_fp32", "decode_step_graph_vs_written_out", "merged_sync_lora", "fsdp2_bf16_temperatures", "resume_on_device"} <= measured
+    assert {"sampler_vs_scorer_fp32", "decode_step_graph_vs_written_out", "merged_sync_lora", "fsdp2_bf16_temperatures",
+            "resume_on_device", "direct_decode_lora", "direct_decode_qlora", "direct_decode_qlora_bf16"} <= measured
     rows = steps["sampler"]["report"]["results"]
     assert {(r["attn"], r["decode"], r["rows"]) for r in rows} == \
         {("sdpa", d, n) for d in ("written", "graph") for n in (1, 8)}
@@ -55,3 +56,20 @@ def test_the_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     assert report["ratios"]["step_time"] == pytest.approx(ours["median_step_time_s"] / trl["median_step_time_s"])
     assert report["settings"]["steps"] == 2 and report["settings"]["num_generations"] == 8
     assert report["settings"]["beta"] == 0.04 and report["settings"]["max_completion_length"] == 8
+    # the 16 GB step (QLoRA, gradient checkpointing, 8 completions, --max_memory 16) at two tiny shapes of two
+    # families, ours at each, TRL at the first, the estimate beside each; a run a shape, each under its own limit
+    card16 = steps["card16"]
+    assert card16["exit"] == 0 and set(card16["shapes"]) == {"qwen2-tiny", "llama-tiny"}, card16
+    for shape, figures in card16["shapes"].items():
+        ours = figures["ours"]
+        assert ours["exit"] == 0 and ours["measured_steps"] == 1 and ours["peak_memory_gb"] > 0.3, (shape, ours)
+        assert 0 < ours["mean_completion_length"] <= 8 and ours["median_step_time_s"] > 0
+        assert figures["estimate_gb"] > 0 and figures["estimate_over_peak"] == pytest.approx(
+            figures["estimate_gb"] / ours["peak_memory_gb"])
+        assert figures["estimate_sampler"].startswith("sampler")  # the copy, or the line saying there is none
+    trl = card16["shapes"]["qwen2-tiny"]["trl"]
+    assert "trl" not in card16["shapes"]["llama-tiny"] and trl["exit"] == 0 and trl["measured_steps"] == 1
+    assert card16["shapes"]["qwen2-tiny"]["ratios"] == pytest.approx(
+        {"peak": card16["shapes"]["qwen2-tiny"]["ours"]["peak_memory_gb"] / trl["peak_memory_gb"],
+         "step_time": card16["shapes"]["qwen2-tiny"]["ours"]["median_step_time_s"] / trl["median_step_time_s"]})
+    assert (tmp_path / "card16-llama-tiny-ours.log").exists()

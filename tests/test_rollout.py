@@ -5,7 +5,7 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import assert_close_to_scale, rel_diff, rollout_logps
+from conftest import assert_close_to_scale, decoded_logps, rel_diff, rollout_logps
 from lib.data.records import format_prompt, tokenize_prompts
 from lib.sampling.policy_copy import make_copy
 from lib.data.word_problems import builtin_task
@@ -197,6 +197,70 @@ def test_an_adapter_policy_samples_with_its_merged_weights_and_a_sync_refreshes_
     assert rel_diff(stale, logps(policy)) > 1e-3
     backend.sync_weights(policy)
     assert_close_to_scale(logps(backend.copy), logps(policy), 1e-5, "log-probs after the sync")
+
+
+@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["lora", "qlora"])
+def test_an_adapter_policy_samples_without_a_copy_as_with_it_and_sees_each_optimizer_step(tiny_model, load_in_4bit):
+    """With no room for the merged copy (headroom 0) a LoRA / QLoRA policy is decoded from its own layers: the
+    base's products plus the adapter's (lib/sampling/decode._lora_linear). Greedy, it writes the tokens the merged copy
+    writes; the log-probs its decode step gives fixed completions are the merged copy's to float32 rounding (two
+    ways of summing the same products), and the policy's own forward's. After an optimizer step, with no sync, its
+    log-probs are the updated policy's (they moved by far more than the tolerance)."""
+    from lib.sampling.policy_copy import DirectDecode, SamplingCopy, dense_numel
+
+    policy = load_policy(tiny_model, use_peft=True, lora_r=4, lora_alpha=8, load_in_4bit=load_in_4bit)
+    with torch.no_grad():  # make the adapter do something
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
+    size = dense_numel(policy.get_base_model()) * 4  # the fp32 copy's bytes
+    dense = HFRollout(policy, [2], 0, seed=0, copy=partial(make_copy, headroom=size))
+    direct = HFRollout(policy, [2], 0, seed=0, copy=partial(make_copy, headroom=size - 1))
+    assert isinstance(dense.sampling_copy, SamplingCopy) and isinstance(direct.sampling_copy, DirectDecode)
+    assert direct.copy is None and direct.model is policy and direct.decode_step is not None
+    prompts = torch.randint(100, 5000, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(prompts)
+    greedy = dense.generate(prompts, mask, 1, 10, greedy=True)
+    assert torch.equal(direct.generate(prompts, mask, 1, 10, greedy=True).completion_ids, greedy.completion_ids)
+    roll = dense.generate(prompts, mask, 3, 8, temperature=1.0)
+    assert roll.completion_mask.all()  # no end token drawn: every position is compared
+    merged = decoded_logps(dense, roll)
+    assert_close_to_scale(decoded_logps(direct, roll), merged, 1e-5, "the direct decode against the merged copy")
+    policy.eval()
+    assert_close_to_scale(decoded_logps(direct, roll), rollout_logps(policy, roll), 1e-5, "against the policy")
+    # one optimizer step on the adapter (a real loss, AdamW), then the sampler without a sync
+    policy.train()
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=0.05)
+    ids = torch.cat([roll.prompt_ids[roll.prompt_index], roll.completion_ids], 1)
+    policy(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    policy.eval()
+    after = rollout_logps(policy, roll)
+    assert rel_diff(after, merged) > 1e-3
+    assert_close_to_scale(decoded_logps(direct, roll), after, 1e-5, "the direct decode after an optimizer step")
+
+
+def test_the_sampler_plan_makes_a_copy_where_it_pays_and_fits():
+    """lib/sharding/memory.sampler_plan, the one rule: an adapter policy's merged copy where it fits the
+    headroom (unknown headroom: it fits), else no copy (direct); a full fine-tuning's bf16 copy of wider weights
+    where it fits, else the policy itself; the full copy a sharded policy needs whatever it costs."""
+    from lib.sampling.policy_copy import sampler_plan
+
+    gb = 2**30
+
+    def plan(**kw):
+        return sampler_plan(**{"adapter": False, "quantized": False, "bf16": True, "policy_bf16": False,
+                               "copy_bytes": 3 * gb, **kw})
+
+    # QLoRA at 1.5B under 16 GB: room for the 2.9 GB copy; at 7B (15 GB copy) none
+    assert plan(adapter=True, quantized=True, headroom=12 * gb) == "dense"
+    assert plan(adapter=True, quantized=True, copy_bytes=15 * gb, headroom=4 * gb) == "direct"
+    assert plan(adapter=True, headroom=None) == "dense"
+    assert plan(adapter=True, headroom=3 * gb) == "dense" and plan(adapter=True, headroom=3 * gb - 1) == "direct"
+    assert plan(adapter=True, merge_adapter=False, headroom=None) == "direct"
+    assert plan(headroom=None) == "dense" and plan(headroom=gb) == "policy"
+    assert plan(policy_bf16=True, headroom=None) == "policy" and plan(bf16=False, headroom=None) == "policy"
+    assert plan(own_copy=True, headroom=0) == "dense" and plan(own_copy=True, bf16=False, headroom=None) == "dense"
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied_head", "own_head"])

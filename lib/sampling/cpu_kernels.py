@@ -206,7 +206,8 @@ def prepack_for_cpu(model: torch.nn.Module):
     return decode_step_for(model)
 
 
-def sampling_copy(policy: torch.nn.Module, bf16: bool, own_copy: bool = False):
-    """HFRollout's `copy` hook, as the entry scripts give it: lib/sampling/policy_copy.make_copy, its linear layers
-    prepacked and its decode step chosen by `prepack_for_cpu`."""
-    return make_copy(policy, bf16, own_copy, prepack=prepack_for_cpu)
+def sampling_copy(policy: torch.nn.Module, bf16: bool, own_copy: bool = False, headroom: int | None = None):
+    """HFRollout's `copy` hook, as the entry scripts give it: lib/sampling/policy_copy.make_copy (`headroom`: the
+    bytes a copy may take, lib/sharding/memory.copy_headroom), a copy's linear layers prepacked and its decode step
+    chosen by `prepack_for_cpu`."""
+    return make_copy(policy, bf16, own_copy, prepack=prepack_for_cpu, headroom=headroom)

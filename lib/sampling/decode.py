@@ -46,8 +46,33 @@ def graphable(lm: torch.nn.Module) -> bool:
     return llama_family(lm) and not host_synced_rope(lm)
 
 
+def _lora_linear(module: torch.nn.Module):
+    """A PEFT LoRA layer's product without merging: the base layer's product (a bitsandbytes 4-bit base dequantises
+    its weight for the call, one layer at a time) plus, for each active adapter, scale B (A x) (Hu et al. 2021, eq.
+    3; scale = alpha / r, or alpha / sqrt(r) with rsLoRA: PEFT's `scaling`), x cast to the adapter's dtype as PEFT's
+    forward casts it. Sampling runs in eval mode, where LoRA's dropout is the identity, so it is left out. A variant
+    not written out here (DoRA and the like), or an adapter merged into its base, keeps PEFT's own forward. The
+    adapter's weights are read at each call, so an optimizer step (in place) is seen without a sync."""
+    names = [] if module.disable_adapters else [a for a in module.active_adapters if a in module.lora_A]
+    if module.merged or any(a in getattr(module, "lora_variant", {}) for a in names):
+        return module
+    base = _linear(module.base_layer)
+    adapters = [(module.lora_A[a], module.lora_B[a], module.scaling[a]) for a in names]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = base(x)
+        for lora_a, lora_b, scale in adapters:
+            out = out + (lora_b(lora_a(x.to(lora_a.weight.dtype))) * scale).to(out.dtype)
+        return out
+
+    return forward
+
+
 def _linear(module: torch.nn.Module):
-    """A layer's product as a plain function of a 2-D x (a prepacked oneDNN layer's kernel called directly)."""
+    """A layer's product as a plain function of a 2-D x (a prepacked oneDNN layer's kernel called directly; a LoRA
+    layer's base product plus its adapter's, `_lora_linear`)."""
+    if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
+        return _lora_linear(module)
     packed = getattr(module, "packed", None)
     if packed is None:
         return module

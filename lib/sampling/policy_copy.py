@@ -1,8 +1,10 @@
 """The HF sampler's plain copy of the policy's weights, where sampling from one is faster than from the policy itself
 (docs/performance.md 2.1), refreshed after each optimizer step: a bf16 copy of a fully trained fp32 policy with
 `bf16`; a LoRA policy's base with the adapter merged, W + (alpha/r) B A, a 4-bit base dequantised, in bf16 with `bf16`,
-else the compute dtype (`merge_adapter=False`: no copy, the policy itself under bf16 autocast); a full copy of a policy
-that will be sharded (`own_copy`). Also the merged weights the vLLM engines are sent (lib/sampling/vllm_rollout.py).
+else the compute dtype; a full copy of a policy that will be sharded (`own_copy`). Where a LoRA / QLoRA policy's copy
+does not fit the memory budget (or `merge_adapter=False`), no copy: the sampler decodes from the policy's own layers,
+the base's products plus the adapter's (`DirectDecode`). `sampler_plan` is the rule that picks. Also the merged weights
+the vLLM engines are sent (lib/sampling/vllm_rollout.py).
 
 `make_copy` is lib.sampling.rollout.HFRollout's `copy` hook; lib/sampling/cpu_kernels.sampling_copy, the one the entry scripts
 give it, adds the CPU kernels (`prepack`).
@@ -16,6 +18,8 @@ from collections.abc import Iterator
 import torch
 
 from lib.distributed import full_tensor
+from lib.sampling.decode import decode_step_for
+from lib.sharding.memory import sampler_plan
 from lib.models.modeling import unwrap_causal_lm
 
 
@@ -158,19 +162,56 @@ class SamplingCopy:
             head.load(self.model.get_input_embeddings().weight, head.bias)
 
 
+def dense_numel(lm: torch.nn.Module) -> int:
+    """Values in a plain copy of `lm`: its parameters without the adapter's, a 4-bit weight counted at its dense shape,
+    a tied output layer once."""
+    seen, total = set(), 0
+    for name, param in lm.named_parameters():
+        if "lora_" in name or id(param) in seen:
+            continue
+        seen.add(id(param))
+        state = getattr(param, "quant_state", None)
+        total += state.shape.numel() if state is not None else param.numel()
+    return total
+
+
+class DirectDecode:
+    """The sampler's hooks for a policy decoded from its own layers (`sampler_plan` "direct"): no copy (`model` None:
+    lib.sampling.rollout.HFRollout samples with the policy, under its autocast), the written-out decode step over the policy's
+    causal LM (lib/sampling/decode: `_lora_linear` for its LoRA layers), nothing to sync (it reads the live weights)."""
+
+    model = None
+    adapted: list[str] = []
+
+    def __init__(self, step):
+        self.step = step
+
+    def decode_step(self, model: torch.nn.Module, cache, attention: torch.Tensor, max_new_tokens: int):
+        return self.step(unwrap_causal_lm(model), cache, attention, max_new_tokens)
+
+    def sync(self, policy: torch.nn.Module) -> None:
+        """Nothing: the decode step reads the policy's weights as they are."""
+
+
 def make_copy(policy: torch.nn.Module, bf16: bool, own_copy: bool = False, merge_adapter: bool = True,
-              prepack=None) -> SamplingCopy | None:
-    """HFRollout's `copy` hook: the copy to sample with (see the module docstring), or None where the policy itself
-    is sampled from."""
+              prepack=None, headroom: int | None = None) -> SamplingCopy | DirectDecode | None:
+    """HFRollout's `copy` hook: what `sampler_plan` picks for this policy (see the module docstring): a
+    `SamplingCopy`, a `DirectDecode`, or None where the policy itself is sampled with its own forward. `headroom`:
+    the bytes a copy may take (lib/sharding/memory.copy_headroom), None: unknown, a copy that pays is made."""
     lm = unwrap_causal_lm(policy)
     adapter = any(is_lora_layer(m) for m in lm.modules())
     quantized = getattr(lm, "is_quantized", False) or getattr(policy, "is_quantized", False)
-    if adapter and merge_adapter:
-        return SamplingCopy(*merged_copy(lm, torch.bfloat16 if bf16 else _compute_dtype(lm)), prepack)
-    if bf16 and not adapter and not quantized and next(policy.parameters()).dtype != torch.bfloat16:
-        # built in bf16 and filled a layer at a time: a deepcopy cast afterwards would hold a second full fp32
-        # copy on the device for a moment (28 GB at 7B)
-        return SamplingCopy(merged_copy(lm, torch.bfloat16)[0], [], prepack)
-    if own_copy and not adapter and not quantized:  # a policy that will be sharded: sample from a full copy
-        return SamplingCopy(merged_copy(lm, next(policy.parameters()).dtype)[0], [], prepack)
-    return None
+    dtype = next(p.dtype for p in policy.parameters() if p.is_floating_point())
+    copy_dtype = torch.bfloat16 if bf16 else (_compute_dtype(lm) if adapter else dtype)
+    plan = sampler_plan(adapter=adapter, quantized=quantized, bf16=bf16, policy_bf16=dtype == torch.bfloat16,
+                        own_copy=own_copy, merge_adapter=merge_adapter, headroom=headroom,
+                        copy_bytes=dense_numel(lm) * copy_dtype.itemsize)
+    if plan == "direct":
+        step = decode_step_for(lm)
+        return DirectDecode(step) if step is not None else None
+    if plan == "policy":
+        return None
+    # built in the copy's dtype and filled a layer at a time: a deepcopy cast afterwards would hold a second full fp32
+    # copy on the device for a moment (28 GB at 7B)
+    model, adapted = merged_copy(lm, copy_dtype)
+    return SamplingCopy(model, adapted if adapter else [], prepack)

@@ -225,8 +225,9 @@ class HFRollout:
 
     `copy(policy, bf16)`, where given, may return a plain copy of the policy's weights to sample with where that is
     faster (lib/sampling/policy_copy.SamplingCopy: its `model`, its `decode_step` or None, and `sync(policy)`, called
-    by `sync_weights` after each optimizer step); None, or no hook: the policy itself, under bf16 autocast with `bf16`,
-    decoded with its own forward (`ModelStep`). A copy's `decode_step(model, cache, attention, max_new_tokens)` has
+    by `sync_weights` after each optimizer step), or a decode step over the policy itself (its `model` None:
+    lib/sampling/policy_copy.DirectDecode); None, or no hook: the policy itself, under bf16 autocast with `bf16`,
+    decoded with its own forward (`ModelStep`). A `decode_step(model, cache, attention, max_new_tokens)` has
     `ModelStep`'s interface (lib/sampling/decode.LlamaStep); setting `decode_step = None` forces `ModelStep`, for
     comparisons.
     """
@@ -336,7 +337,7 @@ class HFRollout:
             # the whole cache at every step
             cache.reorder_cache(prompt_index)  # every layer kind (linear-attention states too)
             attention = prompt_mask[prompt_index]
-            if self.copy is not None and self.decode_step is not None:
+            if self.decode_step is not None:
                 decoder = self.decode_step(model, cache, attention, max_new_tokens)
             else:
                 decoder = ModelStep(model, cache, attention)

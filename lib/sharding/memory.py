@@ -39,8 +39,8 @@ reference, the sampler and vLLM's reservation are measured, not estimated):
                   it.
     logits        four fp32 buffers of one vocabulary chunk (lib/methods/losses.token_logps_and_entropy: at most 2^26
                   floats): the logits, their log-softmax and the entropy's p and p log p are live at once, and the
-                  backward's buffers take their place; under bf16 autocast an fp32 output layer's bf16 copy too (a
-                  4-bit model's, tied to its fp32 embedding: 0.43 GB at Qwen2.5-1.5B's 151,936 x 1,536)
+                  backward's buffers take their place; under bf16 autocast an fp32 output layer's bf16 copy too
+                  (0.43 GB at Qwen2.5-1.5B's 151,936 x 1,536)
     KV cache      sampling: 2 x layers x kv_heads x head_dim x (prompt + completion) tokens x batch x 2 bytes
                   (4 in fp32; HF decode loop; vLLM's cache is inside its measured reservation)
 
@@ -380,6 +380,10 @@ PUBLISHED_SHAPES = {
     "Qwen/Qwen2.5-7B": dict(_QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                             num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                             tie_word_embeddings=False),
+    "meta-llama/Llama-3.1-8B": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                    tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500_000.0,
+                                    max_position_embeddings=131072),
     "Qwen/Qwen3-0.6B": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                             num_attention_heads=16, num_key_value_heads=8),
     "Qwen/Qwen3-1.7B": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -494,6 +498,35 @@ def recipe_parts(cfg, model: torch.nn.Module, *, gpu_bytes: int | None, bf16: bo
     return parts
 
 
+def sampler_plan(*, adapter: bool, quantized: bool, bf16: bool, policy_bf16: bool, own_copy: bool = False,
+                 merge_adapter: bool = True, copy_bytes: int = 0, headroom: int | None = None) -> str:
+    """How the HF sampler decodes a policy, the one rule (docs/performance.md 2.5, 3.4):
+
+    "dense"   a plain copy of the weights (`merged_copy`), where it pays and fits: a LoRA / QLoRA policy's base with the
+              adapter merged and a 4-bit base dequantised, or a bf16 copy of a wider policy trained under bf16
+              (decoding skips the adapter's extra products, the dequantisation and autocast's weight casts: several
+              times faster a token on a CPU, docs/performance.md 2.5), or the full copy a policy that will be sharded
+              needs
+              (`own_copy`, whatever it costs). It fits when its `copy_bytes` are at most `headroom`: the memory
+              budget less the step's estimated peak without it (copy_headroom); None (no budget
+              known) counts as fitting.
+    "direct"  a LoRA / QLoRA policy decoded from its own layers, no copy: each layer's base product (a 4-bit base
+              dequantised one layer at a time, for the call) plus the adapter's scale B (A x)
+              (lib/sampling/decode._lora_linear), under bf16 autocast with bf16. Costs one layer's dequantised weight
+              instead of the whole model's; where the copy does not fit, or `merge_adapter` is False. (A model
+              outside the written-out step's family, lib/sampling/decode.llama_family, decodes with its own forward.)
+    "policy"  the policy itself through its own forward: a plain policy that needs no copy, or whose copy does not fit.
+    """
+    fits = headroom is None or copy_bytes <= headroom
+    if adapter:
+        return "dense" if merge_adapter and fits else "direct"
+    if own_copy and not quantized:
+        return "dense"
+    if bf16 and not quantized and not policy_bf16 and fits:
+        return "dense"
+    return "policy"
+
+
 def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True,
                   fp16: bool = False) -> tuple[dict[str, int], StepMemory]:
     """(what is resident before a step, by part; the step's StepMemory) for a configuration on one GPU, from the
@@ -507,10 +540,32 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True,
     parts = recipe_parts(cfg, model, gpu_bytes=gpu_bytes, bf16=bf16)
     asleep = max(0, parts[ENGINE_PART] - VLLM_ASLEEP) if cfg.vllm_enable_sleep_mode and ENGINE_PART in parts else 0
     processes = getattr(cfg, "estimate_processes", 1)
-    return process_memory(model, parts, cfg, processes=processes, bf16=bf16 or fp16, asleep=asleep,
-                          sharding=getattr(cfg, "estimate_sharding", "fsdp2") if processes > 1 else "ddp",
-                          sampler=not (cfg.use_vllm and getattr(cfg, "vllm_mode", "colocate") == "server"),
-                          load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda")
+
+    def counted(parts: dict[str, int]) -> tuple[dict[str, int], StepMemory]:
+        return process_memory(model, parts, cfg, processes=processes, bf16=bf16 or fp16, asleep=asleep,
+                              sharding=getattr(cfg, "estimate_sharding", "fsdp2") if processes > 1 else "ddp",
+                              sampler=not (cfg.use_vllm and getattr(cfg, "vllm_mode", "colocate") == "server"),
+                              load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda")
+
+    copy = next((k for k in parts if k.startswith("sampler's")), None)
+    if processes > 1 or copy is None:  # a policy that will be sharded keeps its full copy, whatever it costs
+        return counted(parts)
+    # one process, the HF sampler: its copy where it pays and fits what the step leaves (`sampler_plan`)
+    copy_bytes = parts.pop(copy)
+    dtype = next(p.dtype for n, p in model.named_parameters() if "lora_" not in n)
+    plan = sampler_plan(adapter=bool(cfg.use_peft), quantized=bool(cfg.load_in_4bit), bf16=bf16,
+                        policy_bf16=dtype == torch.bfloat16, copy_bytes=copy_bytes,
+                        headroom=None if gpu_bytes is None else gpu_bytes - counted(parts)[1].total)
+    if plan == "dense":
+        parts[copy] = copy_bytes
+    elif plan == "direct":
+        # no copy: the decode step dequantises a 4-bit layer (or casts an fp32 one under autocast) for its product,
+        # one layer at a time; the largest one is alive at once (nothing for a 16-bit base)
+        cast = cfg.load_in_4bit or (bf16 and dtype == torch.float32)
+        largest = max((m.weight.numel() for n, m in model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and "lora_" not in n and not n.endswith("lm_head")), default=0)
+        parts["sampler without a copy (one layer dequantised at a time)"] = largest * (2 if bf16 else 4) if cast else 0
+    return counted(parts)
 
 
 SHARDING_NAMES = {"ddp": "data parallel", "fsdp2": "FSDP2", "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3"}
@@ -689,6 +744,17 @@ PRECISION_WORDS = {"bf16": "bf16 autocast, fp32 master weights (a LoRA base froz
                    "fp16": "fp16 autocast with loss scaling, fp32 master weights (no bf16 below compute capability "
                            "8.0; a vLLM engine samples in fp16)",
                    "fp32": "fp32 (bf16 and fp16 off)"}
+
+
+def copy_headroom(cfg, policy: torch.nn.Module, device: torch.device, bf16: bool) -> int:
+    """The bytes the HF sampler's copy may take (lib/sharding/memory.sampler_plan's `headroom`): the memory
+    budget (`memory_budget`: max_memory, else the GPU's memory or the RAM available) less the step's estimated peak
+    on top of what is resident now, before the sampler is made (train_agrpo.setup)."""
+    estimate = estimate_step_memory(policy, resident=resident_bytes(device), optim=cfg.optim, bf16=bf16,
+                                    vllm=cfg.use_vllm, gradient_checkpointing=cfg.gradient_checkpointing,
+                                    activation_offloading=cfg.activation_offloading and device.type == "cuda",
+                                    **step_token_counts(cfg))
+    return memory_budget(device, cfg.max_memory)[0] - estimate.total
 
 
 def estimate_only(cfg) -> dict:
