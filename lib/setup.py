@@ -106,6 +106,8 @@ class Run:
     completions_table: object = None  # lib/extras/hub.log_completions: a step's completions, a table per tracker
     hub: object = None  # lib/extras/hub.HubPusher: push_to_hub's uploads (main process), or None
     save_failed: object = None  # lib/extras/save_failure.save_failed_message: the message a failed save stops with
+    # an optimizer step moved the policy's weights since the sampler last got them (`ready_sampler` pushes them)
+    weights_moved: bool = False
 
 
 def start_accelerator(cfg: Config, sharding=None) -> tuple[Accelerator, bool, object, bool]:
@@ -341,7 +343,8 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
 def make_engine(cfg: Config, policy, tokenizer, bf16: bool, rank: int,
                 sharded: bool = False, copy=None) -> HFRollout:
     """The HF sampler (lib/rollout.py): our decode loop, over the policy itself or a copy of its weights that `copy`
-    (lib/extras/cpu_kernels.sampling_copy) makes where that is faster, refreshed after every optimizer step; a
+    (lib/extras/cpu_kernels.sampling_copy) makes where that is faster, refreshed before each generation batch that
+    follows an optimizer step (`ready_sampler`); a
     policy that will be sharded is sampled from a full copy (`own_copy`). (A vLLM engine is
     lib/extras/vllm_rollout.colocated_rollout, one on devices of its own lib/extras/generation_server.server_rollout;
     the trainer picks.)"""
@@ -440,6 +443,22 @@ def close(run: Run) -> None:
     if run.hub is not None:  # says which pushes an early stop abandons (docs/hub.md 3)
         run.hub.close()
     run.accelerator.end_training()
+
+
+def ready_sampler(run: Run) -> float:
+    """Before sampling or evaluating: the sampler gets the policy's weights where an optimizer step moved them since
+    it last got them, then an engine asleep (vLLM sleep mode) wakes. So the weights are pushed once per generation
+    batch however many optimizer steps train on it (steps_per_generation, num_iterations), as TRL does, and a
+    sleeping engine stays asleep through the batch's steps; an evaluation between them still samples from the
+    current weights. Every process calls it (a sharded policy is gathered in a collective); `weights_moved` is the
+    same on all of them (lib/save_and_stop.step_optimizer decides on reduced values). Returns the seconds it took."""
+    t0 = clock(run)
+    policy = run.accelerator.unwrap_model(run.scorer).model
+    if run.weights_moved:
+        run.engine.sync_weights(policy)
+        run.weights_moved = False
+    run.engine.ready(policy)
+    return clock(run) - t0
 
 
 def clock(run: Run) -> float:

@@ -252,8 +252,9 @@ class VLLMRollout:
 
     def ready(self, policy: torch.nn.Module) -> None:
         """Before sampling or evaluating: an engine still asleep gets its memory back, and its weights again where
-        sleep discarded them (level 2). The sync after an optimizer step does this too, but a step that moved
-        nothing (non-finite values, skip_zero_signal_updates, DeepSpeed's overflow skip) syncs nothing."""
+        sleep discarded them (level 2). A sync wakes it too (lib/setup.ready_sampler pushes before calling this where
+        steps moved the weights), but a batch whose steps moved nothing (non-finite values,
+        skip_zero_signal_updates, DeepSpeed's overflow skip) syncs nothing."""
         if not self.sleeping:
             return
         if self.sleep_level == 2:
@@ -546,7 +547,7 @@ def say_hf_sampler_note(cfg, device: torch.device, say) -> None:
 
 def colocated_rollout(cfg, policy, tokenizer, model_path: str, bf16: bool, rank: int) -> VLLMRollout:
     """A colocated vLLM engine per process (`use_vllm`, `vllm_mode colocate`), loaded from the base model and
-    given the policy's weights before the first sample and after every optimizer step: a LoRA policy's adapter
+    given the policy's weights before the first sample and before each later batch the weights moved for: a LoRA policy's adapter
     alone (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged. A
     policy that will be sharded gives gathered weights (lib/extras/sampling_copy.full_parameters)."""
     engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
