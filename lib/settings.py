@@ -202,9 +202,9 @@ class GenerationArguments:
     vllm_server_timeout: float = field(default=240.0, metadata={"help": "vllm_mode server: seconds to wait for the "
                                        "server at start-up, and for any one request, before stopping with an error.",
         "range": "(0, inf)", "why": "seconds"})
-    vllm_group_port: int = field(default=51216, metadata={"help": "vllm_mode server: the port on the trainer's main "
-                                 "process that the weight-push group (NCCL / gloo) meets on; the server must reach "
-                                 "it."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "vllm_mode server: the port on the generation "
+                                 "server's node where the weight-push group (NCCL / gloo) meets (the server's first "
+                                 "worker serves it); the trainer's main process must reach it there."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "use_vllm: share of the GPU's memory "
                                                "the engine may take (weights and KV cache).",
         "range": "(0, 1]"})
