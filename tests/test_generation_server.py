@@ -359,7 +359,8 @@ if __name__ == "__main__":  # the engine's workers are processes of their own
         return engine.run([request])[0].completion_ids
 
     first, again, next_call = call(0), call(0), call(1)
-    print("RESULT" + json.dumps({"again": bool(torch.equal(first, again)), "next": bool(torch.equal(first, next_call))}))
+    same = {"again": bool(torch.equal(first, again)), "next": bool(torch.equal(first, next_call))}
+    print("RESULT" + json.dumps(same))
     engine.close()
 """
 

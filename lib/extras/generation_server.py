@@ -2,9 +2,9 @@
 
 `python serve_vllm.py --model <base model>` serves one engine over HTTP; a run with `vllm_mode: server` samples
 through it (`ServerRollout`, the colocated `VLLMRollout`'s interface) and pushes the policy's weights to it before
-each generation batch the weights moved for (lib/setup.ready_sampler) through a torch.distributed group of its own: the trainer's main process (rank 0) and each of
-the server's vLLM workers (ranks 1..). The group is NCCL between GPUs and gloo between CPUs, the only difference
-between the two: the same broadcasts either way.
+each generation batch the weights moved for (lib/setup.ready_sampler) through a torch.distributed group of its own:
+the trainer's main process (rank 0) and each of the server's vLLM workers (ranks 1..). The group is NCCL between
+GPUs and gloo between CPUs, the only difference between the two: the same broadcasts either way.
 
 Protocol (JSON over HTTP):
   GET  /health                    the model, the engine's dtype, the server's id (a new one at every start), the

@@ -1,8 +1,9 @@
-"""The HF sampler's plain copy of the policy's weights, where sampling from one is faster than from the policy itself
-(docs/performance.md 2.1), refreshed before each generation batch that follows an update: a bf16 copy of a fully trained fp32 policy with
-`bf16`; a LoRA policy's base with the adapter merged, W + (alpha/r) B A, a 4-bit base dequantised, in bf16 with `bf16`,
-else the compute dtype (`merge_adapter=False`: no copy, the policy itself under bf16 autocast); a full copy of a policy
-that will be sharded (`own_copy`). Also the merged weights the vLLM engines are sent (lib/extras/vllm_rollout.py).
+"""The HF sampler's plain copy of the policy's weights, where sampling from one is faster than from the policy
+itself (docs/performance.md 2.1), refreshed before each generation batch that follows an update: a bf16 copy of a
+fully trained fp32 policy with `bf16`; a LoRA policy's base with the adapter merged, W + (alpha/r) B A, a 4-bit base
+dequantised, in bf16 with `bf16`, else the compute dtype (`merge_adapter=False`: no copy, the policy itself under
+bf16 autocast); a full copy of a policy that will be sharded (`own_copy`). Also the merged weights the vLLM engines
+are sent (lib/extras/vllm_rollout.py).
 
 `make_copy` is lib.rollout.HFRollout's `copy` hook; lib/extras/cpu_kernels.sampling_copy, the one the entry scripts
 give it, adds the CPU kernels (`prepack`).

@@ -619,10 +619,10 @@ def say_hf_sampler_note(cfg, device: torch.device, say) -> None:
 
 
 def colocated_rollout(cfg, policy, tokenizer, model_path: str, bf16: bool, rank: int) -> VLLMRollout:
-    """A colocated vLLM engine per process (`use_vllm`, `vllm_mode colocate`), loaded from the base model and
-    given the policy's weights before the first sample and before each later batch the weights moved for: a LoRA policy's adapter
-    alone (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged. A
-    policy that will be sharded gives gathered weights (lib/extras/sampling_copy.full_parameters)."""
+    """A colocated vLLM engine per process (`use_vllm`, `vllm_mode colocate`), loaded from the base model and given
+    the policy's weights before the first sample and before each later batch the weights moved for: a LoRA policy's
+    adapter alone (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged.
+    A policy that will be sharded gives gathered weights (lib/extras/sampling_copy.full_parameters)."""
     engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
     options = dict(seed=cfg.seed + rank,
                    max_model_len=cfg.vllm_max_model_length
