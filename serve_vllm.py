@@ -189,12 +189,12 @@ def build_app(engine, model: str, workers: int, window_s: float = 1.0):
     async def init_weight_group(request: Request):
         body = await request.json()
 
-        def join(host: str, port: int, world_size: int) -> None:
+        def join(port: int, world_size: int) -> None:
             state["group"], state["error"] = False, None
-            engine.llm.collective_rpc("agrpo_init_weight_group", args=(host, port, world_size))
+            engine.llm.collective_rpc("agrpo_init_weight_group", args=(port, world_size))
             state["group"] = True
 
-        in_background(join, body["host"], int(body["port"]), int(body["world_size"]))
+        in_background(join, int(body["port"]), int(body["world_size"]))
         return answer(started=True)
 
     @app.post("/update_weights")

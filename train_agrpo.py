@@ -91,8 +91,8 @@ from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, s
 from lib.schedule import resolve_epochs
 from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_tokenizer, load_data,
                        load_models, make_engine, policy_optimizer, prepare_output_dir,
-                       prepare_policy, record_and_seed, resolve_rewards, restore, rollout_context,
-                       start_accelerator)
+                       prepare_policy, ready_sampler, record_and_seed, resolve_rewards, restore,
+                       rollout_context, start_accelerator)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -278,7 +278,8 @@ def sample_batch(run: Run, data_position: int, step: int) -> Sampled:
     num_prompts = run.geometry.global_completions * cfg.optimizer_steps_per_generation // group_size
     prompts = ctx.prompts(ctx.next_slots(data_position, num_prompts), group_size)
     run.policy.eval()  # sampling with the policy itself (LoRA, 4-bit): no dropout
-    run.engine.ready(run.accelerator.unwrap_model(run.scorer).model)  # awake, with the weights (sleep mode)
+    # the weights the last batch's steps trained, pushed once for the batch; an engine asleep wakes (sleep mode)
+    sync_seconds = ready_sampler(run)
     temperatures, counters = controllers.prompt_temperatures(
         ctx, prompts, group_size, torch.full((len(prompts.used),), cfg.temperature, device=run.accelerator.device))
     rollout = ctx.generate(prompts, temperatures, cfg.top_p)
@@ -290,7 +291,8 @@ def sample_batch(run: Run, data_position: int, step: int) -> Sampled:
     sampled.counters.update(ctx.sampling_counters())  # the sampler's hooks' events (an agent's tool calls)
     sampled.reward_seconds = ctx.reward_seconds
     sampled.nonfinite = ctx.nonfinite
-    sampled.generation_seconds = clock(run) - t0 - ctx.reward_seconds
+    sampled.weight_sync_seconds = sync_seconds
+    sampled.generation_seconds = clock(run) - t0 - ctx.reward_seconds - sync_seconds
     run.engine.sleep()  # vLLM sleep mode: the engine's memory goes to the training pass until the next sync
     return sampled
 
@@ -315,7 +317,8 @@ def prepare_batch(run: Run, sampled: Sampled) -> Batch:
     if cfg.loss_mask_zero_advantage:  # AGPO loss mask: no zero-advantage tokens in sum or count
         loss_mask = loss_mask * (advantages != 0).float()[:, None]
     counters = {**sampled.counters, **nonfinite_counts}
-    timing = {"rewards": sampled.reward_seconds, "generation": sampled.generation_seconds}
+    timing = {"rewards": sampled.reward_seconds, "generation": sampled.generation_seconds,
+              "weight_sync": sampled.weight_sync_seconds}
     generated = int(accelerator.reduce(roll.completion_mask.sum(), reduction="sum"))
     t0 = clock(run)
     ref_logp, old_logp, old_entropy = reference_and_old_logps(run, roll)
@@ -363,7 +366,8 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     """Phase 5: one optimizer step on slice `part` of the generation batch (its gradient_accumulation_steps
     micro-batches), with the step's beta and clip range. A slice without signal under skip_zero_signal_updates is
     measured (loss, KL, entropy, clip) but moves nothing, and so does one whose rewards, loss or gradient norm are
-    not finite. Returns (the step's reduced metrics, what was not finite or ""), weights synced to the sampler."""
+    not finite. Returns (the step's reduced metrics, what was not finite or ""); run.weights_moved says the step moved
+    the weights, which the sampler gets before it next samples."""
     cfg, geo, accelerator, scorer = run.cfg, run.geometry, run.accelerator, run.scorer
     roll = batch.rollout
     step_micro = geo.micro[part * cfg.gradient_accumulation_steps: (part + 1) * cfg.gradient_accumulation_steps]
@@ -415,10 +419,7 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     step_loss = reduced.pop("loss")
     grad_norm, nonfinite, moved = step_optimizer(run, step_loss, skip_update, batch.nonfinite)
     timing["time/optimizer"] = clock(run) - t0
-    t0 = clock(run)
-    if moved:  # the weights moved: the sampler gets them
-        run.engine.sync_weights(accelerator.unwrap_model(scorer).model)
-    timing["time/weight_sync"] = clock(run) - t0
+    run.weights_moved |= moved  # the sampler gets them before it next samples (lib/setup.ready_sampler)
 
     step_tokens = accelerator.reduce(roll.completion_mask[step_rows].sum().float(), reduction="sum").clamp(min=1)
     loss_tokens = global_tokens.clamp(min=1)
@@ -466,7 +467,7 @@ def evaluate(run: Run, step: int) -> dict:
     shard = run.eval_records[accelerator.process_index::accelerator.num_processes]
     # an agent's episodes; a rollout_func run is evaluated with the trainer's own sampler
     agent = run.ctx.episodes if isinstance(run.ctx.episodes, agents.Agent) else None
-    run.engine.ready(accelerator.unwrap_model(run.scorer).model)  # awake, with the weights (sleep mode)
+    ready_sampler(run)  # the current weights (pushed where a step moved them), awake (sleep mode)
     results = generate_and_score(run.engine, run.tokenizer, shard, [run.ctx.prompt_text(r) for r in shard],
                                  max_new_tokens=cfg.max_completion_length, max_prompt_length=cfg.max_prompt_length,
                                  batch_size=cfg.per_device_eval_batch_size, device=accelerator.device,

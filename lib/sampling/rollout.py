@@ -5,7 +5,7 @@ engine samples:
 
     backend.generate(prompt_ids, prompt_mask, num_generations, max_new_tokens, temperature, top_p, top_k, greedy,
                      answer_phase) -> Rollout
-    backend.sync_weights(policy)     # after every optimizer step
+    backend.sync_weights(policy)     # before sampling, when optimizer steps moved the weights (lib/setup.ready_sampler)
 
 Sampling parameters are arguments, per call and per prompt (temperature and top_p may be (P,) tensors), so controllers
 that change them (adaptive temperature, resampling rounds) never reach into the backend. An `AnswerPhase` switches a
@@ -225,7 +225,7 @@ class HFRollout:
 
     `copy(policy, bf16)`, where given, may return a plain copy of the policy's weights to sample with where that is
     faster (lib/sampling/policy_copy.SamplingCopy: its `model`, its `decode_step` or None, and `sync(policy)`, called
-    by `sync_weights` after each optimizer step), or a decode step over the policy itself (its `model` None:
+    by `sync_weights` before sampling once the weights moved), or a decode step over the policy itself (its `model` None:
     lib/sampling/policy_copy.DirectDecode); None, or no hook: the policy itself, under bf16 autocast with `bf16`,
     decoded with its own forward (`ModelStep`). A `decode_step(model, cache, attention, max_new_tokens)` has
     `ModelStep`'s interface (lib/sampling/decode.LlamaStep); setting `decode_step = None` forces `ModelStep`, for

@@ -132,6 +132,38 @@ def adapter_ranks(policy: torch.nn.Module) -> list[int]:
     return [config.r, *(config.rank_pattern or {}).values()]
 
 
+# where a colocated engine's LoRA adapter is written at each sync when it has room (`adapter_folder_root`)
+RAM_DISK = "/dev/shm"
+
+
+def free_bytes(folder: str) -> int:
+    import shutil
+
+    return shutil.disk_usage(folder).free
+
+
+def adapter_folder_root(needed: int, ram_disk: str | None = RAM_DISK) -> str | None:
+    """The folder a colocated engine's adapter (`needed` bytes of tensors) is written to at each sync: the RAM disk
+    (/dev/shm) where it is writable and holds twice the adapter (a sync writes the new tensors beside the old ones)
+    for each training process on this node (each has its engine and its adapter); None otherwise, the system's
+    temporary folder on disk. Docker's and Kubernetes' default /dev/shm is 64 MB, less than an fp32 r-16 adapter on
+    every linear layer of a 1.5B model (74 MB; 161 MB at 7B), where the write would fail with ENOSPC."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # accelerate launch / torchrun: this node's processes
+    if ram_disk and os.access(ram_disk, os.W_OK) and free_bytes(ram_disk) >= 2 * needed * local:
+        return ram_disk
+    return None
+
+
+class SeededWorker:
+    """Mixed into the vLLM workers of an engine with tensor parallelism (`worker_extension_cls`;
+    lib/sampling/generation_server.WeightReceiver builds on it): `agrpo_seed` seeds the worker's default generators before a
+    generate call, so that a call's requests need no seed each (VLLMRollout's per_request_seeds) and every rank
+    draws the same tokens."""
+
+    def agrpo_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)  # the CPU's and every CUDA device's default generator
+
+
 class AdapterSyncError(RuntimeError):
     """The vLLM engine cannot serve the policy's LoRA adapter (an architecture without vLLM LoRA support, a target
     module it cannot wrap): the caller falls back to merged-weight sync."""
@@ -197,14 +229,18 @@ class VLLMRollout:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if quantization is not None:  # (`engine_quantization`) a 4-bit base the engine quantises as it loads
             kwargs["quantization"] = quantization
+        if worker_extension_cls is None and tensor_parallel_size > 1:  # workers in processes of their own
+            worker_extension_cls = "lib.sampling.vllm_rollout.SeededWorker"  # seeded per call (`_seeded_generate`)
         if worker_extension_cls is not None:  # the generation server's weight receiver (lib/sampling/generation_server.py)
             kwargs["worker_extension_cls"] = worker_extension_cls
+        self.tensor_parallel_size = tensor_parallel_size
         self.lora_rank = lora_rank
         if lora_rank is not None:  # the engine serves the adapter with its own LoRA kernels (Punica on GPUs)
             if vllm_lora_rank(lora_rank) is None:
                 raise AdapterSyncError(f"LoRA rank {lora_rank} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}")
             kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=1)
         self.adapter_folder = None  # a temporary folder the adapter is written to at each sync
+        self.adapter_on_ram_disk = False
         self.lora_request = None  # the request that names the current adapter in generate calls
         # a quantised engine holds the base it quantised from the checkpoint: only the adapter is ever sent to it
         self.base_loaded = quantization is not None
@@ -219,10 +255,11 @@ class VLLMRollout:
         # 64-512 rows a step on a GPU). In-process on a GPU the call is seeded once instead: the device's default
         # generator, seeded from (seed, call) for the call and restored after it, draws for every row at once. The
         # same call then samples the same tokens where the engine schedules the same batches (a resumed run
-        # included). Engines whose workers run in other processes (a server with tensor parallelism) and the CPU
-        # engine keep a seed per request.
+        # included). Workers in processes of their own (a server with tensor parallelism) get the call's seed
+        # through `SeededWorker`, the same seed on every rank: each rank samples the next token itself, and ranks
+        # that drew differently would go on from different tokens. The CPU engine keeps a seed per request.
         if per_request_seeds is None:
-            per_request_seeds = not torch.cuda.is_available() or tensor_parallel_size > 1
+            per_request_seeds = not torch.cuda.is_available()
         self.per_request_seeds = per_request_seeds
         if not torch.cuda.is_available() and max_num_seqs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             from transformers import AutoConfig
@@ -253,6 +290,8 @@ class VLLMRollout:
             raise
         self.enable_sleep_mode = enable_sleep_mode
         self.dtype = self.llm.llm_engine.model_config.dtype  # the engine's weights; the sync casts to it
+
+    ram_disk = RAM_DISK  # where the adapter goes when it has room (`_write_adapter`); a test points it elsewhere
 
     def state_dict(self) -> dict:
         return {"calls": self.calls}
@@ -288,8 +327,9 @@ class VLLMRollout:
 
     def ready(self, policy: torch.nn.Module) -> None:
         """Before sampling or evaluating: an engine still asleep gets its memory back, and its weights again where
-        sleep discarded them (level 2). The sync after an optimizer step does this too, but a step that moved
-        nothing (non-finite values, skip_zero_signal_updates, DeepSpeed's overflow skip) syncs nothing."""
+        sleep discarded them (level 2). A sync wakes it too (lib/setup.ready_sampler pushes before calling this where
+        steps moved the weights), but a batch whose steps moved nothing (non-finite values,
+        skip_zero_signal_updates, DeepSpeed's overflow skip) syncs nothing."""
         if not self.sleeping:
             return
         if self.sleep_level == 2:
@@ -316,27 +356,58 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
 
     def _load_adapter(self, policy: torch.nn.Module) -> None:
-        import tempfile
-        from pathlib import Path
-
         from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         inner = getattr(policy, "module", policy)
-        if self.adapter_folder is None:  # in memory where the system has a RAM disk
-            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-            self.adapter_folder = tempfile.TemporaryDirectory(prefix="agrpo-adapter-", dir=shm)
-            inner.peft_config[inner.active_adapter].save_pretrained(self.adapter_folder.name)
         state = {k: v.detach().to("cpu", torch.float32).contiguous()
                  for k, v in get_peft_model_state_dict(inner).items()}
-        save_file(state, str(Path(self.adapter_folder.name, "adapter_model.safetensors")))
+        self._write_adapter(inner.peft_config[inner.active_adapter], state)
         try:  # same id, loaded in place: the engine holds one adapter, the current one
             self.llm.llm_engine.add_lora(LoRARequest("policy", 1, self.adapter_folder.name, load_inplace=True))
         except Exception as error:  # noqa: BLE001  (whatever vLLM raises for an adapter it cannot take)
             raise AdapterSyncError(f"vLLM could not load the policy's adapter ({type(error).__name__}: "
                                    f"{str(error)[:300]})") from error
         self.lora_request = LoRARequest("policy", 1, self.adapter_folder.name)
+
+    def _write_adapter(self, config, state: dict) -> None:
+        """The adapter as a PEFT folder (its config and tensors) in `adapter_folder`, made at the first sync: on the
+        RAM disk where it has room (`adapter_folder_root`), else in the system's temporary folder on disk. A write
+        the RAM disk refuses (ENOSPC: filled since by another process's shared memory, or by the other training
+        processes' adapters) moves the folder to disk, and the sync goes on from there. The tensors are written
+        beside the previous ones and then put in their place, so a failed write never leaves a partial file."""
+        import tempfile
+        from pathlib import Path
+
+        from safetensors.torch import save
+
+        data = save(state)  # bytes, written by Python: a full RAM disk is an OSError (ENOSPC) like any other
+        if self.adapter_folder is None:
+            needed = len(data)
+            root = adapter_folder_root(needed, self.ram_disk)
+            if root is None and self.ram_disk and os.access(self.ram_disk, os.W_OK):
+                tqdm.write(f"vllm_lora_sync: {self.ram_disk} has {free_bytes(self.ram_disk) / 2**20:.1f} MB free "
+                           f"for a {needed / 2**20:.1f} MB adapter; it is written to {tempfile.gettempdir()} on "
+                           f"disk at each sync")
+            self.adapter_folder = tempfile.TemporaryDirectory(prefix="agrpo-adapter-", dir=root)
+            self.adapter_on_ram_disk = root is not None
+
+        def write(folder: str) -> None:
+            config.save_pretrained(folder)
+            Path(folder, "adapter_model.safetensors.partial").write_bytes(data)
+            os.replace(Path(folder, "adapter_model.safetensors.partial"), Path(folder, "adapter_model.safetensors"))
+
+        try:
+            write(self.adapter_folder.name)
+        except OSError as error:
+            if not self.adapter_on_ram_disk:
+                raise
+            self.adapter_folder.cleanup()  # what was written there goes: the RAM disk is short of space
+            self.adapter_folder = tempfile.TemporaryDirectory(prefix="agrpo-adapter-")
+            self.adapter_on_ram_disk = False
+            tqdm.write(f"vllm_lora_sync: writing the adapter to {self.ram_disk} failed ({error.strerror}); it is "
+                       f"written to {tempfile.gettempdir()} on disk from now on")
+            write(self.adapter_folder.name)
 
     def _params(self, count: int, temperature: float, top_p: float, top_k: int, max_tokens: int, seed: int,
                 stop: list[str] | None = None, min_p: float = 0.0, repetition_penalty: float = 1.0):
@@ -444,6 +515,9 @@ class VLLMRollout:
         """llm.generate, with the call's seed on the device's default generator when requests carry no seed of
         their own (the generators of this process are as they were afterwards)."""
         if self.per_request_seeds:
+            return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        if self.tensor_parallel_size > 1:  # every worker's generators, the same seed on each (SeededWorker)
+            self.llm.collective_rpc("agrpo_seed", args=(seed,))
             return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
@@ -581,10 +655,10 @@ def say_hf_sampler_note(cfg, device: torch.device, say) -> None:
 
 
 def colocated_rollout(cfg, policy, tokenizer, model_path: str, bf16: bool, rank: int) -> VLLMRollout:
-    """A colocated vLLM engine per process (`use_vllm`, `vllm_mode colocate`), loaded from the base model and
-    given the policy's weights before the first sample and after every optimizer step: a LoRA policy's adapter
-    alone (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged. A
-    policy that will be sharded gives gathered weights (lib/sampling/policy_copy.full_parameters)."""
+    """A colocated vLLM engine per process (`use_vllm`, `vllm_mode colocate`), loaded from the base model and given
+    the policy's weights before the first sample and before each later batch the weights moved for: a LoRA policy's
+    adapter alone (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged.
+    A policy that will be sharded gives gathered weights (lib/sampling/policy_copy.full_parameters)."""
     engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
     options = dict(seed=cfg.seed + rank,
                    max_model_len=cfg.vllm_max_model_length
