@@ -46,10 +46,10 @@ The settings that shape the loop (declared in lib/settings.py; `--help`, docs/co
 `loss_type`, `importance_sampling_level`; the advantages' `scale_rewards`; and `algo`, the method's
 preset.
 
-This file is the loop and its phases, then `setup`. Building a run (`Run`, `TrainerState`, `Geometry`)
+This file is the loop and its phases, then `setup`. Building a run (`Run`: its `Learner`, `Sampler` and `Output`; `TrainerState`, `Geometry`)
 is lib/setup.py; saving and stopping (checkpoints, final/, signals, non-finite values: the optimizer
 step's guard, `step_optimizer`) lib/save_and_stop.py; the logs (phase 7's `log_step`, the health
-warnings through `Run.watch`) lib/logs.py. The folders of lib/ hold one domain each (docs/methods.md
+warnings through `Output.watch`) lib/logs.py. The folders of lib/ hold one domain each (docs/methods.md
 12): methods, data, rewards, models, sampling, sharding, agents, evaluation, apps.
 """
 
@@ -89,10 +89,9 @@ from lib.sampling.context import Sampled
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, step_optimizer, stop_for_signal,
                                stop_if_nonfinite, stop_requested)
 from lib.schedule import resolve_epochs
-from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_tokenizer, load_data,
-                       load_models, make_engine, policy_optimizer, prepare_output_dir,
-                       prepare_policy, ready_sampler, record_and_seed, resolve_rewards, restore,
-                       rollout_context, start_accelerator)
+from lib.setup import (Geometry, Learner, Output, Run, Sampler, TrainerState, clock, close, load_checked_tokenizer,
+                       load_data, load_models, make_engine, policy_optimizer, prepare_output_dir, prepare_policy,
+                       ready_sampler, record_and_seed, resolve_rewards, restore, rollout_context, start_accelerator)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -123,17 +122,17 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def train(run: Run, state: TrainerState) -> dict:
-    """The eight steps of the docstring, one phase function each. `run` (lib/setup.Run) holds
-    what set-up built: the configuration, the accelerator, the tokenizer, the policy and its scorer,
-    the reference, the sampler (`engine`), the method's parts (`method`: refill, advantages,
-    controllers) and what sampling reads (`ctx`), the optimizer and scheduler, the held-out records,
-    the batch `geometry` and the stop request. `state` (lib/setup.TrainerState) is what the loop
-    advances and a checkpoint saves: the step, the data position, the tokens generated, the
-    controllers' state, the non-finite streak."""
-    cfg, geo, controllers = run.cfg, run.geometry, run.method.controllers
+    """The eight steps of the docstring, one phase function each. `run` (lib/setup.Run) holds what set-up built, in
+    the parts the phases read: `learner` (the policy, its scorer, the reference, the objective, the optimizer and
+    scheduler), `sampler` (the engine, what sampling and scoring read, the method's refill, advantages and
+    controllers) and `output` (the run folder, the tokenizer, the health watch, the hub, the stop request), and the
+    held-out records. `state` (lib/setup.TrainerState) is what the loop advances and a checkpoint saves: the step, the
+    data position, the tokens generated, the controllers' state, the non-finite streak."""
+    learner, sampler, output = run.learner, run.sampler, run.output
+    cfg, geo, controllers = run.cfg, learner.geometry, sampler.method.controllers
     resumed_at_end = state.global_step > 0 and finished(cfg, state, geo.steps_per_rollout)  # only the end is left
     if not resumed_at_end and (state.global_step == 0 or (cfg.eval_steps and state.global_step % cfg.eval_steps == 0)):
-        start = evaluate(run, state.global_step)
+        start = evaluate(sampler, learner, output, run.eval_records, state.global_step)
         if start and run.accelerator.is_main_process:
             tqdm.write(f"eval step {state.global_step}: accuracy {start['eval/accuracy']:.3f} on "
                        f"{int(start['eval/num_problems'])} held-out problems")
@@ -141,18 +140,18 @@ def train(run: Run, state: TrainerState) -> dict:
                desc="train", dynamic_ncols=True)
     batch = None
     while not finished(cfg, state, geo.steps_per_rollout):
-        t_step = clock(run)
+        t_step = clock(learner)
         timing = {}
         new_batch = batch is None or state.global_step % geo.steps_per_rollout == 0
         if new_batch:
             # ------------------------------------------------------------------------------ 1. rollout, 2. rewards
             # the next prompts in the data order, a group each at the controllers' temperatures, scored; the
             # method's refill samples again the groups that carry no signal
-            sampled = sample_batch(run, state.data_position, state.global_step)
+            sampled = sample_batch(sampler, learner, state.data_position, state.global_step)
             state.data_position = sampled.data_position
             # ------------------------------------------------------------------------------ 3. advantages
             # over whole groups of the global batch, then this process's share; reference and old log-probs
-            batch = prepare_batch(run, sampled)
+            batch = prepare_batch(sampler, learner, sampled)
             state.num_tokens += batch.num_tokens
             # ------------------------------------------------------------------------------ 4. controllers (per batch)
             # per-batch values from the old log-probs' entropy (AGPO-DSF's clip range of each group)
@@ -167,7 +166,7 @@ def train(run: Run, state: TrainerState) -> dict:
         # ---------------------------------------------------------------------------------- 5. policy update
         # one optimizer step on this step's slice of the generation batch
         part = state.global_step % geo.steps_per_rollout % cfg.optimizer_steps_per_generation
-        update, nonfinite = update_policy(run, batch, part, values)
+        update, nonfinite = update_policy(learner, batch, part, values)
         state.global_step += 1
         step = state.global_step
         state.nonfinite_streak = state.nonfinite_streak + 1 if nonfinite else 0
@@ -179,44 +178,44 @@ def train(run: Run, state: TrainerState) -> dict:
             controllers.after_step(update)
         if step % geo.steps_per_rollout == 0 and not batch.nonfinite:
             controllers.after_batch(float(batch.adv_stats["frac_reward_zero_std"]),
-                                    partial(step_drift, run, batch, timing))
+                                    partial(step_drift, learner, batch, timing))
         state.controller_state = controllers.state_dict()
         if cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:  # TR-DPO's reference update (TRL's keys)
-            mix_into_reference(run.reference.model, run.accelerator.unwrap_model(run.scorer).model,
+            mix_into_reference(learner.reference.model, learner.model,
                                cfg.ref_model_mixup_alpha)
 
         # ---------------------------------------------------------------------------------- 7. log
         # per-batch counters once, on the step that sampled the batch (0 on the steps that reuse it)
         counters = batch.counters if new_batch else dict.fromkeys(batch.counters, 0)
-        metrics = {**batch_metrics(run, batch), **update, "num_tokens": state.num_tokens,
+        metrics = {**batch_metrics(sampler, batch), **update, "num_tokens": state.num_tokens,
                    "beta": values.beta, "epsilon": mean_of(values.epsilon_low),
                    **controllers.metrics(), **counters,
                    **{f"time/{k}": v for k, v in {**(batch.timing if new_batch else {}), **timing}.items()}}
-        metrics["step_time"] = clock(run) - t_step
+        metrics["step_time"] = clock(learner) - t_step
         last = finished(cfg, state, geo.steps_per_rollout)
         if step % cfg.logging_steps == 0 or last:
-            log_step(run, step, metrics, batch)
+            log_step(output, step, metrics, batch, sampler.ctx.reward_names, geo.first)
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}",
                         step_time=f"{metrics['step_time']:.1f}s")
         if nonfinite:  # the weights did not move; stop after max_nonfinite_steps such steps in a row
-            stop_if_nonfinite(run, state, nonfinite)
+            stop_if_nonfinite(output, state, nonfinite)
 
         # ---------------------------------------------------------------------------------- 8. evaluate / save
         if cfg.eval_steps and step % cfg.eval_steps == 0 and not last:
-            evaluate(run, step)
+            evaluate(sampler, learner, output, run.eval_records, step)
         saved = cfg.save_steps and step % cfg.save_steps == 0 and not last
         if saved:
-            save_checkpoint(run, state)
+            save_checkpoint(learner, output, sampler.engine, state)
         # preemption (SIGTERM / SIGUSR1): checkpoint where resuming is exact, at the end of a generation batch
-        if not last and step % geo.steps_per_rollout == 0 and (signal_name := stop_requested(run)):
-            stop_for_signal(run, state, signal_name, saved)
+        if not last and step % geo.steps_per_rollout == 0 and (signal_name := stop_requested(output)):
+            stop_for_signal(learner, output, sampler.engine, state, signal_name, saved)
     bar.close()
 
-    end_eval = evaluate(run, state.global_step)
+    end_eval = evaluate(sampler, learner, output, run.eval_records, state.global_step)
     if cfg.save_strategy != "no":  # TRL's `no`: final/ only
-        save_checkpoint(run, state)
-    save_final(run, end_eval, state.global_step)  # + model card
+        save_checkpoint(learner, output, sampler.engine, state)
+    save_final(learner, output, end_eval, state.global_step)  # + model card
     return {"eval": end_eval, "global_step": state.global_step}
 
 
@@ -268,49 +267,51 @@ class Batch:
     nonfinite: str = ""  # what was not finite in the rewards or advantages ("" when all were): no step trains on it
 
 
-def sample_batch(run: Run, data_position: int, step: int) -> Sampled:
+def sample_batch(sampler: Sampler, learner: Learner, data_position: int, step: int) -> Sampled:
     """Phases 1-2: the next generation batch's prompts, sampled at the controllers' temperatures and scored; then the
-    method's refill. Returns the batch and the data position after it."""
-    cfg, ctx, controllers = run.cfg, run.ctx, run.method.controllers
-    t0 = clock(run)
+    method's refill. The learner's weights reach the sampler first, where a step moved them. Returns the batch and the
+    data position after it."""
+    cfg, ctx, controllers = sampler.cfg, sampler.ctx, sampler.method.controllers
+    t0 = clock(sampler)
     ctx.start_batch(step, data_position)
     group_size = controllers.group_size(cfg.num_generations)
-    num_prompts = run.geometry.global_completions * cfg.optimizer_steps_per_generation // group_size
+    num_prompts = sampler.geometry.global_completions * cfg.optimizer_steps_per_generation // group_size
     prompts = ctx.prompts(ctx.next_slots(data_position, num_prompts), group_size)
-    run.policy.eval()  # sampling with the policy itself (LoRA, 4-bit): no dropout
+    learner.policy.eval()  # sampling with the policy itself (LoRA, 4-bit): no dropout
     # the weights the last batch's steps trained, pushed once for the batch; an engine asleep wakes (sleep mode)
-    sync_seconds = ready_sampler(run)
+    sync_seconds = ready_sampler(sampler.engine, learner)
     temperatures, counters = controllers.prompt_temperatures(
-        ctx, prompts, group_size, torch.full((len(prompts.used),), cfg.temperature, device=run.accelerator.device))
+        ctx, prompts, group_size, torch.full((len(prompts.used),), cfg.temperature, device=sampler.accelerator.device))
     rollout = ctx.generate(prompts, temperatures, cfg.top_p)
     scores, errors, _ = ctx.score(rollout, prompts.records)
     rewards, total = ctx.gather_rewards(scores)
     sampled = Sampled(prompts, temperatures, rollout, scores, rewards, total, errors, group_size,
                       data_position + num_prompts, rounds=[total.view(num_prompts, group_size)], counters=counters)
-    sampled = run.method.refill(ctx, sampled, step)
+    sampled = sampler.method.refill(ctx, sampled, step)
     sampled.counters.update(ctx.sampling_counters())  # the sampler's hooks' events (an agent's tool calls)
     sampled.reward_seconds = ctx.reward_seconds
     sampled.nonfinite = ctx.nonfinite
     sampled.weight_sync_seconds = sync_seconds
-    sampled.generation_seconds = clock(run) - t0 - ctx.reward_seconds - sync_seconds
-    run.engine.sleep()  # vLLM sleep mode: the engine's memory goes to the training pass until the next sync
+    sampled.generation_seconds = clock(sampler) - t0 - ctx.reward_seconds - sync_seconds
+    sampler.engine.sleep()  # vLLM sleep mode: the engine's memory goes to the training pass until the next sync
     return sampled
 
 
-def prepare_batch(run: Run, sampled: Sampled) -> Batch:
-    """Phase 3: advantages over whole groups of the global batch, this process's share of them, the loss mask and
-    token counts of each step's slice; then the reference and old log-probs (no grad), once per generation batch."""
-    cfg, geo, accelerator, ctx = run.cfg, run.geometry, run.accelerator, run.ctx
+def prepare_batch(sampler: Sampler, learner: Learner, sampled: Sampled) -> Batch:
+    """Phase 3: advantages over whole groups of the global batch (the method's rule), this process's share of them,
+    the loss mask and token counts of each step's slice; then the learner's reference and old log-probs (no grad),
+    once per generation batch."""
+    cfg, geo, accelerator, ctx = sampler.cfg, sampler.geometry, sampler.accelerator, sampler.ctx
     roll, group_size = sampled.rollout, sampled.group_size
     correct = ctx.correct(sampled.rewards) if ctx.correct_index is not None else None
     pooled = torch.cat(sampled.rounds, dim=1) if len(sampled.rounds) > 1 else None
-    advantages_all, adv_stats = run.method.advantages(sampled.total, group_size, correct=correct, pooled=pooled,
-                                                      per_function=sampled.rewards, weights=ctx.reward_weights)
+    advantages_all, adv_stats = sampler.method.advantages(sampled.total, group_size, correct=correct, pooled=pooled,
+                                                          per_function=sampled.rewards, weights=ctx.reward_weights)
     advantages = advantages_all[geo.first: geo.first + geo.local_rollout]
     # a step's slice with no advantage on any process has no policy-gradient signal (the same answer everywhere)
     signal = (advantages_all.view(geo.world, cfg.optimizer_steps_per_generation, geo.local_completions) != 0
               ).any(2).any(0)
-    nonfinite, nonfinite_counts = nonfinite_rewards(run, sampled, advantages_all)
+    nonfinite, nonfinite_counts = nonfinite_rewards(sampler, sampled, advantages_all)
     loss_mask = roll.completion_mask.float()
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~roll.is_truncated).float()[:, None]
@@ -320,9 +321,10 @@ def prepare_batch(run: Run, sampled: Sampled) -> Batch:
     timing = {"rewards": sampled.reward_seconds, "generation": sampled.generation_seconds,
               "weight_sync": sampled.weight_sync_seconds}
     generated = int(accelerator.reduce(roll.completion_mask.sum(), reduction="sum"))
-    t0 = clock(run)
-    ref_logp, old_logp, old_entropy = reference_and_old_logps(run, roll)
-    timing["reference"] = clock(run) - t0
+    t0 = clock(learner)
+    ref_logp, old_logp, old_entropy = reference_and_old_logps(learner, roll, sampler.method.old_logps,
+                                                              sampler.method.old_entropy)
+    timing["reference"] = clock(learner) - t0
     owners = [sampled.prompts.records[i] for i in roll.prompt_index.tolist()]
     return Batch(
         rollout=roll, rewards=sampled.rewards, total=sampled.total, errors=sampled.errors, group_size=group_size,
@@ -334,41 +336,42 @@ def prepare_batch(run: Run, sampled: Sampled) -> Batch:
         ref_logp=ref_logp, old_logp=old_logp, old_entropy=old_entropy,
         num_tokens=generated + int(sum(v for k, v in counters.items() if k.startswith("num_tokens/"))),
         counters=counters, timing=timing,
-        texts=run.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True),
+        texts=ctx.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True),
         prompts=[ctx.prompt_text(r) for r in owners], answers=[r.get("answer") for r in owners],
         nonfinite=nonfinite)
 
 
-def reference_and_old_logps(run: Run, roll: Rollout):
+def reference_and_old_logps(learner: Learner, roll: Rollout, old_logps: bool, old_entropy: bool):
     """(ref_logp, old_logp, old_entropy), each (B_local, T) or None: the reference's log-probs when beta > 0 (with
-    LoRA, the policy with its adapter switched off), and pi_old's when the method needs them (off-policy steps, or
-    AGPO-DSF's entropy, taken at temperature 1). No grad, eval mode, one micro-batch at a time."""
-    cfg, method, scorer = run.cfg, run.method, run.accelerator.unwrap_model(run.scorer)
+    LoRA, the policy with its adapter switched off), and pi_old's where the method needs them (`old_logps`:
+    off-policy steps; `old_entropy`: AGPO-DSF's entropy, taken at temperature 1). No grad, eval mode, one
+    micro-batch at a time."""
+    cfg, scorer = learner.cfg, learner.accelerator.unwrap_model(learner.scorer)
 
     def per_micro(model, **options) -> list[tuple]:
         return [model(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows], roll.completion_ids[rows],
-                      roll.attended()[rows], roll.temperatures[rows], **options) for rows in run.geometry.micro]
+                      roll.attended()[rows], roll.temperatures[rows], **options) for rows in learner.geometry.micro]
 
-    ref_logp = old_logp = old_entropy = None
-    with torch.no_grad(), run.accelerator.autocast():
+    ref_logp = old_logp = entropy = None
+    with torch.no_grad(), learner.accelerator.autocast():
         if cfg.beta > 0:
-            with nullcontext() if run.reference is not None else adapter_disabled(run.policy):
-                model = run.reference if run.reference is not None else scorer
+            with nullcontext() if learner.reference is not None else adapter_disabled(learner.policy):
+                model = learner.reference if learner.reference is not None else scorer
                 ref_logp = pad_cat([p[0] for p in per_micro(model, with_entropy=False)])
-        if method.old_logps:
-            parts = per_micro(scorer, with_entropy=method.old_entropy, entropy_at_unit_temperature=True)
+        if old_logps:
+            parts = per_micro(scorer, with_entropy=old_entropy, entropy_at_unit_temperature=True)
             old_logp = pad_cat([p[0] for p in parts])
-            old_entropy = pad_cat([p[1] for p in parts]) if method.old_entropy else None
-    return ref_logp, old_logp, old_entropy
+            entropy = pad_cat([p[1] for p in parts]) if old_entropy else None
+    return ref_logp, old_logp, entropy
 
 
-def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dict:
+def update_policy(learner: Learner, batch: Batch, part: int, values: TrainValues) -> dict:
     """Phase 5: one optimizer step on slice `part` of the generation batch (its gradient_accumulation_steps
     micro-batches), with the step's beta and clip range. A slice without signal under skip_zero_signal_updates is
     measured (loss, KL, entropy, clip) but moves nothing, and so does one whose rewards, loss or gradient norm are
-    not finite. Returns (the step's reduced metrics, what was not finite or ""); run.weights_moved says the step moved
-    the weights, which the sampler gets before it next samples."""
-    cfg, geo, accelerator, scorer = run.cfg, run.geometry, run.accelerator, run.scorer
+    not finite. Returns (the step's reduced metrics, what was not finite or ""); learner.weights_moved says the step
+    moved the weights, which the sampler gets before it next samples."""
+    cfg, geo, accelerator, scorer = learner.cfg, learner.geometry, learner.accelerator, learner.scorer
     roll = batch.rollout
     step_micro = geo.micro[part * cfg.gradient_accumulation_steps: (part + 1) * cfg.gradient_accumulation_steps]
     step_rows = slice(part * geo.local_completions, (part + 1) * geo.local_completions)
@@ -376,12 +379,12 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     zero = partial(torch.zeros, (), device=accelerator.device)
     sums = {"loss": zero(), "entropy": zero(), "trained_entropy": zero()}
     stats = ObjectiveStats()  # the objective's statistics over the step's micro-batches
-    t0 = clock(run)
-    run.policy.train()
+    t0 = clock(learner)
+    learner.policy.train()
     for m, rows in enumerate(step_micro):
         sync = m == len(step_micro) - 1  # gradients are all-reduced once, after the last micro-batch
         # (sharded: every micro-batch's gradients are reduce-scattered; skipping that would keep full gradients)
-        with (nullcontext() if sync or run.sharding is not None else accelerator.no_sync(scorer)), \
+        with (nullcontext() if sync or learner.sharding is not None else accelerator.no_sync(scorer)), \
                 (torch.no_grad() if skip_update else nullcontext()):
             with accelerator.autocast(), memory.offloaded_activations(cfg.activation_offloading, accelerator.device):
                 logp, entropy = scorer(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows],
@@ -392,9 +395,9 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
             old = batch.old_logp[rows, :width] if batch.old_logp is not None else logp.detach()
             # the 80/20 rule's threshold is over this micro-batch's loss tokens on every process (docs/methods.md 1.11)
             pool = distributed.gather_ragged(accelerator, entropy.detach()[mask.bool()].float()) \
-                if run.objective.top_entropy_quantile < 1.0 else None
+                if learner.objective.top_entropy_quantile < 1.0 else None
             per_token, micro_stats = policy_objective(  # every per-token term (docs/methods.md 6.1, phase 5)
-                run.objective, logp, old, batch.advantages[rows], mask, entropy,
+                learner.objective, logp, old, batch.advantages[rows], mask, entropy,
                 epsilon_low=per_row(values.epsilon_low, rows), epsilon_high=per_row(values.epsilon_high, rows),
                 beta=values.beta, eta=values.eta, entropy_pool=pool,
                 ref_logp=batch.ref_logp[rows, :width] if batch.ref_logp is not None else None,
@@ -402,24 +405,24 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
             loss = aggregate_loss(per_token, mask, cfg.loss_type, global_num_sequences=geo.global_completions,
                                   global_num_tokens=global_tokens, max_completion_length=cfg.max_completion_length,
                                   num_processes=geo.world, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
-            if not skip_update and run.sharding is not None:  # DeepSpeed's engine is told the slice's last one
-                run.sharding.backward(scorer, loss, last=sync)
+            if not skip_update and learner.sharding is not None:  # DeepSpeed's engine is told the slice's last one
+                learner.sharding.backward(scorer, loss, last=sync)
             elif not skip_update:
                 accelerator.backward(loss)
         sums["loss"] += loss.detach() / geo.world
         sums["entropy"] += (entropy.detach() * roll.completion_mask[rows]).sum()
         sums["trained_entropy"] += (entropy.detach() * mask).sum()  # what the adaptive entropy controller reads
         stats = stats + micro_stats
-    timing = {"time/policy": clock(run) - t0}
+    timing = {"time/policy": clock(learner) - t0}
 
-    t0 = clock(run)
-    learning_rate = run.scheduler.get_last_lr()[0]  # the rate this update used
+    t0 = clock(learner)
+    learning_rate = learner.scheduler.get_last_lr()[0]  # the rate this update used
     reduced = dict(zip([*sums, *stats.sums], accelerator.reduce(torch.stack([*sums.values(), *stats.sums.values()]),
                                                                  reduction="sum")))
     step_loss = reduced.pop("loss")
-    grad_norm, nonfinite, moved = step_optimizer(run, step_loss, skip_update, batch.nonfinite)
-    timing["time/optimizer"] = clock(run) - t0
-    run.weights_moved |= moved  # the sampler gets them before it next samples (lib/setup.ready_sampler)
+    grad_norm, nonfinite, moved = step_optimizer(learner, step_loss, skip_update, batch.nonfinite)
+    timing["time/optimizer"] = clock(learner) - t0
+    learner.weights_moved |= moved  # the sampler gets them before it next samples (lib/setup.ready_sampler)
 
     step_tokens = accelerator.reduce(roll.completion_mask[step_rows].sum().float(), reduction="sum").clamp(min=1)
     loss_tokens = global_tokens.clamp(min=1)
@@ -441,34 +444,35 @@ def update_policy(run: Run, batch: Batch, part: int, values: TrainValues) -> dic
     return {**metrics, **timing}, nonfinite
 
 
-def step_drift(run: Run, batch: Batch, timing: dict) -> list[float]:
+def step_drift(learner: Learner, batch: Batch, timing: dict) -> list[float]:
     """KL(pi_old || pi_new) of a generation batch's updates, a k1 token mean per prompt group (AGPO-DSF's step KL,
     docs/methods.md 5.1). Eval mode, as for pi_old: with LoRA dropout in train mode the noise, clamped at 0 by the
     controller, would bias the drift upwards."""
-    t0 = clock(run)
-    roll, scorer = batch.rollout, run.accelerator.unwrap_model(run.scorer)
-    run.policy.eval()
-    with torch.no_grad(), run.accelerator.autocast():
+    t0 = clock(learner)
+    roll, scorer = batch.rollout, learner.accelerator.unwrap_model(learner.scorer)
+    learner.policy.eval()
+    with torch.no_grad(), learner.accelerator.autocast():
         after = pad_cat([scorer(roll.prompt_ids, roll.prompt_mask, roll.prompt_index[rows], roll.completion_ids[rows],
                                 roll.attended()[rows], roll.temperatures[rows], with_entropy=False)[0]
-                         for rows in run.geometry.micro])
-    drift = distributed.group_token_means(run.accelerator, batch.old_logp[:, : after.shape[1]] - after,
+                         for rows in learner.geometry.micro])
+    drift = distributed.group_token_means(learner.accelerator, batch.old_logp[:, : after.shape[1]] - after,
                                           roll.completion_mask, batch.group_size)
-    timing["step_kl"] = clock(run) - t0
+    timing["step_kl"] = clock(learner) - t0
     return drift
 
 
-def evaluate(run: Run, step: int) -> dict:
-    """Phase 8: greedy accuracy, length, truncated and formatted shares on the held-out problems (each process
-    scores its share; the sums are reduced). {} when num_eval_samples is 0."""
-    if not run.eval_records:
+def evaluate(sampler: Sampler, learner: Learner, output: Output, records: list[dict], step: int) -> dict:
+    """Phase 8: greedy accuracy, length, truncated and formatted shares on the held-out `records`, sampled with the
+    learner's current weights (each process scores its share; the sums are reduced), logged to the output. {} when
+    num_eval_samples is 0."""
+    if not records:
         return {}
-    accelerator, cfg = run.accelerator, run.cfg
-    shard = run.eval_records[accelerator.process_index::accelerator.num_processes]
+    accelerator, cfg, ctx = sampler.accelerator, sampler.cfg, sampler.ctx
+    shard = records[accelerator.process_index::accelerator.num_processes]
     # an agent's episodes; a rollout_func run is evaluated with the trainer's own sampler
-    agent = run.ctx.episodes if isinstance(run.ctx.episodes, agents.Agent) else None
-    ready_sampler(run)  # the current weights (pushed where a step moved them), awake (sleep mode)
-    results = generate_and_score(run.engine, run.tokenizer, shard, [run.ctx.prompt_text(r) for r in shard],
+    agent = ctx.episodes if isinstance(ctx.episodes, agents.Agent) else None
+    ready_sampler(sampler.engine, learner)  # the current weights (pushed where a step moved them), awake (sleep mode)
+    results = generate_and_score(sampler.engine, ctx.tokenizer, shard, [ctx.prompt_text(r) for r in shard],
                                  max_new_tokens=cfg.max_completion_length, max_prompt_length=cfg.max_prompt_length,
                                  batch_size=cfg.per_device_eval_batch_size, device=accelerator.device,
                                  episodes=agent)  # with tools: whole episodes (docs/agents.md 9)
@@ -480,9 +484,9 @@ def evaluate(run: Run, step: int) -> dict:
     total = max(float(sums[-1]), 1.0)
     metrics = {f"eval/{k}": float(v) / total for k, v in zip(keys, sums[:-1])}
     metrics["eval/num_problems"] = total
-    append_jsonl(run, "metrics.jsonl", [{"step": step, **metrics}])
+    append_jsonl(output, "metrics.jsonl", [{"step": step, **metrics}])
     accelerator.log(metrics, step=step)
-    run.watch.say(run, step, metrics)  # health warnings (lib/apps/health.Watch)
+    output.watch.say(output, step, metrics)  # health warnings (lib/apps/health.Watch)
     return metrics
 
 
@@ -550,11 +554,12 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     ctx = rollout_context(cfg, engine, tokenizer, reward_funcs, train_records, accelerator,
                           geometry, worker, sampler_hook)
     history = read_jsonl(out / "metrics.jsonl")[0] if resume is not None else None
-    run = Run(cfg, accelerator, out, tokenizer, policy, scorer, reference, engine, ctx, method,
-              ObjectiveSettings.of(cfg), params, optimizer, scheduler, eval_records, geometry, ckpt.StopRequest(),
-              sharded,
-              watch=health.Watch(to_dict(cfg), history),
-              hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None)
+    learner = Learner(cfg, accelerator, geometry, policy, scorer, reference, ObjectiveSettings.of(cfg), params,
+                      optimizer, scheduler, sharded)
+    sampler = Sampler(cfg, accelerator, geometry, engine, ctx, method)
+    output = Output(cfg, accelerator, out, tokenizer, ckpt.StopRequest(), watch=health.Watch(to_dict(cfg), history),
+                    hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None)
+    run = Run(learner, sampler, output, eval_records)
     return run, state
 
 

@@ -149,7 +149,7 @@ def completions_value(tracker: str, rows: list[dict]):
 
 def log_completions(accelerator, trackers: list[str], rows: list[dict], step: int) -> None:
     """A step's logged completions to each of report_to's trackers, as the table it shows (`completions_value`).
-    lib/logs.log_step calls it from the main process (lib/setup.Run's `completions_table`)."""
+    lib/logs.log_step calls it from the main process."""
     for name in trackers:
         accelerator.get_tracker(name, unwrap=False).log({"completions": completions_value(name, rows)}, step=step)
 

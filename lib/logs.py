@@ -12,13 +12,13 @@ import torch
 from tqdm.auto import tqdm
 
 from lib.hub import log_completions
-from lib.setup import Run
+from lib.setup import Output, Sampler
 
 
-def append_jsonl(run: Run, name: str, records: list[dict]) -> None:
+def append_jsonl(output: Output, name: str, records: list[dict]) -> None:
     """Append `records` to the run's `name` log, on the main process."""
-    if run.accelerator.is_main_process and records:
-        with open(run.out / name, "a") as f:
+    if output.accelerator.is_main_process and records:
+        with open(output.out / name, "a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in records))
 
 
@@ -34,10 +34,10 @@ def dense_line(step: int, max_steps: int, m: dict, reward_names: list[str]) -> s
     return " | ".join(parts)
 
 
-def batch_metrics(run: Run, batch) -> dict:
+def batch_metrics(sampler: Sampler, batch) -> dict:
     """The generation batch's rewards, lengths and errors (TRL's key names), as logged with each step on it. `batch`:
     the loop's train_agrpo.Batch (its rewards, total, errors, adv_stats, rollout and group_size)."""
-    accelerator, names, rewards = run.accelerator, run.ctx.reward_names, batch.rewards
+    accelerator, names, rewards = sampler.accelerator, sampler.ctx.reward_names, batch.rewards
     lengths = accelerator.gather(batch.rollout.completion_mask.sum(1).float())
     truncated = accelerator.gather(batch.rollout.is_truncated.float())
     present = [rewards[:, k][~torch.isnan(rewards[:, k])] for k in range(len(names))]
@@ -60,21 +60,22 @@ def batch_metrics(run: Run, batch) -> dict:
     }
 
 
-def log_step(run: Run, step: int, metrics: dict, batch) -> None:
-    """Phase 7: metrics.jsonl, the tracker, the dense line, and a few completions to completions.jsonl."""
-    append_jsonl(run, "metrics.jsonl", [{"step": step, **metrics}])
-    run.accelerator.log(metrics, step=step)
-    if run.accelerator.is_main_process:
-        tqdm.write(dense_line(step, run.cfg.max_steps, metrics, run.ctx.reward_names))
-    run.watch.say(run, step, metrics)  # the health warnings new at this line (lib/apps/health.Watch)
-    first = run.geometry.first
+def log_step(output: Output, step: int, metrics: dict, batch, reward_names: list[str], first: int) -> None:
+    """Phase 7: metrics.jsonl, the tracker, the dense line, and a few completions to completions.jsonl. `first`: this
+    process's first completion in the batch's global order (Geometry.first)."""
+    cfg, accelerator = output.cfg, output.accelerator
+    append_jsonl(output, "metrics.jsonl", [{"step": step, **metrics}])
+    accelerator.log(metrics, step=step)
+    if accelerator.is_main_process:
+        tqdm.write(dense_line(step, cfg.max_steps, metrics, reward_names))
+    output.watch.say(output, step, metrics)  # the health warnings new at this line (lib/apps/health.Watch)
     rows = [{"step": step, "prompt": batch.prompts[i], "completion": batch.texts[i], "answer": batch.answers[i],
              "reward": float(batch.total[first + i]), "advantage": float(batch.advantages[i])}
-            for i in range(min(run.cfg.num_completions_to_print if run.cfg.log_completions else 0, len(batch.texts)))]
+            for i in range(min(cfg.num_completions_to_print if cfg.log_completions else 0, len(batch.texts)))]
     turns = (batch.rollout.columns or {}).get("turns")  # an agent's episodes: each turn and tool result apart
     for i, row in enumerate(rows):
         if turns is not None and turns[i] is not None:
             row["turns"] = turns[i]
-    append_jsonl(run, "completions.jsonl", rows)
-    if rows and run.accelerator.is_main_process:  # a table per tracker: wandb / trackio Tables, TensorBoard text
-        log_completions(run.accelerator, run.cfg.report_to, rows, step)
+    append_jsonl(output, "completions.jsonl", rows)
+    if rows and accelerator.is_main_process:  # a table per tracker: wandb / trackio Tables, TensorBoard text
+        log_completions(accelerator, cfg.report_to, rows, step)

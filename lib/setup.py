@@ -1,8 +1,10 @@
 """Building a run: everything train_agrpo.py does before its first step, and what the loop reads.
 
-`Run` holds what set-up builds (the accelerator, the policy and its scorer, the reference, the sampler, the method, the
-optimizer and scheduler, the data); `TrainerState` what the loop advances and a checkpoint saves; `Geometry` the batch
-sizes. The functions below are the set-up's steps, which train_agrpo.setup calls in the order that fails fastest:
+`Run` holds what set-up builds, in three parts that the phases take as they read them: the `Learner` (the policy, its
+scorer, the reference, the objective, the optimizer and scheduler: the update), the `Sampler` (the engine, the data and
+rewards' context, the method: sampling and scoring) and the `Output` (the run folder, the tokenizer, the health watch,
+the hub, the stop request: logs and saves); `TrainerState` what the loop advances and a checkpoint saves; `Geometry`
+the batch sizes. The functions below are the set-up's steps, which train_agrpo.setup calls in the order that fails fastest:
 configuration and data errors before any model loads, the memory check before any sampling.
 
 Each step imports the parts it builds from the rooms below (lib/sharding for FSDP2 / DeepSpeed and the 8-bit optimizer,
@@ -89,32 +91,76 @@ class Geometry:
 
 
 @dataclass
-class Run:
-    """Everything set-up builds and the loop reads; the phases take it as their first argument."""
+class Learner:
+    """What the policy update (phase 5) reads and changes, and what a checkpoint saves of the model: the policy, its
+    scorer, the reference, the objective's settings, the optimizer and the scheduler."""
+
+    cfg: Config
+    accelerator: Accelerator
+    geometry: Geometry
+    policy: torch.nn.Module  # the model being trained (PEFT-wrapped with LoRA)
+    scorer: torch.nn.Module  # CompletionScorer(policy), prepared by Accelerate (DDP, FSDP2, ...)
+    reference: CompletionScorer | None  # frozen; None when beta is 0 or with LoRA (the adapter off)
+    objective: ObjectiveSettings  # what shapes the per-token loss (lib/methods/losses.policy_objective)
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    # FSDP2 / DeepSpeed (weights, gradients, optimizer states sharded): lib/sharding/fsdp_deepspeed.Sharding; else None
+    sharding: object = None
+    # an optimizer step moved the policy's weights since the sampler last got them (`ready_sampler` pushes them)
+    weights_moved: bool = False
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The policy's causal LM as it trains, unwrapped from Accelerate's wrapper and the scorer."""
+        return self.accelerator.unwrap_model(self.scorer).model
+
+
+@dataclass
+class Sampler:
+    """What sampling and scoring (phases 1-3) read: the sampler (`engine`: lib/sampling/rollout.HFRollout, or one with
+    its interface: VLLMRollout, ServerRollout), the context (data, reward functions, the reward worker, an agent) and
+    the method's parts (refill, advantages, controllers)."""
+
+    cfg: Config
+    accelerator: Accelerator
+    geometry: Geometry
+    engine: HFRollout
+    ctx: RolloutContext
+    method: Method
+
+
+@dataclass
+class Output:
+    """Where a run writes (phases 7-8, checkpoints, final/): the run folder, the tokenizer saved with the model, the
+    health warnings' history (lib/apps/health.Watch), push_to_hub's uploads (lib/hub.HubPusher, main process, or None)
+    and the stop request (SIGTERM / SIGUSR1 received)."""
 
     cfg: Config
     accelerator: Accelerator
     out: Path
     tokenizer: object
-    policy: torch.nn.Module  # the model being trained (PEFT-wrapped with LoRA)
-    scorer: torch.nn.Module  # CompletionScorer(policy), prepared by Accelerate (DDP, FSDP2, ...)
-    reference: CompletionScorer | None  # frozen; None when beta is 0 or with LoRA (the adapter off)
-    engine: HFRollout  # the sampler, or one with its interface: lib/sampling's VLLMRollout, ServerRollout
-    ctx: RolloutContext
-    method: Method
-    objective: ObjectiveSettings  # what shapes the per-token loss (lib/methods/losses.policy_objective)
-    params: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: object
+    stop: ckpt.StopRequest
+    watch: object = None
+    hub: object = None
+
+
+@dataclass
+class Run:
+    """A run's parts as set-up builds them; the loop hands each phase the parts it reads."""
+
+    learner: Learner
+    sampler: Sampler
+    output: Output
     eval_records: list[dict]
-    geometry: Geometry
-    stop: ckpt.StopRequest  # SIGTERM / SIGUSR1 received
-    # FSDP2 / DeepSpeed (weights, gradients, optimizer states sharded): lib/sharding/fsdp_deepspeed.Sharding; else None
-    sharding: object = None
-    watch: object = None  # lib/apps/health.Watch: the metric history behind the health warnings
-    hub: object = None  # lib/hub.HubPusher: push_to_hub's uploads (main process), or None
-    # an optimizer step moved the policy's weights since the sampler last got them (`ready_sampler` pushes them)
-    weights_moved: bool = False
+
+    @property
+    def cfg(self) -> Config:
+        return self.learner.cfg
+
+    @property
+    def accelerator(self) -> Accelerator:
+        return self.learner.accelerator
 
 
 def start_accelerator(cfg: Config) -> tuple[Accelerator, bool, object, bool]:
@@ -307,7 +353,7 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
                 bf16: bool, sharding, partitioned: bool) -> tuple[torch.nn.Module, CompletionScorer | None]:
     """(policy, reference): the policy from the model (or an unsharded checkpoint), the frozen reference (none when beta
     is 0; with LoRA the base with the adapter disabled, not a second copy), sharded like the policy will be where
-    `sharding` (Run.sharding) is given; the embedded model's name resolved to its cached folder
+    `sharding` (Learner.sharding) is given; the embedded model's name resolved to its cached folder
     (lib/models/embedded.py); the output layers in float32 where cast_lm_head_to_fp32 (lib/models/fp32_head.py). The
     sampler comes next (make_engine)."""
     device, sharded = accelerator.device, sharding is not None
@@ -455,35 +501,35 @@ def rollout_context(cfg: Config, engine, tokenizer, reward_funcs: list, train_re
 
 def close(run: Run) -> None:
     """After the run, or when it stops early: the sampler, the reward worker, the trackers, the signal handlers."""
-    run.stop.restore()
-    run.engine.close()
-    for worker in (run.ctx.worker, run.ctx.episodes):  # the reward worker, an agent's tool worker
+    run.output.stop.restore()
+    run.sampler.engine.close()
+    for worker in (run.sampler.ctx.worker, run.sampler.ctx.episodes):  # the reward worker, an agent's tool worker
         if worker is not None:
             worker.close()
-    if run.hub is not None:  # says which pushes an early stop abandons (docs/hub.md 3)
-        run.hub.close()
+    if run.output.hub is not None:  # says which pushes an early stop abandons (docs/hub.md 3)
+        run.output.hub.close()
     run.accelerator.end_training()
 
 
-def ready_sampler(run: Run) -> float:
-    """Before sampling or evaluating: the sampler gets the policy's weights where an optimizer step moved them since
-    it last got them, then an engine asleep (vLLM sleep mode) wakes. So the weights are pushed once per generation
-    batch however many optimizer steps train on it (steps_per_generation, num_iterations), as TRL does, and a
-    sleeping engine stays asleep through the batch's steps; an evaluation between them still samples from the
+def ready_sampler(engine, learner: Learner) -> float:
+    """Before sampling or evaluating: the sampler (`engine`) gets the policy's weights where an optimizer step moved
+    them since it last got them, then an engine asleep (vLLM sleep mode) wakes. So the weights are pushed once per
+    generation batch however many optimizer steps train on it (steps_per_generation, num_iterations), as TRL does, and
+    a sleeping engine stays asleep through the batch's steps; an evaluation between them still samples from the
     current weights. Every process calls it (a sharded policy is gathered in a collective); `weights_moved` is the
     same on all of them (lib/save_and_stop.step_optimizer decides on reduced values). Returns the seconds it took."""
-    t0 = clock(run)
-    policy = run.accelerator.unwrap_model(run.scorer).model
-    if run.weights_moved:
-        run.engine.sync_weights(policy)
-        run.weights_moved = False
-    run.engine.ready(policy)
-    return clock(run) - t0
+    t0 = clock(learner)
+    if learner.weights_moved:
+        engine.sync_weights(learner.model)
+        learner.weights_moved = False
+    engine.ready(learner.model)
+    return clock(learner) - t0
 
 
-def clock(run: Run) -> float:
+def clock(part) -> float:
     """time.perf_counter once the device has run what was queued: on a GPU a kernel runs after the call that queued it,
-    so an unsynchronised phase time would land in the next phase that waits on a result."""
-    if run.accelerator.device.type == "cuda":
+    so an unsynchronised phase time would land in the next phase that waits on a result. `part`: any of the run's
+    parts (its accelerator says the device)."""
+    if part.accelerator.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter()

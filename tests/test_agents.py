@@ -181,8 +181,7 @@ def test_a_run_with_tools_trains_only_the_models_tokens(tool_caller, tmp_path, m
 
     prepare = train_agrpo.prepare_batch
     monkeypatch.setattr(CompletionScorer, "forward", keep)
-    monkeypatch.setattr(train_agrpo, "prepare_batch", lambda run, sampled: batches.append(prepare(run, sampled))
-                        or batches[-1])
+    monkeypatch.setattr(train_agrpo, "prepare_batch", lambda *parts: batches.append(prepare(*parts)) or batches[-1])
     torch.set_num_threads(1)
     out = tmp_path / "run"
     try:

@@ -96,17 +96,17 @@ class Watch:
                     "evidence": w.evidence, "advice": w.advice, **after_eval} for w in fresh]
         return [console_line(w) for w in fresh], records
 
-    def say(self, run, step: int, metrics: dict) -> None:
+    def say(self, output, step: int, metrics: dict) -> None:
         """Say each kind of warning (zero-spread groups, truncation, entropy collapse, reward hacking, a KL above its
         target) once, at the first logged line where it holds (`report`), on the main process: on the console and in
-        the run's warnings.jsonl. The trainer calls it as `run.watch` after each logged line (lib/logs.log_step) and
-        evaluation; `run` is its lib/setup.Run (accelerator, out)."""
-        if run.accelerator.is_main_process:
+        the run's warnings.jsonl. The trainer calls it as `Output.watch` after each logged line (lib/logs.log_step)
+        and evaluation; `output` is the run's lib/setup.Output (accelerator, out)."""
+        if output.accelerator.is_main_process:
             lines, records = self.report(step, metrics)
             for line in lines:
                 tqdm.write(line)
             if records:
-                with open(run.out / "warnings.jsonl", "a") as f:
+                with open(output.out / "warnings.jsonl", "a") as f:
                     f.write("".join(json.dumps(r) + "\n" for r in records))
 
 

@@ -2,7 +2,7 @@
 the same code on a CPU over gloo). What the trainer adds around Accelerate for a sharded launch: its checks and
 settings, the reference sharded like the policy, sharded checkpoints, DeepSpeed's backward and step. lib/setup.start_accelerator
 calls `start`, which returns None for a single process or data parallelism, and keeps the `Sharding` it returns for a
-sharded launch as Run.sharding. lib/distributed.py keeps what every launch needs (lib/distributed.py: a
+sharded launch as Learner.sharding. lib/distributed.py keeps what every launch needs (lib/distributed.py: a
 sharded parameter's full value, small collectives)."""
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def describe_sharding(model: torch.nn.Module, world: int, stage: int = 0) -> str
 class Sharding:
     """What the core does differently for a sharded launch (FSDP2, or DeepSpeed at any ZeRO stage: its optimizer states
     are partitioned, and the trainer treats its engine the way it treats a sharded model), bound to its accelerator.
-    lib/setup.py and lib/save_and_stop.py call it where Run.sharding is not None."""
+    lib/setup.py and lib/save_and_stop.py call it where Learner.sharding is not None."""
 
     def __init__(self, accelerator: Accelerator):
         self.accelerator = accelerator
