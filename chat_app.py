@@ -48,7 +48,6 @@ from transformers.utils import logging as hf_logging
 
 from lib.checkpoint import list_checkpoints
 from lib.data.records import DEFAULT_INSTRUCTION
-from lib.sampling import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
 from lib.apps import page
 from lib.agents.episodes import Agent
 from lib.agents.tools import ToolWorker, tool_schemas, tool_spec

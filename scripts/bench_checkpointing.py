@@ -38,7 +38,6 @@ SETTINGS = {"plain": (False, True), "full": (True, False), "shared": (True, True
 def worker(spec: dict) -> dict:
     import torch
 
-    from lib.sampling import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
     from lib.models import checkpointed_prefix
     from lib.models.embedded import resolve_model_path
     from lib.models.modeling import CompletionScorer, load_policy

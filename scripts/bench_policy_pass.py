@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lib.sampling import cpu_kernels  # noqa: E402,F401  (registers the CPU decode attention load_policy picks)
 from lib.models.embedded import embedded_model_path  # noqa: E402
 from lib.models.modeling import CompletionScorer, load_policy, native_bf16  # noqa: E402
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from lib.sharding.memory import kv_bytes_per_token  # noqa: E402
 from lib.models.embedded import resolve_model_path  # noqa: E402
 from lib.models.modeling import load_policy, native_bf16, unwrap_causal_lm  # noqa: E402
-from lib.sampling import cpu_kernels  # noqa: E402  (also registers --attn agrpo_sdpa)
+from lib.sampling import cpu_kernels  # noqa: E402
 from lib.sampling.decode import GraphSteps, LlamaStep  # noqa: E402
 from lib.sampling.policy_copy import dense_numel  # noqa: E402
 from lib.sampling.rollout import HFRollout  # noqa: E402

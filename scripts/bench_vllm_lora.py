@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT))
 def worker(args) -> dict:
     import torch
 
-    from lib.sampling import cpu_kernels  # noqa: F401  (registers the CPU decode attention load_policy picks)
     from lib.models.embedded import resolve_model_path
     from lib.models.modeling import load_policy, load_tokenizer
     from lib.sampling.vllm_rollout import VLLMRollout, adapter_ranks

@@ -7,9 +7,6 @@ from pathlib import Path
 
 import pytest
 
-# the entry scripts import it: it registers the CPU decode attention that lib.models.modeling picks on a CPU
-import lib.sampling.cpu_kernels  # noqa: F401
-
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Phi3Config, Phi3ForCausalLM)
 
-from lib.sampling import cpu_kernels  # noqa: F401  (registers FAST_ATTENTION)
+from lib.sampling import cpu_kernels
 from lib.sampling.decode import (GraphStep, GraphSteps, LlamaStep, _grouped_attention, decode_step_for, graphable,
                                host_synced_rope, llama_family)
 from lib.sampling.policy_copy import make_copy

@@ -26,7 +26,12 @@ def test_the_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     steps = results["steps"]
     assert set(steps) == {"tests", "sampler", "bench", "card16"}, proc.stdout[-3000:]
     tests = {t["test"]: t["outcome"] for t in steps["tests"]["tests"]}
-    assert len(tests) == 14 and all(o == "passed" for o in tests.values()), (tests, steps["tests"]["log_tail"])
+    # every gpu test ran; on a CPU only the two that need CUDA itself skip (the allocator's cap, bitsandbytes in vLLM)
+    cuda_only = {"test_max_memory_caps_the_process_so_that_going_over_is_an_out_of_memory",
+                 "test_a_4bit_policys_vllm_engine_holds_a_4bit_base_and_samples_the_policy"}
+    skipped = {t for t, o in tests.items() if o == "skipped"}
+    assert len(tests) == 16 and skipped <= cuda_only and all(o == "passed" for t, o in tests.items() if t not in skipped), \
+        (tests, steps["tests"]["log_tail"])
     measured = {m["test"] for m in steps["tests"]["measured"]}
     assert {"sampler_vs_scorer_fp32", "decode_step_graph_vs_written_out", "merged_sync_lora", "fsdp2_bf16_temperatures",
             "resume_on_device", "direct_decode_lora", "direct_decode_qlora", "direct_decode_qlora_bf16"} <= measured

@@ -15,9 +15,9 @@ from transformers.cache_utils import DynamicCache
 
 from lib.config import ConfigError
 from lib.methods.losses import token_logps_and_entropy
+from lib.models.attention import FAST_ATTENTION, register_fast_attention
 
 
-FAST_ATTENTION = "agrpo_sdpa"  # lib/sampling/cpu_kernels.grouped_decode_attention's name in transformers
 # transformers' attention implementations that apply an attention logit soft cap (they take `softcap`); its SDPA and
 # ours drop it without a word
 SOFT_CAP_ATTENTION = ("eager", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -34,19 +34,21 @@ def default_attn_implementation(device: torch.device | str, config=None) -> str:
     """The attention a model loads with when `attn_implementation` is unset: eager for a model whose `config` has an
     attention soft cap (`attention_soft_cap`), which SDPA would drop (eager is transformers' reference forward and
     applies it; flash_attention_2, where installed, does too and is given by hand); otherwise the decode-friendly
-    SDPA of lib/sampling/cpu_kernels.py (`grouped_decode_attention`, registered with transformers as FAST_ATTENTION when
-    that module is imported, as the entry scripts do) on CPU, plain SDPA elsewhere: on an H100 the two did not differ
-    (docs/performance.md 6.2), and transformers' own also knows sliding windows."""
+    SDPA of lib/models/attention.py (`grouped_decode_attention`, registered with transformers as FAST_ATTENTION here)
+    on CPU, plain SDPA elsewhere: on an H100 the two did not differ (docs/performance.md 6.2), and transformers' own
+    also knows sliding windows."""
     if config is not None and attention_soft_cap(config):
         return "eager"
-    registered = FAST_ATTENTION in transformers.AttentionInterface().valid_keys()
-    return FAST_ATTENTION if registered and torch.device(device).type == "cpu" else "sdpa"
+    return FAST_ATTENTION if torch.device(device).type == "cpu" else "sdpa"
 
 
 def check_attn_implementation(name: str, config) -> None:
     """Refuse (ConfigError naming the key) an attention implementation that drops the model's attention soft cap:
     the policy, its reference and the HF sampler would compute another model than the checkpoint (and than vLLM,
-    which applies the cap)."""
+    which applies the cap). Ours (FAST_ATTENTION, given by name or chosen on a CPU) is registered here, before the
+    model loads with it."""
+    if name == FAST_ATTENTION:
+        register_fast_attention()
     cap = attention_soft_cap(config)
     if cap and name not in SOFT_CAP_ATTENTION:
         raise ConfigError(f"attn_implementation: {name} does not apply {config.get_text_config().model_type}'s "

@@ -1,50 +1,15 @@
-"""CPU-only kernels for sampling: a grouped decode attention and oneDNN-prepacked bf16 linear layers
-(docs/performance.md 2.1). Neither changes what is computed; both make the HF sampler's decode step faster on a CPU.
-
-Importing this module registers `grouped_decode_attention` with transformers under lib.models.modeling.FAST_ATTENTION,
-which lib.models.modeling.default_attn_implementation then picks on a CPU; `sampling_copy` is the hook the entry scripts
-give lib.sampling.rollout.HFRollout (`copy`): its sampling copy (lib/sampling/policy_copy.py) with `prepack_for_cpu`.
+"""CPU-only kernels for sampling: oneDNN-prepacked bf16 linear layers (docs/performance.md 2.1), which do not change
+what is computed and make the HF sampler's decode step faster on a CPU. (The grouped decode attention that models load
+with on a CPU is lib/models/attention.py.) `sampling_copy` is the copy lib/setup.make_engine gives
+lib.sampling.rollout.HFRollout (`copy`): its sampling copy (lib/sampling/policy_copy.py) with `prepack_for_cpu`.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lib.sampling.decode import decode_step_for, llama_family
 from lib.sampling.policy_copy import make_copy
-from lib.models.modeling import FAST_ATTENTION
-
-
-def grouped_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention for a transformers model: SDPA, except for one query token (decoding), done as two matmuls.
-
-    Why: for decoding with a padding mask, transformers' SDPA path first copies every key/value head
-    `num_key_value_groups` times (grouped-query attention) and PyTorch's CPU kernel is slow for a single query:
-    measured here (batch 100, 120 cached tokens, 9 query / 3 kv heads) 11.7 ms per layer, against 0.95 ms for
-    this form, which groups the query heads onto their shared kv head instead of copying the cache.
-    query: (B, H, q, D); key, value: (B, KV, L, D); mask: bool (B, 1, q, L), True = attend, or additive float.
-    """
-    batch, heads, q_len, dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
-    if q_len != 1 or dropout > 0.0 or heads % kv_heads:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    scale = scaling if scaling is not None else dim**-0.5
-    grouped = query.view(batch, kv_heads, heads // kv_heads, dim)  # head h attends with kv head h // groups
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # (B, KV, groups, L)
-    if attention_mask is not None:
-        mask = attention_mask[:, :, -1, :].reshape(batch, 1, 1, kv_len)
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value).view(batch, heads, 1, dim)
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(FAST_ATTENTION, grouped_decode_attention)
-AttentionMaskInterface.register(FAST_ATTENTION, sdpa_mask)
 
 
 def can_prepack() -> bool:
