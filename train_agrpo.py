@@ -89,8 +89,8 @@ from lib.sampling.context import Sampled
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, step_optimizer, stop_for_signal,
                                stop_if_nonfinite, stop_requested)
 from lib.schedule import resolve_epochs
-from lib.setup import (Geometry, Run, TrainerState, clock, close, load_checked_tokenizer, load_data,
-                       load_models, make_engine, policy_optimizer, prepare_output_dir,
+from lib.setup import (Geometry, Run, TrainerState, check_first_batch, clock, close, load_checked_tokenizer,
+                       load_data, load_models, make_engine, policy_optimizer, prepare_output_dir,
                        prepare_policy, ready_sampler, record_and_seed, resolve_rewards, restore,
                        rollout_context, start_accelerator)
 
@@ -283,6 +283,8 @@ def sample_batch(run: Run, data_position: int, step: int) -> Sampled:
     temperatures, counters = controllers.prompt_temperatures(
         ctx, prompts, group_size, torch.full((len(prompts.used),), cfg.temperature, device=run.accelerator.device))
     rollout = ctx.generate(prompts, temperatures, cfg.top_p)
+    # a vLLM engine's first batch: its log-probs checked against the trainer's, the HF sampler where they fail
+    rollout = check_first_batch(run, rollout, step, partial(ctx.generate, prompts, temperatures, cfg.top_p))
     scores, errors, _ = ctx.score(rollout, prompts.records)
     rewards, total = ctx.gather_rewards(scores)
     sampled = Sampled(prompts, temperatures, rollout, scores, rewards, total, errors, group_size,
