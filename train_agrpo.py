@@ -89,9 +89,10 @@ from lib.sampling.context import Sampled
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, step_optimizer, stop_for_signal,
                                stop_if_nonfinite, stop_requested)
 from lib.schedule import resolve_epochs
-from lib.setup import (Geometry, Learner, Output, Run, Sampler, TrainerState, clock, close, load_checked_tokenizer,
-                       load_data, load_models, make_engine, policy_optimizer, prepare_output_dir, prepare_policy,
-                       ready_sampler, record_and_seed, resolve_rewards, restore, rollout_context, start_accelerator)
+from lib.setup import (Geometry, Learner, Output, Run, Sampler, TrainerState, check_first_batch, clock, close,
+                       load_checked_tokenizer, load_data, load_models, make_engine, policy_optimizer,
+                       prepare_output_dir, prepare_policy, ready_sampler, record_and_seed, resolve_rewards, restore,
+                       rollout_context, start_accelerator)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -147,7 +148,7 @@ def train(run: Run, state: TrainerState) -> dict:
             # ------------------------------------------------------------------------------ 1. rollout, 2. rewards
             # the next prompts in the data order, a group each at the controllers' temperatures, scored; the
             # method's refill samples again the groups that carry no signal
-            sampled = sample_batch(sampler, learner, state.data_position, state.global_step)
+            sampled = sample_batch(sampler, learner, output, state.data_position, state.global_step)
             state.data_position = sampled.data_position
             # ------------------------------------------------------------------------------ 3. advantages
             # over whole groups of the global batch, then this process's share; reference and old log-probs
@@ -267,10 +268,11 @@ class Batch:
     nonfinite: str = ""  # what was not finite in the rewards or advantages ("" when all were): no step trains on it
 
 
-def sample_batch(sampler: Sampler, learner: Learner, data_position: int, step: int) -> Sampled:
+def sample_batch(sampler: Sampler, learner: Learner, output: Output, data_position: int, step: int) -> Sampled:
     """Phases 1-2: the next generation batch's prompts, sampled at the controllers' temperatures and scored; then the
-    method's refill. The learner's weights reach the sampler first, where a step moved them. Returns the batch and the
-    data position after it."""
+    method's refill. The learner's weights reach the sampler first, where a step moved them; a vLLM engine's first
+    batch is checked against the learner's log-probs (a warning to the output where it fails). Returns the batch and
+    the data position after it."""
     cfg, ctx, controllers = sampler.cfg, sampler.ctx, sampler.method.controllers
     t0 = clock(sampler)
     ctx.start_batch(step, data_position)
@@ -283,6 +285,9 @@ def sample_batch(sampler: Sampler, learner: Learner, data_position: int, step: i
     temperatures, counters = controllers.prompt_temperatures(
         ctx, prompts, group_size, torch.full((len(prompts.used),), cfg.temperature, device=sampler.accelerator.device))
     rollout = ctx.generate(prompts, temperatures, cfg.top_p)
+    # a vLLM engine's first batch: its log-probs checked against the trainer's, the HF sampler where they fail
+    rollout = check_first_batch(sampler, learner, output, rollout, step,
+                                partial(ctx.generate, prompts, temperatures, cfg.top_p))
     scores, errors, _ = ctx.score(rollout, prompts.records)
     rewards, total = ctx.gather_rewards(scores)
     sampled = Sampled(prompts, temperatures, rollout, scores, rewards, total, errors, group_size,

@@ -237,6 +237,13 @@ class GenerationArguments:
                                                             "truncate modes raise smaller ratios to it, mask modes "
                                                             "zero them.",
         "range": "[0, 1]", "why": "a floor above 1 up-weights every on-policy token"})
+    vllm_logp_check_threshold: float | None = field(default=0.5, metadata={"help": "use_vllm: the engine's "
+                                                    "first generation batch must give finite sampling log-probs "
+                                                    "within this mean |log pi_vllm - log pi_train| per token "
+                                                    "(nats) of the trainer's; else the run samples with the HF "
+                                                    "sampler from then on (docs/troubleshooting.md 4). null = no "
+                                                    "check.",
+        "range": "(0, inf)", "why": "nats per token; null turns the check off"})
     min_p: float | None = field(default=None, metadata={"help": "Min-p sampling: tokens below min_p x the top "
                                 "token's probability are not sampled (null or 0 = off; typical 0.01-0.2). As in TRL, "
                                 "training log-probs use the temperature only (docs/models.md 3).",

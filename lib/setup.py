@@ -16,6 +16,8 @@ with the settings and what earlier steps returned, nothing else.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import json
 import random
 import shutil
 import time
@@ -38,17 +40,18 @@ from lib.methods.losses import ObjectiveSettings
 from lib.methods.registry import Method
 from lib.sampling.context import RolloutContext
 from lib.models.modeling import (REFERENCE_FOLDER, CompletionScorer, end_token_ids, is_adapter_folder, load_policy,
-                          load_reference, load_tokenizer, reference_dtype, training_precision, weights_dtype)
+                          load_reference, load_tokenizer, pad_cat, reference_dtype, training_precision, weights_dtype)
 from lib.models.embedded import resolve_model_path
 from lib.models import checkpointed_prefix
 from lib.models.fp32_head import cast_lm_head_to_fp32
 from lib.models.reward_models import reward_model_spec
 from lib.rewards.open_r1 import REWARD_FUNCS, reward_options
 from lib.rewards.scoring import resolve_reward_funcs
-from lib.sampling.rollout import AnswerPhase, HFRollout
+from lib.sampling.rollout import AnswerPhase, HFRollout, Rollout
 from lib.schedule import build_scheduler, steps_per_rollout, warmup_steps
 from lib.sharding import fsdp_deepspeed
-from lib.sharding.memory import eight_bit_adamw
+from lib.sharding.memory import copy_headroom, eight_bit_adamw
+from lib.sampling.vllm_rollout import judge_sampling_logps, logp_gap_sums
 
 # the run's JSON-lines logs (lib/logs.py), trimmed to the checkpoint on resume
 RUN_LOGS = ("metrics.jsonl", "completions.jsonl", "warnings.jsonl")
@@ -128,6 +131,8 @@ class Sampler:
     engine: HFRollout
     ctx: RolloutContext
     method: Method
+    # the first generation batch with sampling log-probs was checked against the learner's (`check_first_batch`)
+    checked: bool = False
 
 
 @dataclass
@@ -524,6 +529,58 @@ def ready_sampler(engine, learner: Learner) -> float:
         learner.weights_moved = False
     engine.ready(learner.model)
     return clock(learner) - t0
+
+
+def check_first_batch(sampler: Sampler, learner: Learner, output: Output, rollout: Rollout, step: int,
+                      sample_again) -> Rollout:
+    """The first generation batch a vLLM engine (colocated or a server) samples, checked once per run against the
+    trainer's own log-probs of the same tokens (docs/troubleshooting.md 4): every sampling log-prob finite and the
+    mean gap per token within vllm_logp_check_threshold (lib/sampling/vllm_rollout.judge_sampling_logps, on the sums
+    of every process, so all of them decide alike). Where the batch fails, the run samples with the HF sampler from
+    then on (`make_engine`, as set-up makes it without vLLM; one line and a warnings.jsonl record say why) and this
+    batch is sampled again with it by `sample_again()`: no step trains on the engine's batch, and nothing is written
+    but the record. Before the first step the policy is the one the engine was built from, and the optimizer, the
+    checkpoints and the logs do not know the sampler, so the switch loses nothing. A policy sharded over the
+    processes (FSDP2, ZeRO-3) has no whole copy for the HF sampler at this point: that run stops here with the
+    message (ckpt.RunStopped). Returns the batch to train on. Costs one no-grad pass over the first batch."""
+    cfg, accelerator = sampler.cfg, sampler.accelerator
+    if (sampler.checked or rollout.sampling_logps is None or not cfg.use_vllm or cfg.rollout_func
+            or cfg.vllm_logp_check_threshold is None):  # (a rollout_func samples in the engine's place)
+        return rollout
+    sampler.checked = True
+    scorer, size = accelerator.unwrap_model(learner.scorer), cfg.per_device_train_batch_size
+    with torch.no_grad(), accelerator.autocast():
+        trainer_logp = pad_cat([
+            scorer(rollout.prompt_ids, rollout.prompt_mask, rollout.prompt_index[rows], rollout.completion_ids[rows],
+                   rollout.attended()[rows], rollout.temperatures[rows], with_entropy=False)[0]
+            for rows in (slice(i, i + size) for i in range(0, len(rollout.completion_ids), size))])
+    sums = accelerator.reduce(logp_gap_sums(rollout.sampling_logps, trainer_logp, rollout.completion_mask),
+                                  reduction="sum")
+    verdict = judge_sampling_logps(sums.cpu(), sampler.engine.dtype, cfg.vllm_logp_check_threshold)
+    if verdict.ok:
+        return rollout
+    if learner.sharding is not None and learner.sharding.partitioned:
+        raise ckpt.RunStopped(f"{verdict.message}. The policy is sharded (FSDP2 / ZeRO-3), so the HF sampler cannot "
+                              f"take the engine's place here: stopped before the first step")
+    fallback = "Sampling with the HF sampler from now on (use_vllm off for the rest of the run)"
+    if accelerator.is_main_process:
+        tqdm.write(f"{verdict.message}. {fallback}")
+        with open(output.out / "warnings.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "kind": "vllm_logp_check", "title": "the vLLM engine's log-probs "
+                                "failed the first batch's check", "first_step": step, "evidence": verdict.message,
+                                "advice": fallback, "tokens": verdict.tokens, "nonfinite": verdict.nonfinite,
+                                "mean_gap": verdict.mean_gap}) + "\n")
+    sampler.engine.close()  # the engine's memory (its weights and KV cache) goes before the HF sampler is made
+    sampler.engine = sampler.ctx.engine = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    policy = learner.model
+    bf16 = accelerator.mixed_precision == "bf16"
+    headroom = copy_headroom(cfg, policy, accelerator.device, bf16, vllm=False)
+    sampler.engine = sampler.ctx.engine = make_engine(policy, output.tokenizer, bf16,
+                                                      cfg.seed + accelerator.process_index, headroom=headroom)
+    return sample_again()
 
 
 def clock(part) -> float:

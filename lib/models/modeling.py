@@ -39,7 +39,10 @@ def default_attn_implementation(device: torch.device | str, config=None) -> str:
     also knows sliding windows."""
     if config is not None and attention_soft_cap(config):
         return "eager"
-    return FAST_ATTENTION if torch.device(device).type == "cpu" else "sdpa"
+    if torch.device(device).type != "cpu":
+        return "sdpa"
+    register_fast_attention()  # the name is usable wherever it is returned
+    return FAST_ATTENTION
 
 
 def check_attn_implementation(name: str, config) -> None:

@@ -637,6 +637,71 @@ def check_settings(cfg, check_installed: bool = True) -> None:
                           f"({cfg.max_prompt_length})")
 
 
+# The first generation batch a vLLM engine samples is checked against the trainer's log-probs of the same tokens
+# (lib/setup.check_first_batch, docs/troubleshooting.md 4): the engine's sampling log-probs must be finite and, on
+# average over the sampled tokens, within vllm_logp_check_threshold nats of the trainer's. Engine and trainer computing
+# the same distribution differ by rounding: below 1e-3 nats in fp32 on a CPU (tests/test_train.py), a few hundredths
+# in bf16 on a GPU; top_p alone can add at most -log(top_p) (0.105 at 0.9), since the engine scores the token inside
+# the renormalised nucleus. A mean of 0.5 nats is an importance weight off by e^0.5 = 1.65x on a typical token: an
+# engine sampling another distribution (weights not synced, fp16 overflow), not rounding.
+
+
+@dataclass(frozen=True)
+class SamplerVerdict:
+    """What `judge_sampling_logps` found in a generation batch: its sampled tokens, how many of the engine's log-probs
+    were not finite, the mean |log pi_engine - log pi_trainer| over the tokens where both are finite (nats), and the
+    message ("" when the batch passes) naming the cause and the fix."""
+
+    ok: bool
+    tokens: int
+    nonfinite: int
+    mean_gap: float
+    message: str = ""
+
+
+def logp_gap_sums(sampling_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(3,) float64 sums over a batch's sampled tokens (`mask` (B, T); the log-probs (B, T), the trainer's possibly
+    narrower): [tokens, engine log-probs not finite (NaN, +-inf), sum of |log pi_engine - log pi_trainer| where both
+    are finite]. Sums, so that the processes of a run add theirs before `judge_sampling_logps` judges the total."""
+    width = min(sampling_logp.shape[1], trainer_logp.shape[1], mask.shape[1])
+    engine, trainer = sampling_logp[:, :width].double(), trainer_logp[:, :width].double()
+    mask = mask[:, :width].bool()
+    bad = mask & ~torch.isfinite(engine)
+    both = mask & torch.isfinite(engine) & torch.isfinite(trainer)
+    gap = torch.where(both, (engine - trainer).abs(), torch.zeros_like(engine)).sum()
+    return torch.stack([mask.sum().double(), bad.sum().double(), gap])
+
+
+def judge_sampling_logps(sums: torch.Tensor, engine_dtype, threshold: float) -> SamplerVerdict:
+    """The verdict on a generation batch from its `logp_gap_sums` (over every process): it passes where every engine
+    log-prob is finite and the mean gap per token is at most `threshold` nats. A failure's message names the cause,
+    fp16 overflow inside the engine where it samples in float16 (Qwen2 / Qwen2.5 overflow there: vLLM's "!!!!"
+    completions), else a mismatch between the engine and the trainer, with the statistic, the threshold and the
+    fix. `engine_dtype`: the engine's weights (a torch dtype or its name)."""
+    tokens, nonfinite, gap = (float(v) for v in sums.tolist())
+    both = tokens - nonfinite
+    mean_gap = gap / both if both > 0 else 0.0
+    if nonfinite == 0 and mean_gap <= threshold:
+        return SamplerVerdict(True, int(tokens), 0, mean_gap)
+    dtype = str(engine_dtype).removeprefix("torch.")
+    found = (f"{int(nonfinite)} of its {int(tokens)} sampling log-probs are not finite (NaN or inf)" if nonfinite
+             else f"its sampling log-probs are {mean_gap:.3f} nats per token from the trainer's on average over "
+                  f"{int(tokens)} sampled tokens (mean |log pi_vllm - log pi_train|; vllm_logp_check_threshold is "
+                  f"{threshold:g})")
+    if dtype == "float16":
+        cause = ("the engine samples in float16 (a GPU without bf16: T4, V100), and models such as Qwen2 / Qwen2.5 "
+                 "overflow in float16 inside vLLM (completions of '!!!!'). Fix: a GPU with bf16 (compute "
+                 "capability 8.0 or above), or use_vllm false")
+    else:
+        cause = (f"the engine (weights in {dtype}) and the trainer do not compute the same distribution: weights "
+                 f"the sync did not deliver (try vllm_lora_sync merge), a model vLLM runs differently, or sampling "
+                 f"options the trainer's log-probs do not see (top_k, min_p, repetition_penalty, generation_kwargs). "
+                 f"Fix that, or raise vllm_logp_check_threshold where the gap is expected (null: no check)")
+    return SamplerVerdict(False, int(tokens), int(nonfinite), mean_gap,
+                          f"use_vllm: the vLLM engine's first generation batch failed its check: {found}. Cause: "
+                          f"{cause}; docs/troubleshooting.md 4")
+
+
 def hf_sampler_note(cfg, cuda: bool, vllm_installed: bool) -> str | None:
     """The one line a GPU run sampling with the HF loop gets when vLLM is not installed; None otherwise."""
     if cfg.use_vllm or not cuda or vllm_installed:

@@ -746,12 +746,13 @@ PRECISION_WORDS = {"bf16": "bf16 autocast, fp32 master weights (a LoRA base froz
                    "fp32": "fp32 (bf16 and fp16 off)"}
 
 
-def copy_headroom(cfg, policy: torch.nn.Module, device: torch.device, bf16: bool) -> int:
-    """The bytes the HF sampler's copy may take (lib/sharding/memory.sampler_plan's `headroom`): the memory
-    budget (`memory_budget`: max_memory, else the GPU's memory or the RAM available) less the step's estimated peak
-    on top of what is resident now, before the sampler is made (train_agrpo.setup)."""
-    estimate = estimate_step_memory(policy, resident=resident_bytes(device), optim=cfg.optim, bf16=bf16,
-                                    vllm=cfg.use_vllm, gradient_checkpointing=cfg.gradient_checkpointing,
+def copy_headroom(cfg, policy: torch.nn.Module, device: torch.device, bf16: bool, vllm: bool | None = None) -> int:
+    """The bytes the HF sampler's copy may take (`sampler_plan`'s headroom): the memory budget (`memory_budget`) less
+    the step's estimated peak on top of what is resident now, before the sampler is made (train_agrpo.setup; with
+    `vllm` False in place of a vLLM engine, lib/setup.check_first_batch: the estimate counts the sampler's KV cache)."""
+    vllm = cfg.use_vllm if vllm is None else vllm
+    estimate = estimate_step_memory(policy, resident=resident_bytes(device), optim=cfg.optim, bf16=bf16, vllm=vllm,
+                                    gradient_checkpointing=cfg.gradient_checkpointing,
                                     activation_offloading=cfg.activation_offloading and device.type == "cuda",
                                     **step_token_counts(cfg))
     return memory_budget(device, cfg.max_memory)[0] - estimate.total
