@@ -16,6 +16,7 @@ with the settings and what earlier steps returned, nothing else.
 from __future__ import annotations
 
 import dataclasses
+import math
 import gc
 import json
 import random
@@ -556,7 +557,7 @@ def check_first_batch(sampler: Sampler, learner: Learner, output: Output, rollou
             for rows in (slice(i, i + size) for i in range(0, len(rollout.completion_ids), size))])
     sums = accelerator.reduce(logp_gap_sums(rollout.sampling_logps, trainer_logp, rollout.completion_mask),
                                   reduction="sum")
-    verdict = judge_sampling_logps(sums.cpu(), sampler.engine.dtype, cfg.vllm_logp_check_threshold)
+    verdict = judge_sampling_logps(sums.cpu(), getattr(sampler.engine, "dtype", None), first_batch_threshold(cfg))
     if verdict.ok:
         return rollout
     if learner.sharding is not None and learner.sharding.partitioned:
@@ -581,6 +582,16 @@ def check_first_batch(sampler: Sampler, learner: Learner, output: Output, rollou
     sampler.engine = sampler.ctx.engine = make_engine(policy, output.tokenizer, bf16,
                                                       cfg.seed + accelerator.process_index, headroom=headroom)
     return sample_again()
+
+
+def first_batch_threshold(cfg: Config) -> float:
+    """The mean gap a token (nats) that `check_first_batch` allows between the engine's log-probs and the learner's.
+    Sampling options the learner's log-probs do not see reshape the engine's distribution, whose log-probs are then
+    those of the renormalised one (top_k, min_p, a repetition penalty, generation_kwargs: the importance-sampling
+    correction exists for that gap), so only their finiteness is checked (inf); top_p's nucleus adds at most
+    -log(top_p) nats a token to vllm_logp_check_threshold."""
+    reshaped = cfg.top_k > 0 or bool(cfg.min_p) or cfg.repetition_penalty != 1.0 or bool(cfg.generation_kwargs)
+    return math.inf if reshaped else cfg.vllm_logp_check_threshold - math.log(cfg.top_p)
 
 
 def clock(part) -> float:

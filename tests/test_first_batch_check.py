@@ -146,3 +146,19 @@ def test_an_engine_sampling_other_weights_fails_the_check_and_the_run_goes_on_wi
     assert all("sampling/importance_sampling_ratio/mean" not in m and m["nonfinite_skipped"] == 0 for m in steps)
     assert max(m["grad_norm"] for m in steps) > 0
     assert (out / "checkpoint-1").is_dir() and (out / "checkpoint-2").is_dir() and (out / "final").is_dir()
+
+
+def test_sampling_options_the_learner_does_not_see_leave_only_the_finiteness_check():
+    """lib/setup.first_batch_threshold: top_k, min_p, a repetition penalty or generation_kwargs make the engine report
+    the renormalised distribution's log-probs (what the importance-sampling correction is for): no gap is checked,
+    only finiteness; top_p widens the allowed gap by -log(top_p)."""
+    import math
+
+    from lib.config import make_config
+    from lib.setup import first_batch_threshold
+
+    assert first_batch_threshold(make_config({})) == 0.5
+    assert first_batch_threshold(make_config({"top_p": 0.9})) == pytest.approx(0.5 - math.log(0.9))
+    for reshaped in ({"top_k": 2000}, {"min_p": 0.05}, {"repetition_penalty": 1.1},
+                     {"generation_kwargs": {"top_k": 50}}):
+        assert first_batch_threshold(make_config(reshaped)) == math.inf, reshaped

@@ -10,7 +10,7 @@ decode with the model's own forward (docs/models.md 1).
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicCache
 
 from lib.models.modeling import FAST_ATTENTION, OutputHead
 
@@ -179,7 +179,10 @@ class LlamaStep:
                 _products((mlp.gate_proj,), (mlp.up_proj,)), _linear(mlp.down_proj), mlp.act_fn))
         self.head_dim = self.layers[0][4].head_dim
         self.heads = lm.config.num_attention_heads
-        self.attention = AttentionInterface()[lm.config._attn_implementation]  # the function the model calls
+        # the function the model calls (transformers' registry lives with its model code, which the model loaded)
+        from transformers import AttentionInterface
+
+        self.attention = AttentionInterface()[lm.config._attn_implementation]
         # the CPU's decode attention (what the model calls there) written out here in fewer kernels; on a GPU the
         # model's SDPA would repeat each key/value head per query head inside the step (issue 52, defect 8)
         if grouped is None:
