@@ -55,6 +55,8 @@ warnings through `Output.watch`) lib/logs.py. The folders of lib/ hold one domai
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -86,6 +88,8 @@ from lib.methods.registry import TrainValues, choose_method
 from lib.models.modeling import adapter_disabled, mix_into_reference, pad_cat
 from lib.sampling.rollout import Rollout
 from lib.sampling.context import Sampled
+from lib.sampling import pipeline
+from lib.sampling.pipeline import Produced
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, step_optimizer, stop_for_signal,
                                stop_if_nonfinite, stop_requested)
 from lib.schedule import resolve_epochs
@@ -147,12 +151,13 @@ def train(run: Run, state: TrainerState) -> dict:
         if new_batch:
             # ------------------------------------------------------------------------------ 1. rollout, 2. rewards
             # the next prompts in the data order, a group each at the controllers' temperatures, scored; the
-            # method's refill samples again the groups that carry no signal
-            sampled = sample_batch(sampler, learner, output, state.data_position, state.global_step)
-            state.data_position = sampled.data_position
+            # method's refill samples again the groups that carry no signal. Sampled now, or ahead in a thread from
+            # weights up to max_staleness steps old (lib/sampling/pipeline.py)
+            produced = sampler.rollouts.next(state)
+            state.data_position = produced.sampled.data_position
             # ------------------------------------------------------------------------------ 3. advantages
             # over whole groups of the global batch, then this process's share; reference and old log-probs
-            batch = prepare_batch(sampler, learner, sampled)
+            batch = prepare_batch(sampler, learner, produced)
             state.num_tokens += batch.num_tokens
             # ------------------------------------------------------------------------------ 4. controllers (per batch)
             # per-batch values from the old log-probs' entropy (AGPO-DSF's clip range of each group)
@@ -167,7 +172,9 @@ def train(run: Run, state: TrainerState) -> dict:
         # ---------------------------------------------------------------------------------- 5. policy update
         # one optimizer step on this step's slice of the generation batch
         part = state.global_step % geo.steps_per_rollout % cfg.optimizer_steps_per_generation
+        timing["train_start"] = sampler.rollouts.clock()
         update, nonfinite = update_policy(learner, batch, part, values)
+        timing["train_end"] = sampler.rollouts.clock()
         state.global_step += 1
         step = state.global_step
         state.nonfinite_streak = state.nonfinite_streak + 1 if nonfinite else 0
@@ -184,11 +191,14 @@ def train(run: Run, state: TrainerState) -> dict:
         if cfg.sync_ref_model and step % cfg.ref_model_sync_steps == 0:  # TR-DPO's reference update (TRL's keys)
             mix_into_reference(learner.reference.model, learner.model,
                                cfg.ref_model_mixup_alpha)
+        # the sampler gets this step's weights (and the controllers' state) where a batch is due to be sampled from them
+        sampler.rollouts.after_step(step)
 
         # ---------------------------------------------------------------------------------- 7. log
         # per-batch counters once, on the step that sampled the batch (0 on the steps that reuse it)
         counters = batch.counters if new_batch else dict.fromkeys(batch.counters, 0)
         metrics = {**batch_metrics(sampler, batch), **update, "num_tokens": state.num_tokens,
+                   "staleness": step - 1 - batch.version,  # optimizer steps between the sampling and these weights
                    "beta": values.beta, "epsilon": mean_of(values.epsilon_low),
                    **controllers.metrics(), **counters,
                    **{f"time/{k}": v for k, v in {**(batch.timing if new_batch else {}), **timing}.items()}}
@@ -203,19 +213,24 @@ def train(run: Run, state: TrainerState) -> dict:
             stop_if_nonfinite(output, state, nonfinite)
 
         # ---------------------------------------------------------------------------------- 8. evaluate / save
+        # (the sampling thread, if any, finishes the batch it is on and waits meanwhile)
         if cfg.eval_steps and step % cfg.eval_steps == 0 and not last:
-            evaluate(sampler, learner, output, run.eval_records, step)
+            with sampler.rollouts.paused():
+                evaluate(sampler, learner, output, run.eval_records, step)
         saved = cfg.save_steps and step % cfg.save_steps == 0 and not last
         if saved:
-            save_checkpoint(learner, output, sampler.engine, state)
+            with sampler.rollouts.paused():
+                save_checkpoint(learner, output, sampler.rollouts, state)
         # preemption (SIGTERM / SIGUSR1): checkpoint where resuming is exact, at the end of a generation batch
         if not last and step % geo.steps_per_rollout == 0 and (signal_name := stop_requested(output)):
-            stop_for_signal(learner, output, sampler.engine, state, signal_name, saved)
+            with sampler.rollouts.paused():
+                stop_for_signal(learner, output, sampler.rollouts, state, signal_name, saved)
     bar.close()
 
-    end_eval = evaluate(sampler, learner, output, run.eval_records, state.global_step)
-    if cfg.save_strategy != "no":  # TRL's `no`: final/ only
-        save_checkpoint(learner, output, sampler.engine, state)
+    with sampler.rollouts.paused():
+        end_eval = evaluate(sampler, learner, output, run.eval_records, state.global_step)
+        if cfg.save_strategy != "no":  # TRL's `no`: final/ only
+            save_checkpoint(learner, output, sampler.rollouts, state)
     save_final(learner, output, end_eval, state.global_step)  # + model card
     return {"eval": end_eval, "global_step": state.global_step}
 
@@ -266,22 +281,28 @@ class Batch:
     prompts: list[str]
     answers: list
     nonfinite: str = ""  # what was not finite in the rewards or advantages ("" when all were): no step trains on it
+    version: int = 0  # the optimizer step whose weights sampled the batch (lib/sampling/pipeline.py)
+
+
+def ready_to_sample(sampler: Sampler, learner: Learner) -> float:
+    """Before a generation batch (lib/sampling/pipeline.py calls it, in the loop's thread): the learner's weights to
+    the sampler where a step moved them, an engine asleep woken; the policy in eval mode (sampling with the policy
+    itself: no dropout). Returns the seconds it took."""
+    learner.policy.eval()
+    return ready_sampler(sampler.engine, learner)
 
 
 def sample_batch(sampler: Sampler, learner: Learner, output: Output, data_position: int, step: int) -> Sampled:
-    """Phases 1-2: the next generation batch's prompts, sampled at the controllers' temperatures and scored; then the
-    method's refill. The learner's weights reach the sampler first, where a step moved them; a vLLM engine's first
-    batch is checked against the learner's log-probs (a warning to the output where it fails). Returns the batch and
-    the data position after it."""
+    """Phases 1-2: the prompts of the generation batch that optimizer step `step` starts on, sampled at the
+    controllers' temperatures and scored; then the method's refill. The sampler holds the weights it is due to
+    (`ready_to_sample`, before); a vLLM engine's first batch is checked against the learner's log-probs (a warning to
+    the output where it fails). Returns the batch and the data position after it."""
     cfg, ctx, controllers = sampler.cfg, sampler.ctx, sampler.method.controllers
     t0 = clock(sampler)
     ctx.start_batch(step, data_position)
     group_size = controllers.group_size(cfg.num_generations)
     num_prompts = sampler.geometry.global_completions * cfg.optimizer_steps_per_generation // group_size
     prompts = ctx.prompts(ctx.next_slots(data_position, num_prompts), group_size)
-    learner.policy.eval()  # sampling with the policy itself (LoRA, 4-bit): no dropout
-    # the weights the last batch's steps trained, pushed once for the batch; an engine asleep wakes (sleep mode)
-    sync_seconds = ready_sampler(sampler.engine, learner)
     temperatures, counters = controllers.prompt_temperatures(
         ctx, prompts, group_size, torch.full((len(prompts.used),), cfg.temperature, device=sampler.accelerator.device))
     rollout = ctx.generate(prompts, temperatures, cfg.top_p)
@@ -296,17 +317,19 @@ def sample_batch(sampler: Sampler, learner: Learner, output: Output, data_positi
     sampled.counters.update(ctx.sampling_counters())  # the sampler's hooks' events (an agent's tool calls)
     sampled.reward_seconds = ctx.reward_seconds
     sampled.nonfinite = ctx.nonfinite
-    sampled.weight_sync_seconds = sync_seconds
-    sampled.generation_seconds = clock(sampler) - t0 - ctx.reward_seconds - sync_seconds
+    sampled.generation_seconds = clock(sampler) - t0 - ctx.reward_seconds
     sampler.engine.sleep()  # vLLM sleep mode: the engine's memory goes to the training pass until the next sync
     return sampled
 
 
-def prepare_batch(sampler: Sampler, learner: Learner, sampled: Sampled) -> Batch:
+def prepare_batch(sampler: Sampler, learner: Learner, produced: Produced) -> Batch:
     """Phase 3: advantages over whole groups of the global batch (the method's rule), this process's share of them,
     the loss mask and token counts of each step's slice; then the learner's reference and old log-probs (no grad),
-    once per generation batch."""
+    once per generation batch. `produced`: the batch, the weights that sampled it, when (lib/sampling/pipeline.py)."""
     cfg, geo, accelerator, ctx = sampler.cfg, sampler.geometry, sampler.accelerator, sampler.ctx
+    sampled = produced.sampled
+    # what the sampling side of the controllers measured on this batch (AGPO-DSF's probe), for its training side
+    sampler.method.controllers.load_sampling_state(sampled.controller_state)
     roll, group_size = sampled.rollout, sampled.group_size
     correct = ctx.correct(sampled.rewards) if ctx.correct_index is not None else None
     pooled = torch.cat(sampled.rounds, dim=1) if len(sampled.rounds) > 1 else None
@@ -324,7 +347,8 @@ def prepare_batch(sampler: Sampler, learner: Learner, sampled: Sampled) -> Batch
         loss_mask = loss_mask * (advantages != 0).float()[:, None]
     counters = {**sampled.counters, **nonfinite_counts}
     timing = {"rewards": sampled.reward_seconds, "generation": sampled.generation_seconds,
-              "weight_sync": sampled.weight_sync_seconds}
+              "weight_sync": sampled.weight_sync_seconds, "sample_start": produced.started,
+              "sample_end": produced.ended}
     generated = int(accelerator.reduce(roll.completion_mask.sum(), reduction="sum"))
     t0 = clock(learner)
     ref_logp, old_logp, old_entropy = reference_and_old_logps(learner, roll, sampler.method.old_logps,
@@ -343,7 +367,7 @@ def prepare_batch(sampler: Sampler, learner: Learner, sampled: Sampled) -> Batch
         counters=counters, timing=timing,
         texts=ctx.tokenizer.batch_decode(roll.completion_ids, skip_special_tokens=True),
         prompts=[ctx.prompt_text(r) for r in owners], answers=[r.get("answer") for r in owners],
-        nonfinite=nonfinite)
+        nonfinite=nonfinite, version=produced.version)
 
 
 def reference_and_old_logps(learner: Learner, roll: Rollout, old_logps: bool, old_entropy: bool):
@@ -539,7 +563,9 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     else:
         # the sampler's copy where it fits what the step's estimate leaves (lib/sharding/memory.sampler_plan)
         headroom = memory.copy_headroom(cfg, policy, accelerator.device, bf16)
-        engine = make_engine(policy, tokenizer, bf16, cfg.seed + rank, partitioned, headroom)
+        # a sampler that runs behind the policy (max_staleness) needs weights of its own, whatever they cost
+        own = partitioned or cfg.max_staleness is not None
+        engine = make_engine(policy, tokenizer, bf16, cfg.seed + rank, own, None if own else headroom)
     reward_funcs = reward_models.load_rewards(cfg, reward_funcs, accelerator.device)
     if agent is not None:  # an environment's get_reward: a reward of its own, after the configured ones
         reward_funcs = reward_funcs + agent.reward_funcs()
@@ -564,8 +590,46 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     sampler = Sampler(cfg, accelerator, geometry, engine, ctx, method)
     output = Output(cfg, accelerator, out, tokenizer, ckpt.StopRequest(), watch=health.Watch(to_dict(cfg), history),
                     hub=hub.HubPusher(hub_target, tqdm.write) if hub_target else None)
+    sampler.rollouts = make_rollouts(sampler, learner, output, state, resume)
     run = Run(learner, sampler, output, eval_records)
     return run, state
+
+
+def make_rollouts(sampler: Sampler, learner: Learner, output: Output, state: TrainerState, resume):
+    """Where the loop's generation batches come from (lib/sampling/pipeline.py): sampled when it asks, or with
+    max_staleness in a thread that runs ahead, from a copy of the controllers whose training side it refreshes at
+    each push (its sampling side, AGPO-DSF's probe, travels with each batch). A resumed run's thread starts with the
+    batches its checkpoint saved, sampled and not yet trained on."""
+    cfg, engine_state = sampler.cfg, lambda: sampler.engine.state_dict()
+
+    def produce(position: int, step: int, part: Sampler = sampler) -> Sampled:
+        sampled = sample_batch(part, learner, output, position, step)
+        sampled.controller_state = part.method.controllers.sampling_state()
+        return sampled
+
+    if cfg.max_staleness is None:
+        return pipeline.Synchronous(produce, partial(ready_to_sample, sampler, learner), learner.geometry.steps_per_rollout,
+                                    engine_state)
+    if not cfg.use_vllm and sampler.engine.copy is None:
+        raise ConfigError("max_staleness: the HF sampler needs weights of its own to sample while the policy trains, "
+                          "and this policy is sampled from its own layers; leave max_staleness unset")
+    sampler.engine.record_logps = cfg.max_staleness > 0  # for the importance weights (docs/async.md)
+    saved = ckpt.read_rng(resume, sampler.accelerator.process_index) if resume is not None else None
+    queue = pipeline.to_device((saved or {}).get("queue", []), sampler.accelerator.device)
+    view = copy.deepcopy(sampler.method.controllers)  # the thread's controllers
+    if queue:  # the sampling side as the last batch sampled left it
+        view.load_sampling_state(queue[-1].sampled.controller_state)
+    ahead = dataclasses.replace(sampler, method=dataclasses.replace(sampler.method, controllers=view))
+
+    def push() -> float:  # in the loop's thread, the sampling thread between batches
+        view.refreshed(sampler.method.controllers)
+        return ready_to_sample(sampler, learner)
+
+    return pipeline.Asynchronous(partial(produce, part=ahead), push, learner.geometry.steps_per_rollout, engine_state,
+                                 max_staleness=cfg.max_staleness, sync_every=cfg.weight_sync_steps,
+                                 max_steps=cfg.max_steps, start_step=state.global_step,
+                                 data_position=state.data_position, queue=queue,
+                                 device=sampler.accelerator.device)
 
 
 if __name__ == "__main__":

@@ -559,6 +559,7 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
                           "which this trainer does not do. On a GPU without bf16 (T4, V100) leave dtype unset (fp32 "
                           "master weights), or train a LoRA adapter (use_peft true) on a frozen fp16 base")
     validate_backend(cfg, check_installed)
+    check_asynchronous(cfg, num_processes)
     if cfg.rollout_func and (cfg.tools or cfg.environment_factory):
         raise ConfigError("rollout_func samples the completions itself, tool calls included (its env_mask marks what "
                           "the environment wrote); give it alone, without tools or environment_factory")
@@ -583,6 +584,28 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
         if not _exists("resume_from_checkpoint", str(Path(cfg.resume_from_checkpoint, "trainer_state.json"))):
             raise ConfigError(f"resume_from_checkpoint: {cfg.resume_from_checkpoint!r} is not a checkpoint folder "
                               f"(no trainer_state.json); pass a checkpoint-<step> folder or 'latest'")
+
+
+def check_asynchronous(cfg: Config, num_processes: int | None) -> None:
+    """max_staleness (docs/async.md): what the sampling thread supports, said before any model loads."""
+    if cfg.max_staleness is None:
+        return
+    if cfg.weight_sync_steps > cfg.max_staleness + 1:
+        raise ConfigError(f"weight_sync_steps ({cfg.weight_sync_steps}) must be at most max_staleness + 1 "
+                          f"({cfg.max_staleness + 1}): a batch sampled from weights pushed that rarely could be "
+                          f"older than max_staleness steps; lower weight_sync_steps or raise max_staleness")
+    if num_processes is not None and num_processes > 1:
+        raise ConfigError(f"max_staleness: the asynchronous sampler runs with one training process for now "
+                          f"({num_processes} were launched); launch one (a generation server may still sample on "
+                          f"other GPUs: vllm_mode server), or leave max_staleness unset to train on many")
+    if cfg.use_vllm and cfg.vllm_enable_sleep_mode:
+        raise ConfigError("max_staleness samples while the policy trains, and vllm_enable_sleep_mode frees the "
+                          "engine's memory during training: set vllm_enable_sleep_mode false, or leave max_staleness "
+                          "unset")
+    for key in ("tools", "environment_factory", "rollout_func"):
+        if getattr(cfg, key):
+            raise ConfigError(f"max_staleness: {key} is not supported with the asynchronous sampler yet (an agent's "
+                              f"episodes hold state between its turns); leave max_staleness unset")
 
 
 def validate_methods(cfg: Config, global_batch: int | None) -> None:

@@ -81,8 +81,9 @@ def step_optimizer(learner: Learner, loss: torch.Tensor, skip_update: bool,
     return grad_norm, nonfinite, moved
 
 
-def save_checkpoint(learner: Learner, output: Output, engine, state: TrainerState) -> None:
-    """Phase 8: model (or adapter), optimizer, scheduler, RNG per process and trainer state, written to a staging folder
+def save_checkpoint(learner: Learner, output: Output, rollouts, state: TrainerState) -> None:
+    """Phase 8: model (or adapter), optimizer, scheduler, RNG per process (with the sampler's, and the batches sampled
+    ahead and not yet trained on: `rollouts`, lib/sampling/pipeline.py) and trainer state, written to a staging folder
     and renamed into place (lib/checkpoint.py). Never from non-finite weights. A write that fails (a full disk) on any
     process removes the staging folder, leaves the previous checkpoint whole and stops the run with the space a
     checkpoint needs."""
@@ -97,7 +98,7 @@ def save_checkpoint(learner: Learner, output: Output, engine, state: TrainerStat
             staging.mkdir(parents=True)
         accelerator.wait_for_everyone()
         ckpt.write_rng(staging, accelerator.process_index,
-                       ckpt.rng_state({"rollout": engine.state_dict()}))
+                       ckpt.rng_state(rollouts.state_dict()))
         if learner.sharding is not None:  # every process writes its shards of the model and the optimizer states
             learner.sharding.save(learner.scorer, learner.optimizer, staging)
         if main_process:
@@ -178,11 +179,11 @@ def stop_requested(output: Output) -> str | None:
     return name
 
 
-def stop_for_signal(learner: Learner, output: Output, engine, state: TrainerState, signal_name: str,
+def stop_for_signal(learner: Learner, output: Output, rollouts, state: TrainerState, signal_name: str,
                     saved: bool) -> None:
     """Preemption: a checkpoint at this step (resuming from it is exact) and a stop."""
     if not saved:
-        save_checkpoint(learner, output, engine, state)
+        save_checkpoint(learner, output, rollouts, state)
     raise ckpt.RunStopped(f"{signal_name} received: stopped at step {state.global_step} of "
                           f"{learner.cfg.max_steps} with checkpoint-{state.global_step} written; "
                           f"continue with --resume_from_checkpoint latest",

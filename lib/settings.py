@@ -244,6 +244,16 @@ class GenerationArguments:
                                                     "sampler from then on (docs/troubleshooting.md 4). null = no "
                                                     "check.",
         "range": "(0, inf)", "why": "nats per token; null turns the check off"})
+    max_staleness: int | None = field(default=None, metadata={"help": "Asynchronous GRPO (docs/async.md): sample "
+                                      "the next generation batches in a thread while the policy trains, each from "
+                                      "the weights of at most this many optimizer steps before the step that trains "
+                                      "on it (a fixed schedule: the same seed gives the same run). null = alternate, "
+                                      "sample then train; 0 = the thread with the synchronous run's samples; 1 = "
+                                      "one step off the policy.",
+        "range": "[0, inf)"})
+    weight_sync_steps: int = field(default=1, metadata={"help": "max_staleness: the sampler gets new weights only "
+                                   "every this many optimizer steps (fewer pushes; at most max_staleness + 1).",
+        "range": "[1, inf)"})
     min_p: float | None = field(default=None, metadata={"help": "Min-p sampling: tokens below min_p x the top "
                                 "token's probability are not sampled (null or 0 = off; typical 0.01-0.2). As in TRL, "
                                 "training log-probs use the temperature only (docs/models.md 3).",

@@ -134,6 +134,8 @@ class Sampler:
     method: Method
     # the first generation batch with sampling log-probs was checked against the learner's (`check_first_batch`)
     checked: bool = False
+    # where the loop's generation batches come from: lib/sampling/pipeline.Synchronous or .Asynchronous (max_staleness)
+    rollouts: object = None
 
 
 @dataclass
@@ -508,6 +510,8 @@ def rollout_context(cfg: Config, engine, tokenizer, reward_funcs: list, train_re
 def close(run: Run) -> None:
     """After the run, or when it stops early: the sampler, the reward worker, the trackers, the signal handlers."""
     run.output.stop.restore()
+    if run.sampler.rollouts is not None:  # the sampling thread (max_staleness) first: it uses the engine
+        run.sampler.rollouts.close()
     run.sampler.engine.close()
     for worker in (run.sampler.ctx.worker, run.sampler.ctx.episodes):  # the reward worker, an agent's tool worker
         if worker is not None:

@@ -93,3 +93,10 @@ def noise(prompts, completions, **columns):
     """A seeded random score per completion: a reward spread even where every completion is the same text (a model
     taught one answer, tests/test_agents.py)."""
     return [_noise.random() for _ in completions]
+
+
+def short_from_step_two(prompts, completions, trainer_state, **columns):
+    """`characters`, but one value short for the generation batch that optimizer step 2 starts on: a reward function
+    that breaks its contract, which stops the run (tests/test_async.py: in the sampling thread)."""
+    values = characters(prompts, completions)
+    return values[:-1] if trainer_state.global_step >= 2 else values

@@ -696,11 +696,13 @@ class ObjectiveSettings:
 
     @classmethod
     def of(cls, cfg) -> ObjectiveSettings:
-        """From a configuration (any object with its keys). The importance weights apply with use_vllm only: the HF
-        sampler samples with the trained weights themselves."""
+        """From a configuration (any object with its keys). The importance weights apply where the sampler's weights
+        may differ from the trained ones: a vLLM engine (use_vllm), or a sampler up to max_staleness > 0 steps behind;
+        a synchronous HF sampler samples with the trained weights themselves."""
+        off_policy = bool(cfg.use_vllm or getattr(cfg, "max_staleness", None))
         return cls(cfg.loss_type, cfg.importance_sampling_level, loss_options(cfg.loss_type, cfg),
                    cfg.off_policy_mask_threshold, cfg.top_entropy_quantile,
-                   bool(cfg.use_vllm and cfg.vllm_importance_sampling_correction), cfg.vllm_importance_sampling_mode,
+                   off_policy and bool(cfg.vllm_importance_sampling_correction), cfg.vllm_importance_sampling_mode,
                    cfg.vllm_importance_sampling_clip_max, cfg.vllm_importance_sampling_clip_min, cfg.kl_estimator,
                    cfg.use_bias_correction_kl)
 

@@ -167,6 +167,15 @@ class Controller:
         if self.state is not None:
             self.state = controllers.from_dict(type(self.state), state)
 
+    def sampling_state(self) -> dict:
+        """What the sampling hooks (`group_size`, `prompt_temperatures`) wrote, which the training hooks of the same
+        batch read: it travels with the batch, so that a batch sampled ahead (max_staleness, lib/sampling/pipeline.py)
+        is trained with its own. Nothing here."""
+        return {}
+
+    def load_sampling_state(self, state: dict) -> None:
+        """The sampling hooks' state of the batch about to be trained on (`sampling_state`)."""
+
 
 class KLController(Controller):
     """A-GRPO's beta_t and epsilon_t from a moving average of the KL (docs/methods.md 2.2). The values a step trains
@@ -264,6 +273,14 @@ class DSFController(Controller):
         return torch.tensor(taus, device=temperatures.device)[prompts.used.to(temperatures.device)], {
             "num_tokens/probe": ctx.reduce_sum(probe.completion_mask.sum())}
 
+    def sampling_state(self) -> dict:
+        """The probe's statistics and the uncertainty baseline the probes move (`dsf_temperatures`)."""
+        return {"probe": self.probe, "uncertainty_baseline": self.state.uncertainty_baseline}
+
+    def load_sampling_state(self, state: dict) -> None:
+        self.probe = state["probe"]
+        self.state = dataclasses.replace(self.state, uncertainty_baseline=state["uncertainty_baseline"])
+
     def batch_values(self, entropies, prompt_of_row: torch.Tensor) -> None:
         self.state, ranges = controllers.dsf_clip_ranges(self.state, entropies(), self.probe["dispersion"],
                                                          self.probe["vote"], self.probe["skewness"], self.cfg)
@@ -331,6 +348,21 @@ class Controllers:
         for part in self.parts:
             if part.name in state:
                 part.load_state_dict(state[part.name])
+
+    def sampling_state(self) -> dict:
+        return {part.name: state for part in self.parts if (state := part.sampling_state())}
+
+    def load_sampling_state(self, state: dict) -> None:
+        for part in self.parts:
+            if part.name in state:
+                part.load_sampling_state(state[part.name])
+
+    def refreshed(self, live: Controllers) -> None:
+        """This copy (the sampling thread's, max_staleness) takes the training side's state of `live` and keeps its
+        own sampling side, which runs ahead of the batches trained on."""
+        own = self.sampling_state()
+        self.load_state_dict(live.state_dict())
+        self.load_sampling_state(own)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -68,6 +68,8 @@ class Sampled:
     nonfinite: dict[str, int] = field(default_factory=dict)  # completions each function scored inf / -inf / NaN
     generation_seconds: float = 0.0  # time spent sampling (probes and refills included), rewards excepted
     weight_sync_seconds: float = 0.0  # the sampler getting the last batch's weights first (lib/setup.ready_sampler)
+    controller_state: dict = field(default_factory=dict)  # the controllers' sampling side after this batch
+    # (lib/methods/registry.Controller.sampling_state), which its training steps read
 
 
 class RolloutContext:

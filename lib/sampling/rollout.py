@@ -35,8 +35,8 @@ class Rollout:
     first end-of-sequence token. is_truncated: (B,) True where no end token came within max_new_tokens. temperatures:
     (B, T) the temperature each token was sampled at (0 for greedy). sampling_logps: (B, T) the sampling engine's own
     log-probability of each sampled token, from the distribution it actually sampled from (temperature, top_p and top_k
-    applied), or None when the engine is the policy itself (HF): the trainer's truncated importance sampling compares it
-    with the training log-probs.
+    applied), or None when the engine is the policy itself (HF, unless its copy runs behind: max_staleness > 0): the
+    trainer's truncated importance sampling compares it with the training log-probs.
     """
 
     prompt_ids: torch.Tensor
@@ -170,24 +170,34 @@ def sample_next_token(
     min_p: float = 0.0,
     all_greedy: bool | None = None,
     any_greedy: bool | None = None,
-) -> torch.Tensor:
+    with_logp: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from `sampling_probs` (logits: (B, V) float, a repetition penalty already applied;
     temperature: (B,), rows with 0 are greedy). Returns (B,). `all_greedy`, `any_greedy`: whether every row, or
     some row, is greedy, where the caller knows it (asking the tensor is a host sync, per token on a GPU; with no
     greedy row the argmax over the vocabulary is skipped, a third of the draw's time on a CPU at 8 rows).
 
     The draw is inverse-CDF with one uniform per row: cumsum of the probabilities, count entries below u.
+    `with_logp`: also (B,) the log-probability of each drawn token under the distribution it was drawn from (a
+    greedy row's under the unscaled softmax), as vLLM reports its sampling log-probs.
     """
     greedy = temperature <= 0
     if all_greedy if all_greedy is not None else bool(greedy.all()):
-        return logits.argmax(-1)
+        token = logits.argmax(-1)
+        return (token, _greedy_logp(logits, token)) if with_logp else token
     probs = sampling_probs(logits, temperature, top_p, top_k, min_p, normalize=False)
     cdf = probs.cumsum(-1)
     u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
     sampled = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
-    if any_greedy is False:
-        return sampled
-    return torch.where(greedy, logits.argmax(-1), sampled)
+    token = sampled if any_greedy is False else torch.where(greedy, logits.argmax(-1), sampled)
+    if not with_logp:
+        return token
+    logp = (probs.gather(1, sampled[:, None]) / cdf[:, -1:]).squeeze(1).log()
+    return token, logp if any_greedy is False else torch.where(greedy, _greedy_logp(logits, token), logp)
+
+
+def _greedy_logp(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), -1).gather(1, token[:, None]).squeeze(1)
 
 
 def prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
@@ -241,6 +251,9 @@ class HFRollout:
         self.sampling_copy = copy(policy, bf16) if copy is not None else None
         self.decode_step = None if self.sampling_copy is None else self.sampling_copy.decode_step
         self.generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
+        # record each token's sampling log-probability (Rollout.sampling_logps): where the copy may hold older
+        # weights than the policy trains (max_staleness > 0), for the trainer's importance weights
+        self.record_logps = False
 
     def autocast(self):
         """bf16 autocast when sampling with the policy itself (no copy: PEFT unmerged, quantised) and bf16 is on."""
@@ -346,6 +359,8 @@ class HFRollout:
             eos = self.eos_token_ids.to(device)
             tokens = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
             token_temps = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device)
+            logps = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device) if self.record_logps \
+                else None
             finished = torch.zeros(batch, dtype=torch.bool, device=device)
             lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
             # the rows still decoding, in the cache's order: finished rows leave the batch (their cache rows with
@@ -362,8 +377,11 @@ class HFRollout:
                                                                                 live_nucleus)
                 if seen is not None:
                     logits = penalize_repetitions(logits, seen[live], repetition_penalty)
-                token = sample_next_token(logits, step_temps, step_top_p, top_k, self.generator, min_p, all_greedy,
-                                          any_greedy)
+                drawn = sample_next_token(logits, step_temps, step_top_p, top_k, self.generator, min_p, all_greedy,
+                                          any_greedy, with_logp=self.record_logps)
+                token = drawn[0] if self.record_logps else drawn
+                if self.record_logps:
+                    logps[live, step] = drawn[1]
                 token = torch.where(finished[live], torch.full_like(token, self.pad_token_id), token)
                 tokens[live, step] = token
                 if seen is not None:
@@ -398,4 +416,5 @@ class HFRollout:
         return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens[:, :width],
                        completion_mask=completion_mask, is_truncated=~finished,
                        temperatures=token_temps[:, :width] * completion_mask,
-                       prompt_index=prompt_index)
+                       prompt_index=prompt_index,
+                       sampling_logps=None if logps is None else logps[:, :width] * completion_mask)

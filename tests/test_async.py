@@ -1,0 +1,132 @@
+"""Asynchronous GRPO (max_staleness, lib/sampling/pipeline.py, docs/async.md) on the tiny random-weight model, in this
+process: the synchronous run exactly at staleness 0, the fixed schedule of which weights sample which batch, exact
+resume with the batches sampled ahead, every controller fed in training order, and a failing sampling thread that
+stops the run with its error."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lib.config import ConfigError, make_config, validate
+from lib.sampling.pipeline import sampling_version
+from test_loop import REWARDS, read_jsonl, train, without_times
+
+# every controller at once (A-GRPO's KL, entropy and group size, adaGRPO's retries, AGPO-DSF's probe and clip ranges),
+# two optimizer steps per generation batch
+EVERY_CONTROLLER = ["--algo", "agpo_dsf", "--adaptive_kl", "true", "--adaptive_group_size", "true", "--group_size_min",
+                    "2", "--group_size_max", "8", "--num_iterations", "2", "--resample_schedule",
+                    '[{"step": 1, "params": [{"temperature": 1.0}]}]', "--kl_estimator", "k1",
+                    "--use_adaptive_entropy", "true", "--entropy_target", "100"]
+
+
+def completions_by_step(out) -> dict[int, list[str]]:
+    lines = read_jsonl(out / "completions.jsonl")
+    steps = {}
+    for line in lines:
+        steps.setdefault(line["step"], []).append(line["completion"])
+    return steps
+
+
+def test_the_schedule_bounds_staleness_and_moves_weights_at_push_points():
+    """r_b = N ceil(max(0, b S - k) / N): staleness b S - r_b never above k; weights pushed at multiples of N."""
+    for steps_per_batch in (1, 2, 3):
+        for k in range(0, 5):
+            for n in range(1, k + 2):
+                for b in range(12):
+                    r = sampling_version(b, steps_per_batch, k, n)
+                    assert 0 <= b * steps_per_batch - r <= k and r % n == 0
+                    assert r == 0 or b * steps_per_batch - (r - n) > k  # the newest weights allowed
+    assert [sampling_version(b, 1, 2, 3) for b in range(7)] == [0, 0, 0, 3, 3, 3, 6]
+    with pytest.raises(ValueError, match="weight_sync_steps"):
+        sampling_version(5, 1, 1, 3)
+
+
+def test_staleness_zero_is_the_synchronous_run_with_every_controller(tmp_path, tiny_model):
+    """max_staleness 0 goes through the sampling thread and gives the synchronous run's tokens, losses, controller
+    values and final weights exactly (the sampler's own copy of the weights samples what the policy itself does)."""
+    args = [*EVERY_CONTROLLER, "--max_steps", "6"]
+    want = train(tiny_model, tmp_path / "sync", *args)
+    got = train(tiny_model, tmp_path / "async0", *args, "--max_staleness", "0")
+    assert [m["staleness"] for m in got] == [0, 1] * 3  # the second step on a batch: one step after its weights
+    assert [without_times(m) for m in got] == [without_times(m) for m in want]
+    assert completions_by_step(tmp_path / "async0") == completions_by_step(tmp_path / "sync")
+    a, b = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("async0", "sync"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_each_batch_is_sampled_from_the_weights_its_staleness_says(tmp_path, tiny_model):
+    """max_staleness 2, one step a batch: batches 0-2 come from the starting weights, batch 3 from the weights after
+    step 1. A synchronous run whose weights never move samples batches 0-2 token for token (the
+    sampler's random stream is the same), and its batch 3 differs; the importance weights against the sampler's
+    log-probs are logged."""
+    got = train(tiny_model, tmp_path / "async2", "--max_steps", "4", "--max_staleness", "2")
+    assert [m["staleness"] for m in got] == [0, 1, 2, 2]
+    assert all("sampling/importance_sampling_ratio/mean" in m for m in got), sorted(got[0])
+    # (a learning rate far below the weights' float32 resolution: every step leaves them bit for bit)
+    frozen = train(tiny_model, tmp_path / "frozen", "--max_steps", "4", "--learning_rate", "1e-30")
+    async_batches, frozen_batches = completions_by_step(tmp_path / "async2"), completions_by_step(tmp_path / "frozen")
+    assert [async_batches[s] for s in (1, 2, 3)] == [frozen_batches[s] for s in (1, 2, 3)]
+    assert async_batches[4] != frozen_batches[4]
+    # and the schedule does not depend on the threads' timing: the same run again is the same run
+    again = train(tiny_model, tmp_path / "again", "--max_steps", "4", "--max_staleness", "2")
+    assert [without_times(m) for m in again] == [without_times(m) for m in got]
+
+
+def test_weight_sync_steps_moves_the_samplers_weights_every_n_steps(tmp_path, tiny_model):
+    """weight_sync_steps 3 with max_staleness 2: batches 0-2 from step 0's weights, 3-5 from step 3's."""
+    got = train(tiny_model, tmp_path / "run", "--max_steps", "6", "--max_staleness", "2", "--weight_sync_steps", "3")
+    assert [m["staleness"] for m in got] == [0, 1, 2, 0, 1, 2]
+
+
+def test_a_resumed_asynchronous_run_continues_with_the_batches_sampled_ahead(tmp_path, tiny_model):
+    """max_staleness 3 with every controller, two steps a batch: the step-2 checkpoint holds the batch sampled ahead
+    (batch 1, from the start's weights), and the run resumed from it logs every number and ends with every weight as the uninterrupted run."""
+    args = [*EVERY_CONTROLLER, "--max_steps", "6", "--save_steps", "2", "--max_staleness", "3"]
+    reference = tmp_path / "uninterrupted"
+    want = train(tiny_model, reference, *args)
+    # batches 0 and 1 from the start's weights, batch 2 from step 1's (r_b = max(0, 2 b - 3)); a batch's second
+    # step is one step further from the weights that sampled it
+    assert [m["staleness"] for m in want] == [0, 1, 2, 3, 3, 4]
+    saved = torch.load(reference / "checkpoint-2" / "rng_state_0.pt", weights_only=False)["queue"]
+    assert [(p.batch, p.version) for p in saved] == [(1, 0), (2, 1)]  # (batch, the step whose weights sampled it)
+    out = tmp_path / "resumed"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("checkpoint-4", "checkpoint-6", "final"))
+    got = train(tiny_model, out, *args, "--resume_from_checkpoint", "latest")
+    assert [m["step"] for m in got] == list(range(1, 7))
+    assert [without_times(m) for m in got] == [without_times(m) for m in want]
+    a, b = load_file(out / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # the controllers trained in order: the same run synchronously differs (its batches are fresher)
+    sync = train(tiny_model, tmp_path / "sync", *[a for a in args if a not in ("--max_staleness", "3")])
+    assert [m["loss"] for m in sync] != [m["loss"] for m in want]
+
+
+def test_a_failing_sampling_thread_stops_the_run_with_its_error(tmp_path, tiny_model):
+    """The reward function breaks its contract on the batch step 2 starts on, which the thread samples while the
+    loop trains step 1 or 2: the loop stops with the thread's error (no wait), the steps before it logged."""
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match=r"sampling thread failed .*ValueError"):
+        train(tiny_model, out, "--max_steps", "4", "--max_staleness", "1", "--reward_funcs",
+              f"{REWARDS}:has_x", f"{REWARDS}:short_from_step_two")
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl") if "reward" in m] == [1, 2]
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"max_staleness": 1, "weight_sync_steps": 3}, "weight_sync_steps .* at most max_staleness"),
+    ({"max_staleness": 1, "use_vllm": True, "vllm_enable_sleep_mode": True}, "vllm_enable_sleep_mode false"),
+    ({"max_staleness": 1, "tools": ["lib.agents.tools:calculator"]}, "tools is not supported"),
+    ({"max_staleness": -1}, "max_staleness must be"),
+])
+def test_settings_the_sampling_thread_cannot_serve_are_refused_before_anything_loads(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config(settings, check_installed=False)
+
+
+def test_two_training_processes_are_refused_with_the_way_out():
+    cfg = make_config({"max_staleness": 1, "per_device_train_batch_size": 8, "num_generations": 4},
+                      check_installed=False)
+    with pytest.raises(ConfigError, match="one training process .*vllm_mode server"):
+        validate(cfg, 2, check_installed=False)
