@@ -608,8 +608,8 @@ def make_rollouts(sampler: Sampler, learner: Learner, output: Output, state: Tra
         return sampled
 
     if cfg.max_staleness is None:
-        return pipeline.Synchronous(produce, partial(ready_to_sample, sampler, learner), learner.geometry.steps_per_rollout,
-                                    engine_state)
+        return pipeline.Synchronous(produce, partial(ready_to_sample, sampler, learner),
+                                    learner.geometry.steps_per_rollout, engine_state)
     if not cfg.use_vllm and sampler.engine.copy is None:
         raise ConfigError("max_staleness: the HF sampler needs weights of its own to sample while the policy trains, "
                           "and this policy is sampled from its own layers; leave max_staleness unset")

@@ -31,12 +31,8 @@ reference, the sampler and vLLM's reservation are measured, not estimated):
                   autocast else s, and o = s for a 4-bit model (a bitsandbytes layer returns its input's dtype, the
                   fp32 stream), c otherwise. The block being run also holds about 3 i x o of temporaries (the MLP's
                   product and its gradients: 2.3 i x 4 measured at 1.5B). Under autocast an fp32 weight's bf16 copy is
-                  kept for backward too (per block, not per token). Why this and not the former 34 h + 8 i bytes (x 2
-                  in fp32), after Korthikanti et al. 2022 ("Reducing activation recomputation", section 4) for a bf16
-                  block: the 16 GB recipe's QLoRA block keeps 1.9x that on a CPU, 1.5x on CUDA (its MLP tensors are
-                  fp32, its seven adapted layers each keep a bf16 copy and a mask of their input), and that estimate
-                  was 0.51 of the activations' measured peak at Qwen2.5-1.5B; full fine-tuning in fp32 keeps 0.69x of
-                  it.
+                  kept for backward too (per block, not per token). (Korthikanti et al. 2022's 34 h + 8 i bytes for a
+                  bf16 block under-counts a QLoRA block, whose MLP tensors stay fp32: docs/performance.md 3.5.)
     logits        four fp32 buffers of one vocabulary chunk (lib/methods/losses.token_logps_and_entropy: at most 2^26
                   floats): the logits, their log-softmax and the entropy's p and p log p are live at once, and the
                   backward's buffers take their place; under bf16 autocast an fp32 output layer's bf16 copy too
@@ -111,6 +107,7 @@ class StepMemory:
     # vLLM sleep mode: the bytes of `resident` the sleeping engine gives back while the policy trains (its weights,
     # KV cache and working pools); sampling has them back, but sampling holds no activations
     asleep: int = 0
+    overlapped: bool = False  # max_staleness: sampling runs beside training (docs/async.md), their peaks add up
 
     @property
     def training(self) -> int:
@@ -122,8 +119,9 @@ class StepMemory:
     @property
     def total(self) -> int:
         # sampling (KV cache; a vLLM engine awake) and training (activations, logits; the engine asleep) do not
-        # overlap; gradients and optimizer states are counted through both
-        return self.resident + self.gradients + self.optimizer + max(self.kv_cache, self.training - self.asleep)
+        # overlap, unless `overlapped`; gradients and optimizer states are counted through both
+        both = (self.kv_cache + self.training) if self.overlapped else max(self.kv_cache, self.training - self.asleep)
+        return self.resident + self.gradients + self.optimizer + both
 
     def describe(self) -> str:
         parts = [("already resident (models loaded)", self.resident), ("gradients", self.gradients),
@@ -548,7 +546,8 @@ def recipe_memory(cfg, *, gpu_bytes: int | None, bf16: bool = True,
                               load_in_4bit=bool(cfg.load_in_4bit), device_type="cuda")
 
     copy = next((k for k in parts if k.startswith("sampler's")), None)
-    if processes > 1 or copy is None:  # a policy that will be sharded keeps its full copy, whatever it costs
+    # a policy to be sharded keeps its full copy, whatever it costs; so does a sampler behind it (docs/async.md)
+    if processes > 1 or copy is None or getattr(cfg, "max_staleness", None) is not None:
         return counted(parts)
     # one process, the HF sampler: its copy where it pays and fits what the step leaves (`sampler_plan`)
     copy_bytes = parts.pop(copy)
@@ -602,7 +601,7 @@ def process_memory(model: torch.nn.Module, parts: dict[str, int], cfg, *, proces
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         step = dataclasses.replace(step, gradients=numel * 4 // processes,
                                    optimizer=numel * optimizer_state_bytes(cfg.optim) // processes)
-    return parts, dataclasses.replace(step, asleep=asleep)
+    return parts, dataclasses.replace(step, asleep=asleep, overlapped=getattr(cfg, "max_staleness", None) is not None)
 
 
 DEEPSPEED_BUCKET = int(5e8)  # DeepSpeed's default reduce_bucket_size, in elements (of the compute dtype)
@@ -673,7 +672,8 @@ def describe_recipe(parts: dict[str, int], step: StepMemory, budget: int | None)
         lines.append(f"{name:<62}{value / GB:>8.2f}")
     if step.asleep:
         lines.append(f"{'vLLM sleep mode: given back while the policy trains':<62}{-step.asleep / GB:>8.2f}")
-    lines.append(f"{'peak (sampling and training do not overlap)':<62}{step.total / GB:>8.2f}")
+    peak = "peak (sampling beside training)" if step.overlapped else "peak (sampling and training do not overlap)"
+    lines.append(f"{peak:<62}{step.total / GB:>8.2f}")
     if step.offloaded:
         lines.append(f"{'activation_offloading: in pinned host memory, not above':<62}{step.offloaded / GB:>8.2f}")
     if budget is not None:
