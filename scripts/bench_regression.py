@@ -2,6 +2,8 @@
 
     python scripts/bench_regression.py --against HEAD~1                 # the default short run, 3 rounds
     python scripts/bench_regression.py --against 01f7119 --rounds 5 -- --bf16 false --max_completion_length 128
+    python scripts/bench_regression.py --b_flags "--max_staleness 1" -- <flags>   # this tree against itself with
+                                                                                  # other flags (docs/async.md)
 
 Run it before submitting a change to the loop, the sampler, the scorer or the model code, and quote its table. Each
 round runs both trainers once, in alternating order (A B, then B A, ...), as fresh processes with the same flags and
@@ -13,7 +15,10 @@ Where both revisions sample the same completions (the same tokens, loss and grad
 did not touch what is computed) the phases are compared step for step; otherwise a step's work differs with its
 completions, so the times are divided by the tokens generated in the step first (seconds per thousand tokens).
 Printed: each phase's median for A and B, and the ratio A / B as the median of the rounds' ratios with their
-min-max, which says how much of a difference the machine's noise can make.
+min-max, which says how much of a difference the machine's noise can make. `--b_flags` makes B this working tree with
+those flags added instead of another revision (an asynchronous run against the synchronous one: there the step's
+time includes the loop's wait for its batch, so its ratio is the throughput's). On a machine with `nvidia-smi`, each
+run's mean GPU utilisation (sampled every 200 ms) is printed too.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,15 +41,44 @@ DEFAULT_FLAGS = ["--max_steps", "4", "--per_device_train_batch_size", "8", "--nu
                  "--max_completion_length", "64", "--builtin_num_train", "64"]
 
 
-def run(tree: Path, flags: list[str], out: Path) -> list[dict]:
+def run(tree: Path, flags: list[str], out: Path, utilisation: list | None = None) -> list[dict]:
     command = [sys.executable, "train_agrpo.py", *flags, "--output_dir", str(out), "--overwrite_output_dir", "true",
                "--report_to", "none", "--save_strategy", "no", "--num_eval_samples", "0", "--log_completions",
                "false"]
-    proc = subprocess.run(command, cwd=tree, capture_output=True, text=True, timeout=3600)
+    with GpuUtilisation() as gpu:
+        proc = subprocess.run(command, cwd=tree, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         sys.exit(f"bench_regression: the run in {tree.name} failed:\n{proc.stderr[-3000:]}")
+    if utilisation is not None and gpu.samples:
+        utilisation.append(statistics.mean(gpu.samples))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "step_time" in r]
+
+
+class GpuUtilisation:
+    """GPU 0's utilisation (%), sampled every 200 ms by `nvidia-smi` while a run lasts; no samples without it."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+        self.proc = None
+
+    def __enter__(self):
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(["nvidia-smi", "--id=0", "--query-gpu=utilization.gpu",
+                                          "--format=csv,noheader,nounits", "-lms", "200"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.strip().isdigit():
+                self.samples.append(float(line))
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
 
 
 def same_samples(a: list[dict], b: list[dict]) -> bool:
@@ -67,7 +104,9 @@ def per_step(rows: list[dict], warmup: int, per_token: bool) -> dict[str, list[f
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--against", required=True, help="The revision to compare with (a commit, tag or branch).")
+    parser.add_argument("--against", help="The revision to compare with (a commit, tag or branch).")
+    parser.add_argument("--b_flags", help="Instead of --against: B is this working tree with these trainer flags "
+                        "added (one quoted string), e.g. \"--max_staleness 1\".")
     parser.add_argument("--rounds", type=int, default=3, help="Runs of each, alternated (at least 2).")
     parser.add_argument("--warmup_steps", type=int, default=1, help="First steps of each run left out.")
     parser.add_argument("--output_json", help="Also write every run's numbers and the summary here.")
@@ -75,22 +114,29 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.rounds < 2:
         parser.error("--rounds must be at least 2: one round has no spread")
+    if (args.against is None) == (args.b_flags is None):
+        parser.error("give --against (another revision) or --b_flags (other flags on this tree), one of them")
     flags = args.flags or DEFAULT_FLAGS
+    b_flags = flags + shlex.split(args.b_flags or "")
+    utilisation: dict[str, list[float]] = {"A": [], "B": []}
     with tempfile.TemporaryDirectory(prefix="bench_regression_") as tmp:
-        other = Path(tmp) / "other"
-        made = subprocess.run(["git", "worktree", "add", "--detach", str(other), args.against], cwd=ROOT,
-                              capture_output=True, text=True)
-        if made.returncode != 0:
-            sys.exit(f"bench_regression: --against {args.against}: {made.stderr.strip()}")
+        other = ROOT if args.b_flags is not None else Path(tmp) / "other"
+        if args.against is not None:
+            made = subprocess.run(["git", "worktree", "add", "--detach", str(other), args.against], cwd=ROOT,
+                                  capture_output=True, text=True)
+            if made.returncode != 0:
+                sys.exit(f"bench_regression: --against {args.against}: {made.stderr.strip()}")
         try:
             runs: dict[str, list[list[dict]]] = {"A": [], "B": []}
             for r in range(args.rounds):
                 for label in ("A", "B") if r % 2 == 0 else ("B", "A"):
                     tree = ROOT if label == "A" else other
                     print(f"[round {r + 1}/{args.rounds}] {label} ...", flush=True)
-                    runs[label].append(run(tree, flags, Path(tmp) / f"{label}-{r}"))
+                    runs[label].append(run(tree, flags if label == "A" else b_flags, Path(tmp) / f"{label}-{r}",
+                                           utilisation[label]))
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT, capture_output=True)
+            if args.against is not None:
+                subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT, capture_output=True)
     identical = all(same_samples(a, b) for a, b in zip(runs["A"], runs["B"]))
     unit = "s" if identical else "s / 1k tokens"
     rounds = [(per_step(a, args.warmup_steps, not identical), per_step(b, args.warmup_steps, not identical))
@@ -106,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
         summary[phase] = {"A": statistics.median(a_all), "B": statistics.median(b_all),
                           "ratio": statistics.median(ratios) if ratios else None,
                           "spread": [min(ratios), max(ratios)] if ratios else None}
-    print(f"\nA = this working tree, B = {args.against}; {args.rounds} rounds alternated; "
+    b_name = args.against if args.against is not None else f"this working tree with {args.b_flags}"
+    print(f"\nA = this working tree, B = {b_name}; {args.rounds} rounds alternated; "
           + ("the same completions in both (compared step for step)" if identical else
              "different completions: times per thousand generated tokens"))
     print(f"| phase | A ({unit}) | B ({unit}) | A / B (median of rounds) | spread |\n|---|---|---|---|---|")
@@ -114,8 +161,11 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "-"
         spread = f"{row['spread'][0]:.3f}-{row['spread'][1]:.3f}" if row["spread"] else "-"
         print(f"| {phase} | {row['A']:.3f} | {row['B']:.3f} | {ratio} | {spread} |")
-    report = {"against": args.against, "flags": flags, "identical_samples": identical, "unit": unit,
-              "summary": summary, "runs": runs}
+    if utilisation["A"] and utilisation["B"]:
+        print(f"GPU utilisation (mean over each run, then median of runs): A {statistics.median(utilisation['A']):.0f}%"
+              f", B {statistics.median(utilisation['B']):.0f}%")
+    report = {"against": args.against, "b_flags": args.b_flags, "flags": flags, "identical_samples": identical,
+              "unit": unit, "summary": summary, "runs": runs, "gpu_utilisation": utilisation}
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=1))
     return report
