@@ -137,7 +137,8 @@ def train(run: Run, state: TrainerState) -> dict:
     cfg, geo, controllers = run.cfg, learner.geometry, sampler.method.controllers
     resumed_at_end = state.global_step > 0 and finished(cfg, state, geo.steps_per_rollout)  # only the end is left
     if not resumed_at_end and (state.global_step == 0 or (cfg.eval_steps and state.global_step % cfg.eval_steps == 0)):
-        start = evaluate(sampler, learner, output, run.eval_records, state.global_step)
+        with sampler.rollouts.paused():  # (a sampling thread waits, max_staleness)
+            start = evaluate(sampler, learner, output, run.eval_records, state.global_step)
         if start and run.accelerator.is_main_process:
             tqdm.write(f"eval step {state.global_step}: accuracy {start['eval/accuracy']:.3f} on "
                        f"{int(start['eval/num_problems'])} held-out problems")

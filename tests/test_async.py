@@ -5,6 +5,7 @@ stops the run with its error."""
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -46,13 +47,17 @@ def test_the_schedule_bounds_staleness_and_moves_weights_at_push_points():
 
 def test_staleness_zero_is_the_synchronous_run_with_every_controller(tmp_path, tiny_model):
     """max_staleness 0 goes through the sampling thread and gives the synchronous run's tokens, losses, controller
-    values and final weights exactly (the sampler's own copy of the weights samples what the policy itself does)."""
-    args = [*EVERY_CONTROLLER, "--max_steps", "6"]
+    values, evaluations (at the start, in the middle, at the end: the thread waits while they sample) and final
+    weights exactly (the sampler's own copy of the weights samples what the policy itself does)."""
+    args = [*EVERY_CONTROLLER, "--max_steps", "6", "--num_eval_samples", "4", "--eval_steps", "2"]
     want = train(tiny_model, tmp_path / "sync", *args)
     got = train(tiny_model, tmp_path / "async0", *args, "--max_staleness", "0")
     assert [m["staleness"] for m in got] == [0, 1] * 3  # the second step on a batch: one step after its weights
     assert [without_times(m) for m in got] == [without_times(m) for m in want]
     assert completions_by_step(tmp_path / "async0") == completions_by_step(tmp_path / "sync")
+    evaluations = [[m for m in read_jsonl(tmp_path / name / "metrics.jsonl") if "eval/accuracy" in m]
+                   for name in ("async0", "sync")]
+    assert [m["step"] for m in evaluations[0]] == [0, 2, 4, 6] and evaluations[0] == evaluations[1]
     a, b = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("async0", "sync"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -90,6 +95,29 @@ def test_each_batch_is_sampled_from_the_weights_its_staleness_says(tmp_path, tin
     # and the schedule does not depend on the threads' timing: the same run again is the same run
     again = train(tiny_model, tmp_path / "again", "--max_steps", "4", "--max_staleness", "2")
     assert [without_times(m) for m in again] == [without_times(m) for m in got]
+
+
+def test_the_sampler_is_never_used_by_two_threads_at_once(tmp_path, tiny_model, monkeypatch):
+    """Evaluations (at the start, every 2 steps, at the end) and checkpoints pause the thread: the HF sampler's
+    generate, watched as it runs, is never entered twice at the same time, while the thread runs two batches ahead."""
+    from lib.sampling.rollout import HFRollout
+
+    real, inside, overlaps = HFRollout.generate, [], []
+
+    def watched(self, *args, **kwargs):
+        if inside:
+            overlaps.append(kwargs.get("greedy", False))
+        inside.append(1)
+        try:
+            time.sleep(0.05)  # long enough for a second caller to arrive where one could
+            return real(self, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(HFRollout, "generate", watched)
+    got = train(tiny_model, tmp_path / "run", "--max_steps", "4", "--max_staleness", "2", "--num_eval_samples", "4",
+                "--eval_steps", "2", "--save_steps", "2")
+    assert [m["staleness"] for m in got] == [0, 1, 2, 2] and overlaps == []
 
 
 def test_weight_sync_steps_moves_the_samplers_weights_every_n_steps(tmp_path, tiny_model):
