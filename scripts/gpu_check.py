@@ -24,10 +24,15 @@ Steps, each under its own time limit so that one that hangs or fails leaves the 
      shapes with random weights, 3 steps each (the first left out): our trainer with the HF sampler (and with vLLM
      where installed, at --card16_vllm_shapes), TRL at the same settings and cap where it fits the time
      (--card16_trl_shapes); each run's peak (the allocator's reserved peak plus what the process holds outside it),
-     median step and the ratios to TRL, beside `--estimate_memory_only` for the same settings (estimate / peak).
+     median step and the ratios to TRL, beside `--estimate_memory_only` for the same settings (estimate / peak);
+  6. asynchronous GRPO (docs/async.md): our step at `--max_staleness 1` against the synchronous step, same settings
+     as step 4 (Qwen2.5-0.5B shape, 8 completions of 256 new tokens, bf16, the HF sampler), alternated rounds
+     (scripts/bench_regression.py --b_flags), with each run's mean GPU utilisation; issue 54's goal is 0.6x.
 Time: about 12 minutes of GPU in all, each step under its own limit (defaults: 200 + 60 + 100 s for steps 2-4;
 for step 5 one limit a run, --card16_timeouts: 1.5B 75 s ours + 120 s TRL, 7B and 8B 130 s each with the model's
-building, vLLM at 1.5B 90 s: 545 s; 905 s at most in all, less as runs end before their limits).
+building, vLLM at 1.5B 90 s: 545 s; 905 s at most in all, less as runs end before their limits); step 6, 240 s
+(--async_timeout), more than one session's GPU time allows with all the others: `--skip tests sampler bench card16`
+runs it alone.
 Results: `<out>/gpu_check.json`, rewritten after every step (a check stopped at its limit keeps what it measured).
 
 --prepare gathers, into `.gpu/` (ignored by git; the device tool carries it): the embedded model's tokenizer (the
@@ -227,6 +232,33 @@ def card16_step(args, out: Path, env: dict, tokenizer: Path, record) -> dict:
     return step
 
 
+def async_step(args, out: Path, env: dict, tokenizer: Path) -> dict:
+    """Step 6: the synchronous step against the step at max_staleness 1 on one random-weight model of step 4's shape
+    (its folder built first, outside the time limit's runs)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_vs_trl import model_folder
+
+    shape = "qwen2-tiny" if args.dry_run else "qwen2.5-0.5b"
+    folder = model_folder(argparse.Namespace(shape=shape, model_cache=None, seed=0,
+                                             tokenizer=str(tokenizer) if tokenizer.is_dir() else None),
+                          Path(tempfile.gettempdir()) / "agrpo_gpu_check_async")
+    flags = ["--model_name_or_path", folder, "--max_steps", "3" if args.dry_run else "6",
+             "--per_device_train_batch_size", "8", "--num_generations", "8", "--builtin_num_train", "64",
+             "--max_completion_length", "8" if args.dry_run else "256", "--bf16", "false" if args.dry_run else "true"]
+    step = run_step("asynchronous against synchronous", [
+        sys.executable, "scripts/bench_regression.py", "--b_flags", "--max_staleness 1", "--rounds",
+        "2" if args.dry_run else args.async_rounds, "--output_json", str(out / "async.json"), "--", *flags],
+        args.async_timeout, out / "async.log", env)
+    if (out / "async.json").exists():
+        report = json.loads((out / "async.json").read_text())
+        ratio = report["summary"]["step"]["ratio"]  # synchronous / asynchronous, the median of rounds
+        step.update(summary=report["summary"], gpu_utilisation=report["gpu_utilisation"],
+                    async_over_sync=round(1 / ratio, 3) if ratio else None, goal=0.6)
+        print(f"gpu_check: our step at max_staleness 1 / the synchronous step: {step['async_over_sync']} "
+              f"(goal 0.6); GPU utilisation {report['gpu_utilisation']}", flush=True)
+    return step
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prepare", action="store_true", help="Gather the tokenizer and wheels into .gpu/ and stop.")
@@ -253,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                         "timed in alternation (scripts/bench_sampler.py --decode).")
     parser.add_argument("--bench_rounds", default="1", help="Step 4's alternated rounds (scripts/bench_vs_trl.py).")
     parser.add_argument("--bench_trl_dtype", nargs="+", default=["auto", "float32"], help="Step 4's TRL weights.")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "sampler", "bench", "card16"],
+    parser.add_argument("--async_timeout", type=int, default=240, help="Seconds for step 6.")
+    parser.add_argument("--async_rounds", default="2", help="Step 6's alternated rounds.")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "sampler", "bench", "card16", "async"],
                         help="Steps to leave out.")
     args = parser.parse_args(argv)
     if args.prepare:
@@ -334,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
             report = json.loads((out / "bench.json").read_text())
             step.update(summary=report.get("summary"), ratios=report.get("ratios"), settings=report.get("settings"))
         results["steps"]["bench"] = step
+        save()
+    if "async" not in args.skip:
+        results["steps"]["async"] = async_step(args, out, env, tokenizer)
         save()
     failed = [name for name, step in results["steps"].items() if step["exit"] != 0]
     print(f"gpu_check: results in {report_file}" + (f"; failed: {', '.join(failed)}" if failed else ""))
