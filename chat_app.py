@@ -8,8 +8,9 @@
 
 The Run tab (docs/watching.md) redraws the curves of metrics.jsonl as the run writes them (a plot per quantity, the
 controllers' fields included; constant ones are listed, not drawn), by step or by generated tokens, several runs
-overlaid; it shows the warnings of lib/apps/health.py with their numbers and what to try, and browses completions.jsonl
-(filters by step, reward and advantage sign; a row opens in the Chat tab with the nearest checkpoint).
+overlaid, and a timeline per run of when each generation batch was sampled and each step trained; it shows the
+warnings of lib/apps/health.py with their numbers and what to try, and browses completions.jsonl (filters by step,
+reward and advantage sign; a row opens in the Chat tab with the nearest checkpoint).
 
 The page listens on 127.0.0.1:7860 unless --host / --port (else Gradio's GRADIO_SERVER_NAME / GRADIO_SERVER_PORT)
 say otherwise. Another host or `--share` (a public link) needs a login, `--auth USER:PASSWORD`
@@ -61,6 +62,9 @@ from lib.setup import reward_functions
 
 DEFAULT_RUN = Path("runs/agrpo/final")
 RUN_PLOTS = 30  # plot slots of the run view; a run logs fewer varying panels than this (docs/watching.md 2)
+TIMELINES = 4  # timeline slots: one per run, for the first runs shown that log the timeline's keys
+# a timeline's bars: its line plot's segments drawn thick, with square ends (Gradio's plots take no stroke width)
+CSS = ".run-timeline .mark-line path { stroke-width: 14px; stroke-linecap: butt; }"
 
 
 # ---------------------------------------------------------------------------------------------- the run view
@@ -74,7 +78,7 @@ def refresh_runs(selection, x_label, completions_run, last, *, roots):
     folders, messages = page.selected_runs(selection, roots)
     signature = (tuple(selection or ()), x_label, run_data.signature(folders))
     if signature == last:
-        return [gr.skip()] * (5 + RUN_PLOTS)
+        return [gr.skip()] * (5 + RUN_PLOTS + TIMELINES)
     runs = [run_data.load_run(f, label) for f, label in zip(folders, page.run_labels(folders))]
     panels, constant = run_data.panels(runs, page.X_AXES.get(x_label, "step"))
     status = [*messages, *(run_data.status(r, page.shown_path(r.folder)) for r in runs)]
@@ -85,11 +89,20 @@ def refresh_runs(selection, x_label, completions_run, last, *, roots):
     plots = [gr.update(value=pd.DataFrame(p.rows, columns=["x", "y", "series"]), title=p.title, y_title=p.unit,
                        x_title=x_label, visible=True) for p in panels[:RUN_PLOTS]]
     plots += [gr.update(visible=False)] * (RUN_PLOTS - len(plots))
+    timed = [(r, t) for r in runs if (t := run_data.timeline(r, page.TIMELINE_STEPS)) is not None]
+    if len(timed) > TIMELINES:
+        status.append(f"timelines of {len(timed) - TIMELINES} more runs not shown: "
+                      f"{', '.join(r.label for r, _ in timed[TIMELINES:])}")
+    timelines = []
+    for r, timeline in timed[:TIMELINES]:  # the data only: a new title or colour map would redraw the plot
+        timelines.append(gr.update(value=pd.DataFrame(page.timeline_rows(timeline), columns=page.TIMELINE_COLUMNS),
+                                   label=page.timeline_title(r.label, timeline), visible=True))
+    timelines += [gr.update(visible=False)] * (TIMELINES - len(timelines))
     choices = [page.shown_path(f) for f in folders]
     picked = completions_run if completions_run in choices else (choices[0] if choices else None)
     return [signature, "\n\n".join(status) or "Pick a run folder above, or start the page with --run FOLDER.",
             "\n\n".join(warnings) or ("No warnings (docs/watching.md 3 lists the checks)." if panels else ""),
-            page.constants_markdown(constant), gr.update(choices=choices, value=picked), *plots]
+            page.constants_markdown(constant), gr.update(choices=choices, value=picked), *plots, *timelines]
 
 
 def refresh_table(run_shown, step_min, step_max, reward_min, reward_max, sign, last, *, roots):
@@ -162,6 +175,11 @@ def build_run_view(gr, roots: list[Path], watched: list[str], refresh_seconds: f
     with gr.Row():  # two plots a line on a wide screen; a hidden slot takes no room
         plots = [gr.LinePlot(x="x", y="y", color="series", visible=False, height=260, min_width=480,
                              elem_id=f"run-plot-{i}") for i in range(RUN_PLOTS)]
+    # per run: when each generation batch was sampled and each step trained (lib/apps/runs.timeline)
+    timelines = [gr.LinePlot(x="seconds", y="lane", color="slot", visible=False, height=200, tooltip=["detail"],
+                             color_map=page.TIMELINE_COLORS, colors_in_legend=[], x_title="seconds since start",
+                             y_title=" ", show_label=True, elem_id=f"run-timeline-{i}", elem_classes=["run-timeline"])
+                 for i in range(TIMELINES)]
     constants = gr.Markdown(elem_id="run-constants")
     gr.Markdown("### Completions (completions.jsonl)")
     with gr.Row():
@@ -183,7 +201,7 @@ def build_run_view(gr, roots: list[Path], watched: list[str], refresh_seconds: f
     timer = gr.Timer(refresh_seconds)
 
     run_inputs = [selection, x_axis, completions_run, curves_seen]
-    run_outputs = [curves_seen, run_status, run_warnings, constants, completions_run, *plots]
+    run_outputs = [curves_seen, run_status, run_warnings, constants, completions_run, *plots, *timelines]
     table_inputs = [completions_run, step_min, step_max, reward_min, reward_max, sign, table_seen]
     table_outputs = [table_seen, table, table_note, shown]
     gr.on([timer.tick, selection.change, x_axis.change], partial(refresh_runs, roots=roots), run_inputs,
@@ -709,7 +727,7 @@ def main(argv: list[str] | None = None) -> None:
                       "(docs/agents.md 9.1).", flush=True)
         app = build_app(checkpoint, base, args, run_dir, settings, roots, started, watched, args.refresh, tools)
         app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True,
-                           auth=auth, max_file_size=page.MAX_UPLOAD_BYTES)
+                           auth=auth, max_file_size=page.MAX_UPLOAD_BYTES, css=CSS)
     finally:
         if tools is not None:
             tools.close()

@@ -152,6 +152,70 @@ def test_the_run_tab_refuses_folders_outside_its_roots_and_expands_a_folder_of_r
     assert warnings_markdown(runs.load_run(PRESETS / "dapo", "dapo")) == ""
 
 
+def test_timeline_of_a_resumed_run_and_a_window_of_steps(tmp_path):
+    """The timeline's clock readings are not curves; a resumed run's clock starts again (only the lines since are
+    drawn, a batch sampled before the resume left out); a window keeps the newest steps; a batch serves
+    num_iterations x steps_per_generation / gradient_accumulation_steps steps."""
+    def line(step, train, sample=None):
+        extra = {"time/sample_start": sample[0], "time/sample_end": sample[1]} if sample else {}
+        return {"step": step, "reward": 0.1 * step, "staleness": (step - 1) % 2, "time/train_start": train,
+                "time/train_end": train + 1.0, **extra}
+
+    lines = [line(1, 1.0, (0.0, 0.5)), line(2, 2.5), line(3, 4.0, (2.0, 3.5)), line(4, 5.5),  # resumed at step 4:
+             line(5, 0.5, (7.0, 7.5)), line(6, 2.0), line(7, 3.0, (1.5, 2.5)), line(8, 4.5)]  # batch 2 kept
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    (tmp_path / "config.yaml").write_text("num_iterations: 2\nsteps_per_generation: 4\n"
+                                          "gradient_accumulation_steps: 4\n")
+    run = runs.load_run(tmp_path, "run")
+    timeline = runs.timeline(run)
+    assert timeline.steps == (5, 8) and timeline.restarted and timeline.left_out == 4
+    assert [(b.name, b.start) for b in timeline.bars] == [("step 5", 0.5), ("batch 3", 1.5), ("step 6", 2.0),
+                                                          ("step 7", 3.0), ("step 8", 4.5)]
+    assert timeline.overlap == 0.5 and timeline.sampling_seconds == 1.0  # batch 3 while step 6 trained
+    window = runs.timeline(run, 3)
+    assert window.steps == (6, 8) and window.left_out == 5 and [b.batch for b in window.bars] == [3, 2, 3, 3]
+    panels, constant = runs.panels([run])
+    assert "time" not in [p.name for p in panels] and not set(runs.TIMELINE_KEYS) & set(constant)
+    assert runs.timeline(runs.load_run(PRESETS / "grpo")) is None  # runs from before the timeline
+
+
+def test_timeline_shows_sampling_alternate_with_training_or_overlap_it(tmp_path, tiny_model):
+    """Real tiny runs, 6 steps on 3 generation batches (num_iterations 2): every step has a training bar and every
+    batch a sampling bar, which ends before its first step trains; synchronous, no sampling bar overlaps a training
+    bar; with max_staleness 1 the thread samples batch b from the weights after step 2b - 1, while step 2b trains."""
+    import torch
+
+    from lib.apps.page import TIMELINE_SLOTS, timeline_rows, timeline_title
+    from test_loop import train
+
+    threads, timelines = torch.get_num_threads(), {}
+    torch.set_num_threads(1)
+    try:
+        for name, args in (("sync", []), ("async", ["--max_staleness", "1"])):
+            train(tiny_model, tmp_path / name, "--max_steps", "6", "--num_iterations", "2", *args)
+            timelines[name] = runs.timeline(runs.load_run(tmp_path / name, name))
+    finally:
+        torch.set_num_threads(threads)
+    for name, timeline in timelines.items():
+        training = [b for b in timeline.bars if b.lane == "training"]
+        sampling = [b for b in timeline.bars if b.lane == "sampling"]
+        assert [(b.step, b.batch) for b in training] == [(s, (s - 1) // 2) for s in range(1, 7)]
+        assert [(b.batch, b.step) for b in sampling] == [(0, 1), (1, 3), (2, 5)]
+        assert all(b.start <= b.end for b in timeline.bars)
+        assert all(s.end <= training[s.step - 1].start for s in sampling)  # sampled before its first step trains
+        overlapping = [(s.name, t.name) for s in sampling for t in training if s.start < t.end and t.start < s.end]
+        rows = timeline_rows(timeline)  # two points a bar, a point without a time for each empty slot
+        assert len([r for r in rows if r[0] is not None]) == 2 * len(timeline.bars) == 2 * 9
+        assert len({r[2] for r in rows}) == len(rows) - 9 == len(TIMELINE_SLOTS)
+        if name == "sync":
+            assert overlapping == [] and timeline.overlap == 0
+            assert all(s.start >= training[s.step - 2].end for s in sampling[1:])  # after the step before it
+            assert "sampling and training alternate" in timeline_title(name, timeline)
+        else:
+            assert overlapping and set(overlapping) <= {("batch 1", "step 2"), ("batch 2", "step 4")}
+            assert timeline.overlap > 0 and "sampling overlapped training" in timeline_title(name, timeline)
+
+
 # ---------------------------------------------------------------------------------------------- the page, live
 
 
@@ -179,6 +243,10 @@ def tiny_run(out: Path, tiny_model: str) -> Path:
 # vertices of the lines a gr.LinePlot drew (vega's SVG: one path per series, "M x,y L x,y ...")
 CURVE_POINTS = """id => [...document.querySelectorAll(`#${id} .mark-line path`)]
     .reduce((n, p) => n + ((p.getAttribute('d') || '').match(/[ML]/g) || []).length, 0)"""
+
+
+# bars a timeline drew (a series of two points each; its empty slots are paths without points)
+BARS = "id => [...document.querySelectorAll(`#${id} .mark-line path`)].filter(p => p.getAttribute('d')).length"
 
 
 def reward_points(metric_lines: list[str]) -> int:
@@ -245,6 +313,11 @@ def test_browser_watches_a_run_being_written(tiny_model, tmp_path):
             assert "steps 1-6 of 6" in status and "incomplete" not in status  # saw part of them; the next one all
             view.wait_for_function(f"({CURVE_POINTS})('run-plot-0') > {before}")
             assert view.evaluate(CURVE_POINTS, "run-plot-0") == reward_points(metrics) == 3 * 6
+            # the timeline: a bar per generation batch and per step (6 each), drawn thick, one after the other
+            view.wait_for_function(f"({BARS})('run-timeline-0') === 12")
+            assert "steps 1-6: sampling and training alternate" in view.locator("#run-timeline-0").text_content()
+            assert view.evaluate("getComputedStyle(document.querySelector('#run-timeline-0 .mark-line path'))"
+                                 ".strokeWidth") == "14px"
             assert "Traceback" not in view.content()
             # the completions browser: every logged completion, then filters
             wait_for_text(view, "#completions-note", f"{len(logged)} of {len(logged)} logged completions")

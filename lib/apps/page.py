@@ -326,6 +326,49 @@ def constants_markdown(constant: dict[str, str]) -> str:
     return "Constant, not plotted: " + ", ".join(f"`{k}` {v}" for k, v in sorted(constant.items()))
 
 
+TIMELINE_STEPS = 50  # the newest logged steps a timeline draws (its plot keeps under 1000 points, bars stay wide)
+TIMELINE_COLUMNS = ["seconds", "lane", "slot", "detail"]
+LANE_COLORS = {"sampling": ("#4c78a8", "#8cb0d8"), "training": ("#f58518", "#fbb86a")}  # two shades a lane
+# A bar is a line-plot series of two points. Gradio's plot draws data that changes in place only while its series and
+# colours stay the same (a new colour map redraws it, and the redraw can miss the new data), so the series are fixed
+# slots: a lane, a logged line's place modulo TIMELINE_STEPS, a shade; every frame lists every slot.
+TIMELINE_SLOTS = {f"{lane[0]}{i:02d}{'ab'[shade]}": (lane, LANE_COLORS[lane][shade])
+                  for lane in LANE_COLORS for i in range(TIMELINE_STEPS) for shade in (0, 1)}
+TIMELINE_COLORS = {name: color for name, (_, color) in TIMELINE_SLOTS.items()}
+
+
+def timeline_rows(timeline: run_data.Timeline) -> list[list]:
+    """A timeline as line-plot rows (TIMELINE_COLUMNS): each bar a segment from its start to its end on its lane's
+    row, in its slot's colour, its hover text in `detail`; then a row without a time for each slot left empty. The
+    shades alternate by batch (sampling) or step (training), so that bars that touch stay apart."""
+    place = {bar.step: (timeline.left_out + i) % TIMELINE_STEPS
+             for i, bar in enumerate(sorted((b for b in timeline.bars if b.lane == "training"), key=lambda b: b.step))}
+    rows, used = [], set()
+    for bar in timeline.bars:
+        seconds = f"{bar.start:.2f}-{bar.end:.2f} s ({bar.end - bar.start:.2f} s)"
+        behind = "" if bar.staleness is None else f", staleness {bar.staleness}"
+        if bar.lane == "sampling":
+            weights = "" if bar.staleness is None else f" from the weights after step {bar.step - 1 - bar.staleness}"
+            detail = f"batch {bar.batch} sampled {seconds}{weights}; first trained at step {bar.step}"
+        else:
+            detail = f"step {bar.step} trained {seconds} on batch {bar.batch}{behind}"
+        slot = f"{bar.lane[0]}{place[bar.step]:02d}{'ab'[(bar.batch if bar.lane == 'sampling' else bar.step) % 2]}"
+        used.add(slot)
+        rows += [[round(bar.start, 3), bar.lane, slot, detail], [round(bar.end, 3), bar.lane, slot, detail]]
+    return rows + [[None, lane, slot, ""] for slot, (lane, _) in TIMELINE_SLOTS.items() if slot not in used]
+
+
+def timeline_title(label: str, timeline: run_data.Timeline) -> str:
+    """The timeline's label: the run, the steps drawn, and how much of the sampling ran while a step trained."""
+    first, last = timeline.steps
+    shown = f"steps {first}-{last}" + (f", the newest {last - first + 1}" if timeline.left_out else "") + (
+        " since the resume" if timeline.restarted else "")
+    sampling, overlap = timeline.sampling_seconds, timeline.overlap
+    how = (f"sampling overlapped training {overlap:.2f} s of its {sampling:.2f} s ({overlap / sampling:.0%})"
+           if overlap > 0 and sampling > 0 else "sampling and training alternate")
+    return f"Timeline of {label}, {shown}: {how}"
+
+
 def completions_table(rows: list[dict], limit: int = TABLE_ROWS) -> tuple[list[str], list[list]]:
     """(headers, rows) of the completions browser: the rewards per function appear when the run logs them."""
     funcs = list(dict.fromkeys(name for row in rows[:limit] for name in row["rewards"]))

@@ -256,7 +256,9 @@ PANELS = (
               ("rewards/*/errors", "nonfinite/*", "nonfinite_skipped", "update_skipped")),
     PanelSpec("sampling", "vLLM importance sampling", "ratio / log-prob difference", ("sampling/*",)),
 )
-NOT_PLOTTED = ("step", "num_tokens", "eval/num_problems")  # the x axes, and the evaluation's size
+TIMELINE_KEYS = ("time/sample_start", "time/sample_end", "time/train_start", "time/train_end")  # clock readings
+# the x axes, the evaluation's size, and the timeline's clock readings (seconds since the start, not durations)
+NOT_PLOTTED = ("step", "num_tokens", "eval/num_problems", *TIMELINE_KEYS)
 LABELS = {  # legend names within a plot; the rest: the key, less a prefix the plot's title already says
     "reward": "total", "reward_std": "total", TOKENS_PER_SECOND: "tokens/s",
     "eval/accuracy": "accuracy", "eval/format": "answer line present",
@@ -383,6 +385,83 @@ def _target_line(run: Run, x: str, runs: list[Run], key: str) -> list[tuple[floa
 def _number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(
         value) else None
+
+
+# ---------------------------------------------------------------------------------------------- timeline
+
+
+@dataclass(frozen=True)
+class Bar:
+    """When a generation batch was sampled (lane "sampling") or an optimizer step trained (lane "training"), in
+    seconds since the run's sampling pipeline started (lib/sampling/pipeline.py's clock)."""
+
+    lane: str
+    batch: int  # the generation batch (sampled, or trained on), from 0 as lib/sampling/pipeline.py counts them
+    step: int  # the optimizer step (trained), or the batch's first step (sampled)
+    start: float
+    end: float
+    staleness: int | None  # the step's: optimizer steps between the weights that sampled its batch and its own
+
+    @property
+    def name(self) -> str:
+        return f"batch {self.batch}" if self.lane == "sampling" else f"step {self.step}"
+
+
+@dataclass(frozen=True)
+class Timeline:
+    bars: list[Bar]  # by start time
+    steps: tuple[int, int]  # the first and last step drawn
+    left_out: int  # logged steps before them: older than the window, or before the run's last (re)start
+    restarted: bool  # the run resumed: its clock restarted, and only the lines since are drawn
+
+    @property
+    def overlap(self) -> float:
+        """Seconds during which a batch was sampled while a step trained (0 for a synchronous run)."""
+        sampling = [b for b in self.bars if b.lane == "sampling"]
+        return sum(max(0.0, min(s.end, t.end) - max(s.start, t.start))
+                   for t in self.bars if t.lane == "training" for s in sampling)
+
+    @property
+    def sampling_seconds(self) -> float:
+        return sum(b.end - b.start for b in self.bars if b.lane == "sampling")
+
+
+def steps_per_batch(config: dict) -> int:
+    """Optimizer steps one generation batch serves, from config.yaml: num_iterations x optimizer steps per generation
+    (lib/settings.Config.optimizer_steps_per_generation); 1 where the keys are missing."""
+    def whole(key, default):
+        value = _number(config.get(key))
+        return int(value) if value is not None and value >= 1 else default
+    accumulation = whole("gradient_accumulation_steps", 1)
+    return whole("num_iterations", 1) * max(1, whole("steps_per_generation", accumulation) // accumulation)
+
+
+def timeline(run: Run, window: int | None = None) -> Timeline | None:
+    """The sampling and training bars of a run's newest `window` logged steps (None: all of them), or None for a run
+    that does not log them (older runs). Each training line holds its step's `time/train_start` and `_end`; the line
+    of a batch's first step also holds the batch's `time/sample_start` and `_end` (a batch sampled ahead appears when
+    that step is logged). A resumed run's clock starts again at 0: only the lines since its last start are drawn, and
+    a batch sampled before the resume (kept in the checkpoint; it ends after its step started) is left out."""
+    timed = [m for m in run.train if all(_number(m.get(k)) is not None for k in TIMELINE_KEYS[2:])]
+    if not timed:
+        return None
+    start = 0
+    for i in range(1, len(timed)):
+        if timed[i]["time/train_start"] < timed[i - 1]["time/train_end"]:
+            start = i
+    kept = timed[start:][-window:] if window else timed[start:]
+    per_batch = steps_per_batch(run.config)
+    bars = []
+    for m in kept:
+        step, staleness = int(m["step"]), _number(m.get("staleness"))
+        staleness = None if staleness is None else int(staleness)
+        sampled = [_number(m.get(k)) for k in TIMELINE_KEYS[:2]]
+        batch = (step - 1) // per_batch
+        if None not in sampled and sampled[0] <= sampled[1] <= m["time/train_start"]:
+            bars.append(Bar("sampling", batch, step, *sampled, staleness))
+        bars.append(Bar("training", batch, step, m["time/train_start"], m["time/train_end"], staleness))
+    bars.sort(key=lambda b: (b.start, b.lane))
+    return Timeline(bars, (int(kept[0]["step"]), int(kept[-1]["step"])), len(timed) - len(kept), start > 0)
 
 
 # ---------------------------------------------------------------------------------------------- completions
