@@ -49,15 +49,15 @@ def test_staleness_zero_is_the_synchronous_run_with_every_controller(tmp_path, t
     """max_staleness 0 goes through the sampling thread and gives the synchronous run's tokens, losses, controller
     values, evaluations (at the start, in the middle, at the end: the thread waits while they sample) and final
     weights exactly (the sampler's own copy of the weights samples what the policy itself does)."""
-    args = [*EVERY_CONTROLLER, "--max_steps", "6", "--num_eval_samples", "4", "--eval_steps", "2"]
+    args = [*EVERY_CONTROLLER, "--max_steps", "4", "--num_eval_samples", "4", "--eval_steps", "2"]
     want = train(tiny_model, tmp_path / "sync", *args)
     got = train(tiny_model, tmp_path / "async0", *args, "--max_staleness", "0")
-    assert [m["staleness"] for m in got] == [0, 1] * 3  # the second step on a batch: one step after its weights
+    assert [m["staleness"] for m in got] == [0, 1] * 2  # the second step on a batch: one step after its weights
     assert [without_times(m) for m in got] == [without_times(m) for m in want]
     assert completions_by_step(tmp_path / "async0") == completions_by_step(tmp_path / "sync")
     evaluations = [[m for m in read_jsonl(tmp_path / name / "metrics.jsonl") if "eval/accuracy" in m]
                    for name in ("async0", "sync")]
-    assert [m["step"] for m in evaluations[0]] == [0, 2, 4, 6] and evaluations[0] == evaluations[1]
+    assert [m["step"] for m in evaluations[0]] == [0, 2, 4] and evaluations[0] == evaluations[1]
     a, b = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("async0", "sync"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -66,14 +66,14 @@ def test_dynamic_sampling_refills_in_the_thread_and_the_data_order_holds(tmp_pat
     """DAPO's dynamic sampling replaces flat groups with new prompts inside the thread: at staleness 0 the run is the
     synchronous one (the same prompts drawn, the same groups replaced), and at staleness 1 every checkpoint's data
     position is the trained batches' (one new prompt per replaced group)."""
-    args = ["--algo", "dapo", "--num_generations", "2", "--mask_truncated_completions", "false", "--max_steps", "4",
-            "--save_steps", "2"]
+    args = ["--algo", "dapo", "--num_generations", "2", "--mask_truncated_completions", "false", "--max_steps", "3",
+            "--save_steps", "1"]
     want = train(tiny_model, tmp_path / "sync", *args)
     assert sum(m["dynamic_sampling/replaced_groups"] for m in want) > 0
     got = train(tiny_model, tmp_path / "async0", *args, "--max_staleness", "0")
     assert [without_times(m) for m in got] == [without_times(m) for m in want]
     stale = train(tiny_model, tmp_path / "async1", *args, "--max_staleness", "1")
-    for step in (2, 4):
+    for step in (1, 2, 3):
         state = json.loads((tmp_path / "async1" / f"checkpoint-{step}" / "trainer_state.json").read_text())
         replaced = sum(m["dynamic_sampling/replaced_groups"] for m in stale[:step])
         assert state["data_position"] == 4 * step + replaced
