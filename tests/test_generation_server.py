@@ -214,6 +214,31 @@ def test_a_run_through_the_server_is_the_colocated_run(tmp_path, small_llama, sh
         assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
 
 
+@pytest.mark.slow
+def test_an_asynchronous_run_through_the_server_is_the_colocated_asynchronous_run(tmp_path, small_llama,
+                                                                                 shared_server):
+    """max_staleness 1 (docs/async.md) with both vLLM samplers: the batches sampled in the trainer's thread through the
+    server, the weights pushed between them, give the colocated engine's run, bitwise; each batch after the first
+    comes from the weights one step old (the sampler's log-probs differ from the trained policy's, and the
+    importance weights correct for it)."""
+    port = shared_server.port
+    args = [*ARGS, "--max_steps", "3", "--max_staleness", "1"]
+    served = train(["--model_name_or_path", small_llama, *args, "--vllm_mode", "server", "--vllm_server_base_url",
+                    f"http://127.0.0.1:{port}", "--vllm_group_port", str(free_port()),
+                    "--output_dir", str(tmp_path / "server")], tmp_path)
+    assert served.returncode == 0, served.stderr[-3000:]
+    colocated = train(["--model_name_or_path", small_llama, *args, "--output_dir", str(tmp_path / "colocated")],
+                      tmp_path)
+    assert colocated.returncode == 0, colocated.stderr[-3000:]
+    mine, theirs = steps_of(tmp_path / "server"), steps_of(tmp_path / "colocated")
+    assert [{k: m[k] for k in KEYS} for m in mine] == [{k: m[k] for k in KEYS} for m in theirs]
+    assert [m["staleness"] for m in mine] == [0, 1, 1]
+    assert mine[0]["sampling/sampling_logp_difference/max"] < 1e-4  # the first batch: the start's weights
+    for m in mine[1:]:
+        assert m["sampling/sampling_logp_difference/mean"] > 1e-5, m
+        assert m["sampling/importance_sampling_ratio/mean"] != 1.0
+
+
 NAMELESS_TRAINER = r"""
 import json, socket, sys
 import torch
