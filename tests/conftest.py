@@ -61,14 +61,30 @@ if WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config, items):
     """A module whose tests share a module-scoped fixture (a vLLM engine, a server, a run) keeps them on one worker
-    (`--dist loadgroup`), so that the fixture is built once; every other test goes to whichever worker is free."""
+    (`--dist loadgroup`), so that the fixture is built once; every other test goes to whichever worker is free.
+
+    The groups are marked before the other implementations of this hook run (pytest-xdist's reads them), and written
+    into the test's id after them: `--dist loadgroup` schedules by the id `<nodeid>@<group>`, which pytest-xdist 3.8
+    writes into `item._nodeid`, and pytest 9.2 builds the id from a structured `item._id` instead (pytest-xdist issue
+    1386). Without the second part every group was ignored: a module's shared engine, server or run was built on
+    both workers, and again whenever another module's test ran between two of its tests."""
     for item in items:  # (_fixtureinfo: the fixtures the test uses, with those they use)
         shared = any(d.scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
         if shared and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    result = yield
+    if getattr(config.option, "loadgroup", False):  # a worker of `--dist loadgroup`
+        for item in items:
+            names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                     for m in item.iter_markers("xdist_group")}
+            suffix = "@" + "_".join(sorted(names))
+            # (where pytest-xdist's own write took, the id ends with the group already)
+            if names and not item.nodeid.endswith(suffix) and hasattr(type(getattr(item, "_id", None)), "parse"):
+                item._id = type(item._id).parse(item.nodeid + suffix)
+    return result
 
 
 # ---- comparing floats that went through different kernels ------------------------------------------------------------

