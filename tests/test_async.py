@@ -1,7 +1,7 @@
 """Asynchronous GRPO (max_staleness, lib/sampling/pipeline.py, docs/async.md) on the tiny random-weight model, in this
 process: the synchronous run exactly at staleness 0, the fixed schedule of which weights sample which batch, exact
 resume with the batches sampled ahead, every controller fed in training order, and a failing sampling thread that
-stops the run with its error."""
+stops the run with its error. The tests of three runs each are marked slow."""
 
 import json
 import shutil
@@ -62,6 +62,7 @@ def test_staleness_zero_is_the_synchronous_run_with_every_controller(tmp_path, t
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_refills_in_the_thread_and_the_data_order_holds(tmp_path, tiny_model):
     """DAPO's dynamic sampling replaces flat groups with new prompts inside the thread: at staleness 0 the run is the
     synchronous one (the same prompts drawn, the same groups replaced), and at staleness 1 every checkpoint's data
@@ -79,6 +80,7 @@ def test_dynamic_sampling_refills_in_the_thread_and_the_data_order_holds(tmp_pat
         assert state["data_position"] == 4 * step + replaced
 
 
+@pytest.mark.slow
 def test_each_batch_is_sampled_from_the_weights_its_staleness_says(tmp_path, tiny_model):
     """max_staleness 2, one step a batch: batches 0-2 come from the starting weights, batch 3 from the weights after
     step 1. A synchronous run whose weights never move samples batches 0-2 token for token (the
@@ -126,6 +128,7 @@ def test_weight_sync_steps_moves_the_samplers_weights_every_n_steps(tmp_path, ti
     assert [m["staleness"] for m in got] == [0, 1, 2, 0, 1, 2]
 
 
+@pytest.mark.slow
 def test_a_resumed_asynchronous_run_continues_with_the_batches_sampled_ahead(tmp_path, tiny_model):
     """max_staleness 3 with every controller, two steps a batch: the step-2 checkpoint holds the batch sampled ahead
     (batch 1, from the start's weights), and the run resumed from it logs every number and ends with every weight as the uninterrupted run."""
