@@ -24,7 +24,10 @@ def test_the_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert results["dry_run"] and results["environment"]["cuda_available"] is False
     steps = results["steps"]
-    assert set(steps) == {"tests", "sampler", "bench", "card16"}, proc.stdout[-3000:]
+    assert set(steps) == {"tests", "sampler", "bench", "card16", "async"}, proc.stdout[-3000:]
+    # step 6: the asynchronous step against the synchronous one (bench_regression --b_flags), both sides measured
+    assert steps["async"]["exit"] == 0 and steps["async"]["async_over_sync"] > 0, steps["async"].get("log_tail")
+    assert "with --max_staleness 1" in (tmp_path / "async.log").read_text()
     tests = {t["test"]: t["outcome"] for t in steps["tests"]["tests"]}
     # every gpu test ran; on a CPU only the two that need CUDA itself skip (the allocator's cap, bitsandbytes in vLLM)
     cuda_only = {"test_max_memory_caps_the_process_so_that_going_over_is_an_out_of_memory",
