@@ -630,7 +630,7 @@ def make_rollouts(sampler: Sampler, learner: Learner, output: Output, state: Tra
                                  max_staleness=cfg.max_staleness, sync_every=cfg.weight_sync_steps,
                                  max_steps=cfg.max_steps, start_step=state.global_step,
                                  data_position=state.data_position, queue=queue,
-                                 device=sampler.accelerator.device)
+                                 device=sampler.accelerator.device, say=tqdm.write)
 
 
 if __name__ == "__main__":

@@ -510,9 +510,9 @@ def rollout_context(cfg: Config, engine, tokenizer, reward_funcs: list, train_re
 def close(run: Run) -> None:
     """After the run, or when it stops early: the sampler, the reward worker, the trackers, the signal handlers."""
     run.output.stop.restore()
-    if run.sampler.rollouts is not None:  # the sampling thread (max_staleness) first: it uses the engine
-        run.sampler.rollouts.close()
-    run.sampler.engine.close()
+    # the sampling thread (max_staleness) first: it uses the engine, which stays open under a thread stuck in a call
+    if run.sampler.rollouts is None or run.sampler.rollouts.close():
+        run.sampler.engine.close()
     for worker in (run.sampler.ctx.worker, run.sampler.ctx.episodes):  # the reward worker, an agent's tool worker
         if worker is not None:
             worker.close()

@@ -5,14 +5,16 @@ stops the run with its error. The tests of three runs each are marked slow."""
 
 import json
 import shutil
+import threading
 import time
+import types
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from lib.config import ConfigError, make_config, validate
-from lib.sampling.pipeline import sampling_version
+from lib.sampling.pipeline import Asynchronous, sampling_version
 from test_loop import REWARDS, read_jsonl, train, without_times
 
 # every controller at once (A-GRPO's KL, entropy and group size, adaGRPO's retries, AGPO-DSF's probe and clip ranges),
@@ -157,6 +159,33 @@ def test_a_failing_sampling_thread_stops_the_run_with_its_error(tmp_path, tiny_m
         train(tiny_model, out, "--max_steps", "4", "--max_staleness", "1", "--reward_funcs",
               f"{REWARDS}:has_x", f"{REWARDS}:short_from_step_two")
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl") if "reward" in m] == [1, 2]
+
+
+def test_a_sampling_thread_that_hangs_is_reported_with_where_it_is():
+    """The pipeline's own thread, a produce that blocks (as a sampler stuck in a call that never returns): the loop's
+    wait says, every report_every seconds, how long it has waited and the line the thread is stuck at; once the call
+    returns, the batch comes as usual."""
+    gates, lines = {0: threading.Event(), 1: threading.Event()}, []
+
+    def produce(position, step):
+        gates[step].wait(timeout=30)  # the call that hangs, until its batch's gate opens
+        return types.SimpleNamespace(data_position=position + 1)
+
+    pipeline = Asynchronous(produce, lambda: 0.0, 1, dict, max_staleness=1, sync_every=1, max_steps=4, start_step=0,
+                            data_position=0, report_every=0.2, say=lines.append)
+    threading.Timer(0.7, gates[0].set).start()
+    produced = pipeline.next(types.SimpleNamespace(global_step=0, data_position=0))
+    assert produced.batch == 0 and produced.sampled.data_position == 1
+    assert len(lines) >= 2, lines
+    assert all("waited" in line and "for generation batch 0" in line for line in lines), lines
+    assert "sampling generation batch 0 at test_async.py" in lines[0] and "in produce" in lines[0], lines
+    # the run ends while the thread hangs in batch 1: closing says where it is and does not wait past its timeout
+    started = time.perf_counter()
+    assert pipeline.close(timeout=0.5) is False and time.perf_counter() - started < 5
+    assert "still at test_async.py" in lines[-1] and "in produce" in lines[-1], lines
+    gates[1].set()
+    pipeline.thread.join(timeout=10)
+    assert not pipeline.thread.is_alive()
 
 
 @pytest.mark.parametrize("settings, message", [

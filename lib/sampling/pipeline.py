@@ -19,7 +19,8 @@ weights it is due for exist (TRL's asynchronous trainer samples freely and drops
 
 The thread only ever touches the sampler: the learner's weights are read in the loop's thread, at the pushes, which
 wait for the sampler to finish the batches due to older weights. A failure in the thread stops the loop with the
-thread's error, never a silent wait.
+thread's error, never a silent wait; a thread that makes no progress while the loop waits is reported every
+`report_every` seconds, with where it is (`where_is`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -86,8 +89,9 @@ class Synchronous:
     def state_dict(self) -> dict:
         return {"rollout": self.engine_state()}
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """No thread to stop."""
+        return True
 
 
 class Asynchronous:
@@ -99,8 +103,10 @@ class Asynchronous:
 
     def __init__(self, produce, push, steps_per_batch: int, engine_state, *, max_staleness: int, sync_every: int,
                  max_steps: int, start_step: int, data_position: int, queue: list[Produced] | None = None,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), report_every: float = 300.0, say=None):
         self.produce, self.push, self.engine_state = produce, push, engine_state
+        # a wait longer than report_every seconds is reported (say: a line to the run's console, stderr by default)
+        self.report_every, self.say = report_every, say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.steps_per_batch, self.max_staleness, self.sync_every = steps_per_batch, max_staleness, sync_every
         self.max_steps = max_steps
         self.queue: list[Produced] = list(queue or [])
@@ -167,6 +173,7 @@ class Asynchronous:
     def _wait(self, ready, what: str, fail: bool = True) -> None:
         """Wait (holding the condition) until `ready()`; the thread's error, or its end, stops the loop instead (or,
         with `fail` False, ends the wait: the loop meets the error where it next needs a batch)."""
+        since = reported = time.perf_counter()
         while not ready():
             if not fail and (self.error is not None or not self.thread.is_alive()):
                 return
@@ -175,7 +182,12 @@ class Asynchronous:
                                    f"{type(self.error).__name__}: {self.error}") from self.error
             if not self.thread.is_alive():
                 raise RuntimeError(f"max_staleness: the sampling thread ended while the loop waited for {what}")
-            self.condition.wait(timeout=1.0)
+            self.condition.wait(timeout=min(1.0, self.report_every))
+            if time.perf_counter() - reported >= self.report_every:  # a hang is said, not waited on in silence
+                reported = time.perf_counter()
+                self.say(f"max_staleness: the loop has waited {reported - since:.0f} s for {what}; the sampling thread "
+                         f"is {'sampling' if self.busy else 'waiting'} generation batch {self.next_batch} at "
+                         f"{where_is(self.thread)}")
 
     def next(self, state) -> Produced:
         """The batch that step state.global_step starts on, sampled (the loop waits for it where it is not yet)."""
@@ -244,11 +256,30 @@ class Asynchronous:
         with self.condition:
             return {"rollout": self.engine_state(), "queue": [copy.copy(p) for p in self.queue]}
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> bool:
+        """Stop the thread; False (and a line saying where it is) where it is still in a call after `timeout`
+        seconds: the run then ends without it (a daemon thread), and its sampler is not closed under it."""
         with self.condition:
             self.stopping = True
             self.condition.notify_all()
-        self.thread.join(timeout=600)
+        self.thread.join(timeout=timeout)
+        if self.thread.is_alive():
+            self.say(f"max_staleness: the sampling thread is still at {where_is(self.thread)} after {timeout:.0f} s; "
+                     f"the run ends without it")
+            return False
+        return True
+
+
+def where_is(thread: threading.Thread) -> str:
+    """The innermost frame of `thread`'s stack outside this module and `threading`, as file:line in function (for a
+    hang report: the call that does not return)."""
+    frame = sys._current_frames().get(thread.ident)
+    skip = {__file__, threading.__file__}
+    stack = [f for f in traceback.extract_stack(frame) if f.filename not in skip] if frame is not None else []
+    if not stack:
+        return "an unknown place"
+    last = stack[-1]
+    return f"{last.filename.rsplit('/', 1)[-1]}:{last.lineno} in {last.name}"
 
 
 def tensors_of(value):
