@@ -594,6 +594,12 @@ def check_asynchronous(cfg: Config, num_processes: int | None) -> None:
         raise ConfigError(f"weight_sync_steps ({cfg.weight_sync_steps}) must be at most max_staleness + 1 "
                           f"({cfg.max_staleness + 1}): a batch sampled from weights pushed that rarely could be "
                           f"older than max_staleness steps; lower weight_sync_steps or raise max_staleness")
+    batches = cfg.max_staleness // steps_per_rollout(cfg) + 1  # the most batches waiting (docs/async.md 2)
+    if cfg.queue_maxsize is not None and cfg.queue_maxsize < batches * cfg.local_generation_batch:
+        raise ConfigError(f"queue_maxsize ({cfg.queue_maxsize}) is below the {batches * cfg.local_generation_batch} "
+                          f"completions that max_staleness {cfg.max_staleness} may keep waiting ({batches} generation "
+                          f"batches of {cfg.local_generation_batch}): raise queue_maxsize to "
+                          f"{batches * cfg.local_generation_batch}, or lower max_staleness")
     if num_processes is not None and num_processes > 1:
         raise ConfigError(f"max_staleness: the asynchronous sampler runs with one training process for now "
                           f"({num_processes} were launched); launch one (a generation server may still sample on "

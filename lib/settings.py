@@ -254,6 +254,12 @@ class GenerationArguments:
     weight_sync_steps: int = field(default=1, metadata={"help": "max_staleness: the sampler gets new weights only "
                                    "every this many optimizer steps (fewer pushes; at most max_staleness + 1).",
         "range": "[1, inf)"})
+    queue_maxsize: int | None = field(default=None, metadata={"help": "max_staleness: the most completions (per "
+                                      "process) sampled and waiting to be trained on, TRL's name. The schedule keeps "
+                                      "at most floor(max_staleness / S) + 1 generation batches waiting (S: the "
+                                      "optimizer steps one batch serves); a bound below that is refused before "
+                                      "anything loads (lower max_staleness). null = what the schedule keeps.",
+        "range": "[1, inf)"})
     min_p: float | None = field(default=None, metadata={"help": "Min-p sampling: tokens below min_p x the top "
                                 "token's probability are not sampled (null or 0 = off; typical 0.01-0.2). As in TRL, "
                                 "training log-probs use the temperature only (docs/models.md 3).",

@@ -188,11 +188,39 @@ def test_a_sampling_thread_that_hangs_is_reported_with_where_it_is():
     assert not pipeline.thread.is_alive()
 
 
+@pytest.mark.parametrize("k, per_batch, sync_every", [(0, 1, 1), (1, 1, 1), (3, 1, 2), (2, 2, 1), (5, 2, 3)])
+def test_the_queue_holds_at_most_what_queue_maxsize_is_checked_against(k, per_batch, sync_every):
+    """A sampler faster than the loop fills the queue as far as the schedule lets it: floor(k / S) + 1 generation
+    batches waiting, the bound lib/config.check_asynchronous holds queue_maxsize to, reached and never passed."""
+    lengths, made = [], []
+
+    def produce(position, step):
+        while not made:  # the thread starts inside the constructor
+            time.sleep(0.001)
+        lengths.append(len(made[0].queue) + 1)  # the queue's length once this batch is in (the loop only pops)
+        return types.SimpleNamespace(data_position=position + 1)
+
+    steps = 8 * per_batch
+    pipeline = Asynchronous(produce, lambda: 0.0, per_batch, dict, max_staleness=k, sync_every=sync_every,
+                            max_steps=steps, start_step=0, data_position=0)
+    made.append(pipeline)
+    state = types.SimpleNamespace(global_step=0, data_position=0)
+    for step in range(steps):
+        if step % per_batch == 0:
+            time.sleep(0.02)  # the loop's logging and the like: the thread samples what it may meanwhile
+            assert pipeline.next(state).batch == step // per_batch
+        state.global_step = step + 1
+        pipeline.after_step(step + 1)
+    pipeline.close()
+    assert max(lengths) == k // per_batch + 1, lengths
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"max_staleness": 1, "weight_sync_steps": 3}, "weight_sync_steps .* at most max_staleness"),
     ({"max_staleness": 1, "use_vllm": True, "vllm_enable_sleep_mode": True}, "vllm_enable_sleep_mode false"),
     ({"max_staleness": 1, "tools": ["lib.agents.tools:calculator"]}, "tools is not supported"),
     ({"max_staleness": -1}, "max_staleness must be"),
+    ({"max_staleness": 2, "queue_maxsize": 47}, r"queue_maxsize \(47\) is below the 48 completions .*\(3 generation"),
 ])
 def test_settings_the_sampling_thread_cannot_serve_are_refused_before_anything_loads(settings, message):
     with pytest.raises(ConfigError, match=message):
