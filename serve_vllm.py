@@ -14,6 +14,11 @@ with their own sampling parameters (per-prompt temperature and top_p, the answer
 main process pushes the policy's weights after each optimizer step through a process group of its own (NCCL on GPUs,
 gloo on CPUs: lib/sampling/generation_server.py). Start it before the run; the run waits up to vllm_server_timeout for it.
 One server serves one run at a time.
+
+Weights in flight (a run with vllm_inflight_updates; docs/async.md 7): the server steps such a run's engine calls
+itself and loads weights pushed meanwhile between two decode steps (PipelineRL's in-flight updates, Piché et al.
+2025), labelling each completion token with the version of the weights that drew it (lib/sampling/inflight.py). On
+a GPU start it with --inflight_updates (the engine then finishes each step before scheduling the next).
 """
 
 import argparse

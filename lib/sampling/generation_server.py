@@ -8,18 +8,27 @@ GPUs and gloo between CPUs, the only difference between the two: the same broadc
 
 Protocol (JSON over HTTP):
   GET  /health                    the model, the engine's dtype, the server's id (a new one at every start), the
-                                  number of weight updates received
+                                  number of weight updates received and the last one's version; whether it can
+                                  take weights in flight (`inflight_updates`) and the steps of the stepped call
+                                  in progress (`steps`)
   POST /generate                  `VLLMRollout.generate`'s arguments, plus the trainer's seed and call count (so a
-                                  sample is the one a colocated engine of the same seed would draw)
+                                  sample is the one a colocated engine of the same seed would draw); with
+                                  `"inflight": true` (vllm_inflight_updates) the call is stepped, weight updates
+                                  land between its decode steps, and the rollout carries `token_versions`, each
+                                  completion token's version (lib/sampling/inflight.py; absent otherwise)
   POST /init_weight_group         port, world_size: the server's workers form the weight group, its store served
                                   by the first worker on that port of the server's node; the trainer joins it at the
                                   address it reaches the server at (no name of the trainer's is resolved there)
-  POST /update_weights            the workers receive the weights rank 0 broadcasts (a header, the name, the
-                                  tensor, for each; `send_weights`) and load each in place as it comes; the
-                                  prefix cache is dropped
+  POST /update_weights            {"version": the trainer's optimizer step}: the workers receive the weights
+                                  rank 0 broadcasts (a header, the name, the tensor, for each; `send_weights`)
+                                  and load each in place as it comes, between two decode steps of a stepped call
+                                  in progress, else between calls; the prefix cache is dropped (at the stepped
+                                  call's end: sequences in flight keep their KV cache)
   POST /close_weight_group
 
-The server answers one request at a time (the engine is not shared between calls). A trainer that reaches no server
+The server runs one engine call at a time (the engine is not shared between calls); a weight update waits for the
+call to end, except one posted during a stepped call (weights in flight: PipelineRL's in-flight updates, Piché et
+al. 2025). A trainer that reaches no server
 says so with the address and the command to start one; a request that takes longer than `vllm_server_timeout` ends
 with an error naming the setting; a server that restarted (another id) has lost the pushed weights, and the trainer
 stops with a message instead of sampling from the base model.
