@@ -235,8 +235,8 @@ def build_app(engine, model: str, workers: int, window_s: float = 1.0):
 
         def receive(in_flight: bool) -> None:
             engine.llm.collective_rpc("agrpo_receive_weights")
-            # the tokens sampled from now on carry this version (vLLM's weight version spans)
-            engine.llm.llm_engine.set_weight_version(str(version))
+            if hasattr(engine.llm.llm_engine, "set_weight_version"):  # (vLLM 0.32's weight version spans)
+                engine.llm.llm_engine.set_weight_version(str(version))  # the tokens sampled from now on carry it
             if not in_flight:  # (in flight, sequences hold blocks: dropped when the batch ends, Updates)
                 engine.llm.reset_prefix_cache()
             state["updates"], state["version"] = state["updates"] + 1, version

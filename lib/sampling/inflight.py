@@ -46,8 +46,9 @@ def steps_one_at_a_time(llm) -> bool:
     """Whether the engine finishes each step before `step()` returns, so that weights changed between two calls
     change no forward pass in progress: no batch queue (asynchronous scheduling or pipeline parallelism, where a
     step is scheduled while the one before still runs: a GPU engine's default in vLLM 0.32; serve_vllm.py's
-    --inflight_updates turns it off)."""
-    return int(getattr(llm.llm_engine.vllm_config, "max_concurrent_batches", 1)) == 1
+    --inflight_updates turns it off), and weight versions to label the tokens with (vLLM 0.32 has them)."""
+    engine = llm.llm_engine
+    return int(getattr(engine.vllm_config, "max_concurrent_batches", 2)) == 1 and hasattr(engine, "set_weight_version")
 
 
 def token_versions(sample, length: int) -> list[int]:
