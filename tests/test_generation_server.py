@@ -512,7 +512,8 @@ def test_weights_pushed_while_the_server_samples_land_between_two_decode_steps(s
     index inside it and version 1 after; the log-prob the server returned for each token is the old weights' before
     that index and, after it, the new weights' (teacher-forced over the old weights' KV cache, which in-flight
     sequences keep), to fp32 rounding. The new weights alone, recomputing the cache, differ there: the test sees
-    which weights drew each token."""
+    which weights drew each token. Before that, with no update during it, a stepped call samples the tokens and
+    log-probs of an ordinary one."""
     import copy
     import threading
 
@@ -526,6 +527,15 @@ def test_weights_pushed_while_the_server_samples_land_between_two_decode_steps(s
     sampler = ServerRollout(url, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=5, group_port=free_port(),
                             timeout_s=120, is_main=True, inflight=True)
     sampler.sync_weights(policy)  # version 0
+    # with no update during it, a stepped call samples what one llm.generate call does (the same seeds)
+    plain = ServerRollout(url, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=5, group_port=0, timeout_s=120,
+                          is_main=False)
+    short = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(9))
+    stepped, unstepped = (client.generate(short, torch.ones_like(short), 3, 16, temperature=1.0)
+                          for client in (sampler, plain))
+    assert torch.equal(stepped.completion_ids, unstepped.completion_ids)
+    assert torch.equal(stepped.sampling_logps, unstepped.sampling_logps)
+    assert unstepped.token_versions is None and (stepped.token_versions[stepped.completion_mask.bool()] == 0).all()
     old = copy.deepcopy(policy)
     torch.manual_seed(1)
     with torch.no_grad():  # the next optimizer step's weights, as far as the server can tell
