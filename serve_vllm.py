@@ -14,6 +14,11 @@ with their own sampling parameters (per-prompt temperature and top_p, the answer
 main process pushes the policy's weights after each optimizer step through a process group of its own (NCCL on GPUs,
 gloo on CPUs: lib/sampling/generation_server.py). Start it before the run; the run waits up to vllm_server_timeout for it.
 One server serves one run at a time.
+
+Weights in flight (a run with vllm_inflight_updates; docs/async.md 7): the server steps such a run's engine calls
+itself and loads weights pushed meanwhile between two decode steps (PipelineRL's in-flight updates, Piché et al.
+2025), labelling each completion token with the version of the weights that drew it (lib/sampling/inflight.py). On
+a GPU start it with --inflight_updates (the engine then finishes each step before scheduling the next).
 """
 
 import argparse
@@ -48,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "waiting once every process has sent one).")
     parser.add_argument("--generation_kwargs", default=None,
                         help="JSON of further vLLM SamplingParams, as the run's generation_kwargs.")
+    parser.add_argument("--inflight_updates", action="store_true",
+                        help="For runs with vllm_inflight_updates: the engine finishes each step before scheduling "
+                             "the next (vLLM's asynchronous scheduling off; a CPU engine schedules so anyway), so "
+                             "that weights can be swapped between two decode steps (lib/sampling/inflight.py).")
     args = parser.parse_args(argv)
     if args.data_parallel_size != 1:
         parser.error("--data_parallel_size: one engine a server for now; start one server per copy of the model "
@@ -119,17 +128,24 @@ class Batcher:
 
 def build_app(engine, model: str, workers: int, window_s: float = 1.0):
     """The HTTP API (lib/sampling/generation_server.py's protocol) around one VLLMRollout engine: the generate requests that
-    arrive together are served in one engine call (Batcher), weight updates between them."""
+    arrive together are served in one engine call (Batcher), weight updates between them, or, for requests that ask
+    for weights in flight, between two of the call's decode steps (lib/sampling/inflight.py)."""
     from fastapi import FastAPI, HTTPException, Request
     from starlette.concurrency import run_in_threadpool
 
     from lib.sampling.generation_server import rollout_to_json
+    from lib.sampling.inflight import Updates, stepped_generate, steps_one_at_a_time
     from lib.sampling.rollout import AnswerPhase
 
     app = FastAPI()
     lock = threading.Lock()  # one engine call at a time: sampling waits for a weight update to finish, and so on
     state = {"server_id": uuid.uuid4().hex, "updates": 0, "group": False, "error": None, "engine_calls": 0,
-             "requests": 0}
+             "requests": 0, "version": None, "inflight_calls": 0}
+
+    def report(error: Exception) -> None:
+        state["error"] = f"{type(error).__name__}: {error}"
+
+    updates = Updates(lock, report)  # weight updates: between engine calls, or between steps of a stepped one
 
     def answer(**fields):
         return {"server_id": state["server_id"], **fields}
@@ -142,7 +158,7 @@ def build_app(engine, model: str, workers: int, window_s: float = 1.0):
                 try:
                     work(*args)
                 except Exception as error:  # noqa: BLE001 - reported to the trainer through /health
-                    state["error"] = f"{type(error).__name__}: {error}"
+                    report(error)
 
         threading.Thread(target=run, daemon=True).start()
 
@@ -150,7 +166,9 @@ def build_app(engine, model: str, workers: int, window_s: float = 1.0):
     def health():
         return answer(model=model, dtype=str(engine.dtype).removeprefix("torch."), workers=workers,
                       updates=state["updates"], group=state["group"], error=state["error"],
-                      engine_calls=state["engine_calls"], requests=state["requests"])
+                      engine_calls=state["engine_calls"], requests=state["requests"], version=state["version"],
+                      inflight_updates=steps_one_at_a_time(engine.llm), inflight_calls=state["inflight_calls"],
+                      generating=updates.stepping, steps=updates.steps)
 
     def serve(bodies: list[dict]) -> list:
         """One engine call for the generate requests that came together (the batcher's), under the engine's lock:
@@ -172,7 +190,18 @@ def build_app(engine, model: str, workers: int, window_s: float = 1.0):
                     answer_phase=AnswerPhase(**phase) if phase else None, min_p=float(body["min_p"]),
                     repetition_penalty=float(body["repetition_penalty"]), seed=int(body["seed"]),
                     calls=int(body["calls"])))
-            return engine.run(requests)
+            if not any(body.get("inflight") for body in bodies):
+                return engine.run(requests)  # one llm.generate: updates wait for its end
+            # stepped (lib/sampling/inflight.py): the weight updates posted meanwhile land between two steps
+            state["inflight_calls"] += 1
+            engine.stepper = lambda prompts, params, lora: stepped_generate(engine.llm, prompts, params, lora,
+                                                                            updates.between_steps)
+            updates.start_batch()
+            try:
+                return engine.run(requests)
+            finally:
+                engine.stepper = None
+                updates.finish_batch(engine.llm.reset_prefix_cache)
 
     batcher = Batcher(serve, window_s)
 
@@ -198,16 +227,21 @@ def build_app(engine, model: str, workers: int, window_s: float = 1.0):
         return answer(started=True)
 
     @app.post("/update_weights")
-    def update_weights():
+    async def update_weights(request: Request):
+        body = await request.json() if await request.body() else {}
         if not state["group"]:
             raise HTTPException(status_code=409, detail="no weight group: POST /init_weight_group first")
+        version = int(body.get("version", state["updates"] + 1))  # the trainer's label: its optimizer step
 
-        def receive() -> None:
+        def receive(in_flight: bool) -> None:
             engine.llm.collective_rpc("agrpo_receive_weights")
-            engine.llm.reset_prefix_cache()
-            state["updates"] += 1
+            if hasattr(engine.llm.llm_engine, "set_weight_version"):  # (vLLM 0.32's weight version spans)
+                engine.llm.llm_engine.set_weight_version(str(version))  # the tokens sampled from now on carry it
+            if not in_flight:  # (in flight, sequences hold blocks: dropped when the batch ends, Updates)
+                engine.llm.reset_prefix_cache()
+            state["updates"], state["version"] = state["updates"] + 1, version
 
-        in_background(receive)
+        updates.post(receive)
         return answer(update=state["updates"] + 1)
 
     @app.post("/close_weight_group")
@@ -243,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
                          gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
                          sampling_kwargs=json.loads(args.generation_kwargs) if args.generation_kwargs else None,
                          trust_remote_code=args.trust_remote_code, tensor_parallel_size=args.tensor_parallel_size,
-                         worker_extension_cls="lib.sampling.generation_server.WeightReceiver")
+                         worker_extension_cls="lib.sampling.generation_server.WeightReceiver",
+                         async_scheduling=False if args.inflight_updates else None)
     print(f"serve_vllm: {args.model} on http://{args.host}:{args.port} ({args.tensor_parallel_size} worker(s), "
           f"{str(engine.dtype).removeprefix('torch.')})", flush=True)
     uvicorn.run(build_app(engine, args.model, args.tensor_parallel_size, args.batch_window), host=args.host,

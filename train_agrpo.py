@@ -89,6 +89,7 @@ from lib.models.modeling import adapter_disabled, mix_into_reference, pad_cat
 from lib.sampling.rollout import Rollout
 from lib.sampling.context import Sampled
 from lib.sampling import pipeline
+from lib.sampling.inflight import token_staleness
 from lib.sampling.pipeline import Produced
 from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, step_optimizer, stop_for_signal,
                                stop_if_nonfinite, stop_requested)
@@ -200,6 +201,8 @@ def train(run: Run, state: TrainerState) -> dict:
         counters = batch.counters if new_batch else dict.fromkeys(batch.counters, 0)
         metrics = {**batch_metrics(sampler, batch), **update, "num_tokens": state.num_tokens,
                    "staleness": step - 1 - batch.version,  # optimizer steps between the sampling and these weights
+                   **({} if batch.rollout.token_versions is None else  # each token's, weights in flight
+                      token_staleness(batch.rollout.token_versions, batch.rollout.completion_mask, step - 1)),
                    "beta": values.beta, "epsilon": mean_of(values.epsilon_low),
                    **controllers.metrics(), **counters,
                    **{f"time/{k}": v for k, v in {**(batch.timing if new_batch else {}), **timing}.items()}}
@@ -626,11 +629,19 @@ def make_rollouts(sampler: Sampler, learner: Learner, output: Output, state: Tra
         view.refreshed(sampler.method.controllers)
         return ready_to_sample(sampler, learner)
 
+    def push_inflight(step: int) -> float:  # in the loop's thread, the sampling thread mid-batch: the weights alone
+        sampler.engine.weight_version = step  # each token is labelled with its weights' step (lib/sampling/inflight.py)
+        return ready_sampler(sampler.engine, learner)
+
+    if cfg.vllm_inflight_updates and state.global_step > 0:  # a resumed run's weights, labelled with their step
+        sampler.engine.weight_version, learner.weights_moved = state.global_step, True
+
     return pipeline.Asynchronous(partial(produce, part=ahead), push, learner.geometry.steps_per_rollout, engine_state,
                                  max_staleness=cfg.max_staleness, sync_every=cfg.weight_sync_steps,
                                  max_steps=cfg.max_steps, start_step=state.global_step,
                                  data_position=state.data_position, queue=queue,
-                                 device=sampler.accelerator.device, say=tqdm.write)
+                                 device=sampler.accelerator.device, say=tqdm.write,
+                                 push_inflight=push_inflight if cfg.vllm_inflight_updates else None)
 
 
 if __name__ == "__main__":

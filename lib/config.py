@@ -588,6 +588,13 @@ def validate(cfg: Config, num_processes: int | None = None, *, check_installed: 
 
 def check_asynchronous(cfg: Config, num_processes: int | None) -> None:
     """max_staleness (docs/async.md): what the sampling thread supports, said before any model loads."""
+    if cfg.vllm_inflight_updates and (cfg.max_staleness is None or not cfg.use_vllm or cfg.vllm_mode != "server"):
+        raise ConfigError("vllm_inflight_updates sends weights to a generation server while it samples a batch for "
+                          "the sampling thread: it needs max_staleness set and use_vllm true with "
+                          "vllm_mode server; set those, or vllm_inflight_updates false")
+    if cfg.vllm_inflight_updates and cfg.answer_marker:
+        raise ConfigError("vllm_inflight_updates does not label the answer phase's tokens (answer_marker: a second "
+                          "engine call) yet: leave answer_marker unset, or vllm_inflight_updates false")
     if cfg.max_staleness is None:
         return
     if cfg.weight_sync_steps > cfg.max_staleness + 1:

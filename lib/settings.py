@@ -254,6 +254,12 @@ class GenerationArguments:
     weight_sync_steps: int = field(default=1, metadata={"help": "max_staleness: the sampler gets new weights only "
                                    "every this many optimizer steps (fewer pushes; at most max_staleness + 1).",
         "range": "[1, inf)"})
+    vllm_inflight_updates: bool = field(default=False, metadata={"help": "max_staleness with vllm_mode server: each "
+                                        "optimizer step's weights reach the server as soon as the step made them, "
+                                        "between two decode steps of the batch it is sampling (PipelineRL's "
+                                        "in-flight updates, docs/async.md 7); each token is labelled with the step "
+                                        "of its weights (staleness/tokens_mean, staleness/tokens_max). Runs are then "
+                                        "no longer reproducible: where an update lands depends on timing."})
     queue_maxsize: int | None = field(default=None, metadata={"help": "max_staleness: the most completions (per "
                                       "process) sampled and waiting to be trained on, TRL's name. The schedule keeps "
                                       "at most floor(max_staleness / S) + 1 generation batches waiting (S: the "

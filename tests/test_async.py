@@ -232,3 +232,50 @@ def test_two_training_processes_are_refused_with_the_way_out():
                       check_installed=False)
     with pytest.raises(ConfigError, match="one training process .*vllm_mode server"):
         validate(cfg, 2, check_installed=False)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"vllm_inflight_updates": True, "use_vllm": True, "vllm_mode": "server"}, "needs max_staleness set"),
+    ({"vllm_inflight_updates": True, "max_staleness": 1}, "use_vllm true with vllm_mode server"),
+    ({"vllm_inflight_updates": True, "max_staleness": 1, "use_vllm": True, "vllm_mode": "server",
+      "answer_marker": "Answer:"}, "answer_marker unset"),
+])
+def test_weights_in_flight_need_max_staleness_and_a_generation_server(settings, message):
+    """vllm_inflight_updates is refused, naming the field and the fix, without the sampling thread and a server."""
+    with pytest.raises(ConfigError, match=message) as refused:
+        make_config(settings, check_installed=False)
+    assert "vllm_inflight_updates" in str(refused.value)
+
+
+def test_weights_in_flight_are_pushed_after_every_step_while_the_thread_samples():
+    """vllm_inflight_updates (lib/sampling/pipeline.Asynchronous, push_inflight): the pipeline's own thread, a produce
+    that takes a while: every optimizer step's weights are pushed right after the step, while the thread is inside
+    a batch (not only at the schedule's steps, between batches), and the batches still start on the schedule (batch b
+    not before the weights of step r_b exist), recorded with r_b."""
+    pushed, started = [], []
+
+    def produce(position, step):
+        started.append((step, max(pushed, default=0)))  # the batch, and the newest weights pushed when it began
+        time.sleep(0.15)
+        return types.SimpleNamespace(data_position=position + 1)
+
+    def push_inflight(step):
+        pushed.append(step)
+        busy.append(pipeline.busy)  # a batch being sampled as the weights go out
+        return 0.0
+
+    busy = []
+    pipeline = Asynchronous(produce, lambda: 0.0, 1, dict, max_staleness=1, sync_every=1, max_steps=4, start_step=0,
+                            data_position=0, push_inflight=push_inflight)
+    state = types.SimpleNamespace(global_step=0, data_position=0)
+    versions = []
+    for step in range(4):
+        versions.append(pipeline.next(state).version)
+        time.sleep(0.05)  # the training step, while the thread samples the next batch
+        state.global_step = step + 1
+        pipeline.after_step(step + 1)
+    pipeline.close()
+    assert versions == [0, 0, 1, 2]  # r_b = b - 1, as without weights in flight
+    assert pushed[:3] == [1, 2, 3] and set(pushed) <= {1, 2, 3, 4}
+    assert all(newest >= max(0, batch - 1) for batch, newest in started), started
+    assert busy[:3] == [True, True, True], busy  # steps 1-3's weights went out while a batch was being sampled

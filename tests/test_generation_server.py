@@ -488,3 +488,109 @@ def test_a_tensor_parallel_engine_seeds_its_workers_once_a_call(tmp_path, small_
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1].splitlines()[0])  # (the workers' shutdown follows)
     assert result == {"again": True, "next": False}, result
+
+
+def logps_across_an_update(old, new, prompt: torch.Tensor, completion: torch.Tensor, boundary: int) -> torch.Tensor:
+    """The log-prob of each completion token as a server with weights in flight computes it, the update landing before
+    the step that drew token `boundary`: tokens before it from the old weights, teacher-forced; tokens from it on
+    from the new weights, teacher-forced over the keys and values the old weights computed for the prompt and the
+    tokens before boundary - 1 (the KV cache of a sequence in flight is kept, lib/sampling/inflight.py; the input of
+    the step that drew token `boundary`, token boundary - 1, went through the new weights)."""
+    ids = torch.cat([prompt, completion])[None]
+    start = len(prompt)
+    with torch.no_grad():
+        before = old(ids[:, :start + boundary - 1], use_cache=True)
+        after = new(ids[:, start + boundary - 1:], past_key_values=before.past_key_values, use_cache=True)
+    logits = torch.cat([before.logits[0, start - 1:], after.logits[0, :-1]])  # row i predicts completion token i
+    return torch.log_softmax(logits.float(), -1).gather(1, completion[:, None])[:, 0]
+
+
+@pytest.mark.slow
+def test_weights_pushed_while_the_server_samples_land_between_two_decode_steps(small_llama, shared_server):
+    """vllm_inflight_updates (lib/sampling/inflight.py): an update posted while a long generate request is in flight
+    is applied between two decode steps, not after the batch. Every completion's tokens carry version 0 up to one
+    index inside it and version 1 after; the log-prob the server returned for each token is the old weights' before
+    that index and, after it, the new weights' (teacher-forced over the old weights' KV cache, which in-flight
+    sequences keep), to fp32 rounding. The new weights alone, recomputing the cache, differ there: the test sees
+    which weights drew each token. Before that, with no update during it, a stepped call samples the tokens and
+    log-probs of an ordinary one."""
+    import copy
+    import threading
+
+    import httpx
+
+    from lib.models.modeling import load_policy, load_tokenizer
+    from lib.sampling.generation_server import ServerRollout
+
+    url = f"http://127.0.0.1:{shared_server.port}"
+    tokenizer, policy = load_tokenizer(small_llama), load_policy(small_llama)
+    sampler = ServerRollout(url, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=5, group_port=free_port(),
+                            timeout_s=120, is_main=True, inflight=True)
+    sampler.sync_weights(policy)  # version 0
+    # with no update during it, a stepped call samples what one llm.generate call does (the same seeds)
+    plain = ServerRollout(url, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=5, group_port=0, timeout_s=120,
+                          is_main=False)
+    short = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(9))
+    stepped, unstepped = (client.generate(short, torch.ones_like(short), 3, 16, temperature=1.0)
+                          for client in (sampler, plain))
+    assert torch.equal(stepped.completion_ids, unstepped.completion_ids)
+    assert torch.equal(stepped.sampling_logps, unstepped.sampling_logps)
+    assert unstepped.token_versions is None and (stepped.token_versions[stepped.completion_mask.bool()] == 0).all()
+    old = copy.deepcopy(policy)
+    torch.manual_seed(1)
+    with torch.no_grad():  # the next optimizer step's weights, as far as the server can tell
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    prompts = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(4))
+    length = int(CONTEXT) - 8
+    out = {}
+    request = threading.Thread(target=lambda: out.update(roll=sampler.generate(
+        prompts, torch.ones_like(prompts), 2, length, temperature=1.0)))
+    request.start()
+    # the request's tenth step, well before its last (about 250 decode steps)
+    wait_until(lambda: httpx.get(f"{url}/health").json()["steps"] >= 10, 60, "the server to step the request",
+               interval_s=0.005)
+    sampler.weight_version = 1
+    sampler.sync_weights(policy)
+    request.join(timeout=300)
+    roll = out["roll"]
+    assert httpx.get(f"{url}/health").json()["version"] == 1
+    versions, mask = roll.token_versions, roll.completion_mask.bool()
+    boundaries = set()
+    for row in range(len(versions)):
+        got = versions[row][mask[row]].tolist()
+        boundary = got.index(1)
+        assert 0 < boundary < len(got) - 1 and set(got[:boundary]) == {0} and set(got[boundary:]) == {1}, got
+        boundaries.add(boundary)
+        served = roll.sampling_logps[row][mask[row]]
+        completion = roll.completion_ids[row][mask[row]]
+        prompt = prompts[int(roll.prompt_index[row])]
+        expected = logps_across_an_update(old, policy, prompt, completion, boundary)
+        assert (served - expected).abs().max() < 1e-4, (served - expected).abs().max()
+        recomputed = logps_across_an_update(policy, policy, prompt, completion, boundary)
+        assert (served[boundary:] - recomputed[boundary:]).abs().max() > 1e-3
+    assert len(boundaries) == 1  # the rows decode together: one step, the same index in each
+
+
+@pytest.mark.slow
+def test_an_asynchronous_run_with_weights_in_flight_logs_the_staleness_of_its_tokens(tmp_path, small_llama,
+                                                                                    shared_server):
+    """train_agrpo.py through the server with max_staleness 1 and vllm_inflight_updates: the run completes, its
+    generate requests are stepped (weights taken between decode steps), and each step logs the staleness of its
+    batch's tokens (mean and largest), within max_staleness and never above the batch's own."""
+    import httpx
+
+    port = shared_server.port
+    before = httpx.get(f"http://127.0.0.1:{port}/health").json()
+    served = train(["--model_name_or_path", small_llama, *ARGS, "--max_steps", "3", "--max_staleness", "1",
+                    "--vllm_inflight_updates", "true", "--vllm_mode", "server", "--vllm_server_base_url",
+                    f"http://127.0.0.1:{port}", "--vllm_group_port", str(free_port()),
+                    "--output_dir", str(tmp_path / "run")], tmp_path)
+    assert served.returncode == 0, served.stderr[-3000:]
+    health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+    assert health["inflight_calls"] - before["inflight_calls"] >= 3 and health["error"] is None
+    steps = steps_of(tmp_path / "run")
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        assert 0 <= m["staleness/tokens_mean"] <= m["staleness/tokens_max"] <= m["staleness"] <= 1, m
+    assert steps[0]["staleness/tokens_max"] == 0  # the first batch: the start's weights

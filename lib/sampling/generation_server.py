@@ -8,18 +8,27 @@ GPUs and gloo between CPUs, the only difference between the two: the same broadc
 
 Protocol (JSON over HTTP):
   GET  /health                    the model, the engine's dtype, the server's id (a new one at every start), the
-                                  number of weight updates received
+                                  number of weight updates received and the last one's version; whether it can
+                                  take weights in flight (`inflight_updates`) and the steps of the stepped call
+                                  in progress (`steps`)
   POST /generate                  `VLLMRollout.generate`'s arguments, plus the trainer's seed and call count (so a
-                                  sample is the one a colocated engine of the same seed would draw)
+                                  sample is the one a colocated engine of the same seed would draw); with
+                                  `"inflight": true` (vllm_inflight_updates) the call is stepped, weight updates
+                                  land between its decode steps, and the rollout carries `token_versions`, each
+                                  completion token's version (lib/sampling/inflight.py; absent otherwise)
   POST /init_weight_group         port, world_size: the server's workers form the weight group, its store served
                                   by the first worker on that port of the server's node; the trainer joins it at the
                                   address it reaches the server at (no name of the trainer's is resolved there)
-  POST /update_weights            the workers receive the weights rank 0 broadcasts (a header, the name, the
-                                  tensor, for each; `send_weights`) and load each in place as it comes; the
-                                  prefix cache is dropped
+  POST /update_weights            {"version": the trainer's optimizer step}: the workers receive the weights
+                                  rank 0 broadcasts (a header, the name, the tensor, for each; `send_weights`)
+                                  and load each in place as it comes, between two decode steps of a stepped call
+                                  in progress, else between calls; the prefix cache is dropped (at the stepped
+                                  call's end: sequences in flight keep their KV cache)
   POST /close_weight_group
 
-The server answers one request at a time (the engine is not shared between calls). A trainer that reaches no server
+The server runs one engine call at a time (the engine is not shared between calls); a weight update waits for the
+call to end, except one posted during a stepped call (weights in flight: PipelineRL's in-flight updates, Piché et
+al. 2025). A trainer that reaches no server
 says so with the address and the command to start one; a request that takes longer than `vllm_server_timeout` ends
 with an error naming the setting; a server that restarted (another id) has lost the pushed weights, and the trainer
 stops with a message instead of sampling from the base model.
@@ -28,6 +37,7 @@ stops with a message instead of sampling from the base model.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from datetime import timedelta
 
@@ -152,17 +162,24 @@ class ServerRollout:
 
     def __init__(self, base_url: str, eos_token_ids: list[int], pad_token_id: int, *, seed: int, group_port: int,
                  timeout_s: float, is_main: bool, sharded: bool = False, connect_timeout_s: float | None = None,
-                 world: int = 1):
-        import httpx
-
+                 world: int = 1, inflight: bool = False):
         self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
         self.eos_token_ids, self.pad_token_id = sorted(set(eos_token_ids)), pad_token_id
         self.seed, self.calls = seed, 0
         self.is_main, self.sharded = is_main, sharded
         self.world = world  # the run's processes: the server serves their requests of a step in one engine call
-        self.http = httpx.Client(timeout=timeout_s)
+        # weights in flight (vllm_inflight_updates, lib/sampling/inflight.py): the loop's thread pushes while the
+        # sampling thread's request is out, each thread with its own connection; `weight_version` labels the next
+        # push (the optimizer step of its weights), which the server reports for every token sampled with them
+        self.inflight, self.weight_version = inflight, 0
+        self._local, self._clients = threading.local(), []
         self.health = self._wait_for_server(timeout_s if connect_timeout_s is None else connect_timeout_s)
         self.server_id = self.health["server_id"]
+        if inflight and not self.health.get("inflight_updates"):
+            raise ServerError(f"vllm_inflight_updates: the generation server at {self.base_url} cannot take weights "
+                              f"between decode steps (its engine schedules a step while the one before runs, or it "
+                              f"predates in-flight updates): restart it with python serve_vllm.py --inflight_updates "
+                              f"..., or set vllm_inflight_updates false")
         self.dtype = getattr(torch, self.health["dtype"])
         self.group = None
         if is_main:
@@ -172,6 +189,17 @@ class ServerRollout:
             self._post("/init_weight_group", {"port": group_port, "world_size": world})
             self.group = self._join_group(group_port, world, timeout_s)
             self._until(lambda health: health["group"], "joining the weight group")
+
+    @property
+    def http(self):
+        """This thread's HTTP client (the sampling thread's requests and the loop's pushes go side by side)."""
+        import httpx
+
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = httpx.Client(timeout=self.timeout_s)
+            self._clients.append(client)
+        return client
 
     def _join_group(self, port: int, world: int, timeout_s: float):
         """Rank 0 of the weight group, whose store the server serves on `port` at the address of base_url; a
@@ -269,7 +297,8 @@ class ServerRollout:
             for _ in weights:
                 pass
             return
-        update = self._post("/update_weights", {})["update"]  # the server starts receiving; this process sends
+        # the server starts receiving (between two decode steps, with weights in flight); this process sends
+        update = self._post("/update_weights", {"version": self.weight_version})["update"]
         send_weights(self.group, weights, "cuda" if torch.cuda.is_available() else "cpu")
         self._until(lambda health: health["updates"] >= update, "loading the pushed weights")
 
@@ -288,6 +317,8 @@ class ServerRollout:
             "answer_phase": dataclasses.asdict(answer_phase) if answer_phase is not None else None,
             "min_p": min_p, "repetition_penalty": repetition_penalty, "world": self.world,
         }
+        if self.inflight:  # stepped, taking weights between steps; each token's version comes back
+            payload["inflight"] = True
         self.calls += 1
         answer = self._post("/generate", payload)
         return rollout_from_json(answer["rollout"], prompt_ids.device)
@@ -305,7 +336,8 @@ class ServerRollout:
         """The server is always awake."""
 
     def close(self) -> None:
-        self.http.close()
+        for client in self._clients:
+            client.close()
 
 
 # ------------------------------------------------------------------------------------------------ rollouts as JSON
@@ -320,10 +352,16 @@ def server_host(base_url: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "localhost") else host
 
 
+# fields a rollout carries only where asked for, left out of the JSON otherwise (the protocol as it was before them)
+OPTIONAL_FIELDS = ("token_versions",)
+
+
 def rollout_to_json(rollout: Rollout) -> dict:
     out = {}
     for name in ROLLOUT_FIELDS:
         value = getattr(rollout, name)
+        if value is None and name in OPTIONAL_FIELDS:
+            continue
         out[name] = None if value is None else {"dtype": str(value.dtype).removeprefix("torch."),
                                                 "shape": list(value.shape), "values": value.cpu().flatten().tolist()}
     return out
@@ -335,7 +373,7 @@ def rollout_from_json(data: dict, device: torch.device | str = "cpu") -> Rollout
             return None
         return torch.tensor(entry["values"], dtype=getattr(torch, entry["dtype"])).reshape(entry["shape"]).to(device)
 
-    return Rollout(**{name: tensor(data[name]) for name in ROLLOUT_FIELDS})
+    return Rollout(**{name: tensor(data.get(name)) for name in ROLLOUT_FIELDS})
 
 
 def server_rollout(cfg, policy, tokenizer, rank: int, sharded: bool = False,
@@ -347,6 +385,6 @@ def server_rollout(cfg, policy, tokenizer, rank: int, sharded: bool = False,
     engine = ServerRollout(url, end_token_ids(policy, tokenizer), tokenizer.pad_token_id,
                            seed=cfg.seed + rank, group_port=cfg.vllm_group_port,
                            timeout_s=cfg.vllm_server_timeout, is_main=rank == 0, sharded=sharded,
-                           world=world)
+                           world=world, inflight=bool(cfg.vllm_inflight_updates))
     engine.sync_weights(policy)
     return engine

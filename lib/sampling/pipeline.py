@@ -103,8 +103,13 @@ class Asynchronous:
 
     def __init__(self, produce, push, steps_per_batch: int, engine_state, *, max_staleness: int, sync_every: int,
                  max_steps: int, start_step: int, data_position: int, queue: list[Produced] | None = None,
-                 device: torch.device = torch.device("cpu"), report_every: float = 300.0, say=None):
+                 device: torch.device = torch.device("cpu"), report_every: float = 300.0, say=None,
+                 push_inflight=None):
         self.produce, self.push, self.engine_state = produce, push, engine_state
+        # weights in flight (vllm_inflight_updates): `push_inflight(step) -> seconds` gives the sampler the weights
+        # of every N-th step at once, the thread mid-batch or not (its controllers untouched: `push` still refreshes
+        # them at the schedule's steps, between batches)
+        self.push_inflight = push_inflight
         # a wait longer than report_every seconds is reported (say: a line to the run's console, stderr by default)
         self.report_every, self.say = report_every, say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.steps_per_batch, self.max_staleness, self.sync_every = steps_per_batch, max_staleness, sync_every
@@ -207,7 +212,13 @@ class Asynchronous:
         return produced
 
     def after_step(self, step: int) -> None:
-        """After optimizer step `step`: the sampler gets the weights where a batch is due to be sampled from them."""
+        """After optimizer step `step`: the sampler gets the weights where a batch is due to be sampled from them;
+        with weights in flight, every N-th step's at once, while the thread samples (PipelineRL's in-flight updates,
+        Piché et al. 2025: the batch in progress goes on with them from its next decode step; the batches still
+        start on the schedule, so no token is older than max_staleness steps)."""
+        if (self.push_inflight is not None and step % self.sync_every == 0 and self.error is None
+                and not self.past_end(self.next_batch)):  # (after the last batch was sampled: nothing to push for)
+            self.push_seconds += self.push_inflight(step)
         self._push_due(step)
 
     def _push_due(self, step: int) -> None:

@@ -51,6 +51,8 @@ class Rollout:
     # model's own tokens in completion_mask: an agent's episode holds tool results (lib/agents/episodes.py)
     columns: dict[str, list] | None = None  # values per completion that the sampler adds to the reward functions'
     # keyword arguments (an environment's get_reward: lib/agents/episodes.py)
+    token_versions: torch.Tensor | None = None  # (B, T) int64 the optimizer step whose weights drew each token, where
+    # weights reach the sampler in the middle of a batch (vllm_inflight_updates: lib/sampling/inflight.py); else None
 
     def attended(self) -> torch.Tensor:
         """(B, T) the completion tokens a forward pass reads: all of an episode's, tool results included."""
@@ -106,6 +108,11 @@ def replace_completions(batch: Rollout, rows: torch.Tensor, new: Rollout, pad_to
         logps = widen(batch.sampling_logps, 0.0).clone()
         logps[rows] = widen(new.sampling_logps, 0.0)
         logps = logps[:, :used]
+    versions = None
+    if batch.token_versions is not None and new.token_versions is not None:
+        versions = widen(batch.token_versions, -1).clone()
+        versions[rows] = widen(new.token_versions, -1)
+        versions = versions[:, :used]
     columns = None
     if batch.columns or new.columns:
         columns = {}
@@ -115,7 +122,7 @@ def replace_completions(batch: Rollout, rows: torch.Tensor, new: Rollout, pad_to
                 column[row] = value
             columns[key] = column
     return replace(batch, completion_ids=ids[:, :used], completion_mask=mask[:, :used], temperatures=temps[:, :used],
-                   is_truncated=truncated, sampling_logps=logps,
+                   is_truncated=truncated, sampling_logps=logps, token_versions=versions,
                    sequence_mask=None if sequence is None else sequence[:, :used], columns=columns)
 
 def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -20,6 +20,7 @@ from lib.models.embedded import resolve_model_path
 from lib.models.modeling import end_token_ids, is_adapter_folder, native_bf16, unwrap_causal_lm
 from lib.distributed import full_tensor
 from lib.sampling.policy_copy import dense_weight, is_lora_layer, merged_linear
+from lib.sampling.inflight import token_versions, versions_tensor
 from lib.sampling.rollout import AnswerPhase, Rollout
 
 
@@ -206,7 +207,7 @@ class VLLMRollout:
                  sampling_kwargs: dict | None = None, trust_remote_code: bool = False, lora_rank: int | None = None,
                  tensor_parallel_size: int = 1, worker_extension_cls: str | None = None,
                  max_num_seqs: int | None = None, per_request_seeds: bool | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, async_scheduling: bool | None = None):
         # the engine runs in this process: weight sync reaches its model runner directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -227,6 +228,8 @@ class VLLMRollout:
             # launcher's process group and takes this process's device from LOCAL_RANK. Without it every process's
             # engine would start a world of its own on device 0 (cuda:0 for all of them, N times the memory share)
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if async_scheduling is not None:  # (off: serve_vllm.py --inflight_updates, lib/sampling/inflight.py)
+            kwargs["async_scheduling"] = async_scheduling
         if quantization is not None:  # (`engine_quantization`) a 4-bit base the engine quantises as it loads
             kwargs["quantization"] = quantization
         if worker_extension_cls is None and tensor_parallel_size > 1:  # workers in processes of their own
@@ -290,6 +293,9 @@ class VLLMRollout:
             raise
         self.enable_sleep_mode = enable_sleep_mode
         self.dtype = self.llm.llm_engine.model_config.dtype  # the engine's weights; the sync casts to it
+        # a generation server with weights in flight steps the engine itself (lib/sampling/inflight.py), and the
+        # rollouts then carry each token's weight version
+        self.stepper = None
 
     ram_disk = RAM_DISK  # where the adapter goes when it has room (`_write_adapter`); a test points it elsewhere
 
@@ -479,17 +485,28 @@ class VLLMRollout:
         # per request, per completion: token ids, the temperature of each token, its sampling log-prob, how it
         # stopped ("end" token, "marker", "length")
         all_rows: list[list[tuple[list[int], list[float], list[float], str]]] = []
-        start = 0
+        start, versions = 0, []
         for r in requests:
             rows = []
             for (p, _), output in zip(r.active, outputs[start: start + len(r.active)]):
                 for sample in output.outputs:
                     tokens = list(sample.token_ids)
                     rows.append((tokens, [r.temps[p]] * len(tokens), token_logps(sample), stop_kind(sample)))
+                    versions.append(token_versions(sample, len(tokens)) if self.stepper else None)
             all_rows.append(rows)
             start += len(r.active)
         all_rows = self._answer_phase(requests, all_rows)
-        return [self._rollout(r, rows) for r, rows in zip(requests, all_rows)]
+        rollouts = [self._rollout(r, rows) for r, rows in zip(requests, all_rows)]
+        if self.stepper is not None:  # each token's weight version (its completion's first stage's only)
+            for rollout, rows in zip(rollouts, all_rows):
+                rollout.token_versions = versions_tensor(versions[:len(rows)], rollout.completion_ids)
+                versions = versions[len(rows):]
+        return rollouts
+
+    def _engine_call(self, prompts: list, params: list) -> list:
+        if self.stepper is not None:
+            return self.stepper(prompts, params, self.lora_request)
+        return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
 
     def _rollout(self, request: EngineRequest, rows) -> Rollout:
         device = request.prompt_ids.device
@@ -515,14 +532,14 @@ class VLLMRollout:
         """llm.generate, with the call's seed on the device's default generator when requests carry no seed of
         their own (the generators of this process are as they were afterwards)."""
         if self.per_request_seeds:
-            return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+            return self._engine_call(prompts, params)
         if self.tensor_parallel_size > 1:  # every worker's generators, the same seed on each (SeededWorker)
             self.llm.collective_rpc("agrpo_seed", args=(seed,))
-            return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+            return self._engine_call(prompts, params)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)  # every device's default generator, this call's only
-            return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+            return self._engine_call(prompts, params)
 
     def _answer_phase(self, requests: list[EngineRequest], all_rows: list[list]) -> list[list]:
         """Continue the completions that stopped on the marker text with the answer-phase parameters, every
