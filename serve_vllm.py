@@ -214,9 +214,17 @@ def build_app(engine, model: str, workers: int, window_s: float = 1.0):
             raise HTTPException(status_code=400, detail=f"{type(error).__name__}: {error}") from None
         return answer(rollout=rollout_to_json(rollout))
 
+    def leave_group() -> None:
+        with lock:
+            engine.llm.collective_rpc("agrpo_close_weight_group")
+            state["group"] = False
+
     @app.post("/init_weight_group")
     async def init_weight_group(request: Request):
         body = await request.json()
+        # a group an earlier run left (one that stopped without closing it) is dropped before the answer: its store
+        # holds the port, and this run's trainer, which connects once answered, must not reach the old one
+        await run_in_threadpool(leave_group)
 
         def join(port: int, world_size: int) -> None:
             state["group"], state["error"] = False, None
@@ -246,9 +254,7 @@ def build_app(engine, model: str, workers: int, window_s: float = 1.0):
 
     @app.post("/close_weight_group")
     def close_weight_group():
-        with lock:
-            engine.llm.collective_rpc("agrpo_close_weight_group")
-            state["group"] = False
+        leave_group()
         return answer()
 
     return app

