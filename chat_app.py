@@ -51,14 +51,14 @@ from lib.checkpoint import list_checkpoints
 from lib.data.records import DEFAULT_INSTRUCTION
 from lib.apps import page
 from lib.agents.episodes import Agent
-from lib.agents.tools import ToolWorker, tool_schemas, tool_spec
+from lib.agents.tools import ToolWorker, start_tools
 from lib.apps import runs as run_data
 from lib.models.folders import adapter_base, load_for_inference, model_folder_problem
 from lib.models.embedded import EMBEDDED_ALIASES
 from lib.models.modeling import end_token_ids, is_adapter_folder
 from lib.rewards.open_r1 import REWARD_FUNCS
 from lib.rewards.scoring import score_completions
-from lib.setup import reward_functions
+from lib.models.reward_models import build_rewards, prompt_messages, reward_functions
 
 DEFAULT_RUN = Path("runs/agrpo/final")
 RUN_PLOTS = 30  # plot slots of the run view; a run logs fewer varying panels than this (docs/watching.md 2)
@@ -265,7 +265,9 @@ class Slot:
 
     def sample(self, ids: list[int], config: GenerationConfig, seed: int, max_new_tokens: int | None = None):
         """One model turn from the token ids `ids`, generated in a thread: a generator that yields its text as it
-        comes (token by token) and returns its new token ids (lib/agents/episodes.Agent.chat's `sample`)."""
+        comes (token by token) and returns its new token ids (lib/agents/episodes.Agent.chat's `sample`). The page
+        decodes with the model's own `generate`, not the trainer's and the evaluator's sampler
+        (lib/sampling/engines.make_sampler): that one samples whole batches, and a page streams one answer."""
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
         out = {}
 
@@ -333,11 +335,6 @@ def page_tools(args: argparse.Namespace, settings: dict) -> PageTools | None:
     where = "the run's config.yaml 'tools'" if from_run else "--tools"
     fix = ("; pass --tools with tools that load here, or --tools alone to chat without tools" if from_run else
            "; give each as module:function or file.py:function, a typed function with a Google-style docstring")
-    try:
-        specs = [tool_spec(t) for t in specs]
-        schemas = tool_schemas(specs)
-    except ValueError as error:
-        raise SystemExit(f"error: {where}: {error}{fix}") from None
     limit = args.max_tool_calling_iterations
     if limit is None:
         limit = settings.get("max_tool_calling_iterations")
@@ -346,7 +343,11 @@ def page_tools(args: argparse.Namespace, settings: dict) -> PageTools | None:
     timeout = args.tool_timeout if args.tool_timeout is not None else settings.get("tool_timeout", 10.0)
     if not (isinstance(timeout, (int, float)) and timeout >= 0):  # also NaN
         raise SystemExit(f"error: --tool_timeout must be >= 0 seconds (0: no limit), got {timeout}")
-    return PageTools(specs, schemas, ToolWorker(specs, float(timeout)), limit)
+    try:  # checked, the worker made (lib/agents/tools.start_tools, as the trainer and the evaluator build theirs)
+        specs, schemas, worker = start_tools(specs, float(timeout), start=False)
+    except ValueError as error:
+        raise SystemExit(f"error: {where}: {error}{fix}") from None
+    return PageTools(specs, schemas, worker, limit)
 
 
 # ---------------------------------------------------------------------------------------------- the page
@@ -364,12 +365,21 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
     roots = roots if roots is not None else ([run_dir.resolve()] if run_dir else [])
     started = started or {name for name in (checkpoint.name, base.name) if name}
 
-    reward_funcs = reward_functions(args.reward_funcs)  # as the trainer and the evaluator resolve them
+    # the trainer's and the evaluator's rewards, from the same builder: the functions, and a reward model (a folder or
+    # hub id in --reward_funcs) loaded onto the CPU, as the page's models (lib/models/reward_models.build_rewards)
+    try:
+        reward_funcs = build_rewards(args, "cpu", batch_size=2)
+    except ValueError as error:
+        raise SystemExit(f"error: --reward_funcs: {error}") from None
 
-    def score(text: str, reference: str) -> dict[str, float] | None:
+    def score(text: str, reference: str, prompt: str, instruction: str, system_prompt: str) -> dict | None:
+        """Every reward of `text` against the reference answer; a reward model reads the turn's prompt as the policy
+        got it (the instruction after the problem, the system prompt), in its own chat template, and the answer."""
         if not reference.strip():
             return None
-        per_func, _ = score_completions(reward_funcs, [""], [text], {"answer": [reference.strip()]})
+        record = {"prompt": prompt_messages(prompt, instruction or "", system_prompt or None)}
+        per_func, _ = score_completions(reward_funcs, [""], [text], {"answer": [reference.strip()]},
+                                        records=[record])
         return {name: values[0] for (name, _), values in zip(reward_funcs, per_func)}
 
     def answer(slot: Slot, side: str, turns, prompt, instruction, system_prompt, greedy, temperature, top_p,
@@ -438,7 +448,8 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
             yield page.chat_view(turns, "checkpoint"), page.chat_view(turns, "base"), "", "", "generating...", turns
         turn["streaming"] = False
         turn["seconds"] = round(time.perf_counter() - start, 2)
-        turn["rewards"] = {side: score(turn[side], turn["reference"]) for side in answers}
+        turn["rewards"] = {side: score(turn[side], turn["reference"], turn["prompt"], instruction, system_prompt)
+                           for side in answers}
         yield (page.chat_view(turns, "checkpoint"), page.chat_view(turns, "base"),
                page.reward_line(turn["rewards"].get("checkpoint")), page.reward_line(turn["rewards"].get("base")),
                f"answered in {turn['seconds']:.1f} s", turns)
@@ -596,7 +607,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--base_model", default=None,
                         help="Model to show beside it (default: an adapter's base, or the run's starting model).")
     parser.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"],
-                        help=f"Reward functions scored against the reference answer ({', '.join(REWARD_FUNCS)}).")
+                        help=f"Rewards scored against the reference answer, as the trainer's reward_funcs: built-in "
+                             f"names ({', '.join(REWARD_FUNCS)}), module:function or file.py:function, or a reward "
+                             f"model's folder or hub id (a sequence-classification model, loaded on the CPU).")
     parser.add_argument("--max_new_tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0, help="Sampling seed, the same for both sides.")
     parser.add_argument("--host", default=None, help="Address to listen on (default: $GRADIO_SERVER_NAME, else "
@@ -695,9 +708,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: --max_new_tokens must be >= 1, got {args.max_new_tokens}")
     if not args.refresh >= 0.5:  # also NaN
         raise SystemExit(f"error: --refresh must be at least 0.5 seconds, got {args.refresh}")
-    unknown = [f for f in args.reward_funcs if f not in REWARD_FUNCS]
-    if unknown:
-        raise SystemExit(f"error: --reward_funcs: unknown {unknown}; choose from {', '.join(REWARD_FUNCS)}")
+    try:  # as the trainer and the evaluator check them: names, functions and reward models, before any model loads
+        reward_functions(args.reward_funcs)
+    except ValueError as error:
+        raise SystemExit(f"error: --reward_funcs: {error}") from None
     if args.tools is not None:  # --tools checked before the model arguments are looked at
         page_tools(args, {})
     name, base_name, run_dir, settings = resolve_models(args)

@@ -47,17 +47,16 @@ from lib.agents.episodes import Agent
 from lib.evaluation.metrics import completion_kl_entropy, score_problems, win_rate
 from lib.models.folders import adapter_base, load_for_inference, model_folder_problem
 from lib.models.embedded import EMBEDDED_ALIASES, resolve_model_path
-from lib.models.modeling import end_token_ids, is_adapter_folder, native_bf16
+from lib.models.modeling import is_adapter_folder, native_bf16
 from lib.methods.losses import weighted_rewards
 from lib.data import hub_data
 from lib.evaluation.reference_cache import cache_key, read_kept, weights_fingerprint, write_kept
-from lib.models.reward_models import load_reward_models
+from lib.models.reward_models import build_rewards, reward_functions
 from lib.trl_keys import reward_name
-from lib.agents.tools import ToolWorker, tool_schemas, tool_spec
+from lib.agents.tools import start_tools, tool_schemas, tool_spec
 from lib.rewards.scoring import reward_arguments, score_completions
 from lib.sampling.rollout import HFRollout
-from lib.setup import make_engine, reward_functions
-from lib.sampling.vllm_rollout import VLLMRollout
+from lib.sampling.engines import make_sampler
 
 BUILTIN = "builtin"
 
@@ -443,12 +442,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hf_logging.disable_progress_bar()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = args.bf16 if args.bf16 is not None else native_bf16(device)
-    # reward models (a folder or hub id in --reward_funcs) load once, onto the device (lib/models/reward_models.py)
+    # the trainer's rewards: functions, and reward models (a folder or hub id in --reward_funcs) loaded once, onto
+    # the device (lib/models/reward_models.build_rewards, the chat page's builder too)
     try:
-        specs = reward_functions(args.reward_funcs)
-        reward_funcs = load_reward_models(specs, device, args.batch_size, trust_remote_code=args.trust_remote_code,
-                                          chat_template_kwargs=args.chat_template_kwargs, instruction=args.instruction,
-                                          system_prompt=args.system_prompt)
+        reward_funcs = build_rewards(args, device, args.batch_size)
     except ValueError as error:
         raise EvalConfigError(f"--reward_funcs: {error}") from error
     weights = args.reward_weights or [1.0] * len(reward_funcs)
@@ -463,10 +460,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         reference, reference_tokenizer = load_for_inference(args.reference_model, device,
                                                             trust_remote_code=args.trust_remote_code)
     engine, key = None, None
-    tools = None
-    if args.tools:  # one worker for every model (lib/agents/tools.ToolWorker)
-        tools = ToolWorker(args.tools, args.tool_timeout)
-        tools.start()
+    tools = schemas = None
+    if args.tools:  # one worker for every model, as the trainer and the chat page build theirs
+        _, schemas, tools = start_tools(args.tools, args.tool_timeout)
     rows: list[dict] = []
     kept: dict[tuple[str, str], tuple[list[dict], list[list[float]]]] = {}  # (model, set) -> (results, rewards)
     lines: list[str] = []
@@ -475,23 +471,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         label = model_label(name)
         model, tokenizer = (reference, reference_tokenizer) if label == reference_label \
             else load_for_inference(name, device, trust_remote_code=args.trust_remote_code)
-        if args.use_vllm:
-            if engine is None or engine_key(model) != key:
-                engine = None
-                gc.collect()
-                engine = VLLMRollout(engine_folder(name), end_token_ids(model, tokenizer), tokenizer.pad_token_id,
-                                     seed=args.seed, max_model_len=args.max_prompt_length + args.max_completion_length,
-                                     max_num_seqs=args.batch_size * args.num_samples,  # one generate call
-                                     gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                                     dtype="bfloat16" if bf16 else "float32",
-                                     trust_remote_code=args.trust_remote_code)
-                key = engine_key(model)
+        # the trainer's sampler (lib/sampling/engines.make_sampler): the HF sampler, or a vLLM engine, kept for every
+        # model of the same shape, which it gives its weights in turn (merged: one engine serves every model)
+        if args.use_vllm and engine is not None and engine_key(model) == key:
             engine.sync_weights(model)
-            backend = engine
-        else:
-            backend = make_engine(model, tokenizer, bf16, args.seed)  # the trainer's HF sampler
+        elif args.use_vllm:
+            engine = None
+            gc.collect()
+            engine = make_sampler(model, tokenizer, args, bf16, model_path=engine_folder(name),
+                                  max_num_seqs=args.batch_size * args.num_samples, lora_sync="merge")  # one call
+            key = engine_key(model)
+        backend = engine if args.use_vllm else make_sampler(model, tokenizer, args, bf16)
         agent = None if tools is None else Agent(tokenizer, tools.call, args.max_tool_calling_iterations,
-                                                 args.max_completion_length, tool_schemas(args.tools))
+                                                 args.max_completion_length, schemas)
         for set_label, records in sets.items():
             prompts = eval_prompts(tokenizer, records, args, agent)
             key = reference_key(args, bf16, records, prompts) if label == reference_label else None

@@ -76,7 +76,6 @@ from lib.agents import rollout_func
 from lib.apps import health
 from lib.apps.runs import read_jsonl
 from lib.models import embedded as embedded_model
-from lib.models import reward_models
 from lib.rewards import open_r1 as open_r1_rewards
 from lib.rewards.worker import RewardWorker
 from lib.sampling import vllm_rollout
@@ -86,6 +85,7 @@ from lib.logs import append_jsonl, batch_metrics, log_step
 from lib.methods.losses import ObjectiveSettings, ObjectiveStats, aggregate_loss, mean_of, per_row, policy_objective
 from lib.methods.registry import TrainValues, choose_method
 from lib.models.modeling import adapter_disabled, mix_into_reference, pad_cat
+from lib.sampling.engines import make_sampler
 from lib.sampling.rollout import Rollout
 from lib.sampling.context import Sampled
 from lib.sampling import pipeline
@@ -95,7 +95,7 @@ from lib.save_and_stop import (nonfinite_rewards, save_checkpoint, save_final, s
                                stop_if_nonfinite, stop_requested)
 from lib.schedule import resolve_epochs
 from lib.setup import (Geometry, Learner, Output, Run, Sampler, TrainerState, check_first_batch, clock, close,
-                       load_checked_tokenizer, load_data, load_models, make_engine, policy_optimizer,
+                       load_checked_tokenizer, load_data, load_models, load_rewards, policy_optimizer,
                        prepare_output_dir, prepare_policy, ready_sampler, record_and_seed, resolve_rewards, restore,
                        rollout_context, start_accelerator)
 
@@ -562,15 +562,14 @@ def setup(cfg: Config) -> tuple[Run, TrainerState]:
     policy, reference = load_models(cfg, accelerator, model_path, resume, bf16, sharded, partitioned)
     if cfg.use_vllm and cfg.vllm_mode == "server":  # an engine on its own devices (serve_vllm.py)
         engine = server_rollout(cfg, policy, tokenizer, rank, partitioned, world)
-    elif cfg.use_vllm:  # a vLLM engine in each process
-        engine = vllm_rollout.colocated_rollout(cfg, policy, tokenizer, model_path, bf16, rank)
-    else:
-        # the sampler's copy where it fits what the step's estimate leaves (lib/sharding/memory.sampler_plan)
-        headroom = memory.copy_headroom(cfg, policy, accelerator.device, bf16)
-        # a sampler that runs behind the policy (max_staleness) needs weights of its own, whatever they cost
+    else:  # a vLLM engine in each process, or the HF sampler: the evaluator's builder (lib/sampling/engines.py)
+        # a sampler that runs behind the policy (max_staleness) needs weights of its own, whatever they cost; else
+        # the HF sampler's copy where it fits what the step's estimate leaves (lib/sharding/memory.sampler_plan)
         own = partitioned or cfg.max_staleness is not None
-        engine = make_engine(policy, tokenizer, bf16, cfg.seed + rank, own, None if own else headroom)
-    reward_funcs = reward_models.load_rewards(cfg, reward_funcs, accelerator.device)
+        headroom = None if cfg.use_vllm or own else memory.copy_headroom(cfg, policy, accelerator.device, bf16)
+        engine = make_sampler(policy, tokenizer, cfg, bf16, rank=rank, model_path=model_path, own_copy=own,
+                              headroom=headroom)
+    reward_funcs = load_rewards(cfg, reward_funcs, accelerator.device)
     if agent is not None:  # an environment's get_reward: a reward of its own, after the configured ones
         reward_funcs = reward_funcs + agent.reward_funcs()
     optimizer = policy_optimizer(cfg, policy)

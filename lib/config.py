@@ -292,6 +292,13 @@ def default_of(f: dataclasses.Field):
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
+def setting(settings, key: str):
+    """The trainer's key `key` as `settings` give it: a run's Config, or an entry script's arguments (eval_agrpo.py,
+    chat_app.py), which declare only the keys they take from the command line; a key they do not declare has the
+    trainer's default (lib/settings.py). The builders the three scripts share read their keys through it."""
+    return getattr(settings, key) if hasattr(settings, key) else default_of(FIELDS[key])
+
+
 # ---- the trainer's keys in another entry script (eval_agrpo.py) ------------------------------------------------------
 
 

@@ -23,7 +23,6 @@ import random
 import shutil
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -40,14 +39,15 @@ from lib.data.word_problems import builtin_task
 from lib.methods.losses import ObjectiveSettings
 from lib.methods.registry import Method
 from lib.sampling.context import RolloutContext
-from lib.models.modeling import (REFERENCE_FOLDER, CompletionScorer, end_token_ids, is_adapter_folder, load_policy,
+from lib.models.modeling import (REFERENCE_FOLDER, CompletionScorer, is_adapter_folder, load_policy,
                           load_reference, load_tokenizer, pad_cat, reference_dtype, training_precision, weights_dtype)
 from lib.models.embedded import resolve_model_path
 from lib.models import checkpointed_prefix
 from lib.models.fp32_head import cast_lm_head_to_fp32
-from lib.models.reward_models import reward_model_spec
+from lib.models import reward_models
+from lib.models.reward_models import reward_functions
 from lib.rewards.open_r1 import REWARD_FUNCS, reward_options
-from lib.rewards.scoring import resolve_reward_funcs
+from lib.sampling.engines import make_engine
 from lib.sampling.rollout import AnswerPhase, HFRollout, Rollout
 from lib.schedule import build_scheduler, steps_per_rollout, warmup_steps
 from lib.sharding import fsdp_deepspeed
@@ -202,19 +202,12 @@ def start_accelerator(cfg: Config) -> tuple[Accelerator, bool, object, bool]:
     return accelerator, bf16, launch, launch is not None and launch.partitioned
 
 
-def reward_functions(specs: list[str], options: dict | None = None) -> list[tuple[str, object]]:
-    """The reward functions of `specs`, as the trainer, the evaluator and the chat page resolve them: the built-ins and
-    open-r1's by name (lib/rewards/open_r1.py; `options` their settings), `module:function` and `file.py:function`,
-    and a folder or hub id as a reward model (lib/models/reward_models.py; loaded later, onto a device). Raises
-    ValueError naming the spec and the fix."""
-    return resolve_reward_funcs(specs, options, reward_model_spec, REWARD_FUNCS)
-
-
 def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
     """(the reward specs the reward worker resolves, None for a reward model, the resolved functions): bad names stop
-    here, before any data or model loads. Names are the built-ins and open-r1's (lib/rewards/open_r1.py, with the
-    configuration's options); a folder or hub id is a reward model (lib/models/reward_models.py), which loads later,
-    onto each process's device, and runs in this process."""
+    here, before any data or model loads. The first half of lib/models/reward_models.build_rewards, the builder the
+    evaluator and the chat page call whole: names are the built-ins and open-r1's (lib/rewards/open_r1.py, with the
+    configuration's options); a folder or hub id is a reward model, which `load_rewards` loads later, onto each
+    process's device, and which runs in this process."""
     # TRL's script puts reward_model_name_or_path first; a folder or hub id in reward_funcs is a reward model too
     specs = [cfg.reward_model_name_or_path] * bool(cfg.reward_model_name_or_path) + cfg.reward_funcs
     try:
@@ -230,6 +223,15 @@ def resolve_rewards(cfg: Config) -> tuple[list[str], list]:
                           f"reward_funcs or name another function")
     in_process = [getattr(func, "in_process", False) for _, func in reward_funcs]  # a reward model runs here
     return [None if here else spec for spec, here in zip(specs, in_process)], reward_funcs
+
+
+def load_rewards(cfg: Config, reward_funcs: list, device: torch.device) -> list:
+    """The second half of lib/models/reward_models.build_rewards: the reward models loaded onto this process's device,
+    scoring a micro-batch at a time; loaded before the memory check, which counts them as resident."""
+    try:
+        return reward_models.load_rewards(cfg, reward_funcs, device, cfg.per_device_train_batch_size)
+    except ValueError as error:
+        raise ConfigError(f"reward_funcs: {error}") from error
 
 
 def load_data(cfg: Config, reward_funcs: list = (), say=print) -> tuple[list[dict], list[dict]]:
@@ -407,25 +409,6 @@ def load_models(cfg: Config, accelerator: Accelerator, model_path: str, resume: 
         if sharded:
             reference = sharding.shard_frozen(reference)
     return policy, reference
-
-
-def make_engine(policy, tokenizer, bf16: bool, seed: int, sharded: bool = False,
-                headroom: int | None = None) -> HFRollout:
-    """The HF sampler (lib/sampling/rollout.py), as the trainer and the evaluator make it: our decode loop, over the
-    policy itself or a copy of its weights that lib/sampling/cpu_kernels.sampling_copy makes where that is faster,
-    refreshed before each generation batch that follows an optimizer step
-    (`ready_sampler`); a policy that will be sharded is sampled from a full copy (`own_copy`); a LoRA /
-    QLoRA policy whose copy does not fit `headroom` bytes (lib/sharding/memory.copy_headroom) decodes from its own
-    layers (lib/sharding/memory.sampler_plan). (A vLLM
-    engine is lib/sampling/vllm_rollout.colocated_rollout, one on devices of its own
-    lib/sampling/generation_server.server_rollout; the trainer picks.)"""
-    # imported when a sampler is made, not with this module: it registers the CPU decode attention with transformers
-    # (lib/models/modeling.FAST_ATTENTION), which loads transformers' model code (about 1.3 s), and --help or a
-    # refused configuration need none of it
-    from lib.sampling.cpu_kernels import sampling_copy
-
-    return HFRollout(policy, end_token_ids(policy, tokenizer), tokenizer.pad_token_id, bf16=bf16,
-                     seed=seed, copy=partial(sampling_copy, own_copy=sharded, headroom=headroom))
 
 
 def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float,

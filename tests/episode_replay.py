@@ -106,12 +106,12 @@ def sampling_with(wrap):
     """While inside, train_agrpo's sampler is `wrap(the sampler it makes)`."""
     import train_agrpo
 
-    make_engine = train_agrpo.make_engine
-    train_agrpo.make_engine = lambda *args, **kwargs: wrap(make_engine(*args, **kwargs))
+    make_sampler = train_agrpo.make_sampler
+    train_agrpo.make_sampler = lambda *args, **kwargs: wrap(make_sampler(*args, **kwargs))
     try:
         yield
     finally:
-        train_agrpo.make_engine = make_engine
+        train_agrpo.make_sampler = make_sampler
 
 
 if __name__ == "__main__":  # python tests/episode_replay.py RECORD.pt -- TRAINER_ARGS
@@ -121,6 +121,6 @@ if __name__ == "__main__":  # python tests/episode_replay.py RECORD.pt -- TRAINE
     import train_agrpo
 
     sampler = ReplayingSampler(torch.load(record_path, weights_only=False))
-    train_agrpo.make_engine = lambda *args, **kwargs: sampler
+    train_agrpo.make_sampler = lambda *args, **kwargs: sampler
     train_agrpo.main(argv)
     Path(f"{record_path}-{os.environ.get('RANK', '0')}.json").write_text(json.dumps({"replayed": sampler.replayed}))

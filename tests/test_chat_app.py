@@ -17,6 +17,7 @@ from lib.apps.page import (MAX_UPLOAD_BYTES, PageInputError, allowed_roots, chec
                              checkpoint_choices, exposure, generation_config, loadable, model_messages,
                              read_conversation, run_folder_of, split_reasoning)
 from chat_app import main, parse_args  # noqa: E402
+from test_reward_models import own_forward, tiny_reward_model  # noqa: E402,F401  (a fixture)
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -191,6 +192,31 @@ def test_host_without_login_exits_with_one_line_before_loading_anything(tmp_path
     assert message.startswith("error: --host 0.0.0.0: the page would be open to other machines")
     assert len(message.splitlines()) == 1  # checked before the model argument, before any load
     assert capsys.readouterr() == ("", "")
+
+
+def test_the_page_scores_with_a_reward_model_given_in_reward_funcs(tiny_model, tiny_reward_model):
+    """--reward_funcs takes what the trainer's reward_funcs takes: a reward model's folder beside a built-in is loaded
+    by the trainer's and the evaluator's builder (lib/models/reward_models.build_rewards) and scores each answer
+    against the reference as in training: the model's own forward on the turn's prompt (the instruction after it) and
+    the answer, in its chat template. A spec that is neither is refused before any model loads."""
+    from chat_app import Slot, build_app
+    from lib.models.reward_models import load_reward_model
+
+    args = parse_args(["--reward_funcs", "accuracy", tiny_reward_model])
+    checkpoint = Slot("checkpoint")
+    checkpoint.load(tiny_model)
+    app = build_app(checkpoint, Slot("base"), args, None, {})
+    send = {d.api_name: d.fn for d in app.fns.values() if d.api_name}["send"]
+    instruction = "Give the final answer as 'Answer: <number>'."
+    *_, reward_line, _, status, turns = list(send("What is 2 + 2?", "4", instruction, "", True, 0.7, 1.0, 8, []))[-1]
+    assert status.startswith("answered in")
+    rewards = turns[0]["rewards"]["checkpoint"]
+    assert list(rewards) == ["accuracy", "tiny_rm"] and "tiny_rm" in reward_line
+    model = load_reward_model(tiny_reward_model, "cpu")
+    text = model.text([{"role": "user", "content": f"What is 2 + 2?\n{instruction}"}], turns[0]["checkpoint"])
+    assert rewards["tiny_rm"] == pytest.approx(own_forward(model.model, model.tokenizer, text), abs=1e-5)
+    with pytest.raises(SystemExit, match="error: --reward_funcs: .*'./no_such_rm'.*no such folder"):
+        main(["--reward_funcs", "accuracy", "./no_such_rm"])
 
 
 # ---------------------------------------------------------------------------------------------- the real page

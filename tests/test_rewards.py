@@ -390,8 +390,9 @@ def test_resolve_rejects_duplicate_names():
 
 
 def test_open_r1_rewards_resolve_only_where_the_entry_scripts_hand_them_over():
-    """The core knows the presets' rewards; open-r1's others are lib/rewards/open_r1.py, which lib/setup.reward_functions
-    pass as `named_rewards`: without it "cosine" is an unknown name, and every message lists the names it was given."""
+    """The core knows the presets' rewards; open-r1's others are lib/rewards/open_r1.py, which
+    lib/models/reward_models.reward_functions passes as `named_rewards`: without it "cosine" is an unknown name, and
+    every message lists the names it was given."""
     assert list(REWARD_FUNCS) == ["accuracy", "format", "length"]
     assert list(NAMED) == [*REWARD_FUNCS, "think_format", "cosine", "repetition", "soft_overlong", "tag_count",
                            "reasoning_steps"]

@@ -146,18 +146,16 @@ class ReplaySampler:
 
 @contextmanager
 def replaying(records: list[dict]):
-    """While inside, train_agrpo samples with a ReplaySampler of `records`, in place of the sampler it makes or of its
-    colocated vLLM engine (use_vllm: no engine is started)."""
+    """While inside, train_agrpo samples with a ReplaySampler of `records`, in place of the sampler it makes (the HF
+    sampler, or with use_vllm its colocated vLLM engine: lib/sampling/engines.make_sampler; no engine is started)."""
     import train_agrpo
-    from lib.sampling import vllm_rollout
 
-    make_engine, colocated_rollout = train_agrpo.make_engine, vllm_rollout.colocated_rollout
-    train_agrpo.make_engine = lambda *args, **kwargs: ReplaySampler(records)
-    vllm_rollout.colocated_rollout = lambda *args, **kwargs: ReplaySampler(records)
+    make_sampler = train_agrpo.make_sampler
+    train_agrpo.make_sampler = lambda *args, **kwargs: ReplaySampler(records)
     try:
         yield
     finally:
-        train_agrpo.make_engine, vllm_rollout.colocated_rollout = make_engine, colocated_rollout
+        train_agrpo.make_sampler = make_sampler
 
 
 # ---- the update from its definitions --------------------------------------------------------------------------------

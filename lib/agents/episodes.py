@@ -25,7 +25,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from lib.config import ConfigError
 from lib.agents.tools import (ResultRenderer, ToolWorker, environment_tools, load_environment, plain_tool_prompt,
-                              template_has_tools, tool_schemas, tool_spec, turn_tool_calls)
+                              start_tools, template_has_tools, tool_schemas, tool_spec, turn_tool_calls)
 from lib.sampling.rollout import Rollout
 
 ENVIRONMENT_COLUMN = "environment"  # TRL's: the data-set column that picks a row's environment by name
@@ -133,12 +133,11 @@ class Agent:
         environment that cannot be imported or described raises ConfigError naming the key, before any sampling."""
         if not cfg.tools and not cfg.environment_factory:
             return None
-        try:
-            specs = [tool_spec(t) for t in cfg.tools]
-            schemas = tool_schemas(specs)
+        environments = environment_specs(cfg.environment_factory)
+        try:  # (lib/agents/tools.start_tools, as the evaluator and the chat page build theirs)
+            specs, schemas, worker = start_tools(cfg.tools, cfg.tool_timeout, environments, start=False)
         except ValueError as error:
             raise ConfigError(f"tools: {error}") from None
-        environments = environment_specs(cfg.environment_factory)
         environment_schemas = {}
         for name, spec in environments.items():
             try:
@@ -146,8 +145,7 @@ class Agent:
             except ValueError as error:
                 raise ConfigError(f"environment_factory: {spec}: {error} (its methods are tools, beside `tools`: "
                                   "each needs type hints and a Google-style docstring)") from None
-        worker = ToolWorker(specs, cfg.tool_timeout, environments)
-        worker.start()
+        worker.start()  # once the environments' tools are described too
         return cls(tokenizer, worker.call, cfg.max_tool_calling_iterations, cfg.max_completion_length, schemas,
                    worker, environments, environment_schemas)
 

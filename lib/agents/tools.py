@@ -412,5 +412,21 @@ class ToolWorker(RewardWorker):
         return (payload, None) if ok else (None, str(payload))
 
 
+def start_tools(tools: list, timeout: float, environments: dict | None = None, *,
+                start: bool = True) -> tuple[list[str], list[dict], ToolWorker]:
+    """(specs, schemas, worker): the one builder of a run's tools, which the trainer (lib/agents/episodes.Agent
+    .from_config), the evaluator and the chat page call with their `tools` and `tool_timeout`. Each tool (a function,
+    'module:function' or 'file.py:function') is imported and described (`tool_schemas`), then the worker that runs
+    their calls (and the `environments`' methods: {name: class spec}) is made and, unless `start` is false, started:
+    it imports them in its child while the models load. Raises ValueError naming the tool and the fix before any
+    worker exists."""
+    specs = [tool_spec(t) for t in tools]
+    schemas = tool_schemas(specs)
+    worker = ToolWorker(specs, timeout, environments)
+    if start:
+        worker.start()
+    return specs, schemas, worker
+
+
 if __name__ == "__main__":
     serve(int(sys.argv[1]), int(sys.argv[2]), _tools_setup)

@@ -1,9 +1,12 @@
 """Reward models: a sequence-classification model that scores prompt + completion, used as a reward function
 (docs/methods.md 2.5).
 
-A folder or hub id in reward_funcs (or reward_model_name_or_path) names one; `reward_model_spec` (the `models` the
-entry scripts hand lib/rewards/scoring.resolve_reward_funcs) resolves it to a RewardModelSpec, checked before anything
-loads, and load_reward_models loads it onto the trainer's device. It scores as TRL's GRPOTrainer scores one: the
+A folder or hub id in reward_funcs (or reward_model_name_or_path) names one; `reward_model_spec` (the `models`
+`reward_functions` hands lib/rewards/scoring.resolve_reward_funcs) resolves it to a RewardModelSpec, checked before
+anything loads, and load_reward_models loads it onto the device. `build_rewards` is the one builder of a run's rewards
+(functions and reward models) that the trainer, the evaluator and the chat page call from the same settings: it sits
+here, with the models it loads: lib/rewards/ is the lowest room (pure functions that the data, the methods and the
+models import) and cannot import the models' loading. It scores as TRL's GRPOTrainer scores one: the
 prompt's messages and the completion as one conversation in the reward model's own chat template (prompt text +
 completion where its tokenizer has none), tokenized with its own tokenizer without added special tokens (the template
 holds them), padded on the right, and the reward is the first logit at the last non-padding token (`logits[:, 0]`).
@@ -21,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from lib.config import ConfigError
+from lib.config import setting
 from lib.rewards.open_r1 import REWARD_FUNCS
 from lib.models.modeling import load_tokenizer
-from lib.rewards.scoring import is_conversational, spec_error
+from lib.rewards.scoring import is_conversational, resolve_reward_funcs, spec_error
 from lib.rewards.functions import completion_text
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a hub id ("org/name")
@@ -53,7 +56,7 @@ def reward_model_name(spec: str) -> str:
 
 def reward_model_spec(spec: str) -> tuple[str, RewardModelSpec] | None:
     """(name, the reward model) `spec` names (a local folder, or a hub id 'org/name'), or None when it names a
-    function: lib/rewards/scoring.resolve_reward_funcs' `models`, which lib/setup.reward_functions passes.
+    function: lib/rewards/scoring.resolve_reward_funcs' `models`, which `reward_functions` passes.
     Raises on a folder that holds no sequence-classification model: a causal LM would get a new, random score head
     (transformers initialises what the checkpoint lacks) and train the policy on noise."""
     if ":" in spec:
@@ -195,14 +198,31 @@ def load_reward_models(reward_funcs: list[tuple[str, object]], device: torch.dev
             if isinstance(func, RewardModelSpec) else (name, func) for name, func in reward_funcs]
 
 
-def load_rewards(cfg, reward_funcs: list, device: torch.device) -> list:
-    """The reward functions with their reward models loaded: each scores in this process, on its
-    device, a micro-batch at a time (load_reward_models). Loaded before the memory check, which
-    counts them as resident."""
-    try:
-        return load_reward_models(reward_funcs, device, cfg.per_device_train_batch_size,
-                                  trust_remote_code=cfg.trust_remote_code,
-                                  chat_template_kwargs=cfg.chat_template_kwargs, instruction=cfg.instruction,
-                                  system_prompt=cfg.system_prompt)
-    except ValueError as error:
-        raise ConfigError(f"reward_funcs: {error}") from error
+def reward_functions(specs: list[str], options: dict | None = None) -> list[tuple[str, object]]:
+    """The reward functions of `specs`, as the trainer, the evaluator and the chat page resolve them: the built-ins and
+    open-r1's by name (lib/rewards/open_r1.py; `options` their settings, lib/rewards/open_r1.reward_options), `module:
+    function` and `file.py:function`, and a folder or hub id as a reward model (a RewardModelSpec: `load_rewards` loads
+    it). Nothing loads here: the scripts call it to check the specs before any data or model loads. Raises ValueError
+    naming the spec and the fix."""
+    return resolve_reward_funcs(specs, options, reward_model_spec, REWARD_FUNCS)
+
+
+def load_rewards(settings, reward_funcs: list, device: torch.device | str, batch_size: int) -> list:
+    """`reward_funcs` (`reward_functions`) with their reward models loaded onto `device`, each scoring `batch_size`
+    texts at a time, with the settings' chat_template_kwargs, instruction, system_prompt and trust_remote_code
+    (lib/config.setting: the trainer's default where a script does not declare the key). The trainer loads them after
+    the policy, before the memory check, which counts them as resident. Raises ValueError naming the model."""
+    return load_reward_models(reward_funcs, device, batch_size,
+                              trust_remote_code=setting(settings, "trust_remote_code"),
+                              chat_template_kwargs=setting(settings, "chat_template_kwargs"),
+                              instruction=setting(settings, "instruction"),
+                              system_prompt=setting(settings, "system_prompt"))
+
+
+def build_rewards(settings, device: torch.device | str, batch_size: int, options: dict | None = None) -> list:
+    """A run's rewards, the one builder of them: the settings' reward_funcs resolved (`reward_functions`, `options`
+    the built-ins' settings where the script has them: lib/rewards/open_r1.reward_options) and their reward models
+    loaded (`load_rewards`). The evaluator and the chat page call it whole; the trainer calls its two halves, as it
+    checks the names before the data loads and loads the models after the policy (lib/setup.resolve_rewards).
+    Raises ValueError naming the spec or the model and the fix."""
+    return load_rewards(settings, reward_functions(settings.reward_funcs, options), device, batch_size)

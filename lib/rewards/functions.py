@@ -10,7 +10,8 @@ The built-in functions here (accuracy, format, length: what the presets and the 
 `src/open_r1/rewards.py` (commit 1416fa0, docs/methods.md 2.4), take either form of completion, and ignore the keywords
 they do not use; answer equivalence is decided by math-verify (`parse` + `verify`), never by string comparison of our
 own. open-r1's other rewards (think_format, cosine, repetition, soft_overlong, tag_count, reasoning_steps) are
-lib/rewards/open_r1.py, which lib/setup.reward_functions hands to lib/rewards/scoring.resolve_reward_funcs.
+lib/rewards/open_r1.py, which lib/models/reward_models.reward_functions hands to
+lib/rewards/scoring.resolve_reward_funcs.
 
 Lengths: the trainer passes the column `completion_length` (completion tokens, ints). `length` falls back to
 `len(completion)` in characters when the column is absent, which is what open-r1 measures, so it also works when

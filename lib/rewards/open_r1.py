@@ -2,8 +2,8 @@
 docs/methods.md 2.4), and DAPO's soft overlong punishment: think_format, cosine, repetition, soft_overlong, tag_count,
 reasoning_steps. Pure, called as lib/rewards/functions.py's are (keyword arguments, either form of completion).
 
-`REWARD_FUNCS` is every built-in name, lib/rewards/functions.py's and these: lib/setup.reward_functions hands it to
-lib/rewards/scoring.resolve_reward_funcs (`named_rewards`), so that `--reward_funcs cosine` resolves there;
+`REWARD_FUNCS` is every built-in name, lib/rewards/functions.py's and these: lib/models/reward_models.reward_functions
+hands it to lib/rewards/scoring.resolve_reward_funcs (`named_rewards`), so that `--reward_funcs cosine` resolves there;
 `reward_options` their keyword options from the configuration, which train_agrpo.py hands over the same way.
 """
 
@@ -138,8 +138,9 @@ REWARD_FUNCS: dict[str, RewardFunc] = {
 
 def reward_options(cfg) -> dict:
     """Keyword options of the built-in reward functions above (cosine, repetition and soft_overlong), from the
-    configuration: lib/setup.resolve_rewards reads them, and train_agrpo.setup hands them to the reward worker, and
-    lib/rewards/scoring.resolve_reward_funcs binds to each function the ones it takes."""
+    configuration: lib/setup.resolve_rewards reads them (the trainer's half of lib/models/reward_models.build_rewards),
+    and train_agrpo.setup hands them to the reward worker, and lib/rewards/scoring.resolve_reward_funcs binds to each
+    function the ones it takes."""
     return {"max_len": cfg.cosine_max_len or cfg.max_completion_length,
             "max_completion_length": cfg.max_completion_length,
             "overlong_buffer_length": cfg.overlong_buffer_length or max(1, cfg.max_completion_length // 5),

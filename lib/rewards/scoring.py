@@ -118,8 +118,9 @@ def resolve_reward_funcs(specs: list[str], options: dict | None = None, models=N
     form) or 'file.py:function', or, where `models` is given, a reward model: models(spec) is (name, the model to
     load) for a folder or hub id of one, None otherwise (lib/models/reward_models.reward_model_spec, which the entry
     scripts pass). A custom function is named by its `__name__`, a built-in by our name: a key of `named_rewards`
-    (lib/rewards/functions.REWARD_FUNCS, or lib/rewards/open_r1.REWARD_FUNCS, which lib/setup.reward_functions passes). Raises
-    ValueError naming the spec and the fix on any bad spec (TRL's reward names: lib/trl_keys.reward_name).
+    (lib/rewards/functions.REWARD_FUNCS, or lib/rewards/open_r1.REWARD_FUNCS, which
+    lib/models/reward_models.reward_functions passes). Raises ValueError naming the spec and the fix on any bad spec
+    (TRL's reward names: lib/trl_keys.reward_name).
 
     `options` (e.g. {"max_len": 1000, "ngram_size": 3}): each function gets, bound, the entries whose key is one of its
     keyword-only parameters, and nothing else; the name stays the spec's. A built-in with a bad value raises here."""

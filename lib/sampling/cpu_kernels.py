@@ -1,6 +1,6 @@
 """CPU-only kernels for sampling: oneDNN-prepacked bf16 linear layers (docs/performance.md 2.1), which do not change
 what is computed and make the HF sampler's decode step faster on a CPU. (The grouped decode attention that models load
-with on a CPU is lib/models/attention.py.) `sampling_copy` is the copy lib/setup.make_engine gives
+with on a CPU is lib/models/attention.py.) `sampling_copy` is the copy lib/sampling/engines.make_engine gives
 lib.sampling.rollout.HFRollout (`copy`): its sampling copy (lib/sampling/policy_copy.py) with `prepack_for_cpu`.
 """
 

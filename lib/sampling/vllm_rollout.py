@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from lib.config import ConfigError
+from lib.config import ConfigError, setting
 from lib.sharding.memory import kv_bytes_per_token
 from lib.models.folders import adapter_base
 from lib.models.embedded import resolve_model_path
@@ -736,34 +736,41 @@ def say_hf_sampler_note(cfg, device: torch.device, say) -> None:
         say(note)
 
 
-def colocated_rollout(cfg, policy, tokenizer, model_path: str, bf16: bool, rank: int) -> VLLMRollout:
+def colocated_rollout(cfg, policy, tokenizer, model_path: str, bf16: bool, rank: int, *,
+                      max_num_seqs: int | None = None, lora_sync: str | None = None) -> VLLMRollout:
     """A colocated vLLM engine per process (`use_vllm`, `vllm_mode colocate`), loaded from the base model and given
     the policy's weights before the first sample and before each later batch the weights moved for: a LoRA policy's
-    adapter alone (vllm_lora_sync adapter) where the engine can serve it, else every weight with the adapter merged.
-    A policy that will be sharded gives gathered weights (lib/sampling/policy_copy.full_parameters)."""
+    adapter alone (vllm_lora_sync adapter, or `lora_sync`) where the engine can serve it, else every weight with the
+    adapter merged. A policy that will be sharded gives gathered weights (lib/sampling/policy_copy.full_parameters).
+    `cfg`: a run's Config or the evaluator's arguments (a key they lack has the trainer's default,
+    lib/config.setting); lib/sampling/engines.make_sampler calls it for both."""
     engine_path = adapter_base(model_path) if is_adapter_folder(model_path) else model_path
+    if max_num_seqs is None:
+        # the largest call: this process's whole generation batch (every micro-batch of every optimizer step it
+        # serves), or an evaluation batch; fewer would decode it in waves
+        max_num_seqs = max(cfg.local_generation_batch, cfg.per_device_eval_batch_size)
     options = dict(seed=cfg.seed + rank,
-                   max_model_len=cfg.vllm_max_model_length
+                   max_model_len=setting(cfg, "vllm_max_model_length")
                    or cfg.max_prompt_length + cfg.max_completion_length,
-                   # the largest call: this process's whole generation batch (every micro-batch of
-                   # every optimizer step it serves), or an evaluation batch; fewer would decode it in waves
-                   max_num_seqs=max(cfg.local_generation_batch, cfg.per_device_eval_batch_size),
-                   gpu_memory_utilization=engine_share(cfg.vllm_gpu_memory_utilization, cfg.max_memory,
+                   max_num_seqs=max_num_seqs,
+                   gpu_memory_utilization=engine_share(cfg.vllm_gpu_memory_utilization, setting(cfg, "max_memory"),
                                                        torch.cuda.mem_get_info()[1] if gpu_device() else None),
                    # a GPU without native bf16 (T4, V100: vLLM refuses bfloat16 there) samples in
                    # fp16
                    dtype="bfloat16" if bf16 else "float16" if gpu_without_bf16() else "float32",
-                   enable_sleep_mode=cfg.vllm_enable_sleep_mode,
-                   sampling_kwargs=cfg.generation_kwargs, trust_remote_code=cfg.trust_remote_code)
+                   enable_sleep_mode=setting(cfg, "vllm_enable_sleep_mode"),
+                   sampling_kwargs=setting(cfg, "generation_kwargs"), trust_remote_code=cfg.trust_remote_code)
     args = (resolve_model_path(engine_path), end_token_ids(policy, tokenizer),
             tokenizer.pad_token_id)
     gpu = next(policy.parameters()).device.type == "cuda"
-    sync = cfg.vllm_lora_sync if cfg.vllm_lora_sync != "auto" else "adapter" if gpu else "merge"
+    sync = lora_sync or setting(cfg, "vllm_lora_sync")
+    sync = sync if sync != "auto" else "adapter" if gpu else "merge"
     if hasattr(policy, "peft_config") and sync == "adapter":
         # a 4-bit policy's engine holds a 4-bit base where vLLM can (adapter sync only: a quantised engine takes no
         # merged weights, so the merged fallback below starts an unquantised one)
-        quantization = engine_quantization(bool(cfg.load_in_4bit), vllm_quantization_methods())
-        if cfg.load_in_4bit and quantization is None and rank == 0:
+        four_bit = bool(setting(cfg, "load_in_4bit"))
+        quantization = engine_quantization(four_bit, vllm_quantization_methods())
+        if four_bit and quantization is None and rank == 0:
             tqdm.write("use_vllm: this vLLM has no bitsandbytes quantization, so the engine holds the 4-bit "
                        "policy's base in 16 bits (vllm_gpu_memory_utilization must leave room for it)")
         engine = None
