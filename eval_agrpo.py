@@ -52,6 +52,7 @@ from lib.methods.losses import weighted_rewards
 from lib.data import hub_data
 from lib.evaluation.reference_cache import cache_key, read_kept, weights_fingerprint, write_kept
 from lib.models.reward_models import build_rewards, reward_functions
+from lib.rewards.open_r1 import reward_options
 from lib.trl_keys import reward_name
 from lib.agents.tools import start_tools, tool_schemas, tool_spec
 from lib.rewards.scoring import reward_arguments, score_completions
@@ -95,7 +96,8 @@ SHARED_KEYS = ("model_name_or_path", "bf16", "dataset_name", "dataset_config", "
                "answer_column", "skip_invalid_rows", "system_prompt", "instruction", "max_prompt_length",
                "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "use_vllm",
                "vllm_gpu_memory_utilization", "chat_template_kwargs", "trust_remote_code", "seed", "reward_funcs",
-               "reward_weights", "tools", "max_tool_calling_iterations", "tool_timeout", "output_dir",
+               "reward_weights", "cosine_max_len", "overlong_buffer_length", "repetition_n_grams",
+               "repetition_max_penalty", "tools", "max_tool_calling_iterations", "tool_timeout", "output_dir",
                "overwrite_output_dir")
 # Where the evaluator declares one of them otherwise, on purpose, and why; the reason is added to the key's --help.
 DIFFERS = {
@@ -433,6 +435,15 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def eval_rewards(args: argparse.Namespace, device) -> list:
+    """The rewards as the trainer builds them (lib/models/reward_models.build_rewards), the built-ins' options
+    (cosine, soft_overlong, repetition) from the same keys and defaults as the trainer's (open_r1.reward_options)."""
+    try:
+        return build_rewards(args, device, args.batch_size, reward_options(args))
+    except ValueError as error:
+        raise EvalConfigError(f"--reward_funcs: {error}") from error
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     # ------------------------------------------------------------------------------ set-up: every check first
     args = parse_args(argv)
@@ -444,10 +455,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     bf16 = args.bf16 if args.bf16 is not None else native_bf16(device)
     # the trainer's rewards: functions, and reward models (a folder or hub id in --reward_funcs) loaded once, onto
     # the device (lib/models/reward_models.build_rewards, the chat page's builder too)
-    try:
-        reward_funcs = build_rewards(args, device, args.batch_size)
-    except ValueError as error:
-        raise EvalConfigError(f"--reward_funcs: {error}") from error
+    reward_funcs = eval_rewards(args, device)
     weights = args.reward_weights or [1.0] * len(reward_funcs)
     names = list(args.model_name_or_path)
     reference_label = model_label(args.reference_model) if args.reference_model else None

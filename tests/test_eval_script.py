@@ -89,7 +89,7 @@ def test_the_keys_shared_with_the_trainer_are_its_declarations(tmp_path):
         return {a.dest: (a, section[id(a)]) for a in parser._actions if a.dest in FIELDS}
 
     evaluator, trainer = actions(eval_agrpo.build_parser()), actions(build_parser())
-    assert set(evaluator) == set(eval_agrpo.SHARED_KEYS) and len(evaluator) == 29  # no own key shadows one of them
+    assert set(evaluator) == set(eval_agrpo.SHARED_KEYS) and len(evaluator) == 33  # no own key shadows one of them
     for name, (action, section) in evaluator.items():
         theirs, their_section = trainer[name]
         assert section == their_section, name
@@ -131,6 +131,20 @@ def test_the_keys_shared_with_the_trainer_are_its_declarations(tmp_path):
         assert str(ours.value) == f"--{theirs.value}", name
         checked += 1
     assert checked >= 10, checked
+
+
+def test_the_built_in_rewards_score_with_the_trainers_options():
+    """soft_overlong, cosine and repetition take the trainer's keys and defaults (lib/rewards/open_r1.reward_options):
+    the evaluator used to leave them at the functions' own defaults (soft_overlong's 20,480-token limit), so that
+    soft_overlong scored 0 on every completion a run with max_completion_length 64 had been punished for."""
+    def scores(*argv):
+        args = eval_agrpo.parse_args(["--reward_funcs", "soft_overlong", *argv])
+        (name, reward), = eval_agrpo.eval_rewards(args, "cpu")
+        return reward(prompts=["p"] * 3, completions=["a"] * 3, completion_length=[10, 60, 64])
+
+    assert scores("--max_completion_length", "64") == pytest.approx([0.0, -(60 - 52) / 12, -1.0])  # buffer 64 // 5
+    assert scores("--max_completion_length", "64", "--overlong_buffer_length", "32") == pytest.approx(
+        [0.0, -(60 - 32) / 32, -1.0])
 
 
 def test_bad_data_file_is_named_with_its_row(tmp_path):
