@@ -494,8 +494,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                  args.max_completion_length, schemas)
         for set_label, records in sets.items():
             prompts = eval_prompts(tokenizer, records, args, agent)
-            key = reference_key(args, bf16, records, prompts) if label == reference_label else None
-            if key and (entry := read_kept(args.reference_cache, key)) is not None:
+            kept_key = reference_key(args, bf16, records, prompts) if label == reference_label else None
+            if kept_key and (entry := read_kept(args.reference_cache, kept_key)) is not None:
                 rows.append({**entry["row"], "cached": True})
                 kept[(label, set_label)] = (entry["results"], entry["rewards"])
                 lines.extend(entry["lines"])
@@ -542,9 +542,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "completion": completion, "answer": result["answers"][j], "correct": result["correct"][j],
                         "reward": rewards[i][j], "tokens": result["lengths"][j], "truncated": result["truncated"][j],
                         **({"tool_calls": result["tool_calls"][j]} if "tool_calls" in result else {})}))
-            if key:
-                write_kept(args.reference_cache, key, {"row": row, "results": results, "rewards": rewards,
-                                                       "lines": lines[first_line:]})
+            if kept_key:
+                write_kept(args.reference_cache, kept_key, {"row": row, "results": results, "rewards": rewards,
+                                                            "lines": lines[first_line:]})
         del model, backend
         gc.collect()
     if tools is not None:
