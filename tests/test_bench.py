@@ -42,9 +42,10 @@ def test_the_sharded_and_server_modes_name_what_they_need():
 @pytest.mark.slow
 def test_a_sharded_run_is_measured_across_its_processes(tmp_path):
     """--launch_config: each measured run is an accelerate launch of two processes (FSDP2 over gloo here), the step
-    times come from the main process and the peak memory is the largest of the two."""
+    times come from the main process and the peak memory is the largest of the two. At the Llama family's tiny shape
+    (untied output layer), which the GPU check's dry run (tests/test_gpu_check.py) leaves out: it runs qwen2-tiny."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run(BENCH + ["--shape", "qwen2-tiny", "--steps", "2", "--rounds", "1", "--trainers", "ours",
+    proc = subprocess.run(BENCH + ["--shape", "llama-tiny", "--steps", "2", "--rounds", "1", "--trainers", "ours",
                                    "--max_completion_length", "8", "--output_json", str(out), "--launch_config",
                                    str(REPO / "scripts" / "accelerate" / "fsdp2_cpu.yaml")],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
