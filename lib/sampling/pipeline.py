@@ -14,8 +14,9 @@ The asynchronous schedule is fixed in advance, so a run does not depend on how f
 so its staleness s_b - r_b is at most k (0 for the first batches), the sampler's weights move only at multiples of
 N, and the same seed gives the same tokens, losses and checkpoints however the two threads interleave. With k = 0,
 r_b = s_b: every batch waits for the weights of the step before it, the synchronous run's order exactly. At most
-floor(k / S) + 1 batches wait for the loop (queue_maxsize is checked against it); no batch is ever dropped for age, because none is sampled before the
-weights it is due for exist (TRL's asynchronous trainer samples freely and drops what comes back too old).
+floor(k / S) + 1 batches wait for the loop (queue_maxsize is checked against it); no batch is ever dropped for age,
+because none is sampled before the weights it is due for exist (TRL's asynchronous trainer samples freely and drops
+what comes back too old).
 
 The thread only ever touches the sampler: the learner's weights are read in the loop's thread, at the pushes, which
 wait for the sampler to finish the batches due to older weights. A failure in the thread stops the loop with the

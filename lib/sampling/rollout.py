@@ -87,32 +87,26 @@ def replace_completions(batch: Rollout, rows: torch.Tensor, new: Rollout, pad_to
     replaces the old one). The width becomes that of the longest completion kept."""
     width = max(batch.completion_ids.shape[1], new.completion_ids.shape[1])
 
-    def widen(t: torch.Tensor, fill) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
+    def merged(old: torch.Tensor, replacement: torch.Tensor, fill) -> torch.Tensor:
+        """`old` widened with `fill`, its `rows` replaced by `replacement` (widened alike)."""
+        out = torch.nn.functional.pad(old, (0, width - old.shape[1]), value=fill).clone()
+        out[rows] = torch.nn.functional.pad(replacement, (0, width - replacement.shape[1]), value=fill)
+        return out
 
-    ids = widen(batch.completion_ids, pad_token_id).clone()
-    mask = widen(batch.completion_mask, 0).clone()
-    temps = widen(batch.temperatures, 0.0).clone()
+    ids = merged(batch.completion_ids, new.completion_ids, pad_token_id)
+    mask = merged(batch.completion_mask, new.completion_mask, 0)
+    temps = merged(batch.temperatures, new.temperatures, 0.0)
     truncated = batch.is_truncated.clone()
-    ids[rows] = widen(new.completion_ids, pad_token_id)
-    mask[rows] = widen(new.completion_mask, 0)
-    temps[rows] = widen(new.temperatures, 0.0)
     truncated[rows] = new.is_truncated
     sequence = None
     if batch.sequence_mask is not None or new.sequence_mask is not None:  # agents' episodes: model tokens have gaps
-        sequence = widen(batch.attended(), 0).clone()
-        sequence[rows] = widen(new.attended(), 0)
+        sequence = merged(batch.attended(), new.attended(), 0)
     used = int((mask if sequence is None else sequence).sum(1).max()) if mask.numel() else 0
-    logps = None
-    if batch.sampling_logps is not None and new.sampling_logps is not None:
-        logps = widen(batch.sampling_logps, 0.0).clone()
-        logps[rows] = widen(new.sampling_logps, 0.0)
-        logps = logps[:, :used]
-    versions = None
-    if batch.token_versions is not None and new.token_versions is not None:
-        versions = widen(batch.token_versions, -1).clone()
-        versions[rows] = widen(new.token_versions, -1)
-        versions = versions[:, :used]
+    # per-token values a sampler adds (both sides have them or the result has none): its log-probs, weight versions
+    logps = None if batch.sampling_logps is None or new.sampling_logps is None else \
+        merged(batch.sampling_logps, new.sampling_logps, 0.0)[:, :used]
+    versions = None if batch.token_versions is None or new.token_versions is None else \
+        merged(batch.token_versions, new.token_versions, -1)[:, :used]
     columns = None
     if batch.columns or new.columns:
         columns = {}
