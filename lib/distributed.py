@@ -6,6 +6,7 @@ the same point with the same arguments.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -82,3 +83,19 @@ def gather_ragged(accelerator: Accelerator, values: torch.Tensor) -> torch.Tenso
     padded = accelerator.pad_across_processes(values, dim=0, pad_index=-math.inf)
     gathered = accelerator.gather(padded)
     return gathered[gathered > -math.inf]
+
+
+def keep_gloo_groups_to_exit() -> None:
+    """At a launch's end, before Accelerate's `end_training` destroys the process groups: gloo's groups stay alive
+    until the process exits. `destroy_process_group` unregisters a group, but FSDP2 leaves it referenced from DTensor's
+    caches (through the parameters' device mesh), so the interpreter's own shutdown frees it, joining its worker
+    threads while Python is half torn down; now and then that aborts a process that has written everything
+    ("terminate called without an active exception", exit code -6 from accelerate launch: seen once on CI, with two
+    CPU processes). With one reference Python never gives back, the group is never freed and its idle threads end with
+    the process. NCCL's groups are shut down by `destroy_process_group` itself and are left to it."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if "gloo" in str(dist.get_backend(group)):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))

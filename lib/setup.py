@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from lib import checkpoint as ckpt
+from lib import distributed
 from lib.config import Config, ConfigError, save_yaml, validate
 from lib.data import hub_data
 from lib.data.records import check_answers, load_records, render_prompt, split_names
@@ -501,6 +502,7 @@ def close(run: Run) -> None:
             worker.close()
     if run.output.hub is not None:  # says which pushes an early stop abandons (docs/hub.md 3)
         run.output.hub.close()
+    distributed.keep_gloo_groups_to_exit()  # a gloo group freed in the interpreter's shutdown can abort it
     run.accelerator.end_training()
 
 

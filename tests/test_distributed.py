@@ -251,6 +251,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+GLOO_END = """
+import gc, os, sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+sys.path.insert(0, sys.argv[1])
+from lib.distributed import keep_gloo_groups_to_exit
+dist.init_process_group("gloo")
+model = fully_shard(torch.nn.Linear(4, 4))
+model(torch.ones(2, 4)).sum().backward()
+if sys.argv[2] == "keep":
+    keep_gloo_groups_to_exit()
+dist.destroy_process_group()
+del model  # and what still holds the group: DTensor's caches
+torch._C._clear_DTensor_sharding_propagator_cache()
+DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+gc.collect()
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("gloo threads", os.environ["RANK"], sum(name.startswith(("pt_gloo", "gloo")) for name in threads))
+"""
+
+
+@pytest.mark.slow  # two launches of two processes: about 10 s
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads in /proc (Linux)")
+def test_a_gloo_group_is_not_freed_in_the_interpreters_shutdown(tmp_path):
+    """lib/setup.close keeps a gloo group to the process's exit (lib/distributed.keep_gloo_groups_to_exit): freed
+    while the interpreter shuts down, its threads once aborted a finished FSDP2 run on CI (exit -6). Without it the
+    group is freed as soon as nothing holds it (its three threads end: the control); with it, never."""
+    script = tmp_path / "gloo_end.py"
+    script.write_text(GLOO_END)
+    counts = {}
+    for mode in ("free", "keep"):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
+                               str(REPO), mode], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        counts[mode] = sorted(line.split()[-1] for line in proc.stdout.splitlines() if line.startswith("gloo threads"))
+    assert counts == {"free": ["0", "0"], "keep": ["3", "3"]}
+
+
 @pytest.mark.slow
 def test_two_machines_train_as_two_processes_of_one(tmp_path, tiny_model, fsdp_run):
     """Multi-node: the SLURM script's launch, two "machines" (one process each, --num_machines 2, --machine_rank 0 /
