@@ -366,20 +366,25 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
     started = started or {name for name in (checkpoint.name, base.name) if name}
 
     # the trainer's and the evaluator's rewards, from the same builder: the functions, and a reward model (a folder or
-    # hub id in --reward_funcs) loaded onto the CPU, as the page's models (lib/models/reward_models.build_rewards)
+    # hub id in --reward_funcs) loaded onto the CPU, as the page's models (lib/models/reward_models.build_rewards);
+    # the built-ins' options as the run trained with them (cosine's length, the overlong buffer, the repetition's n)
     try:
-        reward_funcs = build_rewards(args, "cpu", batch_size=2)
+        reward_funcs = build_rewards(args, "cpu", batch_size=2, options=page.reward_options_of(settings))
     except ValueError as error:
         raise SystemExit(f"error: --reward_funcs: {error}") from None
 
-    def score(text: str, reference: str, prompt: str, instruction: str, system_prompt: str) -> dict | None:
-        """Every reward of `text` against the reference answer; a reward model reads the turn's prompt as the policy
-        got it (the instruction after the problem, the system prompt), in its own chat template, and the answer."""
+    def score(text: str, ids: list[int], length: int, reference: str, prompt: str, instruction: str,
+              system_prompt: str) -> dict | None:
+        """Every reward of `text` against the reference answer, with the columns the trainer gives: the answer's
+        token ids and its length in the model's tokens (cosine and soft_overlong count tokens). A reward model reads
+        the turn's prompt as the policy got it (the instruction after the problem, the system prompt), in its own chat
+        template, and the answer."""
         if not reference.strip():
             return None
         record = {"prompt": prompt_messages(prompt, instruction or "", system_prompt or None)}
-        per_func, _ = score_completions(reward_funcs, [""], [text], {"answer": [reference.strip()]},
-                                        records=[record])
+        per_func, _ = score_completions(reward_funcs, [""], [text], {"answer": [reference.strip()],
+                                                                     "completion_length": [length]},
+                                        completion_ids=[ids], records=[record])
         return {name: values[0] for (name, _), values in zip(reward_funcs, per_func)}
 
     def answer(slot: Slot, side: str, turns, prompt, instruction, system_prompt, greedy, temperature, top_p,
@@ -421,12 +426,16 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
         turns.append(turn)
         start = time.perf_counter()
         pending, writing = dict(answers), set()  # writing: the sides whose last episode message is still growing
+        tokens = {}  # each side's answer: (its token ids, how many of them the model sampled)
         while pending:
             for side, stream in list(pending.items()):
                 try:
                     event = next(stream)
                 except StopIteration as end:  # the answer's end: the episode, or the turn's token ids
                     del pending[side]
+                    # the trainer's completion_length counts the model's tokens, not a tool result's
+                    tokens[side] = (end.value, len(end.value)) if tools is None else (end.value.ids,
+                                                                                      sum(end.value.model))
                     if tools is not None:  # the episode's text as the rewards get it in training
                         turn[side] = dict(sides)[side].tokenizer.decode(end.value.ids, skip_special_tokens=True)
                         turn[page.episode_key(side)] = end.value.messages
@@ -448,8 +457,9 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
             yield page.chat_view(turns, "checkpoint"), page.chat_view(turns, "base"), "", "", "generating...", turns
         turn["streaming"] = False
         turn["seconds"] = round(time.perf_counter() - start, 2)
-        turn["rewards"] = {side: score(turn[side], turn["reference"], turn["prompt"], instruction, system_prompt)
-                           for side in answers}
+        turn["tokens"] = {side: tokens[side][1] for side in answers}  # the model's tokens, as completion_length
+        turn["rewards"] = {side: score(turn[side], *tokens[side], turn["reference"], turn["prompt"], instruction,
+                                       system_prompt) for side in answers}
         yield (page.chat_view(turns, "checkpoint"), page.chat_view(turns, "base"),
                page.reward_line(turn["rewards"].get("checkpoint")), page.reward_line(turn["rewards"].get("base")),
                f"answered in {turn['seconds']:.1f} s", turns)
@@ -609,7 +619,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reward_funcs", nargs="+", default=["accuracy", "format"],
                         help=f"Rewards scored against the reference answer, as the trainer's reward_funcs: built-in "
                              f"names ({', '.join(REWARD_FUNCS)}), module:function or file.py:function, or a reward "
-                             f"model's folder or hub id (a sequence-classification model, loaded on the CPU).")
+                             f"model's folder or hub id (a sequence-classification model, loaded on the CPU). "
+                             f"cosine, soft_overlong and repetition take the options the run trained with (its "
+                             f"config.yaml), else the trainer's defaults.")
     parser.add_argument("--max_new_tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0, help="Sampling seed, the same for both sides.")
     parser.add_argument("--host", default=None, help="Address to listen on (default: $GRADIO_SERVER_NAME, else "

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 from transformers import GenerationConfig
@@ -17,7 +18,9 @@ from lib.data.records import DEFAULT_INSTRUCTION
 from lib.apps import health
 from lib.apps import runs as run_data
 from lib.models.embedded import EMBEDDED_ALIASES
+from lib.config import setting
 from lib.rewards.functions import extract_answer
+from lib.rewards.open_r1 import REWARD_OPTION_KEYS, reward_options
 
 CONVERSATION_FORMAT = "agrpo-chat/1"
 
@@ -125,8 +128,16 @@ def run_settings(run_dir: Path | None) -> dict:
     except (OSError, yaml.YAMLError):
         return {}
     keys = ("model_name_or_path", "instruction", "system_prompt", "tools", "max_tool_calling_iterations",
-            "tool_timeout", "environment_factory")
+            "tool_timeout", "environment_factory", *REWARD_OPTION_KEYS)
     return {k: config[k] for k in keys if k in config}
+
+
+def reward_options_of(settings: dict) -> dict:
+    """The built-in rewards' options (cosine, soft_overlong, repetition) as the run trained with them: the keys its
+    config.yaml gives (`run_settings`), the trainer's defaults for the others (lib/config.setting), made into options
+    by the trainer's own lib/rewards/open_r1.reward_options."""
+    given = SimpleNamespace(**{k: settings[k] for k in REWARD_OPTION_KEYS if k in settings})
+    return reward_options(SimpleNamespace(**{k: setting(given, k) for k in REWARD_OPTION_KEYS}))
 
 
 def generation_config(greedy: bool, temperature: float, top_p: float, max_new_tokens: int,

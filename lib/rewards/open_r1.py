@@ -136,6 +136,11 @@ REWARD_FUNCS: dict[str, RewardFunc] = {
 }
 
 
+# the trainer's keys that reward_options reads (lib/settings.py): what another script reads from a run's config.yaml
+REWARD_OPTION_KEYS = ("cosine_max_len", "max_completion_length", "overlong_buffer_length", "repetition_n_grams",
+                      "repetition_max_penalty")
+
+
 def reward_options(cfg) -> dict:
     """Keyword options of the built-in reward functions above (cosine, repetition and soft_overlong), from the
     configuration: lib/setup.resolve_rewards reads them (the trainer's half of lib/models/reward_models.build_rewards),
