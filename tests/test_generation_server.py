@@ -609,16 +609,28 @@ def test_an_asynchronous_run_with_weights_in_flight_logs_the_staleness_of_its_to
                                                                                     shared_server):
     """train_agrpo.py through the server with max_staleness 1 and vllm_inflight_updates: the run completes, its
     generate requests are stepped (weights taken between decode steps), and each step logs the staleness of its
-    batch's tokens (mean and largest), within max_staleness and never above the batch's own."""
+    batch's tokens (mean and largest), within max_staleness and never above the batch's own. Resumed from its
+    checkpoint-2, the run trains step 3 on the batch the checkpoint saved, tokens, versions and all: the step
+    logged again equals the uninterrupted one's."""
+    import shutil
+
     import httpx
 
     port = shared_server.port
     before = httpx.get(f"http://127.0.0.1:{port}/health").json()
-    served = train(["--model_name_or_path", small_llama, *ARGS, "--max_steps", "3", "--max_staleness", "1",
-                    "--vllm_inflight_updates", "true", "--vllm_mode", "server", "--vllm_server_base_url",
-                    f"http://127.0.0.1:{port}", "--vllm_group_port", str(free_port()),
-                    "--output_dir", str(tmp_path / "run")], tmp_path)
+    args = ["--model_name_or_path", small_llama, *ARGS, "--max_steps", "3", "--max_staleness", "1",
+            "--vllm_inflight_updates", "true", "--vllm_mode", "server", "--vllm_server_base_url",
+            f"http://127.0.0.1:{port}", "--save_strategy", "steps", "--save_steps", "2"]
+    served = train([*args, "--vllm_group_port", str(free_port()), "--output_dir", str(tmp_path / "run")], tmp_path)
     assert served.returncode == 0, served.stderr[-3000:]
+    shutil.copytree(tmp_path / "run", tmp_path / "resumed", ignore=shutil.ignore_patterns("checkpoint-3", "final"))
+    resumed = train([*args, "--vllm_group_port", str(free_port()), "--output_dir", str(tmp_path / "resumed"),
+                     "--resume_from_checkpoint", "latest"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = steps_of(tmp_path / "resumed")
+    assert [m["step"] for m in again] == [1, 2, 3]
+    assert {k: v for k, v in again[-1].items() if "time" not in k} == \
+        {k: v for k, v in steps_of(tmp_path / "run")[-1].items() if "time" not in k}
     health = httpx.get(f"http://127.0.0.1:{port}/health").json()
     assert health["inflight_calls"] - before["inflight_calls"] >= 3 and health["error"] is None
     steps = steps_of(tmp_path / "run")
