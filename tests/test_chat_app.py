@@ -226,34 +226,29 @@ def test_the_builtin_rewards_score_as_the_run_trained_them(tiny_model):
     the answer's tokens as the trainer's completion_length does (they once got the functions' own defaults and no
     token count: soft_overlong then failed on every answer)."""
     from chat_app import Slot, build_app
+    from lib.apps.page import reward_options_of
+    from lib.config import FIELDS, default_of
     from lib.rewards.open_r1 import cosine_reward, soft_overlong_reward
 
     checkpoint = Slot("checkpoint")
     checkpoint.load(tiny_model)
-    args = parse_args(["--reward_funcs", "cosine", "soft_overlong"])
     run = {"cosine_max_len": 4, "max_completion_length": 8, "overlong_buffer_length": 2}
-    scored = {}
-    for name, settings in (("run", run), ("defaults", {})):
-        app = build_app(checkpoint, Slot("base"), args, None, settings)
-        send = {d.api_name: d.fn for d in app.fns.values() if d.api_name}["send"]
-        *_, status, turns = list(send("What is 2 + 2?", "4", "", "", True, 0.7, 1.0, 8, []))[-1]
-        assert status.startswith("answered in"), status
-        scored[name] = turns[0]
-    for turn in scored.values():
-        assert turn["checkpoint"] == scored["run"]["checkpoint"] and 0 < turn["tokens"]["checkpoint"] <= 8
-    text, length = scored["run"]["checkpoint"], [scored["run"]["tokens"]["checkpoint"]]
-    cosine = cosine_reward([""], [text], ["4"], length, max_len=4)[0]
-    overlong = soft_overlong_reward([""], [text], length, max_completion_length=8, overlong_buffer_length=2)[0]
-    assert scored["run"]["rewards"]["checkpoint"] == {"cosine": cosine, "soft_overlong": overlong}
-    # the trainer's defaults: max_completion_length 256, its buffer a fifth of it, cosine's length the same
-    from lib.config import FIELDS, default_of
-
+    app = build_app(checkpoint, Slot("base"), parse_args(["--reward_funcs", "cosine", "soft_overlong"]), None, run)
+    send = {d.api_name: d.fn for d in app.fns.values() if d.api_name}["send"]
+    *_, status, turns = list(send("What is 2 + 2?", "4", "", "", True, 0.7, 1.0, 8, []))[-1]
+    assert status.startswith("answered in"), status
+    text, length = turns[0]["checkpoint"], [turns[0]["tokens"]["checkpoint"]]
+    assert 0 < length[0] <= 8
+    assert turns[0]["rewards"]["checkpoint"] == {
+        "cosine": cosine_reward([""], [text], ["4"], length, max_len=4)[0],
+        "soft_overlong": soft_overlong_reward([""], [text], length, max_completion_length=8,
+                                              overlong_buffer_length=2)[0]}
+    # without a run, the trainer's defaults: cosine's length and the buffer from its max_completion_length
     default = default_of(FIELDS["max_completion_length"])
-    assert scored["defaults"]["rewards"]["checkpoint"] == {
-        "cosine": cosine_reward([""], [text], ["4"], length, max_len=default)[0],
-        "soft_overlong": soft_overlong_reward([""], [text], length, max_completion_length=default,
-                                              overlong_buffer_length=max(1, default // 5))[0]}
-    assert scored["run"]["rewards"]["checkpoint"]["cosine"] != scored["defaults"]["rewards"]["checkpoint"]["cosine"]
+    assert reward_options_of({}) == {"max_len": default, "max_completion_length": default,
+                                     "overlong_buffer_length": max(1, default // 5), "ngram_size": 3,
+                                     "max_penalty": -1.0}
+    assert reward_options_of(run)["max_len"] == 4 and reward_options_of(run)["overlong_buffer_length"] == 2
 
 # ---------------------------------------------------------------------------------------------- the real page
 
