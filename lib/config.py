@@ -622,10 +622,9 @@ def check_asynchronous(cfg: Config, num_processes: int | None) -> None:
         raise ConfigError("max_staleness samples while the policy trains, and vllm_enable_sleep_mode frees the "
                           "engine's memory during training: set vllm_enable_sleep_mode false, or leave max_staleness "
                           "unset")
-    for key in ("tools", "environment_factory", "rollout_func"):
-        if getattr(cfg, key):
-            raise ConfigError(f"max_staleness: {key} is not supported with the asynchronous sampler yet (an agent's "
-                              f"episodes hold state between its turns); leave max_staleness unset")
+    if cfg.rollout_func:  # the user's function, called from the sampling thread, may read the policy as it trains
+        raise ConfigError("max_staleness: rollout_func is not supported with the asynchronous sampler (the function "
+                          "would run in the sampling thread while the policy trains); leave max_staleness unset")
 
 
 def validate_methods(cfg: Config, global_batch: int | None) -> None:

@@ -129,17 +129,19 @@ def tool_workers() -> list:
 
 
 @pytest.mark.slow  # two short runs in this process: 4-5 s a case on 2 idle cores, 13 s on busy ones
-@pytest.mark.parametrize("agent", ["tools", "environment"])
-def test_a_run_with_tools_or_an_environment_resumes_exactly(agent, tool_caller, tmp_path):
+@pytest.mark.parametrize("agent, staleness", [("tools", None), ("environment", None), ("tools", 1),
+                                              ("environment", 1)])
+def test_a_run_with_tools_or_an_environment_resumes_exactly(agent, staleness, tool_caller, tmp_path):
     """The run stopped after its step-1 checkpoint and resumed from it logs every number of step 2 (the tool counters
     and an environment's reward among them) and ends with every weight exactly as the uninterrupted run: with the
     run's `tools` (tests/tiny_tools.py:add), and with an environment_factory class instead (tests/tiny_tools.py:Adder,
     whose `add` method the model calls: one instance per episode, reset with the row, its count of calls the state
     get_reward reads). Nothing of an episode outlives its batch (its environment is dropped when the episode ends), so
     a checkpoint holds none; the resumed run starts a tool worker of its own, and each run's worker is stopped when
-    the run ends."""
+    the run ends. With max_staleness 1 the episodes run in the sampling thread (docs/async.md), one batch ahead: the
+    checkpoint saves the episodes sampled ahead, and the resumed run trains them as the uninterrupted one did."""
     args = ["--model_name_or_path", tool_caller, *agent_args(agent), "--per_device_train_batch_size", "8",
-            "--save_steps", "1"]
+            "--save_steps", "1", *(["--max_staleness", str(staleness)] if staleness is not None else [])]
     reference = tmp_path / "uninterrupted"
     train([*args, "--output_dir", str(reference)])
     assert not tool_workers()
@@ -149,6 +151,8 @@ def test_a_run_with_tools_or_an_environment_resumes_exactly(agent, tool_caller, 
     if agent == "environment":  # each episode's own count: the calls of other episodes never reach it
         assert all(m["rewards/Adder/errors"] == 0 and 0 < m["rewards/Adder/mean"] <= m["tools/call_frequency"]
                    for m in want)
+    # each batch's staleness: one step behind with the thread at max_staleness 1 (step 1's: the start's weights)
+    assert [m["staleness"] for m in want] == ([0, 0] if staleness is None else [0, 1])
     out = tmp_path / "resumed"
     shutil.copytree(reference, out, ignore=shutil.ignore_patterns("checkpoint-2", "final"))
     train([*args, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
@@ -158,6 +162,11 @@ def test_a_run_with_tools_or_an_environment_resumes_exactly(agent, tool_caller, 
     assert [without_times(m) for m in got] == [without_times(m) for m in want]
     a, b = load_file(out / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in b)
+    if agent == "tools" and staleness is None:  # max_staleness 0: the episodes in the thread, the synchronous run
+        train([*args, "--max_staleness", "0", "--output_dir", str(tmp_path / "thread")])
+        assert [without_times(m) for m in steps_of(tmp_path / "thread")] == [without_times(m) for m in want]
+        c = load_file(tmp_path / "thread" / "final" / "model.safetensors")
+        assert all(torch.equal(c[k], b[k]) for k in b)
 
 
 # ---------------------------------------------------------------------------------------------------------------

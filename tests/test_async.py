@@ -218,7 +218,7 @@ def test_the_queue_holds_at_most_what_queue_maxsize_is_checked_against(k, per_ba
 @pytest.mark.parametrize("settings, message", [
     ({"max_staleness": 1, "weight_sync_steps": 3}, "weight_sync_steps .* at most max_staleness"),
     ({"max_staleness": 1, "use_vllm": True, "vllm_enable_sleep_mode": True}, "vllm_enable_sleep_mode false"),
-    ({"max_staleness": 1, "tools": ["lib.agents.tools:calculator"]}, "tools is not supported"),
+    ({"max_staleness": 1, "rollout_func": "tests/tiny_tools.py:rollout_with_feedback"}, "rollout_func is not supported"),
     ({"max_staleness": -1}, "max_staleness must be"),
     ({"max_staleness": 2, "queue_maxsize": 47}, r"queue_maxsize \(47\) is below the 48 completions .*\(3 generation"),
 ])
