@@ -231,22 +231,28 @@ def test_a_run_through_the_generation_server_is_the_colocated_run_with_tools(vll
                                                                             tmp_path, monkeypatch):
     """`--vllm_mode server` (serve_vllm.py in a process of its own) serves every turn of the episodes: the run logs
     the colocated run's numbers (the server samples each request with the seed the colocated engine would have, so
-    continuations included), the tool counters among them."""
+    continuations included), the tool counters among them; and so does the run whose episodes the sampling thread
+    runs through the server (`--max_staleness 0`, docs/async.md 6)."""
     import test_generation_server as served
 
     monkeypatch.setattr(served, "CONTEXT", str(256 + 64))  # the colocated engine's: max_prompt_length + completions
     port = served.free_port()
     server = served.start_server(vllm_tool_caller, port, tmp_path / "server.log")
+    procs = {}
     try:
-        proc = subprocess.run([sys.executable, str(REPO / "train_agrpo.py"), "--model_name_or_path", vllm_tool_caller,
-                               *RUN, "--per_device_train_batch_size", "8", "--use_vllm", "true", "--vllm_mode", "server",
-                               "--vllm_server_base_url", f"http://127.0.0.1:{port}", "--vllm_group_port",
-                               str(served.free_port()), "--output_dir", str(tmp_path / "run")], cwd=REPO,
-                              capture_output=True, text=True, timeout=600, env={**os.environ, **VLLM_ENV})
+        for name, extra in (("run", []), ("thread", ["--max_staleness", "0"])):
+            procs[name] = subprocess.run(
+                [sys.executable, str(REPO / "train_agrpo.py"), "--model_name_or_path", vllm_tool_caller, *RUN,
+                 "--per_device_train_batch_size", "8", "--use_vllm", "true", "--vllm_mode", "server",
+                 "--vllm_server_base_url", f"http://127.0.0.1:{port}", "--vllm_group_port", str(served.free_port()),
+                 "--output_dir", str(tmp_path / name), *extra], cwd=REPO, capture_output=True, text=True,
+                timeout=600, env={**os.environ, **VLLM_ENV})
+            assert procs[name].returncode == 0, procs[name].stderr[-3000:]
     finally:
         served.stop(server)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     keys = ("step", *COMPARED)
-    mine, theirs = steps_of(tmp_path / "run"), steps_of(colocated_run / "run")
-    assert [{k: m[k] for k in keys} for m in mine] == [{k: m[k] for k in keys} for m in theirs]
-    assert all(m["tools/call_frequency"] > 0 for m in mine)
+    theirs = steps_of(colocated_run / "run")
+    for name in procs:
+        mine = steps_of(tmp_path / name)
+        assert [{k: m[k] for k in keys} for m in mine] == [{k: m[k] for k in keys} for m in theirs], name
+        assert all(m["tools/call_frequency"] > 0 for m in mine)
