@@ -52,7 +52,7 @@ from lib.methods.losses import weighted_rewards
 from lib.data import hub_data
 from lib.evaluation.reference_cache import cache_key, read_kept, weights_fingerprint, write_kept
 from lib.models.reward_models import build_rewards, reward_functions
-from lib.rewards.open_r1 import reward_options
+from lib.rewards.open_r1 import REWARD_OPTION_KEYS, reward_options
 from lib.trl_keys import reward_name
 from lib.agents.tools import start_tools, tool_schemas, tool_spec
 from lib.rewards.scoring import reward_arguments, score_completions
@@ -96,9 +96,8 @@ SHARED_KEYS = ("model_name_or_path", "bf16", "dataset_name", "dataset_config", "
                "answer_column", "skip_invalid_rows", "system_prompt", "instruction", "max_prompt_length",
                "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "use_vllm",
                "vllm_gpu_memory_utilization", "chat_template_kwargs", "trust_remote_code", "seed", "reward_funcs",
-               "reward_weights", "cosine_max_len", "overlong_buffer_length", "repetition_n_grams",
-               "repetition_max_penalty", "tools", "max_tool_calling_iterations", "tool_timeout", "output_dir",
-               "overwrite_output_dir")
+               "reward_weights", *(k for k in REWARD_OPTION_KEYS if k != "max_completion_length"), "tools",
+               "max_tool_calling_iterations", "tool_timeout", "output_dir", "overwrite_output_dir")
 # Where the evaluator declares one of them otherwise, on purpose, and why; the reason is added to the key's --help.
 DIFFERS = {
     "model_name_or_path": Differs(several=True, because="several models, each scored on the same prompts "

@@ -136,7 +136,8 @@ REWARD_FUNCS: dict[str, RewardFunc] = {
 }
 
 
-# the trainer's keys that reward_options reads (lib/settings.py): what another script reads from a run's config.yaml
+# the trainer's keys that reward_options reads (lib/settings.py): the evaluator declares them (eval_agrpo.SHARED_KEYS)
+# and the chat page reads them from a run's config.yaml (lib/apps/page.reward_options_of)
 REWARD_OPTION_KEYS = ("cosine_max_len", "max_completion_length", "overlong_buffer_length", "repetition_n_grams",
                       "repetition_max_penalty")
 
