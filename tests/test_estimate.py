@@ -35,7 +35,7 @@ def test_the_meta_device_count_equals_the_loaded_models_bytes(tiny_model, option
     assert abs(parts["policy weights"] - measured) <= 0.02 * measured, (parts, measured)
 
 
-def test_a_recipe_is_estimated_without_its_weights_and_without_the_hub():
+def test_a_recipe_is_estimated_without_its_weights_and_without_the_hub(meta_models_once):
     # the hub is out of reach here: the published shape of the recipe's model is used
     assert model_config("Qwen/Qwen2.5-1.5B-Instruct").num_hidden_layers == 28
     proc = subprocess.run([sys.executable, str(REPO / "train_agrpo.py"), "--config",
@@ -60,12 +60,31 @@ def test_a_recipe_is_estimated_without_its_weights_and_without_the_hub():
         model_config("no-such-org/no-such-model-xyz")
 
 
+@pytest.fixture
+def meta_models_once(monkeypatch):
+    """recipe_model, each meta-device model built once for the test: a test that estimates one shape under several
+    budgets and samplers (and through both estimate_only and recipe_memory) builds the same model each time, 1 s
+    with its LoRA adapter at 7B; what the estimate counts from it is unchanged."""
+    from lib.sharding import memory
+
+    built, build = {}, memory.recipe_model
+
+    def once(cfg, bf16=True):
+        key = (cfg.model_name_or_path, cfg.model_revision, cfg.dtype, bool(cfg.use_peft), cfg.lora_r, cfg.lora_alpha,
+               cfg.lora_dropout, str(cfg.lora_target_modules), bf16)
+        if key not in built:
+            built[key] = build(cfg, bf16)
+        return built[key]
+
+    monkeypatch.setattr(memory, "recipe_model", once)
+
+
 SHAPES_16GB = ["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-7B-Instruct",
                "meta-llama/Llama-3.1-8B-Instruct"]
 
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "scripts" / "recipes").glob("*16gb*.yaml")), ids=lambda p: p.stem)
-def test_each_16gb_recipe_is_estimated_at_each_shape_and_its_parts_add_up(recipe, capsys):
+def test_each_16gb_recipe_is_estimated_at_each_shape_and_its_parts_add_up(recipe, capsys, meta_models_once):
     """--estimate_memory_only for each 16 GB recipe at the Qwen2.5-1.5B, 3B, 7B and Llama-3.1-8B shapes, with its
     vLLM engine and with the HF sampler: the table is printed, its peak is the parts' sum (what is resident, the
     gradients and states, then the larger of sampling's KV cache and training's activations and logits chunk), and
@@ -214,7 +233,7 @@ LAUNCHES = {
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
-def test_each_multi_gpu_recipe_fits_its_cards_and_the_guard_decides_as_the_estimate(launch):
+def test_each_multi_gpu_recipe_fits_its_cards_and_the_guard_decides_as_the_estimate(launch, meta_models_once):
     """--estimate_memory_only of each multi-GPU launch fits 80 GB cards; and the run-time guard, given what a
     process of that launch holds before sharding (the whole fp32 policy, the reference already sharded as
     lib/setup.load_models leaves it, the vLLM engine awake, the context) and what the engine gives back asleep,
