@@ -287,6 +287,7 @@ def launch_two_processes(args: list[str], cwd: Path) -> subprocess.CompletedProc
                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow  # a launch of two processes, 22 s of CPU: the fast suite keeps tests/test_update.py's one
 def test_two_processes_split_groups_and_agree_on_the_adaptive_sampling(tmp_path, tiny_model):
     """AGPO-DSF's probes and clip ranges, adaGRPO's retries and the answer-phase sampler, with every group split
     across two processes (gloo): the statistics come from gathered rewards, entropies and answer keys, so both
