@@ -348,12 +348,30 @@ def teach_tool_calls(model_folder: str, folder, lr: float, steps: int) -> str:
     return str(folder)
 
 
+def built_once(tmp_path_factory, name: str, build) -> str:
+    """`build(folder)` run once for the whole test run, whichever worker asks first: the others wait for it (a lock
+    file) and share its folder, in the folder the workers' temporary folders share (pytest-xdist), or this run's
+    own without workers. For session fixtures that cost seconds and are read only."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            build(folder)
+            done.touch()
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def tool_caller(tiny_model, tmp_path_factory):
-    """The tiny model taught (a few seconds of supervised steps) to answer any prompt with CALL and a tool's result
-    with "Done.": a real sampler that writes real tool calls, for the loop's mechanics. Session-scoped: the modules
-    that use it (agents' evaluation, the chat page's tools) share one."""
-    return teach_tool_calls(tiny_model, tmp_path_factory.mktemp("tool_caller"), lr=6e-3, steps=60)
+    """The tiny model taught (10 s of CPU in supervised steps) to answer any prompt with CALL and a tool's result
+    with "Done.": a real sampler that writes real tool calls, for the loop's mechanics. Built once for the test run
+    (`built_once`): the modules that use it (agents' evaluation, the chat page's tools) share it."""
+    return built_once(tmp_path_factory, "tool_caller",
+                      lambda folder: teach_tool_calls(tiny_model, folder, lr=6e-3, steps=60))
 
 
 @pytest.fixture(scope="session")
