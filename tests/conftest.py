@@ -43,10 +43,10 @@ def full_data_dir() -> Path:
 
 # Bytecode caches. The suite starts a few hundred Python processes (trainers, launchers, servers, engines, reward
 # workers), and each one compiles every module of lib/ it imports when no .pyc is there: 0.2-0.5 s of CPU a trainer's
-# start, measured on 2 cores, and pytest rewrites the asserts of every test module again in each worker at collection
-# (5 s of CPU a worker). Where PYTHONDONTWRITEBYTECODE is set (some machines and CI images set it), nothing is cached and all
-# of it is paid again every time. The suite writes the caches anyway, in the gitignored __pycache__ folders: lib/ is
-# compiled once here, the workers keep the rewritten test modules, and the processes the tests start read both.
+# start, measured on 2 cores; and pytest rewrites the asserts of every test module again in each worker at collection
+# (5 s of CPU a worker). Where PYTHONDONTWRITEBYTECODE is set (some machines and CI images set it), nothing is cached
+# and all of it is paid again every time. The suite writes the caches anyway, in the gitignored __pycache__ folders:
+# lib/ is compiled once here, the workers keep the rewritten test modules, and the processes the tests start read both.
 if sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE"):
     import compileall
 

@@ -70,8 +70,9 @@ def meta_models_once(monkeypatch):
     built, build = {}, memory.recipe_model
 
     def once(cfg, bf16=True):
-        key = (cfg.model_name_or_path, cfg.model_revision, cfg.dtype, bool(cfg.use_peft), cfg.lora_r, cfg.lora_alpha,
-               cfg.lora_dropout, str(cfg.lora_target_modules), bf16)
+        # every setting recipe_model reads
+        key = (cfg.model_name_or_path, cfg.model_revision, cfg.trust_remote_code, cfg.dtype, bool(cfg.use_peft),
+               cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, str(cfg.lora_target_modules), bf16)
         if key not in built:
             built[key] = build(cfg, bf16)
         return built[key]
