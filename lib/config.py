@@ -602,6 +602,8 @@ def check_asynchronous(cfg: Config, num_processes: int | None) -> None:
     if cfg.vllm_inflight_updates and cfg.answer_marker:
         raise ConfigError("vllm_inflight_updates does not label the answer phase's tokens (answer_marker: a second "
                           "engine call) yet: leave answer_marker unset, or vllm_inflight_updates false")
+    if cfg.sampler_device is not None:
+        check_sampler_device(cfg)
     if cfg.max_staleness is None:
         return
     if cfg.weight_sync_steps > cfg.max_staleness + 1:
@@ -614,10 +616,11 @@ def check_asynchronous(cfg: Config, num_processes: int | None) -> None:
                           f"completions that max_staleness {cfg.max_staleness} may keep waiting ({batches} generation "
                           f"batches of {cfg.local_generation_batch}): raise queue_maxsize to "
                           f"{batches * cfg.local_generation_batch}, or lower max_staleness")
-    if num_processes is not None and num_processes > 1:
-        raise ConfigError(f"max_staleness: the asynchronous sampler runs with one training process for now "
-                          f"({num_processes} were launched); launch one (a generation server may still sample on "
-                          f"other GPUs: vllm_mode server), or leave max_staleness unset to train on many")
+    if num_processes is not None and num_processes > 1 and (cfg.use_vllm or cfg.sampler_device is not None):
+        raise ConfigError(f"max_staleness over several training processes ({num_processes} were launched) samples "
+                          f"with the HF sampler's thread in each for now (use_vllm false, sampler_device unset): "
+                          f"set those, launch one process (a generation server may still sample on other GPUs: "
+                          f"vllm_mode server), or leave max_staleness unset")
     if cfg.use_vllm and cfg.vllm_enable_sleep_mode:
         raise ConfigError("max_staleness samples while the policy trains, and vllm_enable_sleep_mode frees the "
                           "engine's memory during training: set vllm_enable_sleep_mode false, or leave max_staleness "
@@ -625,6 +628,27 @@ def check_asynchronous(cfg: Config, num_processes: int | None) -> None:
     if cfg.rollout_func:  # the user's function, called from the sampling thread, may read the policy as it trains
         raise ConfigError("max_staleness: rollout_func is not supported with the asynchronous sampler (the function "
                           "would run in the sampling thread while the policy trains); leave max_staleness unset")
+
+
+def check_sampler_device(cfg: Config) -> None:
+    """sampler_device (docs/async.md 5): the HF sampler's process, on a device this machine has."""
+    if cfg.max_staleness is None or cfg.use_vllm:
+        raise ConfigError("sampler_device runs the HF sampler in a process beside training: it needs max_staleness set "
+                          "and use_vllm false (a vLLM engine runs in processes of its own already; vllm_mode server "
+                          "puts it on GPUs of its own); set those, or leave sampler_device unset")
+    try:
+        device = torch.device(cfg.sampler_device)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"sampler_device: {cfg.sampler_device!r} is not a device the sampler runs on; name one as "
+                          f"torch does: cpu, cuda, cuda:1")
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise ConfigError(f"sampler_device: {cfg.sampler_device} names a GPU this machine does not have ({count} CUDA "
+                          f"devices); name one of cuda:0..cuda:{count - 1}, cpu, or leave sampler_device unset"
+                          if count else f"sampler_device: {cfg.sampler_device} names a GPU and this machine has "
+                          f"none; use cpu, or leave sampler_device unset")
 
 
 def validate_methods(cfg: Config, global_batch: int | None) -> None:

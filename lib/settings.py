@@ -266,6 +266,11 @@ class GenerationArguments:
                                       "optimizer steps one batch serves); a bound below that is refused before "
                                       "anything loads (lower max_staleness). null = what the schedule keeps.",
         "range": "[1, inf)"})
+    sampler_device: str | None = field(default=None, metadata={"help": "max_staleness with the HF sampler: sample "
+                                       "in a process of its own on this device rather than in a thread of the "
+                                       "trainer's (docs/async.md 5): cuda:1, a GPU of its own; the training GPU, "
+                                       "beside the training step; cpu. It samples the thread's tokens at the same "
+                                       "seed. null = the thread."})
     min_p: float | None = field(default=None, metadata={"help": "Min-p sampling: tokens below min_p x the top "
                                 "token's probability are not sampled (null or 0 = off; typical 0.01-0.2). As in TRL, "
                                 "training log-probs use the temperature only (docs/models.md 3).",

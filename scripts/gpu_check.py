@@ -28,6 +28,7 @@ Steps, each under its own time limit so that one that hangs or fails leaves the 
   6. asynchronous GRPO (docs/async.md): our step at `--max_staleness 1` against the synchronous step, same settings
      as step 4 (Qwen2.5-0.5B shape, 8 completions of 256 new tokens, bf16, the HF sampler), alternated rounds
      (scripts/bench_regression.py --b_flags), with each run's mean GPU utilisation; issue 54's goal is 0.6x.
+     `--async_b_flags "--max_staleness 1 --sampler_device cuda:0"` measures the HF sampler in a process of its own.
 Time: about 12 minutes of GPU in all, each step under its own limit (defaults: 200 + 60 + 100 s for steps 2-4;
 for step 5 one limit a run, --card16_timeouts: 1.5B 75 s ours + 120 s TRL, 7B and 8B 130 s each with the model's
 building, vLLM at 1.5B 90 s: 545 s; 905 s at most in all, less as runs end before their limits); step 6, 240 s
@@ -246,15 +247,15 @@ def async_step(args, out: Path, env: dict, tokenizer: Path) -> dict:
              "--per_device_train_batch_size", "8", "--num_generations", "8", "--builtin_num_train", "64",
              "--max_completion_length", "8" if args.dry_run else "256", "--bf16", "false" if args.dry_run else "true"]
     step = run_step("asynchronous against synchronous", [
-        sys.executable, "scripts/bench_regression.py", "--b_flags", "--max_staleness 1", "--rounds",
+        sys.executable, "scripts/bench_regression.py", "--b_flags", args.async_b_flags, "--rounds",
         "2" if args.dry_run else args.async_rounds, "--output_json", str(out / "async.json"), "--", *flags],
         args.async_timeout, out / "async.log", env)
     if (out / "async.json").exists():
         report = json.loads((out / "async.json").read_text())
         ratio = report["summary"]["step"]["ratio"]  # synchronous / asynchronous, the median of rounds
-        step.update(summary=report["summary"], gpu_utilisation=report["gpu_utilisation"],
+        step.update(b_flags=args.async_b_flags, summary=report["summary"], gpu_utilisation=report["gpu_utilisation"],
                     async_over_sync=round(1 / ratio, 3) if ratio else None, goal=0.6)
-        print(f"gpu_check: our step at max_staleness 1 / the synchronous step: {step['async_over_sync']} "
+        print(f"gpu_check: our step with {args.async_b_flags} / the synchronous step: {step['async_over_sync']} "
               f"(goal 0.6); GPU utilisation {report['gpu_utilisation']}", flush=True)
     return step
 
@@ -287,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench_trl_dtype", nargs="+", default=["auto", "float32"], help="Step 4's TRL weights.")
     parser.add_argument("--async_timeout", type=int, default=240, help="Seconds for step 6.")
     parser.add_argument("--async_rounds", default="2", help="Step 6's alternated rounds.")
+    parser.add_argument("--async_b_flags", default="--max_staleness 1",
+                        help="Step 6's asynchronous side, against the synchronous one: for the HF sampler in a "
+                             "process on the same GPU, \"--max_staleness 1 --sampler_device cuda:0\".")
     parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "sampler", "bench", "card16", "async"],
                         help="Steps to leave out.")
     args = parser.parse_args(argv)

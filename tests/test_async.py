@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from lib.config import ConfigError, make_config, validate
 from lib.sampling.pipeline import Asynchronous, sampling_version
-from test_loop import REWARDS, read_jsonl, train, without_times
+from test_loop import REWARDS, TINY, launch_two_processes, read_jsonl, steps_of, train, without_times
 
 # every controller at once (A-GRPO's KL, entropy and group size, adaGRPO's retries, AGPO-DSF's probe and clip ranges),
 # two optimizer steps per generation batch
@@ -161,6 +161,65 @@ def test_a_failing_sampling_thread_stops_the_run_with_its_error(tmp_path, tiny_m
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl") if "reward" in m] == [1, 2]
 
 
+@pytest.mark.slow  # three runs
+def test_a_sampler_process_samples_what_the_thread_samples_and_resumes_alike(tmp_path, tiny_model):
+    """sampler_device cpu: the HF sampler in a process of its own (lib/sampling/sampler_process.py), max_staleness 1,
+    every controller, an evaluation in the middle: the thread's tokens, losses and final weights exactly; the step-2
+    checkpoint holds the process's random generator and the batch sampled ahead, and the run resumed from it ends as
+    the uninterrupted one."""
+    args = [*EVERY_CONTROLLER, "--max_steps", "4", "--max_staleness", "1", "--save_steps", "2", "--num_eval_samples",
+            "4", "--eval_steps", "2"]
+    want = train(tiny_model, tmp_path / "thread", *args)
+    got = train(tiny_model, tmp_path / "process", *args, "--sampler_device", "cpu")
+    assert [without_times(m) for m in got] == [without_times(m) for m in want]
+    assert completions_by_step(tmp_path / "process") == completions_by_step(tmp_path / "thread")
+    a, b = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("process", "thread"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "process", out, ignore=shutil.ignore_patterns("checkpoint-4", "final"))
+    again = train(tiny_model, out, *args, "--sampler_device", "cpu", "--resume_from_checkpoint", "latest")
+    assert [without_times(m) for m in again] == [without_times(m) for m in want]
+    c = load_file(out / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_a_sampler_process_that_dies_stops_the_run_with_its_exit_code(tmp_path, tiny_model):
+    """A SIGKILL to the sampler's process once it sampled the batch step 2 starts on: the run stops at the next use
+    of the process (the push of step 2's weights, before step 2 is logged) with a message naming it and its exit code,
+    never a wait; step 1 logged, no sampler process left behind."""
+    import multiprocessing
+
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match=r"sampler process ended \(exit code -9\)"):
+        train(tiny_model, out, "--max_steps", "4", "--max_staleness", "1", "--sampler_device", "cpu",
+              "--reward_funcs", f"{REWARDS}:has_x", f"{REWARDS}:kill_the_sampler_process_at_step_two")
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl") if "reward" in m] == [1]
+    assert not [c for c in multiprocessing.active_children() if c.name == "agrpo-sampler"]
+
+
+@pytest.mark.slow  # three launches of two processes
+def test_two_processes_sample_ahead_on_a_group_of_their_own(tmp_path, tiny_model):
+    """Two processes (gloo), every group split between them, every controller, an evaluation and a checkpoint in the
+    middle: each process's thread gathers rewards and answers on the sampling group, so max_staleness 0 logs the
+    synchronous launch's numbers and ends with its weights, and max_staleness 1 trains through to the end (both
+    threads stop at the same batch for the evaluation, the save and the end: no collective left unmatched)."""
+    args = ["--model_name_or_path", tiny_model, *TINY, *EVERY_CONTROLLER, "--per_device_train_batch_size", "4",
+            "--num_generations", "8",
+            "--max_steps", "4", "--num_eval_samples", "4", "--eval_steps", "2", "--save_steps", "2"]
+    runs = {}
+    for name, extra in (("sync", []), ("async0", ["--max_staleness", "0"]), ("async1", ["--max_staleness", "1"])):
+        proc = launch_two_processes([*args, *extra, "--output_dir", str(tmp_path / name)], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = steps_of(tmp_path / name)
+    assert [without_times(m) for m in runs["async0"]] == [without_times(m) for m in runs["sync"]]
+    a, b = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("async0", "sync"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["step"] for m in runs["async1"]] == [1, 2, 3, 4]
+    # two steps a batch: batch 1 (steps 3-4) sampled from step 1's weights, r_b = max(0, 2 b - 1)
+    assert [m["staleness"] for m in runs["async1"]] == [0, 1, 1, 2]
+    assert (tmp_path / "async1" / "checkpoint-2" / "rng_state_1.pt").exists()
+
+
 def test_a_sampling_thread_that_hangs_is_reported_with_where_it_is():
     """The pipeline's own thread, a produce that blocks (as a sampler stuck in a call that never returns): the loop's
     wait says, every report_every seconds, how long it has waited and the line the thread is stuck at; once the call
@@ -221,16 +280,24 @@ def test_the_queue_holds_at_most_what_queue_maxsize_is_checked_against(k, per_ba
     ({"max_staleness": 1, "rollout_func": "tests/tiny_tools.py:rollout_with_feedback"}, "rollout_func is not supported"),
     ({"max_staleness": -1}, "max_staleness must be"),
     ({"max_staleness": 2, "queue_maxsize": 47}, r"queue_maxsize \(47\) is below the 48 completions .*\(3 generation"),
+    ({"sampler_device": "cpu"}, "sampler_device .* needs max_staleness set and use_vllm false"),
+    ({"sampler_device": "cpu", "max_staleness": 1, "use_vllm": True}, "sampler_device .* use_vllm false"),
+    ({"sampler_device": "tpu:0", "max_staleness": 1}, "sampler_device: 'tpu:0' is not a device .*cuda:1"),
+    ({"sampler_device": f"cuda:{torch.cuda.device_count()}", "max_staleness": 1}, "sampler_device: cuda:.* GPU"),
 ])
 def test_settings_the_sampling_thread_cannot_serve_are_refused_before_anything_loads(settings, message):
     with pytest.raises(ConfigError, match=message):
         make_config(settings, check_installed=False)
 
 
-def test_two_training_processes_are_refused_with_the_way_out():
-    cfg = make_config({"max_staleness": 1, "per_device_train_batch_size": 8, "num_generations": 4},
-                      check_installed=False)
-    with pytest.raises(ConfigError, match="one training process .*vllm_mode server"):
+@pytest.mark.parametrize("settings", [{"use_vllm": True}, {"sampler_device": "cpu"}])
+def test_two_training_processes_sample_with_the_hf_samplers_thread_only(settings):
+    """Several processes: each samples its share in its own thread (the HF sampler); a vLLM engine or a sampler
+    process is refused with the way out, before anything loads."""
+    base = {"max_staleness": 1, "per_device_train_batch_size": 8, "num_generations": 4}
+    validate(make_config(base, check_installed=False), 2, check_installed=False)
+    cfg = make_config({**base, **settings}, check_installed=False)
+    with pytest.raises(ConfigError, match="several training processes .*HF sampler's thread .*vllm_mode server"):
         validate(cfg, 2, check_installed=False)
 
 

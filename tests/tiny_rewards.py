@@ -100,3 +100,19 @@ def short_from_step_two(prompts, completions, trainer_state, **columns):
     that breaks its contract, which stops the run (tests/test_async.py: in the sampling thread)."""
     values = characters(prompts, completions)
     return values[:-1] if trainer_state.global_step >= 2 else values
+
+
+def kill_the_sampler_process_at_step_two(prompts, completions, trainer_state, **columns):
+    """`characters`, and on the generation batch that optimizer step 2 starts on, SIGKILL to the HF sampler's process
+    (sampler_device: the trainer's child started by multiprocessing's spawn; this function runs in the reward worker,
+    another child of the trainer): a sampler that dies mid-run (tests/test_async.py)."""
+    import os
+
+    import psutil
+
+    if trainer_state.global_step >= 2:
+        trainer = psutil.Process(os.getppid())
+        for child in trainer.children():
+            if child.pid != os.getpid() and "spawn_main" in " ".join(child.cmdline()):
+                child.kill()
+    return characters(prompts, completions)

@@ -93,6 +93,10 @@ class RolloutContext:
         self.episodes = episodes
         self.nonfinite = dict.fromkeys(self.reward_names, 0)  # completions scored inf / -inf / NaN, this batch
         self.trainer_state = RewardState(0, cfg.max_steps, 0.0)  # the reward functions' `trainer_state`
+        # the process group of the sampling side's collectives (rewards gathered, answers, counters): None, the
+        # launch's; with max_staleness over several processes, the sampling thread's own (docs/async.md 6), so that
+        # they never meet the training step's on one group
+        self.group = None
 
     def start_batch(self, step: int = 0, data_position: int = 0) -> None:
         """Reset the per-batch tallies (reward time, non-finite rewards). `step` (optimizer steps done) and
@@ -173,7 +177,12 @@ class RolloutContext:
 
     def gather_rewards(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(every process's (B_global, K) rewards, their (B_global,) weighted totals)."""
-        rewards = self.accelerator.gather(scores)
+        if self.group is None:
+            rewards = self.accelerator.gather(scores)
+        else:
+            parts = [torch.empty_like(scores) for _ in range(torch.distributed.get_world_size(self.group))]
+            torch.distributed.all_gather(parts, scores.contiguous(), group=self.group)
+            rewards = torch.cat(parts)
         return rewards, weighted_rewards(rewards, self.reward_weights.to(rewards.device))
 
     def correct(self, rewards: torch.Tensor) -> torch.Tensor:
@@ -196,7 +205,16 @@ class RolloutContext:
         return dataclasses.replace(sampled, rollout=rollout, scores=scores, errors=errors), replaced_tokens
 
     def gather_object(self, values: list) -> list:
-        return gather_object(values)
+        """Every process's `values`, one list in rank order."""
+        if self.group is None:
+            return gather_object(values)
+        parts = [None] * torch.distributed.get_world_size(self.group)
+        torch.distributed.all_gather_object(parts, values, group=self.group)
+        return [value for part in parts for value in part]
 
     def reduce_sum(self, value: float) -> float:
-        return float(self.accelerator.reduce(torch.tensor(float(value), device=self.device), reduction="sum"))
+        total = torch.tensor(float(value), device=self.device)
+        if self.group is None:
+            return float(self.accelerator.reduce(total, reduction="sum"))
+        torch.distributed.all_reduce(total, group=self.group)
+        return float(total)

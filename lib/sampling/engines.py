@@ -1,6 +1,7 @@
 """The sampler a run samples with, built from the settings by one function, `make_sampler`, that the trainer and the
 evaluator call: the HF sampler (lib/sampling/rollout.HFRollout, our decode loop) or, with use_vllm, a colocated vLLM
-engine (lib/sampling/vllm_rollout.colocated_rollout). The trainer's other sampler, an engine on devices of its own
+engine (lib/sampling/vllm_rollout.colocated_rollout); with `sampler_device`, the HF sampler in a process of its own
+(lib/sampling/sampler_process.py). The trainer's other sampler, an engine on devices of its own
 (vllm_mode server), is lib/sampling/generation_server.server_rollout. The chat page streams each answer token by token
 with its model's own `generate` and builds no sampler.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from lib.config import setting
 from lib.models.modeling import end_token_ids
 from lib.sampling import vllm_rollout
 from lib.sampling.rollout import HFRollout
@@ -36,9 +38,14 @@ def make_sampler(policy, tokenizer, settings, bf16: bool, *, rank: int = 0, mode
     """The sampler of `policy`, as `settings` ask (use_vllm, seed and the vllm_* keys; a run's Config or the
     evaluator's arguments, lib/config.setting): a colocated vLLM engine loaded from `model_path` (its base for an
     adapter) and given the policy's weights, `max_num_seqs` sequences a call (the trainer's largest call where None)
-    and `lora_sync` the LoRA sync (vllm_lora_sync where None); else the HF sampler (`make_engine`, with `own_copy`
-    and `headroom`). Process `rank` samples from seed + rank."""
+    and `lora_sync` the LoRA sync (vllm_lora_sync where None); with sampler_device the HF sampler in a process on that
+    device; else the HF sampler (`make_engine`, with `own_copy` and `headroom`). Process `rank` samples from seed + rank."""
     if settings.use_vllm:
         return vllm_rollout.colocated_rollout(settings, policy, tokenizer, model_path, bf16, rank,
                                               max_num_seqs=max_num_seqs, lora_sync=lora_sync)
+    device = setting(settings, "sampler_device")
+    if device is not None:  # the HF sampler in a process of its own (max_staleness, docs/async.md 5)
+        from lib.sampling.sampler_process import process_rollout
+
+        return process_rollout(policy, tokenizer, bf16, settings.seed + rank, device)
     return make_engine(policy, tokenizer, bf16, settings.seed + rank, own_copy, headroom)

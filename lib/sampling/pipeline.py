@@ -105,7 +105,7 @@ class Asynchronous:
     def __init__(self, produce, push, steps_per_batch: int, engine_state, *, max_staleness: int, sync_every: int,
                  max_steps: int, start_step: int, data_position: int, queue: list[Produced] | None = None,
                  device: torch.device = torch.device("cpu"), report_every: float = 300.0, say=None,
-                 push_inflight=None):
+                 push_inflight=None, drain: bool = False):
         self.produce, self.push, self.engine_state = produce, push, engine_state
         # weights in flight (vllm_inflight_updates): `push_inflight(step) -> seconds` gives the sampler the weights
         # of every N-th step at once, the thread mid-batch or not (its controllers untouched: `push` still refreshes
@@ -115,6 +115,9 @@ class Asynchronous:
         self.report_every, self.say = report_every, say or (lambda line: print(line, file=sys.stderr, flush=True))
         self.steps_per_batch, self.max_staleness, self.sync_every = steps_per_batch, max_staleness, sync_every
         self.max_steps = max_steps
+        # several processes (their threads' collectives on a group of their own): every thread stops at the same
+        # batch, the last one its weights allow, so that none is left in a collective the others never join
+        self.drain = drain
         self.queue: list[Produced] = list(queue or [])
         first = start_step // steps_per_batch
         self.next_batch = first + len(self.queue)
@@ -252,8 +255,7 @@ class Asynchronous:
         """The sampler to the loop alone (an evaluation, a save): the thread finishes the batches whose weights it
         has, and starts none until the loop lets go."""
         with self.condition:
-            self._wait(lambda: not self.busy and (self.next_batch >= self.pushed_for or self.past_end(self.next_batch)),
-                       "the sampler to finish its batch")
+            self._wait(self._between_schedules, "the sampler to finish its batch")
             self.held = True
         try:
             yield
@@ -261,6 +263,10 @@ class Asynchronous:
             with self.condition:
                 self.held = False
                 self.condition.notify_all()
+
+    def _between_schedules(self) -> bool:
+        """The thread idle, every batch its weights allow sampled: the same batch on every process."""
+        return not self.busy and (self.next_batch >= self.pushed_for or self.past_end(self.next_batch))
 
     def state_dict(self) -> dict:
         """The sampler's state and the batches sampled and not yet trained on, for a checkpoint (inside `paused()`:
@@ -272,6 +278,8 @@ class Asynchronous:
         """Stop the thread; False (and a line saying where it is) where it is still in a call after `timeout`
         seconds: the run then ends without it (a daemon thread), and its sampler is not closed under it."""
         with self.condition:
+            if self.drain:
+                self._wait(self._between_schedules, "the sampler to finish its batch", fail=False)
             self.stopping = True
             self.condition.notify_all()
         self.thread.join(timeout=timeout)

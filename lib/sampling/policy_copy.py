@@ -81,14 +81,16 @@ def _load_linear(target: torch.nn.Module, weight: torch.Tensor, bias: torch.Tens
 
 
 @torch.no_grad()
-def merged_copy(lm: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.nn.Module, list[str]]:
+def merged_copy(lm: torch.nn.Module, dtype: torch.dtype,
+                device: torch.device | None = None) -> tuple[torch.nn.Module, list[str]]:
     """A plain causal LM with `lm`'s weights as it computes them (adapters merged, 4-bit weights dequantised), in
-    `dtype`, for sampling; and the names of its layers that come from LoRA layers (the ones a sync recomputes)."""
+    `dtype`, on `device` (`lm`'s where None), for sampling; and the names of its layers that come from LoRA layers (the
+    ones a sync recomputes)."""
     from transformers.initialization import no_init_weights
 
     config = copy.deepcopy(lm.config)
     config.__dict__.pop("quantization_config", None)
-    device = next(lm.parameters()).device
+    device = device or next(lm.parameters()).device
     with no_init_weights(), torch.device(device):  # every weight is overwritten below: no random init
         # the policy's own class (also one from a hub model's code, loaded with trust_remote_code)
         plain = type(lm)._from_config(config, dtype=dtype)
@@ -193,6 +195,17 @@ class DirectDecode:
         """Nothing: the decode step reads the policy's weights as they are."""
 
 
+def sampling_dtype(policy: torch.nn.Module, bf16: bool) -> torch.dtype:
+    """The dtype a copy of `policy` samples in: bf16 with `bf16`, else a LoRA / QLoRA policy's compute dtype, else the
+    policy's own."""
+    lm = unwrap_causal_lm(policy)
+    if bf16:
+        return torch.bfloat16
+    if any(is_lora_layer(m) for m in lm.modules()):
+        return _compute_dtype(lm)
+    return next(p.dtype for p in policy.parameters() if p.is_floating_point())
+
+
 def make_copy(policy: torch.nn.Module, bf16: bool, own_copy: bool = False, merge_adapter: bool = True,
               prepack=None, headroom: int | None = None) -> SamplingCopy | DirectDecode | None:
     """HFRollout's `copy` hook: what `sampler_plan` picks for this policy (see the module docstring): a
@@ -202,7 +215,7 @@ def make_copy(policy: torch.nn.Module, bf16: bool, own_copy: bool = False, merge
     adapter = any(is_lora_layer(m) for m in lm.modules())
     quantized = getattr(lm, "is_quantized", False) or getattr(policy, "is_quantized", False)
     dtype = next(p.dtype for p in policy.parameters() if p.is_floating_point())
-    copy_dtype = torch.bfloat16 if bf16 else (_compute_dtype(lm) if adapter else dtype)
+    copy_dtype = sampling_dtype(policy, bf16)
     plan = sampler_plan(adapter=adapter, quantized=quantized, bf16=bf16, policy_bf16=dtype == torch.bfloat16,
                         own_copy=own_copy, merge_adapter=merge_adapter, headroom=headroom,
                         copy_bytes=dense_numel(lm) * copy_dtype.itemsize)
