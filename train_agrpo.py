@@ -622,7 +622,11 @@ def make_rollouts(sampler: Sampler, learner: Learner, output: Output, state: Tra
     view = copy.deepcopy(sampler.method.controllers)  # the thread's controllers
     if queue:  # the sampling side as the last batch sampled left it
         view.load_sampling_state(queue[-1].sampled.controller_state)
-    ahead = dataclasses.replace(sampler, method=dataclasses.replace(sampler.method, controllers=view))
+    ctx = sampler.ctx
+    if sampler.accelerator.num_processes > 1:  # the thread's collectives on a group of its own (docs/async.md 6)
+        ctx = copy.copy(ctx)
+        ctx.group = torch.distributed.new_group()
+    ahead = dataclasses.replace(sampler, ctx=ctx, method=dataclasses.replace(sampler.method, controllers=view))
 
     def push() -> float:  # in the loop's thread, the sampling thread between batches
         view.refreshed(sampler.method.controllers)
@@ -640,7 +644,8 @@ def make_rollouts(sampler: Sampler, learner: Learner, output: Output, state: Tra
                                  max_steps=cfg.max_steps, start_step=state.global_step,
                                  data_position=state.data_position, queue=queue,
                                  device=sampler.accelerator.device, say=tqdm.write,
-                                 push_inflight=push_inflight if cfg.vllm_inflight_updates else None)
+                                 push_inflight=push_inflight if cfg.vllm_inflight_updates else None,
+                                 drain=ctx.group is not None)
 
 
 if __name__ == "__main__":
