@@ -64,7 +64,19 @@ class ProcessRollout:
         self.process = context.Process(target=serve, name="agrpo-sampler", daemon=True, args=(
             child_end, model, sorted(set(eos_token_ids)), pad_token_id, bf16, seed, str(self.device),
             torch.get_num_threads()))
-        self.process.start()
+        # on a CPU the child's OpenMP threads sleep when idle instead of spinning (libgomp reads this at its start):
+        # spinning threads of two processes on the same cores made a step 3x slower (docs/async.md 8)
+        passive = {"OMP_WAIT_POLICY": "PASSIVE"} if self.device.type == "cpu" else {}
+        saved = {key: os.environ.get(key) for key in passive}
+        os.environ.update(passive)
+        try:
+            self.process.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         child_end.close()
         self.info = self._call("started", timeout=start_timeout)
 
