@@ -631,7 +631,7 @@ def check_asynchronous(cfg: Config, num_processes: int | None) -> None:
 
 
 def check_sampler_device(cfg: Config) -> None:
-    """sampler_device (docs/async.md 5): the HF sampler's process, on a device this machine has."""
+    """sampler_device (docs/async.md 8): the HF sampler's process, on a device this machine has."""
     if cfg.max_staleness is None or cfg.use_vllm:
         raise ConfigError("sampler_device runs the HF sampler in a process beside training: it needs max_staleness set "
                           "and use_vllm false (a vLLM engine runs in processes of its own already; vllm_mode server "

@@ -268,7 +268,7 @@ class GenerationArguments:
         "range": "[1, inf)"})
     sampler_device: str | None = field(default=None, metadata={"help": "max_staleness with the HF sampler: sample "
                                        "in a process of its own on this device rather than in a thread of the "
-                                       "trainer's (docs/async.md 5): cuda:1, a GPU of its own; the training GPU, "
+                                       "trainer's (docs/async.md 8): cuda:1, a GPU of its own; the training GPU, "
                                        "beside the training step; cpu. It samples the thread's tokens at the same "
                                        "seed. null = the thread."})
     min_p: float | None = field(default=None, metadata={"help": "Min-p sampling: tokens below min_p x the top "

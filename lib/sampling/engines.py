@@ -44,7 +44,7 @@ def make_sampler(policy, tokenizer, settings, bf16: bool, *, rank: int = 0, mode
         return vllm_rollout.colocated_rollout(settings, policy, tokenizer, model_path, bf16, rank,
                                               max_num_seqs=max_num_seqs, lora_sync=lora_sync)
     device = setting(settings, "sampler_device")
-    if device is not None:  # the HF sampler in a process of its own (max_staleness, docs/async.md 5)
+    if device is not None:  # the HF sampler in a process of its own (max_staleness, docs/async.md 8)
         from lib.sampling.sampler_process import process_rollout
 
         return process_rollout(policy, tokenizer, bf16, settings.seed + rank, device)

@@ -1,4 +1,4 @@
-"""The HF sampler in a process of its own (`sampler_device`, with max_staleness: docs/async.md 5).
+"""The HF sampler in a process of its own (`sampler_device`, with max_staleness: docs/async.md 8).
 
 A sampling thread (lib/sampling/pipeline.Asynchronous) shares its process with the training step: on one GPU its
 kernels queue on its own CUDA stream, on a CPU they share the interpreter. `sampler_device` moves the decode loop
