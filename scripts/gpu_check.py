@@ -10,7 +10,8 @@ Steps, each under its own time limit so that one that hangs or fails leaves the 
   1. environment: the card, its compute capability, memory, driver, torch / CUDA and the packages' versions;
   2. the tests marked `gpu` (tests/test_gpu.py): the sampler's log-probs against the scorer's in fp32 and bf16,
      merged LoRA / QLoRA sync, FSDP2 under bf16 mixed precision keeping the temperatures, resume on the device,
-     the memory estimate against the measured peak; their measured figures go to the results;
+     the memory estimate against the measured peak, the sampler process (sampler_device) sampling from the copy it
+     shares with the trainer through CUDA's inter-process handles; their measured figures go to the results;
   3. the HF sampler's decode step at 1, 8 and 64 rows against its memory-bandwidth floor, written out
      (lib/sampling/decode.LlamaStep) and replayed from CUDA graphs kept across calls (GraphSteps), in alternation
      (scripts/bench_sampler.py); the graphed step's ratios to the floor at 8 and 64 rows beside their goals

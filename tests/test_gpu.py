@@ -1,5 +1,6 @@
 """What only a GPU shows: the sampler against the scorer in bf16 and fp32 on CUDA kernels, merged LoRA / QLoRA
-copies, resume on CUDA and the memory estimate against the allocator's own peak (FSDP2's mixed precision is in
+copies, the sampler process's copy shared through CUDA's inter-process handles, resume on CUDA and the memory
+estimate against the allocator's own peak (FSDP2's mixed precision is in
 tests/test_gpu_paths.py, which runs on the GPU check's device and on any CPU).
 
 Marked `gpu`: `bash scripts/gpu_check.sh` runs them on an NVIDIA GPU (docs/performance.md 6); they skip on a machine
@@ -144,6 +145,39 @@ def test_the_samplers_logps_equal_the_scorers(device, small_model, bf16):
         # the sampler's bf16 copy (every weight rounded) against autocast (products in bf16, the rest in fp32)
         assert float(gap.mean()) < 4 * float(scorer_rounding.mean()) + 1e-3
         assert float(gap.max()) < 0.25
+
+
+def test_a_sampler_process_samples_what_the_in_process_sampler_samples(device, small_model):
+    """sampler_device (docs/async.md 8) on this device: the child samples from the trainer's bf16 copy, shared
+    through CUDA's inter-process handles (a CPU: shared memory, and a prepacked copy of the child's own), and draws the
+    in-process HF sampler's tokens and log-probs at the same seed, before and after a push of moved weights."""
+    from functools import partial
+
+    from lib.models.modeling import load_policy
+    from lib.sampling.cpu_kernels import sampling_copy
+    from lib.sampling.rollout import HFRollout
+    from lib.sampling.sampler_process import ProcessRollout
+
+    policy = load_policy(small_model, device=device).eval()
+    here = HFRollout(policy, [2], 0, bf16=True, seed=3, copy=partial(sampling_copy, own_copy=True))
+    there = ProcessRollout(policy, [2], 0, bf16=True, seed=3, device=str(device))
+    try:
+        here.record_logps = there.record_logps = True
+        ids, mask = prompts(device)
+        for _ in range(2):
+            a, b = (engine.generate(ids, mask, 4, 32, temperature=1.0) for engine in (here, there))
+            assert b.completion_ids.device == ids.device and int(b.completion_mask.sum()) > 40
+            assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.sampling_logps, b.sampling_logps)
+            with torch.no_grad():
+                for param in policy.parameters():
+                    param.add_(0.05 * torch.randn_like(param))
+            here.sync_weights(policy)
+            there.sync_weights(policy)
+        report("sampler_process", device=str(device), tokens=int(b.completion_mask.sum()),
+               own_copy=there.info["own_copy"])
+    finally:
+        there.close()
+    assert there.process.exitcode == 0
 
 
 @torch.no_grad()

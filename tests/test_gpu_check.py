@@ -44,11 +44,12 @@ def test_the_gpu_check_runs_every_step_on_a_cpu(tmp_path):
     cuda_only = {"test_max_memory_caps_the_process_so_that_going_over_is_an_out_of_memory",
                  "test_a_4bit_policys_vllm_engine_holds_a_4bit_base_and_samples_the_policy"}
     skipped = {t for t, o in tests.items() if o == "skipped"}
-    assert len(tests) == 16 and skipped <= cuda_only, (tests, steps["tests"]["log_tail"])
+    assert len(tests) == 17 and skipped <= cuda_only, (tests, steps["tests"]["log_tail"])
     assert all(o == "passed" for t, o in tests.items() if t not in skipped), (tests, steps["tests"]["log_tail"])
     measured = {m["test"] for m in steps["tests"]["measured"]}
     assert {"sampler_vs_scorer_fp32", "decode_step_graph_vs_written_out", "merged_sync_lora", "fsdp2_bf16_temperatures",
-            "resume_on_device", "direct_decode_lora", "direct_decode_qlora", "direct_decode_qlora_bf16"} <= measured
+            "resume_on_device", "direct_decode_lora", "direct_decode_qlora", "direct_decode_qlora_bf16",
+            "sampler_process"} <= measured
     rows = steps["sampler"]["report"]["results"]
     assert {(r["attn"], r["decode"], r["rows"]) for r in rows} == \
         {("sdpa", d, n) for d in ("written", "graph") for n in (1, 8)}
