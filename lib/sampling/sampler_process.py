@@ -57,7 +57,6 @@ class ProcessRollout:
         # the weights both processes read (no decode step of its own: the child picks its own)
         self.shared = SamplingCopy(model, adapted)
         self.record_logps = False  # HFRollout's switch, sent with each call
-        self.weight_version = 0
         self.lock = threading.Lock()  # one call at a time through the pipe
         context = torch.multiprocessing.get_context("spawn")
         self.conn, child_end = context.Pipe()
@@ -174,10 +173,9 @@ def serve(conn, source: torch.nn.Module, eos_token_ids: list[int], pad_token_id:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         source.eval().requires_grad_(False)
-        if device.type == "cpu" and bf16 and can_prepack():  # oneDNN's packed layers: a copy of its own
-            own, _ = merged_copy(source, torch.bfloat16, device)
+        if device.type == "cpu" and bf16 and can_prepack():  # oneDNN's packed layers: a copy of its own, packed
+            own, _ = merged_copy(source, torch.bfloat16, device)  # from the shared weights (a push reloads them)
             sampler_copy = SamplingCopy(own, [], prepack_for_cpu)
-            sampler_copy.sync(source)
         else:  # the shared weights themselves (the decode step chosen for the model, nothing packed)
             own, sampler_copy = None, SamplingCopy(source, [], prepack_for_cpu)
         engine = HFRollout(sampler_copy.model, eos_token_ids, pad_token_id, bf16=bf16, seed=seed,
