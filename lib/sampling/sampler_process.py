@@ -29,6 +29,7 @@ import os
 import threading
 import time
 import traceback
+from unittest import mock
 
 import torch
 
@@ -65,17 +66,8 @@ class ProcessRollout:
             torch.get_num_threads()))
         # on a CPU the child's OpenMP threads sleep when idle instead of spinning (libgomp reads this at its start):
         # spinning threads of two processes on the same cores made a step 3x slower (docs/async.md 8)
-        passive = {"OMP_WAIT_POLICY": "PASSIVE"} if self.device.type == "cpu" else {}
-        saved = {key: os.environ.get(key) for key in passive}
-        os.environ.update(passive)
-        try:
-            self.process.start()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        with mock.patch.dict(os.environ, {"OMP_WAIT_POLICY": "PASSIVE"} if self.device.type == "cpu" else {}):
+            self.process.start()  # (the environment as it was once the child has it)
         child_end.close()
         self.info = self._call("started", timeout=start_timeout)
 
