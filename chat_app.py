@@ -34,6 +34,7 @@ import argparse
 import copy
 import json
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -364,6 +365,15 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
 
     roots = roots if roots is not None else ([run_dir.resolve()] if run_dir else [])
     started = started or {name for name in (checkpoint.name, base.name) if name}
+    # the files the Save and Export buttons hand to the browser: one folder for the page, made at the first click and
+    # removed when the page's process ends (a folder of /tmp each click outlived it); a click gets a sub-folder of its
+    # own, so that its file keeps its name
+    downloads: list[tempfile.TemporaryDirectory] = []
+
+    def download_folder() -> Path:
+        if not downloads:
+            downloads.append(tempfile.TemporaryDirectory(prefix="agrpo-chat-"))
+        return Path(tempfile.mkdtemp(dir=downloads[0].name))
 
     # the trainer's and the evaluator's rewards, from the same builder: the functions, and a reward model (a folder or
     # hub id in --reward_funcs) loaded onto the CPU, as the page's models (lib/models/reward_models.build_rewards);
@@ -502,7 +512,7 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
                 "settings": {"greedy": greedy, "temperature": temperature, "top_p": top_p,
                              "max_new_tokens": max_new_tokens},
                 "turns": [{k: v for k, v in t.items() if k != "streaming"} for t in turns or []]}
-        path = Path(tempfile.mkdtemp(prefix="agrpo-chat-")) / "conversation.json"
+        path = download_folder() / "conversation.json"
         path.write_text(json.dumps(data, indent=2))
         return str(path), f"saved {len(data['turns'])} turn(s)"
 
@@ -528,7 +538,7 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
                                        end_token_ids(slot.model, slot.tokenizer), slot.tokenizer.pad_token_id)
         except (TypeError, ValueError) as error:
             return None, f"these settings do not make a valid generation config: {error}"
-        folder = Path(tempfile.mkdtemp(prefix="agrpo-generation-"))
+        folder = download_folder()
         config.save_pretrained(folder)
         return str(folder / "generation_config.json"), "generation_config.json: put it in the model folder"
 
@@ -752,6 +762,9 @@ def main(argv: list[str] | None = None) -> None:
                 print("The run's environment_factory is not made here: answers get the run's plain tools only "
                       "(docs/agents.md 9.1).", flush=True)
         app = build_app(checkpoint, base, args, run_dir, settings, roots, started, watched, args.refresh, tools)
+        # a stop from a service manager or `kill` (SIGTERM) closes the page as Ctrl-C does: the server closed, the
+        # tools' worker stopped (below), the folder of its downloads removed (Python's exit)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         app.queue().launch(server_name=args.host, server_port=args.port, share=args.share, show_error=True,
                            auth=auth, max_file_size=page.MAX_UPLOAD_BYTES, css=CSS)
     finally:

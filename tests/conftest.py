@@ -392,8 +392,9 @@ def small_llama(tmp_path_factory, tokenizer) -> str:
     return str(folder)
 
 
-def start_page(args: list[str], cwd: Path, log: Path) -> tuple[subprocess.Popen, int]:
-    """chat_app.py started as a user starts it, on a free port, its output in `log`; (process, port) at once."""
+def start_page(args: list[str], cwd: Path, log: Path, env: dict | None = None) -> tuple[subprocess.Popen, int]:
+    """chat_app.py started as a user starts it, on a free port, its output in `log`, with `env`'s variables besides
+    this process's; (process, port) at once."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -401,7 +402,7 @@ def start_page(args: list[str], cwd: Path, log: Path) -> tuple[subprocess.Popen,
         proc = subprocess.Popen([sys.executable, str(REPO / "chat_app.py"), *args, "--port", str(port)], cwd=cwd,
                                 stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False",
-                                     "TOKENIZERS_PARALLELISM": "false"})
+                                     "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     return proc, port
 
 

@@ -268,15 +268,23 @@ def run_folder(tmp_path_factory, trained_like):
 
 
 @pytest.fixture(scope="module")
-def page(run_folder, tmp_path_factory):
-    """The app started as a user starts it, on a free port; yields its URL."""
-    log = tmp_path_factory.mktemp("log") / "app.log"
+def page_tmp(tmp_path_factory):
+    """The page's temporary folder (TMPDIR)."""
+    return tmp_path_factory.mktemp("page_tmp")
+
+
+@pytest.fixture(scope="module")
+def page(run_folder, tmp_path_factory, page_tmp):
+    """The app started as a user starts it, on a free port; yields its URL. Stopped with SIGTERM, as a service
+    manager stops it, it closes as Ctrl-C closes it, and takes the files its Save and Export buttons wrote with it."""
+    log, temp = tmp_path_factory.mktemp("log") / "app.log", page_tmp
     proc, port = start_page(["--model_name_or_path", str(run_folder / "final"), "--max_new_tokens", "48"],
-                            run_folder, log)
+                            run_folder, log, env={"TMPDIR": str(temp)})
     url = wait_for_page(proc, port, log, timeout_s=300)
     yield url
     proc.terminate()
-    proc.wait(timeout=30)
+    assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
+    assert not list(temp.glob("agrpo-chat-*")), sorted(temp.iterdir())
 
 
 def ask(client, prompt, reference="", greedy=True, max_new_tokens=48):
@@ -285,7 +293,7 @@ def ask(client, prompt, reference="", greedy=True, max_new_tokens=48):
 
 
 @pytest.mark.slow
-def test_client_sends_a_prompt_gets_both_answers_and_switches_checkpoint(page, run_folder):
+def test_client_sends_a_prompt_gets_both_answers_and_switches_checkpoint(page, run_folder, page_tmp):
     from gradio_client import Client
 
     client = Client(page, verbose=False)
@@ -329,6 +337,9 @@ def test_client_sends_a_prompt_gets_both_answers_and_switches_checkpoint(page, r
     assert config["do_sample"] is True and config["temperature"] == 0.8 and config["max_new_tokens"] == 100
     path, status = client.predict(api_name="/save_conversation")
     saved = json.loads(Path(path).read_text())
+    # the page wrote both files in one folder of its own (removed when it stops: the `page` fixture)
+    written = sorted(p.name for p in page_tmp.glob("agrpo-chat-*/*/*.json"))
+    assert written == ["conversation.json", "generation_config.json"], written
     assert saved["format"] == "agrpo-chat/1" and len(saved["turns"]) == 2
     assert saved["turns"][0]["reference"] == "7" and "accuracy" in saved["turns"][0]["rewards"]["checkpoint"]
     # clear, then load the saved conversation back: both sides and the settings return
