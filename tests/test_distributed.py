@@ -268,7 +268,10 @@ torch._C._clear_DTensor_sharding_propagator_cache()
 DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 gc.collect()
 threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print("gloo threads", os.environ["RANK"], sum(name.startswith(("pt_gloo", "gloo")) for name in threads))
+# one write, so that the two processes' lines do not interleave (the launcher runs them unbuffered: print's parts
+# would be written one by one)
+count = sum(name.startswith(("pt_gloo", "gloo")) for name in threads)
+sys.stdout.write(f"gloo threads {os.environ['RANK']} {count}\\n")
 """
 
 
