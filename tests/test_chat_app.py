@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -293,10 +294,14 @@ def ask(client, prompt, reference="", greedy=True, max_new_tokens=48):
 
 
 @pytest.mark.slow
-def test_client_sends_a_prompt_gets_both_answers_and_switches_checkpoint(page, run_folder, page_tmp):
+def test_client_sends_a_prompt_gets_both_answers_and_switches_checkpoint(page, run_folder, page_tmp, tmp_path,
+                                                                          monkeypatch):
     from gradio_client import Client
 
-    client = Client(page, verbose=False)
+    # the client's downloads, and the folder it passes each one through (gradio_client leaves that one behind),
+    # in this test's folder rather than /tmp
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    client = Client(page, verbose=False, download_files=tmp_path / "downloads")
     chat_a, chat_b, reward_a, reward_b, status = ask(client, "Ana has 3 apples and gets 4 more. How many now?", "7")
     assert status.startswith("answered in")
     for chat in (chat_a, chat_b):
