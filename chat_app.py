@@ -368,12 +368,12 @@ def build_app(checkpoint: Slot, base: Slot, args: argparse.Namespace, run_dir: P
     # the files the Save and Export buttons hand to the browser: one folder for the page, made at the first click and
     # removed when the page's process ends (a folder of /tmp each click outlived it); a click gets a sub-folder of its
     # own, so that its file keeps its name
-    downloads: list[tempfile.TemporaryDirectory] = []
+    downloads = None
 
     def download_folder() -> Path:
-        if not downloads:
-            downloads.append(tempfile.TemporaryDirectory(prefix="agrpo-chat-"))
-        return Path(tempfile.mkdtemp(dir=downloads[0].name))
+        nonlocal downloads
+        downloads = downloads or tempfile.TemporaryDirectory(prefix="agrpo-chat-")
+        return Path(tempfile.mkdtemp(dir=downloads.name))
 
     # the trainer's and the evaluator's rewards, from the same builder: the functions, and a reward model (a folder or
     # hub id in --reward_funcs) loaded onto the CPU, as the page's models (lib/models/reward_models.build_rewards);

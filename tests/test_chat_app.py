@@ -278,14 +278,14 @@ def page_tmp(tmp_path_factory):
 def page(run_folder, tmp_path_factory, page_tmp):
     """The app started as a user starts it, on a free port; yields its URL. Stopped with SIGTERM, as a service
     manager stops it, it closes as Ctrl-C closes it, and takes the files its Save and Export buttons wrote with it."""
-    log, temp = tmp_path_factory.mktemp("log") / "app.log", page_tmp
+    log = tmp_path_factory.mktemp("log") / "app.log"
     proc, port = start_page(["--model_name_or_path", str(run_folder / "final"), "--max_new_tokens", "48"],
-                            run_folder, log, env={"TMPDIR": str(temp)})
+                            run_folder, log, env={"TMPDIR": str(page_tmp)})
     url = wait_for_page(proc, port, log, timeout_s=300)
     yield url
     proc.terminate()
     assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
-    assert not list(temp.glob("agrpo-chat-*")), sorted(temp.iterdir())
+    assert not list(page_tmp.glob("agrpo-chat-*")), sorted(page_tmp.iterdir())
 
 
 def ask(client, prompt, reference="", greedy=True, max_new_tokens=48):
