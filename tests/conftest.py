@@ -55,6 +55,29 @@ if sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE"):
     compileall.compile_dir(REPO / "lib", quiet=1)
 
 
+# ---- one temporary folder for what the session's processes leave behind -----------------------------------------------
+# The processes the tests start write to the temporary folder and leave files there that nothing removes: a
+# torchelastic_* folder per `accelerate launch` (torch.distributed.run's logs), vLLM's IPC sockets and vllm_dist_*
+# folders, multiprocessing's pymp-* folders, the GPU check's model caches: about 60 entries a run of the whole suite,
+# 1,600 in /tmp after two days of runs. The first process of a session (pytest itself, or its controller under
+# pytest-xdist) makes one folder and points TMPDIR at it; the workers and everything they start inherit it (a nested
+# pytest, as the GPU check's, keeps it), and the process that made it removes it when the session ends. pytest's own
+# tmp_path folders stay where pytest keeps them (its basetemp, read before TMPDIR changes here).
+import shutil
+import tempfile
+
+SESSION_TMP = None
+if not os.environ.get("AGRPO_SUITE_TMPDIR"):
+    tempfile.gettempdir()  # this process's own temporary folder (pytest's basetemp) stays the machine's
+    SESSION_TMP = tempfile.mkdtemp(prefix="agrpo-suite-")
+    os.environ["AGRPO_SUITE_TMPDIR"] = os.environ["TMPDIR"] = SESSION_TMP
+
+
+def pytest_unconfigure(config):
+    if SESSION_TMP is not None:
+        shutil.rmtree(SESSION_TMP, ignore_errors=True)
+
+
 # vLLM on a CPU sizes its KV cache at about half of the machine's memory unless told otherwise, and touching 11 GB
 # took 21 of the 34 s an engine for the embedded model needed to start here; 1 GiB holds 46k tokens of that model
 # (91 sequences of 512), more than any test samples. Subprocesses inherit it.
