@@ -658,3 +658,4 @@ if __name__ == "__main__":
         sys.exit(error.exit_code)
     except ServerError as error:  # the checkpoints written so far are whole
         sys.exit(f"training stopped: {error}")
+    distributed.end_launched_process()  # a launched process ends without the interpreter's teardown

@@ -6,8 +6,12 @@ the same point with the same arguments.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import math
+import os
+import sys
+import threading
 
 import torch
 from accelerate import Accelerator
@@ -99,3 +103,23 @@ def keep_gloo_groups_to_exit() -> None:
     for group in list(dist.distributed_c10d._world.pg_map):
         if "gloo" in str(dist.get_backend(group)):
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
+def end_launched_process() -> None:
+    """The last call of a process `accelerate launch` (or torchrun) started, once its run has ended without an error:
+    every file written and closed, the process groups destroyed or kept (`keep_gloo_groups_to_exit`). The process
+    ends as the interpreter would end it (its other threads joined, the exit handlers run, the output flushed) but
+    without the interpreter's own teardown (`os._exit`). In that teardown a gloo thread that lets go of a finished
+    operation's tensors takes the interpreter's lock while the interpreter is being finalised, and the C++ runtime
+    aborts the process ("terminate called without an active exception", exit -6; PyTorch pull request 179291 describes
+    it): a DeepSpeed ZeRO-2 run on two CPU processes that had written everything, its final model included, failed
+    so once in the suite (2026-11-29). A process that was not launched (WORLD_SIZE unset or 1) returns."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    for thread in threading.enumerate():  # what the interpreter's exit waits for: its threads that are not daemons
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # the trackers', logging's, temporary folders' handlers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -293,6 +293,40 @@ def test_a_gloo_group_is_not_freed_in_the_interpreters_shutdown(tmp_path):
     assert counts == {"free": ["0", "0"], "keep": ["3", "3"]}
 
 
+LAUNCHED_END = """
+import atexit, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from lib.distributed import end_launched_process
+marks = sys.argv[2]
+atexit.register(lambda: open(marks + ".atexit", "w").close())
+threading.Thread(target=lambda: (time.sleep(0.3), open(marks + ".thread", "w").close())).start()
+
+class Late:
+    def __del__(self, open=open, path=marks + ".teardown"):  # a module's global: deleted in the teardown, not before
+        open(path, "w").close()
+
+late = Late()
+sys.stdout.write("written, not yet flushed")  # stdout is a pipe here: block-buffered
+end_launched_process()
+"""
+
+
+def test_a_launched_process_ends_as_the_interpreter_would_but_without_its_teardown(tmp_path):
+    """train_agrpo.py's last call (lib/distributed.end_launched_process): in a launched process (WORLD_SIZE above 1)
+    the process waits for its threads, runs its exit handlers, flushes its output and exits 0, skipping the
+    interpreter's teardown (where a gloo thread once aborted a finished ZeRO-2 run); in a process that was not launched
+    it returns, and the teardown runs."""
+    script = tmp_path / "end.py"
+    script.write_text(LAUNCHED_END)
+    for world, torn_down in (("2", False), ("1", True)):
+        marks = tmp_path / f"world{world}"
+        proc = subprocess.run([sys.executable, str(script), str(REPO), str(marks)], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "WORLD_SIZE": world, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0 and proc.stdout == "written, not yet flushed", (world, proc.stderr[-2000:])
+        assert (tmp_path / f"world{world}.atexit").exists() and (tmp_path / f"world{world}.thread").exists()
+        assert (tmp_path / f"world{world}.teardown").exists() == torn_down, world
+
+
 @pytest.mark.slow
 def test_two_machines_train_as_two_processes_of_one(tmp_path, tiny_model, fsdp_run):
     """Multi-node: the SLURM script's launch, two "machines" (one process each, --num_machines 2, --machine_rank 0 /
