@@ -306,7 +306,7 @@ class Late:
         open(path, "w").close()
 
 late = Late()
-sys.stdout.write("written, not yet flushed")  # stdout is a pipe here: block-buffered
+sys.stdout.write("written, not yet flushed")  # stdout is a pipe here: block-buffered (no PYTHONUNBUFFERED)
 end_launched_process()
 """
 
@@ -321,7 +321,8 @@ def test_a_launched_process_ends_as_the_interpreter_would_but_without_its_teardo
     for world, torn_down in (("2", False), ("1", True)):
         marks = tmp_path / f"world{world}"
         proc = subprocess.run([sys.executable, str(script), str(REPO), str(marks)], capture_output=True, text=True,
-                              timeout=120, env={**os.environ, "WORLD_SIZE": world, "OMP_NUM_THREADS": "1"})
+                              timeout=120, env={**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+                                                "WORLD_SIZE": world, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0 and proc.stdout == "written, not yet flushed", (world, proc.stderr[-2000:])
         assert (tmp_path / f"world{world}.atexit").exists() and (tmp_path / f"world{world}.thread").exists()
         assert (tmp_path / f"world{world}.teardown").exists() == torn_down, world
