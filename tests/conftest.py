@@ -1,7 +1,9 @@
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,9 +65,6 @@ if sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE"):
 # pytest-xdist) makes one folder and points TMPDIR at it; the workers and everything they start inherit it (a nested
 # pytest, as the GPU check's, keeps it), and the process that made it removes it when the session ends. pytest's own
 # tmp_path folders stay where pytest keeps them (its basetemp, read before TMPDIR changes here).
-import shutil
-import tempfile
-
 SESSION_TMP = None
 if not os.environ.get("AGRPO_SUITE_TMPDIR"):
     tempfile.gettempdir()  # this process's own temporary folder (pytest's basetemp) stays the machine's
