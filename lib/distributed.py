@@ -105,6 +105,11 @@ def keep_gloo_groups_to_exit() -> None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
+def launched_processes() -> int:
+    """The processes `accelerate launch` or torchrun started for this run (WORLD_SIZE; 1 when run directly)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def end_launched_process() -> None:
     """The last call of a process `accelerate launch` (or torchrun) started, once its run has ended without an error:
     every file written and closed, the process groups destroyed or kept (`keep_gloo_groups_to_exit`). The process
@@ -114,7 +119,7 @@ def end_launched_process() -> None:
     aborts the process ("terminate called without an active exception", exit -6; PyTorch pull request 179291 describes
     it): a DeepSpeed ZeRO-2 run on two CPU processes that had written everything, its final model included, failed
     so once in the suite (2026-11-29). A process that was not launched (WORLD_SIZE unset or 1) returns."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if launched_processes() <= 1:
         return
     for thread in threading.enumerate():  # what the interpreter's exit waits for: its threads that are not daemons
         if thread is not threading.current_thread() and not thread.daemon:

@@ -68,9 +68,9 @@ if sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE"):
 SESSION_TMP = None
 if not os.environ.get("AGRPO_SUITE_TMPDIR"):
     tempfile.gettempdir()  # this process's own temporary folder (pytest's basetemp) stays the machine's
-    # and so does inductor's compile cache (vLLM's sampler ops), kept between runs as on a user's machine: in the
-    # session's folder every run compiled them again (a vLLM test took 62 s instead of 22 on an empty cache)
-    # (torch's default, torch._inductor.runtime.cache_dir_utils, without importing torch into pytest's controller)
+    # So does inductor's compile cache (vLLM's sampler ops), kept between runs as on a user's machine: in the session's
+    # folder every run compiled them again (a vLLM test took 62 s instead of 22-24 s). Its path is torch's default
+    # (torch._inductor.runtime.cache_dir_utils), written here so that pytest's controller does not import torch.
     import getpass
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(),

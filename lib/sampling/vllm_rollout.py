@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lib.config import ConfigError, setting
+from lib.distributed import launched_processes
 from lib.sharding.memory import kv_bytes_per_token
 from lib.models.folders import adapter_base
 from lib.models.embedded import resolve_model_path
@@ -109,11 +110,6 @@ def engine_share(utilization: float, max_memory_gb: float | None, total: int | N
     if max_memory_gb is None or total is None:
         return utilization
     return utilization * min(1.0, max_memory_gb * 2**30 / total)
-
-
-def launched_processes() -> int:
-    """The processes `accelerate launch` or torchrun started for this run (WORLD_SIZE; 1 when run directly)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 # the LoRA ranks a vLLM engine can be built for (vllm.config.lora.MaxLoRARanks in vLLM 0.32)
